@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh machine with Python 3.11+: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast equivalence multiprocess bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch: take the pinned CPU wheel only when no torch is present (never an open range).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m hspmd.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "not multiprocess"
+
+equivalence: $(STAMP)
+	$(PY) -m pytest -q -m equivalence
+
+multiprocess: $(STAMP)
+	$(PY) -m pytest -q -m multiprocess
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

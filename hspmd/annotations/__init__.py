@@ -1,0 +1,35 @@
+"""HSPMD annotations: value types, text syntax, shard geometry and reference shard/unshard."""
+
+from hspmd.annotations.geometry import (
+    Box,
+    Piece,
+    box_intersection,
+    box_is_empty,
+    box_relative,
+    box_shape,
+    device_pieces,
+    split_bounds,
+    subgroup_pieces,
+    subgroup_regions,
+)
+from hspmd.annotations.reference import infer_shape, shard, unshard
+from hspmd.annotations.states import (
+    Annotation,
+    Axis,
+    DeviceGroup,
+    DistributedStates,
+    Duplicate,
+    HDim,
+    Hierarchy,
+    Partial,
+    Split,
+    Subgroup,
+)
+from hspmd.annotations.syntax import parse, parse_hierarchy
+
+__all__ = [
+    "Annotation", "Axis", "Box", "DeviceGroup", "DistributedStates", "Duplicate", "HDim", "Hierarchy",
+    "Partial", "Piece", "Split", "Subgroup", "box_intersection", "box_is_empty", "box_relative", "box_shape",
+    "device_pieces", "infer_shape", "parse", "parse_hierarchy", "shard", "split_bounds", "subgroup_pieces",
+    "subgroup_regions", "unshard",
+]

@@ -1,0 +1,183 @@
+"""Shard geometry: which piece of the global tensor each device holds, and in which role.
+
+The one splitting rule, used everywhere (top tier, bottom tier, the resolver's slice grids):
+a dim of length L split with weights w_0..w_{n-1} (W = sum) gives piece k the half-open range
+    [floor(L * (w_0+..+w_{k-1}) / W), floor(L * (w_0+..+w_k) / W)).
+Plain splits use equal weights. Pieces differ by at most one element per unit weight, a dim
+smaller than its shard count gives empty pieces, and the rule holds for sympy symbols too.
+
+Several Split axes on one dim split it jointly into the product of their counts; the piece index
+is read in mixed radix over those axes, outermost slowest (the DS axis order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from math import prod
+from typing import Sequence, Union
+
+import sympy
+
+from hspmd.annotations.states import Annotation, Partial, Split, Subgroup
+from hspmd.errors import ShapeError
+
+Length = Union[int, sympy.Expr]
+Range = tuple[Length, Length]
+Box = tuple[Range, ...]
+
+
+def _floor_div(a: Length, b: int) -> Length:
+    if isinstance(a, int):
+        return a // b
+    return sympy.floor(sympy.sympify(a) / b)
+
+
+def split_bounds(length: Length, weights: Sequence[int]) -> list[Range]:
+    """The ranges of a dim of `length` split by `weights` (see the module docstring)."""
+    total = sum(weights)
+    cuts = [0] + [_floor_div(length * c, total) for c in accumulate(weights)]
+    return [(cuts[k], cuts[k + 1]) for k in range(len(weights))]
+
+
+def box_shape(box: Box) -> tuple[Length, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
+def box_intersection(a: Box, b: Box) -> Box | None:
+    """The common sub-box, or None when it is empty (int boxes only)."""
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return None if any(stop <= start for start, stop in out) else out
+
+
+def box_is_empty(box: Box) -> bool:
+    return any(stop <= start for start, stop in box)
+
+
+def box_relative(inner: Box, outer: Box) -> tuple[slice, ...]:
+    """Slices that cut `inner` (global coordinates) out of a tensor holding `outer`."""
+    return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one device holds: the global box, and `summand` = () for the value itself or
+    (subgroup, bottom-tier summand index) for a partial summand. Devices holding equal pieces are
+    replicas and must hold equal values."""
+
+    box: Box
+    summand: tuple[int, ...] = ()
+
+    @property
+    def shape(self) -> tuple[Length, ...]:
+        return box_shape(self.box)
+
+    @property
+    def is_partial(self) -> bool:
+        return bool(self.summand)
+
+
+def _digits(index: int, radix: Sequence[int]) -> list[int]:
+    """Mixed-radix digits of `index`, most significant (outermost axis) first."""
+    out = []
+    for n in reversed(radix):
+        out.append(index % n)
+        index //= n
+    return out[::-1]
+
+
+def _combine(digits: Sequence[int], radix: Sequence[int]) -> int:
+    value = 0
+    for d, n in zip(digits, radix):
+        value = value * n + d
+    return value
+
+
+def check_shape(ann: Annotation, shape: Sequence[Length], where: str = "") -> tuple[Length, ...]:
+    shape = tuple(shape)
+    for i, s in enumerate(shape):
+        if isinstance(s, int) and s < 0:
+            raise ShapeError(f"dim {i} of shape {shape} is negative")
+    ann.check_rank(len(shape), where)
+    return shape
+
+
+def subgroup_regions(ann: Annotation, shape: Sequence[Length], ratios: Sequence[int] | None = None) -> list[Box]:
+    """The global box each subgroup covers (its top-tier piece).
+
+    `ratios` binds a run-time HDim split (`H0{...}`); it is ignored when the annotation has its own."""
+    shape = check_shape(ann, shape)
+    whole = tuple((0, s) for s in shape)
+    if not isinstance(ann.hdim, int):
+        return [whole] * ann.hsize
+    weights = ann.ratios or ratios
+    if weights is None:
+        raise ShapeError(
+            f"{ann} splits dim {ann.hdim} across subgroups in ratios bound at run time; "
+            f"pass ratios=(...) or bind them with annotation.with_ratios(...)"
+        )
+    if len(weights) != ann.hsize:
+        raise ShapeError(f"{len(weights)} ratios given for {ann}, which has HSize {ann.hsize}")
+    return [
+        whole[: ann.hdim] + (rng,) + whole[ann.hdim + 1 :] for rng in split_bounds(shape[ann.hdim], list(weights))
+    ]
+
+
+def split_index(sub: Subgroup, index: int, dim: int) -> tuple[int, int]:
+    """(piece index, piece count) along `dim` of the device at `index` in the subgroup's DG."""
+    digits = _digits(index, [a.n for a in sub.ds.axes])
+    on_dim = [(d, a.n) for d, a in zip(digits, sub.ds.axes) if isinstance(a, Split) and a.dim == dim]
+    return _combine([d for d, _ in on_dim], [n for _, n in on_dim]), prod(n for _, n in on_dim)
+
+
+def summand_index(sub: Subgroup, index: int) -> int | None:
+    """Bottom-tier summand index of the device at `index`, None when the subgroup has no Partial."""
+    digits = _digits(index, [a.n for a in sub.ds.axes])
+    kinds = [(d, a.n) for d, a in zip(digits, sub.ds.axes) if isinstance(a, Partial)]
+    return _combine([d for d, _ in kinds], [n for _, n in kinds]) if kinds else None
+
+
+def subgroup_pieces(sub: Subgroup, region: Box) -> dict[int, Piece]:
+    """Bottom tier: each device's piece of `region` under the subgroup's distributed states;
+    a partial piece's summand is (bottom-tier summand index,)."""
+    out = {}
+    for index, device in enumerate(sub.dg.devices):
+        box = list(region)
+        for dim in sub.ds.split_dims:
+            which, count = split_index(sub, index, dim)
+            start, stop = region[dim]
+            lo, hi = split_bounds(stop - start, [1] * count)[which]
+            box[dim] = (start + lo, start + hi)
+        j = summand_index(sub, index)
+        out[device] = Piece(tuple(box), () if j is None else (j,))
+    return out
+
+
+def device_pieces(ann: Annotation, shape: Sequence[Length], ratios: Sequence[int] | None = None) -> dict[int, Piece]:
+    """{device: Piece} for every device of the union.
+
+    A partial summand is named (subgroup k, bottom-tier summand j): summing over j gives subgroup
+    k's value of its region, and under HDim P summing over k gives the tensor."""
+    out = {}
+    for k, (sub, region) in enumerate(zip(ann.subgroups, subgroup_regions(ann, shape, ratios))):
+        for device, piece in subgroup_pieces(sub, region).items():
+            partial = ann.hdim == "P" or piece.is_partial
+            out[device] = Piece(piece.box, (k, piece.summand[0] if piece.summand else 0) if partial else ())
+    return out
+
+
+__all__ = [
+    "Box",
+    "Piece",
+    "split_bounds",
+    "box_shape",
+    "box_intersection",
+    "box_is_empty",
+    "box_relative",
+    "subgroup_regions",
+    "subgroup_pieces",
+    "split_index",
+    "summand_index",
+    "device_pieces",
+    "check_shape",
+]

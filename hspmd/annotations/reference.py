@@ -1,0 +1,142 @@
+"""Reference semantics of annotations: shard a whole tensor into per-device locals and back.
+
+Every plan and executor is tested against these two functions. `shard` turns Partial into random
+summands that add up to the value, so a plan that drops or double-counts a summand is caught;
+`unshard` checks that replicas agree instead of trusting one of them.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from hspmd.annotations.geometry import box_relative, device_pieces, split_index, subgroup_pieces, subgroup_regions
+from hspmd.annotations.states import Annotation, Subgroup
+from hspmd.annotations.syntax import parse
+from hspmd.errors import ReplicaMismatch, ShapeError
+
+
+def _random_summands(value: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+    if n == 1:
+        return [value]
+    parts = [torch.randn(value.shape, generator=gen, dtype=value.dtype) for _ in range(n - 1)]
+    return parts + [value - sum(parts)]
+
+
+def shard(
+    x: torch.Tensor, ann: Annotation | str, seed: int = 0, ratios: Sequence[int] | None = None
+) -> dict[int, torch.Tensor]:
+    """{device: local tensor} for the whole tensor `x` laid out as `ann`."""
+    ann = parse(ann)
+    if not torch.is_floating_point(x) and ann.has_partial:
+        raise ShapeError(f"{ann} has Partial summands, which need a floating-point tensor, got {x.dtype}")
+    gen = torch.Generator().manual_seed(seed)
+    regions = subgroup_regions(ann, tuple(x.shape), ratios)
+    tops = _random_summands(x, ann.hsize, gen) if ann.hdim == "P" else [x] * ann.hsize
+    out: dict[int, torch.Tensor] = {}
+    for sub, region, top in zip(ann.subgroups, regions, tops):
+        whole = tuple((0, s) for s in x.shape)
+        value = top[box_relative(region, whole)]
+        summands = _random_summands(value, sub.ds.partial_count, gen)
+        for device, piece in subgroup_pieces(sub, region).items():
+            j = piece.summand[0] if piece.summand else 0
+            out[device] = summands[j][box_relative(piece.box, region)].clone()
+    return out
+
+
+def _subgroup_shape(sub: Subgroup, locals_: Mapping[int, torch.Tensor], ndim: int) -> list[int]:
+    """The subgroup region's shape, read off the local shapes (one device per split index)."""
+    shape = []
+    for dim in range(ndim):
+        lengths: dict[int, int] = {}
+        for index, device in enumerate(sub.dg.devices):
+            lengths.setdefault(split_index(sub, index, dim)[0], locals_[device].shape[dim])
+        shape.append(sum(lengths.values()))
+    return shape
+
+
+def infer_shape(locals_: Mapping[int, torch.Tensor], ann: Annotation) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(global shape, top-tier ratios) implied by the local shapes; ratios None unless HDim is a dim."""
+    missing = [d for d in ann.devices if d not in locals_]
+    if missing:
+        raise ShapeError(f"unshard: no local tensor for device(s) {missing} of {ann}")
+    ndim = locals_[ann.devices[0]].dim()
+    ann.check_rank(ndim, "unshard")
+    shapes = [_subgroup_shape(s, locals_, ndim) for s in ann.subgroups]
+    if not isinstance(ann.hdim, int):
+        return tuple(shapes[0]), None
+    shape = list(shapes[0])
+    shape[ann.hdim] = sum(s[ann.hdim] for s in shapes)
+    return tuple(shape), tuple(max(s[ann.hdim], 0) for s in shapes)
+
+
+def _agree(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
+    if a.shape != b.shape:
+        return False
+    if torch.is_floating_point(a):
+        return torch.allclose(a, b, rtol=rtol, atol=atol)
+    return torch.equal(a, b)
+
+
+def unshard(
+    locals_: Mapping[int, torch.Tensor],
+    ann: Annotation | str,
+    shape: Sequence[int] | None = None,
+    ratios: Sequence[int] | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+) -> torch.Tensor:
+    """The whole tensor from {device: local}; raises ReplicaMismatch if replicas disagree.
+
+    Shape and run-time ratios are read off the locals unless given."""
+    ann = parse(ann)
+    if shape is None:
+        shape, inferred = infer_shape(locals_, ann)
+        if ann.ratios is None and ratios is None and inferred is not None:
+            ratios = tuple(inferred) if sum(inferred) > 0 else (1,) * ann.hsize
+    shape = tuple(shape)
+    pieces = device_pieces(ann, shape, ratios)
+    regions = subgroup_regions(ann, shape, ratios)
+    dtype = locals_[ann.devices[0]].dtype
+    values = []
+    for k, (sub, region) in enumerate(zip(ann.subgroups, regions)):
+        seen: dict[tuple, int] = {}
+        value = torch.zeros([b - a for a, b in region], dtype=dtype)
+        for device in sub.dg:
+            piece, local = pieces[device], locals_[device]
+            if tuple(local.shape) != tuple(piece.shape):
+                raise ShapeError(
+                    f"unshard: device {device} holds shape {tuple(local.shape)} but {ann} gives it "
+                    f"{tuple(piece.shape)} of a {shape} tensor"
+                )
+            key = (piece.box, piece.summand)
+            if key not in seen:
+                seen[key] = device
+                value[box_relative(piece.box, region)] += local
+            elif not _agree(locals_[seen[key]], local, rtol, atol):
+                raise ReplicaMismatch(
+                    f"unshard {ann}: devices {seen[key]} and {device} should hold equal copies of box {piece.box}"
+                    f"{' summand ' + str(piece.summand) if piece.summand else ''} but differ "
+                    f"(max abs diff {_max_diff(locals_[seen[key]], local):g})"
+                )
+        values.append(value)
+    if ann.hdim == "P":
+        return sum(values[1:], values[0])
+    if ann.hdim == "D":
+        for k in range(1, ann.hsize):
+            if not _agree(values[0], values[k], rtol, atol):
+                raise ReplicaMismatch(
+                    f"unshard {ann}: subgroups 0 and {k} should both hold the whole tensor but differ "
+                    f"(max abs diff {_max_diff(values[0], values[k]):g})"
+                )
+        return values[0]
+    out = torch.zeros(shape, dtype=dtype)
+    whole = tuple((0, s) for s in shape)
+    for region, value in zip(regions, values):
+        out[box_relative(region, whole)] = value
+    return out
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0

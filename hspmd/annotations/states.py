@@ -1,0 +1,303 @@
+"""The annotation value types: device groups, distributed states, unions (HDim/HSize), hierarchies.
+
+All are frozen dataclasses: immutable, hashable, compared by meaning, printed in the text syntax
+of ARCHITECTURE.md (`str(a)` parses back to `a`). Construction validates and normalises, so two
+annotations that describe the same layout are equal: size-1 axes are dropped and an HSize-1 union
+is plain SPMD (HDim Duplicate, no ratios).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Literal, Union
+
+from hspmd.errors import AnnotationError
+
+HDup = Literal["D"]
+HPartial = Literal["P"]
+HDim = Union[int, HDup, HPartial]
+
+
+def _positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise AnnotationError(f"{what} must be an integer, got {value!r}")
+    if value < 1:
+        raise AnnotationError(f"{what} must be positive, got {value}; use 1 or drop the axis")
+    return value
+
+
+@dataclass(frozen=True)
+class Split:
+    """Split tensor dim `dim` into `n` pieces (uneven allowed, see geometry.split_bounds)."""
+
+    dim: int
+    n: int
+
+    def __post_init__(self):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise AnnotationError(f"Split dim must be a non-negative integer, got {self.dim!r}")
+        _positive_int(self.n, f"Split(dim={self.dim}) count")
+
+    def __str__(self) -> str:
+        return f"S{self.dim}:{self.n}"
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """`n` full replicas of the piece."""
+
+    n: int
+
+    def __post_init__(self):
+        _positive_int(self.n, "Duplicate count")
+
+    def __str__(self) -> str:
+        return f"D:{self.n}"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """`n` summands whose sum is the piece."""
+
+    n: int
+
+    def __post_init__(self):
+        _positive_int(self.n, "Partial count")
+
+    def __str__(self) -> str:
+        return f"P:{self.n}"
+
+
+Axis = Union[Split, Duplicate, Partial]
+
+
+def _format_devices(devices: tuple[int, ...]) -> str:
+    """Runs of three or more consecutive ids print as a-b: [0-3,5,6]."""
+    parts, i = [], 0
+    while i < len(devices):
+        j = i
+        while j + 1 < len(devices) and devices[j + 1] == devices[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{devices[i]}-{devices[j]}")
+        else:
+            parts.extend(str(d) for d in devices[i : j + 1])
+        i = j + 1
+    return "[" + ",".join(parts) + "]"
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """An ordered list of distinct device ids (the order matters: it maps devices to pieces)."""
+
+    devices: tuple[int, ...]
+
+    def __post_init__(self):
+        devices = tuple(self.devices)
+        if not devices:
+            raise AnnotationError("a device group needs at least one device, got []")
+        for d in devices:
+            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+                raise AnnotationError(f"device ids must be non-negative integers, got {d!r} in {list(devices)}")
+        seen = {d for d in devices if devices.count(d) > 1}
+        if seen:
+            raise AnnotationError(f"device group {list(devices)} lists device(s) {sorted(seen)} more than once")
+        object.__setattr__(self, "devices", devices)
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __iter__(self):
+        return iter(self.devices)
+
+    def __str__(self) -> str:
+        return _format_devices(self.devices)
+
+
+@dataclass(frozen=True)
+class DistributedStates:
+    """Ordered axes, outermost first; device index i is read in the mixed radix of the axis sizes."""
+
+    axes: tuple[Axis, ...] = ()
+
+    def __post_init__(self):
+        axes = tuple(self.axes)
+        for a in axes:
+            if not isinstance(a, (Split, Duplicate, Partial)):
+                raise AnnotationError(f"a distributed-states axis must be Split, Duplicate or Partial, got {a!r}")
+        object.__setattr__(self, "axes", tuple(a for a in axes if a.n > 1))
+
+    @property
+    def size(self) -> int:
+        return prod(a.n for a in self.axes)
+
+    def split_count(self, dim: int) -> int:
+        return prod(a.n for a in self.axes if isinstance(a, Split) and a.dim == dim)
+
+    @property
+    def partial_count(self) -> int:
+        return prod(a.n for a in self.axes if isinstance(a, Partial))
+
+    @property
+    def duplicate_count(self) -> int:
+        return prod(a.n for a in self.axes if isinstance(a, Duplicate))
+
+    @property
+    def split_dims(self) -> tuple[int, ...]:
+        return tuple(sorted({a.dim for a in self.axes if isinstance(a, Split)}))
+
+    def __str__(self) -> str:
+        return ",".join(str(a) for a in self.axes)
+
+
+@dataclass(frozen=True)
+class Subgroup:
+    """One sharding subgroup: a device group and how the subgroup's piece is laid out on it."""
+
+    dg: DeviceGroup
+    ds: DistributedStates = field(default_factory=DistributedStates)
+
+    def __post_init__(self):
+        if not isinstance(self.dg, DeviceGroup):
+            object.__setattr__(self, "dg", DeviceGroup(tuple(self.dg)))
+        if not isinstance(self.ds, DistributedStates):
+            object.__setattr__(self, "ds", DistributedStates(tuple(self.ds)))
+        if self.ds.size != len(self.dg):
+            raise AnnotationError(
+                f"distributed states {self.ds or '(none)'} describe {self.ds.size} device(s) but device group "
+                f"{self.dg} has {len(self.dg)}: the product of the axis counts must equal the group size"
+            )
+
+    def __str__(self) -> str:
+        return f"{self.ds}@{self.dg}"
+
+
+@dataclass(frozen=True)
+class Annotation:
+    """A union of HSize sharding subgroups related by HDim (the top tier).
+
+    hdim: a tensor dim (split across subgroups, in `ratios` or, if None, ratios bound at run time),
+    "D" (each subgroup holds the whole tensor) or "P" (each subgroup holds a summand).
+    HSize 1 is plain SPMD.
+    """
+
+    subgroups: tuple[Subgroup, ...]
+    hdim: HDim = "D"
+    ratios: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        subgroups = tuple(self.subgroups)
+        if not subgroups:
+            raise AnnotationError("a union needs at least one subgroup (HSize >= 1)")
+        for s in subgroups:
+            if not isinstance(s, Subgroup):
+                raise AnnotationError(f"union members must be Subgroup values, got {s!r}")
+        seen: dict[int, int] = {}
+        for k, s in enumerate(subgroups):
+            for d in s.dg:
+                if d in seen:
+                    raise AnnotationError(
+                        f"device {d} is in subgroup {seen[d]} and subgroup {k}: sharding subgroups must be disjoint"
+                    )
+                seen[d] = k
+        hdim, ratios = self.hdim, self.ratios
+        if not (hdim in ("D", "P") or (isinstance(hdim, int) and not isinstance(hdim, bool) and hdim >= 0)):
+            raise AnnotationError(f"HDim must be a tensor dim (integer >= 0), 'D' or 'P', got {hdim!r}")
+        if ratios is not None:
+            ratios = tuple(ratios)
+            if not isinstance(hdim, int):
+                raise AnnotationError(f"split ratios {ratios} need a tensor-dim HDim, but HDim is {hdim!r}")
+            if len(ratios) != len(subgroups):
+                raise AnnotationError(
+                    f"ratios {':'.join(map(str, ratios))} have {len(ratios)} entries but the union has HSize "
+                    f"{len(subgroups)}: give one ratio per subgroup"
+                )
+            for r in ratios:
+                _positive_int(r, "a top-tier split ratio")
+        if len(subgroups) == 1:
+            hdim, ratios = "D", None
+        object.__setattr__(self, "subgroups", subgroups)
+        object.__setattr__(self, "hdim", hdim)
+        object.__setattr__(self, "ratios", ratios)
+
+    @property
+    def hsize(self) -> int:
+        return len(self.subgroups)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Every device of the union, subgroup by subgroup."""
+        return tuple(d for s in self.subgroups for d in s.dg)
+
+    @property
+    def dg_union(self) -> tuple[DeviceGroup, ...]:
+        return tuple(s.dg for s in self.subgroups)
+
+    @property
+    def ds_union(self) -> tuple[DistributedStates, ...]:
+        return tuple(s.ds for s in self.subgroups)
+
+    @property
+    def has_partial(self) -> bool:
+        return self.hdim == "P" or any(s.ds.partial_count > 1 for s in self.subgroups)
+
+    def subgroup_of(self, device: int) -> int:
+        """Index of the subgroup holding `device`."""
+        for k, s in enumerate(self.subgroups):
+            if device in s.dg.devices:
+                return k
+        raise AnnotationError(f"device {device} is not in annotation {self}")
+
+    def with_ratios(self, ratios: tuple[int, ...] | None) -> "Annotation":
+        """The same union with its top-tier split ratios bound (e.g. per-pipeline micro-batch sizes)."""
+        return Annotation(self.subgroups, self.hdim, None if ratios is None else tuple(ratios))
+
+    def check_rank(self, ndim: int, where: str = "") -> None:
+        """Raise if a split dim (bottom or top tier) is outside a tensor of rank `ndim`."""
+        at = f" ({where})" if where else ""
+        if isinstance(self.hdim, int) and self.hdim >= ndim:
+            raise AnnotationError(f"HDim {self.hdim} of {self} is outside a rank-{ndim} tensor{at}")
+        for s in self.subgroups:
+            for d in s.ds.split_dims:
+                if d >= ndim:
+                    raise AnnotationError(f"split dim {d} in {s} is outside a rank-{ndim} tensor{at}")
+
+    def __str__(self) -> str:
+        if self.hsize == 1:
+            return str(self.subgroups[0])
+        ratios = "" if self.ratios is None else "(" + ":".join(map(str, self.ratios)) + ")"
+        return f"H{self.hdim}{ratios}{{" + " | ".join(map(str, self.subgroups)) + "}"
+
+    def __repr__(self) -> str:
+        return f"Annotation({str(self)!r})"
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """One annotation per strategy; strategy i is always passed explicitly, never global."""
+
+    strategies: tuple[Annotation, ...]
+
+    def __post_init__(self):
+        strategies = tuple(self.strategies)
+        if not strategies:
+            raise AnnotationError("a hierarchy needs at least one strategy")
+        for a in strategies:
+            if not isinstance(a, Annotation):
+                raise AnnotationError(f"hierarchy members must be Annotation values, got {a!r}")
+        object.__setattr__(self, "strategies", strategies)
+
+    def __getitem__(self, strategy: int) -> Annotation:
+        if not 0 <= strategy < len(self.strategies):
+            raise AnnotationError(f"strategy {strategy} does not exist: this hierarchy has {len(self.strategies)}")
+        return self.strategies[strategy]
+
+    def __len__(self) -> int:
+        return len(self.strategies)
+
+    def with_strategy(self, annotation: Annotation) -> "Hierarchy":
+        return Hierarchy(self.strategies + (annotation,))
+
+    def __str__(self) -> str:
+        return " ; ".join(map(str, self.strategies))

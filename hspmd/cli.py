@@ -1,0 +1,39 @@
+"""The `hspmd` command: explain a reshard, launch a multi-process job, run the demo."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: hspmd COMMAND ...
+
+commands:
+  explain SRC DST --shape 8,6 [--topology 2x4] [--json]   the communication plan between two annotations
+  run -n N [--backend gloo|nccl] script.py [args ...]    launch N local processes (rendezvous on 127.0.0.1)
+  demo                                                  the main job (heterogeneous multi-process training)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "explain":
+        from hspmd.comm_resolve.explain import main as explain_main
+
+        return explain_main(rest)
+    if command == "run":
+        from hspmd.runtime.launcher import main as run_main
+
+        return run_main(rest)
+    if command == "demo":
+        from hspmd.demo import main as demo_main
+
+        return demo_main(rest)
+    print(f"hspmd: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The one error hierarchy of hspmd: every mistake a user can make raises an HSPMDError subclass."""
+
+
+class HSPMDError(Exception):
+    """Base of every error a user can cause; the message names what is wrong, where, and the fix."""
+
+
+class AnnotationError(HSPMDError):
+    """An annotation (device group, distributed states, union, hierarchy) is invalid."""
+
+
+class ParseError(AnnotationError):
+    """The annotation text does not follow the syntax; `position` points at the offending character."""
+
+    def __init__(self, message: str, text: str, position: int):
+        self.text, self.position = text, position
+        super().__init__(f"{message}\n  {text}\n  {' ' * position}^ (at character {position})")
+
+
+class ShapeError(HSPMDError):
+    """A shape does not fit an annotation or an op (rank, symbol mismatch, unbound ratios)."""
+
+
+class UnsupportedReshard(HSPMDError):
+    """No correct communication exists between two annotations (e.g. Partial with no collective path)."""
+
+
+class DeductionError(HSPMDError):
+    """Annotation deduction failed for an op; the message names the op and says where to insert comm()."""
+
+
+class StrategyError(HSPMDError):
+    """A strategy file or description is invalid; the message names the key."""
+
+
+class CommunicationError(HSPMDError):
+    """A backend collective failed, timed out, or a peer rank crashed."""
+
+
+class ReplicaMismatch(HSPMDError):
+    """Devices that should hold equal copies of a piece disagree (unshard found a broken replica)."""

@@ -1,0 +1,57 @@
+"""The primitive interface every communication backend implements, seen from one rank.
+
+Plans (hspmd.comm_resolve) and executable graphs are run by code written once against this
+interface; the in-process backend (threads, one per device), torch.distributed (gloo / NCCL) and
+CuPy NCCL differ only here. Groups are ordered tuples of global device ids (device id == rank).
+Every member of a group calls the same method with the same group, in the same global order.
+Uneven pieces are allowed: callers pass every member's shape, so no backend ever needs to gather
+a whole tensor on one device.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Mapping, Sequence
+
+import torch
+
+Group = tuple[int, ...]
+Shape = tuple[int, ...]
+
+
+class Backend(abc.ABC):
+    """One rank's handle on the collectives of a job."""
+
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        """Sum of `tensor` over the group, returned to every member (input is not modified)."""
+
+    @abc.abstractmethod
+    def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
+        """Every member's tensor, in group order; shapes[i] is member i's shape (may differ)."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
+        """parts[i] is this rank's summand of member i's result; returns the sum of this rank's parts
+        from all members. Part shapes may differ between members but agree across ranks."""
+
+    @abc.abstractmethod
+    def exchange(
+        self,
+        sends: Mapping[int, torch.Tensor],
+        recvs: Mapping[int, tuple[Shape, torch.dtype]],
+    ) -> dict[int, torch.Tensor]:
+        """Batched point-to-point: send sends[peer] to each peer, receive recvs[peer] from each peer.
+        Deadlock-free whatever the pattern (the backend batches / orders the operations)."""
+
+    @abc.abstractmethod
+    def barrier(self, group: Group) -> None:
+        """Returns once every member of the group has called it."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+        """`src`'s tensor to every member (others pass a buffer of the right shape and dtype)."""
+        shapes = [tuple(tensor.shape)] * len(group)
+        return self.all_gather(tensor, group, shapes)[group.index(src)]

@@ -1,0 +1,152 @@
+"""In-process backend: one thread per device, collectives through shared memory.
+
+It runs exactly the per-rank code that the multi-process backends run, so fast property tests
+exercise the real executors. It is for tests and planning checks, not for training speed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
+
+import torch
+
+from hspmd.errors import CommunicationError
+from hspmd.runtime.backend import Backend, Group, Shape
+
+T = TypeVar("T")
+
+
+class LocalWorld:
+    """Shared state of one in-process job: rendezvous slots for collectives and mailboxes for P2P."""
+
+    def __init__(self, devices: Iterable[int], timeout: float = 60.0):
+        self.devices = tuple(sorted(set(devices)))
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._slots: dict[tuple, dict[int, object]] = {}
+        self._reads: dict[tuple, int] = {}
+        self._mail: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.failed: str | None = None
+
+    def backend(self, rank: int) -> "LocalBackend":
+        return LocalBackend(self, rank)
+
+    def fail(self, reason: str) -> None:
+        with self._cond:
+            if self.failed is None:
+                self.failed = reason
+            self._cond.notify_all()
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        if not self._cond.wait_for(lambda: ready() or self.failed is not None, timeout=self.timeout):
+            self.failed = self.failed or f"timeout in {what}"
+            self._cond.notify_all()
+            raise CommunicationError(f"{what} timed out after {self.timeout}s: a member never joined")
+        if not ready():
+            raise CommunicationError(f"{what} aborted: {self.failed}")
+
+    def rendezvous(self, key: tuple, group: Group, rank: int, value: object) -> dict[int, object]:
+        """Deposit `value`; return every member's value once all have deposited."""
+        with self._cond:
+            slot = self._slots.setdefault(key, {})
+            slot[rank] = value
+            self._cond.notify_all()
+            self._wait(lambda: len(slot) == len(group), f"collective {key[0]} on group {list(group)}")
+            self._reads[key] = self._reads.get(key, 0) + 1
+            if self._reads[key] == len(group):
+                del self._slots[key], self._reads[key]
+            return dict(slot)
+
+    def post(self, key: tuple[int, int, int], tensor: torch.Tensor) -> None:
+        with self._cond:
+            self._mail[key] = tensor
+            self._cond.notify_all()
+
+    def take(self, key: tuple[int, int, int]) -> torch.Tensor:
+        with self._cond:
+            self._wait(lambda: key in self._mail, f"receive on device {key[1]} from device {key[0]}")
+            return self._mail.pop(key)
+
+
+class LocalBackend(Backend):
+    def __init__(self, world: LocalWorld, rank: int):
+        self.world, self.rank, self.world_size = world, rank, len(world.devices)
+        self._group_calls: dict[Group, int] = {}
+        self._pair_calls: dict[tuple[int, int], int] = {}
+
+    def _key(self, kind: str, group: Group) -> tuple:
+        if self.rank not in group:
+            raise CommunicationError(f"device {self.rank} called {kind} on group {list(group)} it is not in")
+        n = self._group_calls.get(group, 0)
+        self._group_calls[group] = n + 1
+        return (kind, group, n)
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        values = self.world.rendezvous(self._key("all_reduce", group), group, self.rank, tensor)
+        return sum((values[r] for r in group[1:]), values[group[0]].clone())
+
+    def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
+        values = self.world.rendezvous(self._key("all_gather", group), group, self.rank, tensor)
+        out = [values[r].clone() for r in group]
+        for r, t, s in zip(group, out, shapes):
+            if tuple(t.shape) != tuple(s):
+                raise CommunicationError(f"all_gather: device {r} sent shape {tuple(t.shape)}, expected {tuple(s)}")
+        return out
+
+    def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
+        values = self.world.rendezvous(self._key("reduce_scatter", group), group, self.rank, list(parts))
+        me = group.index(self.rank)
+        return sum((values[r][me] for r in group[1:]), values[group[0]][me].clone())
+
+    def exchange(
+        self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, tuple[Shape, torch.dtype]]
+    ) -> dict[int, torch.Tensor]:
+        for peer, tensor in sends.items():
+            n = self._pair_calls.get((self.rank, peer), 0)
+            self._pair_calls[(self.rank, peer)] = n + 1
+            self.world.post((self.rank, peer, n), tensor.clone())
+        out = {}
+        for peer, (shape, dtype) in recvs.items():
+            n = self._pair_calls.get((peer, self.rank), 0)
+            self._pair_calls[(peer, self.rank)] = n + 1
+            got = self.world.take((peer, self.rank, n))
+            if tuple(got.shape) != tuple(shape) or got.dtype != dtype:
+                raise CommunicationError(
+                    f"device {self.rank} expected {tuple(shape)} {dtype} from device {peer}, got {tuple(got.shape)} {got.dtype}"
+                )
+            out[peer] = got
+        return out
+
+    def barrier(self, group: Group) -> None:
+        self.world.rendezvous(self._key("barrier", group), group, self.rank, None)
+
+
+def run_on_devices(fn: Callable[[Backend], T], devices: Iterable[int], timeout: float = 60.0) -> dict[int, T]:
+    """Run fn(backend) on one thread per device; return {device: result}.
+
+    If any device raises, the others are released (they see CommunicationError) and the first
+    original error is re-raised, so a bug in one device's program never hangs the caller."""
+    world = LocalWorld(devices, timeout)
+    results: dict[int, T] = {}
+    errors: dict[int, BaseException] = {}
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(world.backend(rank))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the caller below
+            errors[rank] = exc
+            world.fail(f"device {rank} raised {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in world.devices]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        primary = [e for e in errors.values() if not isinstance(e, CommunicationError)]
+        raise (primary or list(errors.values()))[0]
+    return results
+
+
+__all__ = ["LocalWorld", "LocalBackend", "run_on_devices"]
