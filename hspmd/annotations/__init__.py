@@ -1,5 +1,6 @@
 """HSPMD annotations: value types, text syntax, shard geometry and reference shard/unshard."""
 
+from hspmd.annotations.algebra import align_hsize, expand_hsize
 from hspmd.annotations.geometry import (
     Box,
     Piece,
@@ -28,7 +29,7 @@ from hspmd.annotations.states import (
 from hspmd.annotations.syntax import parse, parse_hierarchy
 
 __all__ = [
-    "Annotation", "Axis", "Box", "DeviceGroup", "DistributedStates", "Duplicate", "HDim", "Hierarchy",
+    "Annotation", "Axis", "align_hsize", "expand_hsize", "Box", "DeviceGroup", "DistributedStates", "Duplicate", "HDim", "Hierarchy",
     "Partial", "Piece", "Split", "Subgroup", "box_intersection", "box_is_empty", "box_relative", "box_shape",
     "device_pieces", "infer_shape", "parse", "parse_hierarchy", "shard", "split_bounds", "subgroup_pieces",
     "subgroup_regions", "unshard",

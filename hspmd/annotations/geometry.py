@@ -6,8 +6,9 @@ a dim of length L split with weights w_0..w_{n-1} (W = sum) gives piece k the ha
 Plain splits use equal weights. Pieces differ by at most one element per unit weight, a dim
 smaller than its shard count gives empty pieces, and the rule holds for sympy symbols too.
 
-Several Split axes on one dim split it jointly into the product of their counts; the piece index
-is read in mixed radix over those axes, outermost slowest (the DS axis order).
+Splits nest: the top tier splits the tensor into subgroup regions, and each Split axis of a
+subgroup's DS, outermost first, splits the piece left by the axes before it (so S0:2,S0:2 is
+"halves of halves", which differs from S0:4 only when the dim does not divide).
 """
 
 from __future__ import annotations
@@ -143,11 +144,11 @@ def subgroup_pieces(sub: Subgroup, region: Box) -> dict[int, Piece]:
     out = {}
     for index, device in enumerate(sub.dg.devices):
         box = list(region)
-        for dim in sub.ds.split_dims:
-            which, count = split_index(sub, index, dim)
-            start, stop = region[dim]
-            lo, hi = split_bounds(stop - start, [1] * count)[which]
-            box[dim] = (start + lo, start + hi)
+        for digit, axis in zip(_digits(index, [a.n for a in sub.ds.axes]), sub.ds.axes):
+            if isinstance(axis, Split):
+                start, stop = box[axis.dim]
+                lo, hi = split_bounds(stop - start, [1] * axis.n)[digit]
+                box[axis.dim] = (start + lo, start + hi)
         j = summand_index(sub, index)
         out[device] = Piece(tuple(box), () if j is None else (j,))
     return out

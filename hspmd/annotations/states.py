@@ -165,7 +165,7 @@ class Subgroup:
             object.__setattr__(self, "ds", DistributedStates(tuple(self.ds)))
         if self.ds.size != len(self.dg):
             raise AnnotationError(
-                f"distributed states {self.ds or '(none)'} describe {self.ds.size} device(s) but device group "
+                f"distributed states {str(self.ds) or '(none)'} describe {self.ds.size} device(s) but device group "
                 f"{self.dg} has {len(self.dg)}: the product of the axis counts must equal the group size"
             )
 

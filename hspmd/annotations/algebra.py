@@ -1,0 +1,53 @@
+"""Pure functions between annotations (figure 10 of the paper: aligning HSize for deduction)."""
+
+from __future__ import annotations
+
+from hspmd.annotations.states import (
+    Annotation,
+    DeviceGroup,
+    DistributedStates,
+    Partial,
+    Split,
+    Subgroup,
+)
+from hspmd.errors import AnnotationError
+
+
+def expand_hsize(ann: Annotation, hsize: int) -> Annotation:
+    """The same layout written as a union of `hsize` subgroups, by lifting the outermost DS axis
+    of an HSize-1 annotation to the top tier: S_d:h -> H_d(1:..:1), D:n -> HD, P:n -> HP.
+
+    Exact for every shape (splits nest, so an outer S_d:h equals a top-tier split with equal
+    ratios). Raises AnnotationError when the outermost axis cannot be lifted."""
+    if hsize == ann.hsize:
+        return ann
+    if ann.hsize != 1:
+        raise AnnotationError(f"cannot regroup {ann} (HSize {ann.hsize}) into HSize {hsize}; insert comm() instead")
+    (sub,) = ann.subgroups
+    if not sub.ds.axes:
+        raise AnnotationError(f"{ann} has no axis to lift into {hsize} subgroups; insert comm() instead")
+    outer, inner = sub.ds.axes[0], sub.ds.axes[1:]
+    if isinstance(outer, Split) and outer.n != hsize or outer.n % hsize:
+        raise AnnotationError(
+            f"the outermost axis {outer} of {ann} does not split into {hsize} subgroups; insert comm() instead"
+        )
+    rest = outer.n // hsize
+    if rest > 1:
+        inner = (type(outer)(rest),) + inner
+    step = len(sub.dg) // hsize
+    devices = sub.dg.devices
+    subgroups = tuple(
+        Subgroup(DeviceGroup(devices[k * step : (k + 1) * step]), DistributedStates(inner)) for k in range(hsize)
+    )
+    if isinstance(outer, Split):
+        return Annotation(subgroups, outer.dim, (1,) * hsize)
+    return Annotation(subgroups, "P" if isinstance(outer, Partial) else "D")
+
+
+def align_hsize(anns: list[Annotation]) -> list[Annotation]:
+    """Bring every annotation to the largest HSize among them (deduction's first step)."""
+    target = max(a.hsize for a in anns)
+    return [expand_hsize(a, target) for a in anns]
+
+
+__all__ = ["expand_hsize", "align_hsize"]

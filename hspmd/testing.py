@@ -1,0 +1,65 @@
+"""Hypothesis strategies for annotations, for hspmd's own tests and for users who property-test
+their resolutions: `annotations(ndim)` draws valid unions (1-16 devices, up to 4 subgroups,
+uneven axis mixes, any device order), `shapes(ndim)` draws tiny and uneven shapes."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Duplicate, Partial, Split, Subgroup
+
+
+@st.composite
+def distributed_states(draw, size: int, ndim: int, allow_partial: bool = True) -> DistributedStates:
+    """Axes whose counts multiply to `size`, drawn as a random ordered factorisation."""
+    axes = []
+    rest = size
+    while rest > 1:
+        n = draw(st.sampled_from([d for d in range(2, rest + 1) if rest % d == 0]))
+        kinds = ["S", "D"] + (["P"] if allow_partial else [])
+        kind = draw(st.sampled_from(kinds))
+        if kind == "S" and ndim > 0:
+            axes.append(Split(draw(st.integers(0, ndim - 1)), n))
+        elif kind == "P":
+            axes.append(Partial(n))
+        else:
+            axes.append(Duplicate(n))
+        rest //= n
+    return DistributedStates(tuple(axes))
+
+
+@st.composite
+def annotations(
+    draw,
+    ndim: int,
+    max_devices: int = 16,
+    max_hsize: int = 4,
+    allow_partial: bool = True,
+    devices: tuple[int, ...] | None = None,
+    bound_ratios: bool = True,
+) -> Annotation:
+    """A valid union over a random subset (or, if given, exactly `devices`) of range(max_devices)."""
+    if devices is None:
+        pool = draw(st.permutations(range(max_devices)))
+        total = draw(st.integers(1, max_devices))
+        chosen = list(pool[:total])
+    else:
+        chosen = list(devices)
+    hsize = draw(st.integers(1, min(max_hsize, len(chosen))))
+    cuts = sorted(draw(st.lists(st.integers(1, len(chosen) - 1), min_size=hsize - 1, max_size=hsize - 1, unique=True))) if hsize > 1 else []
+    bounds = [0] + cuts + [len(chosen)]
+    subgroups = tuple(
+        Subgroup(DeviceGroup(tuple(chosen[a:b])), draw(distributed_states(b - a, ndim, allow_partial)))
+        for a, b in zip(bounds, bounds[1:])
+    )
+    hdims = ["D"] + (["P"] if allow_partial else []) + list(range(ndim))
+    hdim = draw(st.sampled_from(hdims))
+    ratios = None
+    if isinstance(hdim, int) and (bound_ratios or draw(st.booleans())):
+        ratios = tuple(draw(st.lists(st.integers(1, 3), min_size=len(subgroups), max_size=len(subgroups))))
+    return Annotation(subgroups, hdim, ratios)
+
+
+def shapes(ndim: int, max_len: int = 7):
+    """Tiny shapes, often uneven or smaller than a shard count (0-length dims included)."""
+    return st.tuples(*[st.integers(0, max_len) for _ in range(ndim)])
