@@ -11,7 +11,7 @@ a whole tensor on one device.
 from __future__ import annotations
 
 import abc
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -24,6 +24,11 @@ class Backend(abc.ABC):
 
     rank: int
     world_size: int
+
+    def prepare_groups(self, groups: Iterable[Group]) -> None:
+        """Set up communicators for `groups` before their first use. Collective over the whole job:
+        every rank calls it at the same point, passing the groups it will use (lists may differ).
+        Backends whose groups need no setup do nothing."""
 
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:

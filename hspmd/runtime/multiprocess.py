@@ -1,0 +1,150 @@
+"""Run one function on N real processes joined by torch.distributed, and collect what each returns.
+
+Tests and tools use it to check that per-rank programs behave the same over real gloo processes as
+over the in-process backend. It never hangs: a rank that raises, crashes or outlives the deadline
+ends the whole job and the caller gets an HSPMDError carrying the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import time
+import traceback
+from typing import Any, Callable
+
+from hspmd.errors import CommunicationError, HSPMDError
+from hspmd.runtime.ports import LOOPBACK, free_port
+
+# After the first failure, how long to wait for the other ranks' reports: a rank that only saw its
+# peer vanish (CommunicationError) reports too, and the caller wants the original error.
+_REPORT_GRACE_S = 2.0
+_TERMINATE_GRACE_S = 3.0
+
+
+def run_multiprocess(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    comm_timeout: float = 30.0,
+) -> list[Any]:
+    """Run fn(backend, *args) on ranks 0..nprocs-1 and return their results, indexed by rank.
+
+    `fn`, `args` and the results must be picklable (processes are spawned, not forked); `backend`
+    is the torch.distributed backend name. `timeout` bounds the whole job, `comm_timeout` each
+    collective. Raises HSPMDError naming the failing rank, with its traceback, if any rank fails."""
+    if nprocs < 1:
+        raise HSPMDError(f"run_multiprocess needs nprocs >= 1, got {nprocs}")
+    ctx = multiprocessing.get_context("spawn")
+    reports: Any = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, args, rank, nprocs, port, backend, comm_timeout, reports),
+            name=f"hspmd-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(nprocs)
+    ]
+    for proc in procs:
+        proc.start()
+    succeeded = False
+    try:
+        results = _collect(procs, reports, timeout)
+        succeeded = True
+        return results
+    finally:
+        _stop(procs, graceful=succeeded)
+        reports.close()
+
+
+def _collect(procs: list, reports: Any, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    failures: dict[int, tuple[bool, str]] = {}
+    exited_silently: dict[int, float] = {}
+    first_failure_at: float | None = None
+    while len(results) + len(failures) < len(procs):
+        now = time.monotonic()
+        if first_failure_at is not None and now - first_failure_at > _REPORT_GRACE_S:
+            break
+        if now > deadline:
+            if failures:
+                break
+            silent = [r for r in range(len(procs)) if r not in results]
+            raise HSPMDError(
+                f"multi-process job timed out after {timeout:g}s: ranks {silent} never finished "
+                "(does a rank wait on a collective its peers never call?)"
+            )
+        try:
+            rank, ok, payload = reports.get(timeout=0.05)
+        except queue.Empty:
+            for rank, proc in enumerate(procs):
+                if proc.exitcode is None or rank in results or rank in failures:
+                    continue
+                since = exited_silently.setdefault(rank, now)
+                if now - since > _REPORT_GRACE_S:
+                    failures[rank] = (False, f"rank {rank} exited with code {proc.exitcode} without a report")
+                    first_failure_at = first_failure_at or now
+            continue
+        if ok:
+            results[rank] = pickle.loads(payload)
+        else:
+            failures[rank] = payload
+            first_failure_at = first_failure_at or time.monotonic()
+    if failures:
+        raise HSPMDError(_failure_message(failures))
+    return [results[r] for r in range(len(procs))]
+
+
+def _failure_message(failures: dict[int, tuple[bool, str]]) -> str:
+    """The first reported failure that is not a CommunicationError is the cause; the rest follow."""
+    original = [r for r, (is_comm, _) in failures.items() if not is_comm]
+    rank = (original or list(failures))[0]
+    others = sorted(set(failures) - {rank})
+    also = f" (ranks {others} failed too, most likely as a consequence)" if others else ""
+    return f"rank {rank} failed{also}:\n{failures[rank][1]}"
+
+
+def _stop(procs: list, graceful: bool) -> None:
+    """Let finished ranks exit on their own (graceful), else SIGTERM now; SIGKILL after a grace."""
+    end = time.monotonic() + _TERMINATE_GRACE_S
+    for proc in procs:
+        if graceful:
+            proc.join(max(0.0, end - time.monotonic()))
+        if proc.is_alive():
+            proc.terminate()
+    end = time.monotonic() + _TERMINATE_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, end - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _rank_main(fn, args, rank, nprocs, port, backend, comm_timeout, reports) -> None:
+    """Body of one spawned rank: join the world, run fn, report (ok, result) or (False, traceback)."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), HSPMD_BACKEND=backend,
+    )
+    from hspmd.runtime.torch_dist import init_from_env
+
+    comm = None
+    try:
+        comm = init_from_env(backend, timeout=comm_timeout)
+        result = pickle.dumps(fn(comm, *args))
+        reports.put((rank, True, result))
+    except BaseException as exc:  # noqa: BLE001 - forwarded to the parent
+        text = "".join(traceback.format_exception(exc))
+        reports.put((rank, False, (isinstance(exc, CommunicationError), text)))
+        return
+    comm.shutdown()
+
+
+__all__ = ["run_multiprocess"]

@@ -1,0 +1,322 @@
+"""Backend over torch.distributed: gloo for CPU tensors, NCCL (through torch) for CUDA tensors.
+
+Group creation rule
+-------------------
+torch.distributed creates a process group through ``dist.new_group``, which every rank of the world
+must call, non-members included, in the same order (torch names groups by a per-process counter;
+even its member-local mode hashes in the number of groups the process already has, so members with
+different histories disagree). Hence groups are never created behind the caller's back:
+
+* ``prepare_groups(groups)`` is collective over the whole world: every rank calls it at the same
+  point, each passing the groups *it* will use (the lists may differ, as heterogeneous per-device
+  programs do). The lists are all-gathered, and the union is created in one sorted order on every
+  rank. Call it again (collectively) when a program switches to new groups.
+* The whole world and single-rank groups need no preparation. Any other group used before it was
+  prepared raises CommunicationError saying to call prepare_groups; it never hangs.
+
+Torch orders members by rank; results are put back into the caller's group order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from datetime import timedelta
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hspmd.errors import CommunicationError, HSPMDError
+from hspmd.runtime.backend import Backend, Group, Shape
+
+DEFAULT_TIMEOUT_S = 300.0
+SUPPORTED_BACKENDS = ("gloo", "nccl")
+
+# Process groups per world (keyed by the world group object), shared by every backend instance in
+# the process, so that each set of ranks is created once per world.
+_GROUPS_BY_WORLD: "weakref.WeakKeyDictionary[object, dict[tuple[int, ...], object]]" = weakref.WeakKeyDictionary()
+
+
+class TorchDistBackend(Backend):
+    """One rank's collectives over an initialised torch.distributed world (device id == rank).
+
+    Construction is collective: every rank constructs its backend at the same point, which runs one
+    tiny all_reduce on the world so that dead peers are found at start-up and NCCL's world
+    communicator exists before any point-to-point exchange."""
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None):
+        if not dist.is_initialized():
+            raise CommunicationError(
+                "torch.distributed is not initialised: call hspmd.runtime.torch_dist.init_from_env() "
+                "in a script started by `hspmd run` or torchrun, or dist.init_process_group() first"
+            )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout = timedelta(seconds=timeout)
+        self.dist_backend = str(dist.get_backend()).lower()
+        self.device = torch.device(device) if device is not None else _default_device(self.dist_backend)
+        world = dist.group.WORLD
+        self._world = world
+        self._groups = _GROUPS_BY_WORLD.setdefault(world, {})
+        self._native_reduce_scatter = True
+        self.barrier(tuple(range(self.world_size)))
+
+    # groups -------------------------------------------------------------------------------------
+
+    def prepare_groups(self, groups: Iterable[Group]) -> None:
+        """Create the process groups that any rank needs (see the module docstring for the rule)."""
+        mine = sorted({self._check_group(tuple(g), "prepare_groups", require_member=False) for g in groups})
+        world = tuple(range(self.world_size))
+        everyone: list = [None] * self.world_size
+        with self._wrapped("prepare_groups", world):
+            dist.all_gather_object(everyone, mine)
+            for key in sorted({key for keys in everyone for key in keys}):
+                if key not in self._groups and len(key) not in (1, self.world_size):
+                    self._groups[key] = dist.new_group(list(key), timeout=self.timeout)
+
+    def _process_group(self, group: Group, op: str):
+        key = self._check_group(group, op, require_member=True)
+        if len(key) == self.world_size:
+            return self._world
+        if len(key) > 1 and key not in self._groups:
+            raise CommunicationError(
+                f"{op} on rank {self.rank}: group {list(group)} was never prepared; call "
+                "backend.prepare_groups(groups) on every rank (collectively, each passing the groups it "
+                "uses) before the first collective on it"
+            )
+        return self._groups.get(key)
+
+    def _check_group(self, group: Group, op: str, require_member: bool) -> tuple[int, ...]:
+        key = tuple(sorted(group))
+        if not group or len(set(group)) != len(group) or any(not 0 <= r < self.world_size for r in group):
+            raise CommunicationError(
+                f"{op} on rank {self.rank}: group {list(group)} must list distinct ranks in [0, {self.world_size})"
+            )
+        if require_member and self.rank not in group:
+            raise CommunicationError(f"rank {self.rank} called {op} on group {list(group)} it is not in")
+        return key
+
+    @contextlib.contextmanager
+    def _wrapped(self, op: str, group: Sequence[int]) -> Iterator[None]:
+        try:
+            yield
+        except HSPMDError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every torch.distributed failure is re-raised typed
+            raise CommunicationError(
+                f"{op} on group {list(group)} failed on rank {self.rank}: {type(exc).__name__}: {exc}\n"
+                "(a peer rank may have crashed, timed out, or called a different operation; see its own error)"
+            ) from exc
+
+    # collectives --------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        pg = self._process_group(group, "all_reduce")
+        out = tensor.detach().clone().contiguous()
+        if len(group) > 1:
+            with self._wrapped("all_reduce", group):
+                dist.all_reduce(out, group=pg)
+        return out
+
+    def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
+        pg = self._process_group(group, "all_gather")
+        shapes = [tuple(s) for s in shapes]
+        me = group.index(self.rank)
+        if len(shapes) != len(group) or tuple(tensor.shape) != shapes[me]:
+            raise CommunicationError(
+                f"all_gather on rank {self.rank}: got tensor of shape {tuple(tensor.shape)} and shapes {shapes} "
+                f"for group {list(group)}; pass one shape per member, this rank's equal to its tensor's"
+            )
+        if len(group) == 1:
+            return [tensor.detach().clone()]
+        sizes = [_numel(s) for s in shapes]
+        width = max(sizes)
+        if width == 0:
+            return [torch.empty(s, dtype=tensor.dtype, device=tensor.device) for s in shapes]
+        flat = _padded_flat(tensor, width)
+        gathered = [torch.empty(width, dtype=tensor.dtype, device=tensor.device) for _ in group]
+        with self._wrapped("all_gather", group):
+            dist.all_gather(gathered, flat, group=pg)
+        by_rank = dict(zip(sorted(group), gathered))
+        return [by_rank[r][:n].reshape(s) for r, n, s in zip(group, sizes, shapes)]
+
+    def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
+        """Uses the backend's reduce_scatter on parts padded to the largest part. Where the backend has
+        none (gloo before torch 2.6 or so) it all-reduces the concatenated parts and keeps this rank's
+        slice: about twice the traffic of a true reduce_scatter, and every rank holds the whole sum."""
+        pg = self._process_group(group, "reduce_scatter")
+        if len(parts) != len(group):
+            raise CommunicationError(
+                f"reduce_scatter on rank {self.rank}: {len(parts)} parts for group {list(group)}; pass one per member"
+            )
+        me = group.index(self.rank)
+        if len(group) == 1:
+            return parts[0].detach().clone()
+        if self._native_reduce_scatter:
+            try:
+                return self._reduce_scatter_native(parts, group, pg, me)
+            except CommunicationError as exc:
+                if not _is_unsupported(exc.__cause__):
+                    raise
+                self._native_reduce_scatter = False
+        return self._reduce_scatter_by_all_reduce(parts, group, pg, me)
+
+    def _reduce_scatter_native(self, parts, group, pg, me) -> torch.Tensor:
+        width = max(p.numel() for p in parts)
+        if width == 0:
+            return torch.empty_like(parts[me])
+        by_rank = dict(zip(group, parts))
+        inputs = [_padded_flat(by_rank[r], width) for r in sorted(group)]
+        out = torch.empty(width, dtype=parts[me].dtype, device=parts[me].device)
+        with self._wrapped("reduce_scatter", group):
+            dist.reduce_scatter(out, inputs, group=pg)
+        return out[: parts[me].numel()].reshape(parts[me].shape)
+
+    def _reduce_scatter_by_all_reduce(self, parts, group, pg, me) -> torch.Tensor:
+        flat = torch.cat([p.detach().reshape(-1) for p in parts])
+        if flat.numel():
+            with self._wrapped("reduce_scatter", group):
+                dist.all_reduce(flat, group=pg)
+        start = sum(p.numel() for p in parts[:me])
+        return flat[start : start + parts[me].numel()].reshape(parts[me].shape).clone()
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+        pg = self._process_group(group, "broadcast")
+        if src not in group:
+            raise CommunicationError(f"broadcast on rank {self.rank}: source {src} is not in group {list(group)}")
+        out = tensor.detach().clone().contiguous()
+        if len(group) > 1 and out.numel():
+            with self._wrapped("broadcast", group):
+                dist.broadcast(out, src=src, group=pg)
+        return out
+
+    def barrier(self, group: Group) -> None:
+        """An all_reduce of one number on this backend's device (NCCL's barrier guesses devices)."""
+        pg = self._process_group(group, "barrier")
+        if len(group) > 1:
+            with self._wrapped("barrier", group):
+                dist.all_reduce(torch.zeros(1, device=self.device), group=pg)
+
+    # point to point -----------------------------------------------------------------------------
+
+    def exchange(
+        self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, tuple[Shape, torch.dtype]]
+    ) -> dict[int, torch.Tensor]:
+        """All sends and receives are posted together (batch_isend_irecv) and then awaited, so no
+        pattern can deadlock. Empty tensors and messages to this rank itself never touch the wire."""
+        for peer in (*sends, *recvs):
+            if not 0 <= peer < self.world_size:
+                raise CommunicationError(f"exchange on rank {self.rank}: peer {peer} is not in [0, {self.world_size})")
+        if (self.rank in sends) != (self.rank in recvs):
+            raise CommunicationError(
+                f"exchange on rank {self.rank}: a message to itself must appear in both sends and recvs"
+            )
+        out: dict[int, torch.Tensor] = {}
+        ops = []
+        for peer in sorted(sends):
+            tensor = sends[peer]
+            if peer == self.rank:
+                out[peer] = _checked_self_message(tensor, *recvs[peer], rank=self.rank)
+            elif tensor.numel():
+                ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), peer))
+        for peer in sorted(recvs):
+            if peer == self.rank:
+                continue
+            shape, dtype = recvs[peer]
+            out[peer] = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+            if out[peer].numel():
+                ops.append(dist.P2POp(dist.irecv, out[peer], peer))
+        if ops:
+            peers = sorted({op.peer for op in ops})
+            with self._wrapped("exchange", peers):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait(self.timeout)
+        return out
+
+    def shutdown(self) -> None:
+        """Leave the job (collective: every rank calls it). The world barrier first keeps rank 0,
+        which hosts the rendezvous store that group creation needs, alive until all ranks are done."""
+        if dist.is_initialized():
+            self.barrier(tuple(range(self.world_size)))
+            dist.destroy_process_group()
+        _GROUPS_BY_WORLD.pop(self._world, None)
+
+
+def init_from_env(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> TorchDistBackend:
+    """Join the job described by torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, LOCAL_RANK), as set by `hspmd run` and by torchrun.
+
+    `backend` defaults to $HSPMD_BACKEND, else gloo. `timeout` bounds the rendezvous and every
+    collective, so a crashed or missing peer turns into a CommunicationError, never a hang."""
+    backend = (backend or os.environ.get("HSPMD_BACKEND") or "gloo").lower()
+    if backend not in SUPPORTED_BACKENDS:
+        raise HSPMDError(f"unknown backend {backend!r}: use one of {', '.join(SUPPORTED_BACKENDS)}")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise HSPMDError(
+            f"environment variables {', '.join(missing)} are not set: start the script with "
+            "`hspmd run -n N script.py` (or torchrun)"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise HSPMDError("backend 'nccl' needs a CUDA GPU and none is visible: use --backend gloo")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{address}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout),
+            )
+        except Exception as exc:  # noqa: BLE001 - re-raised typed
+            raise CommunicationError(
+                f"rank {rank} of {world_size} could not join the job at {address} with {backend} within "
+                f"{timeout:g}s: {type(exc).__name__}: {exc}"
+            ) from exc
+    return TorchDistBackend(timeout=timeout)
+
+
+def _default_device(dist_backend: str) -> torch.device:
+    if "nccl" in dist_backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _padded_flat(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == width:
+        return flat.contiguous()
+    padded = torch.zeros(width, dtype=tensor.dtype, device=tensor.device)
+    padded[: flat.numel()] = flat
+    return padded
+
+
+def _checked_self_message(tensor: torch.Tensor, shape: Shape, dtype: torch.dtype, rank: int) -> torch.Tensor:
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        raise CommunicationError(
+            f"exchange on rank {rank}: sends itself {tuple(tensor.shape)} {tensor.dtype} but expects "
+            f"{tuple(shape)} {dtype}"
+        )
+    return tensor.detach().clone()
+
+
+def _is_unsupported(exc: BaseException | None) -> bool:
+    text = str(exc).lower()
+    return exc is not None and ("does not support" in text or "not supported" in text)
+
+
+__all__ = ["TorchDistBackend", "init_from_env", "DEFAULT_TIMEOUT_S", "SUPPORTED_BACKENDS"]
