@@ -1,0 +1,238 @@
+"""`hspmd run -n N [--backend gloo|nccl] [--port P] script.py args...`: N local ranks, one job.
+
+Each rank is `python script.py args...` with the torchrun variables set (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT) plus HSPMD_BACKEND,
+so the same script also runs under torchrun. Every rank runs in its own process group (session),
+so stopping a rank also stops whatever it started. The job fails fast: when one rank exits
+non-zero its error is shown and the others are stopped (SIGTERM, then SIGKILL after a grace
+period); Ctrl-C or SIGTERM to the launcher stops every rank as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Sequence
+
+from hspmd.runtime.ports import LOOPBACK, free_port
+
+BACKENDS = ("gloo", "nccl")
+DEFAULT_GRACE_S = 3.0
+_TAIL_LINES = 25
+_POLL_S = 0.05
+
+
+class _Interrupted(Exception):
+    """The launcher itself was asked to stop (Ctrl-C, SIGTERM, SIGHUP)."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="hspmd run",
+        description="Launch N local processes of one job (rendezvous on 127.0.0.1).",
+    )
+    parser.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks to start")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="torch.distributed backend (HSPMD_BACKEND)")
+    parser.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("script", help="the Python script every rank runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.nproc < 1:
+        parser.error(f"-n must be at least 1, got {args.nproc}")
+    if not os.path.isfile(args.script):
+        parser.error(f"script {args.script!r} does not exist")
+    command = [sys.executable, args.script, *args.script_args]
+    return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace)
+
+
+def launch(
+    command: Sequence[str],
+    nprocs: int,
+    backend: str = "gloo",
+    port: int | None = None,
+    grace: float = DEFAULT_GRACE_S,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Run `command` as ranks 0..nprocs-1 and return the job's exit code (0 when all succeed).
+
+    Output lines are forwarded prefixed with `[rank k]`. The first rank to exit non-zero decides
+    the exit code; the others are stopped and the failing rank's last stderr lines are repeated."""
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    port = port or free_port()
+    ranks = [_start_rank(rank, command, nprocs, backend, port) for rank in range(nprocs)]
+    pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
+    previous_handlers = _install_stop_handlers()
+    failed: list[_Rank] = []
+    interrupted = False
+    try:
+        failed = _wait_for_end(ranks)
+    except (_Interrupted, KeyboardInterrupt):
+        interrupted = True
+    finally:
+        _stop_all(ranks, grace)
+        _restore_handlers(previous_handlers)
+        for pump in pumps:
+            pump.join(timeout=grace)
+    if interrupted:
+        err.write(f"hspmd run: interrupted; stopped all {nprocs} ranks\n")
+        err.flush()
+        return 130
+    if failed:
+        _report_failure(failed, err)
+        return _exit_code(failed[0].process.returncode)
+    return 0
+
+
+class _Rank:
+    def __init__(self, rank: int, process: subprocess.Popen):
+        self.rank, self.process = rank, process
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+
+
+def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int) -> _Rank:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
+        HSPMD_BACKEND=backend, PYTHONUNBUFFERED="1",
+    )
+    process = subprocess.Popen(
+        list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True, preexec_fn=_die_with_parent,
+    )
+    return _Rank(rank, process)
+
+
+def _load_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL if the launcher dies without cleaning up (kill -9). Linux only;
+    prctl is looked up before forking so the child only makes one system call."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_write_lock = threading.Lock()
+
+
+def _start_pumps(rank: _Rank, out: IO[str], err: IO[str]) -> list[threading.Thread]:
+    pumps = [
+        threading.Thread(target=_pump, args=(rank.process.stdout, out, rank.rank, None), daemon=True),
+        threading.Thread(target=_pump, args=(rank.process.stderr, err, rank.rank, rank.stderr_tail), daemon=True),
+    ]
+    for pump in pumps:
+        pump.start()
+    return pumps
+
+
+def _pump(pipe: IO[bytes], sink: IO[str], rank: int, tail: collections.deque | None) -> None:
+    """Forward one child stream line by line, prefixed with its rank."""
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            if tail is not None:
+                tail.append(line)
+            with _write_lock:
+                sink.write(f"[rank {rank}] {line}\n")
+                sink.flush()
+
+
+def _wait_for_end(ranks: list[_Rank]) -> list[_Rank]:
+    """Block until every rank succeeded (returns []) or some failed (returns them, first one first)."""
+    while True:
+        codes = [r.process.poll() for r in ranks]
+        failed = [r for r, code in zip(ranks, codes) if code not in (None, 0)]
+        if failed or all(code == 0 for code in codes):
+            return failed
+        time.sleep(_POLL_S)
+
+
+def _stop_all(ranks: list[_Rank], grace: float) -> None:
+    """SIGTERM every rank's process group, SIGKILL what is left after `grace` seconds, reap all.
+    Groups of ranks that already exited are signalled too, so nothing they started outlives the job."""
+    for r in ranks:
+        _signal_group(r.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_group_alive(r.process.pid) for r in ranks):
+        for r in ranks:
+            r.process.poll()
+        time.sleep(_POLL_S)
+    for r in ranks:
+        _signal_group(r.process.pid, signal.SIGKILL)
+        r.process.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _install_stop_handlers() -> dict[int, object]:
+    """Turn SIGTERM / SIGHUP into a clean stop of all ranks (only possible from the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, frame):
+        raise _Interrupted(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def _restore_handlers(previous: dict[int, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _report_failure(failed: list[_Rank], err: IO[str]) -> None:
+    first = failed[0]
+    others = ", ".join(str(r.rank) for r in failed[1:])
+    also = f" (rank {others} failed at the same time)" if others else ""
+    lines = [
+        f"hspmd run: rank {first.rank} exited with {_describe(first.process.returncode)}{also}; "
+        "stopped the other ranks.",
+        f"hspmd run: last lines of rank {first.rank}'s stderr:",
+        *(f"  {line}" for line in first.stderr_tail),
+    ]
+    err.write("\n".join(lines) + "\n")
+    err.flush()
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        return f"signal {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+__all__ = ["main", "launch", "BACKENDS"]

@@ -1,0 +1,158 @@
+"""`hspmd run`: per-rank output, fail-fast with the failing rank's error, no process left behind.
+
+Most tests call the launcher in-process (ranks are still real processes); one goes through the
+`hspmd` command line, where it also checks that Ctrl-C stops every rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hspmd.runtime.launcher import main as launcher_main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def hspmd_run(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hspmd.cli", "run", *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+    )
+
+
+def write_script(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    return script
+
+
+def alive(pid: int) -> bool:
+    """True for a running process; a zombie (already dead, waiting to be reaped) counts as gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def wait_for_files(folder: Path, names: list[str], timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not all((folder / n).exists() and (folder / n).read_text() for n in names):
+        assert time.monotonic() < end, f"ranks never wrote {names} to {folder}"
+        time.sleep(0.05)
+
+
+# Every rank records its pid; rank 0 also starts a grandchild; all of them would live for minutes.
+RECORD_PIDS = """
+    import os, subprocess, sys, time
+    from pathlib import Path
+    rank = int(os.environ["RANK"])
+    pids = Path(sys.argv[1])
+    if rank == 0:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        (pids / "grandchild").write_text(str(child.pid))
+    (pids / f"rank{rank}").write_text(str(os.getpid()))
+"""
+
+
+def test_each_rank_output_is_prefixed_and_gets_torchrun_variables(tmp_path, capsys):
+    script = write_script(tmp_path, """
+        import os, sys
+        print(f"hello from {os.environ['RANK']} of {os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']}"
+              f" at {os.environ['MASTER_ADDR']} with {os.environ['HSPMD_BACKEND']} args {sys.argv[1:]}")
+        print(f"note from {os.environ['RANK']}", file=sys.stderr)
+    """)
+    code = launcher_main(["-n", "3", str(script), "--flag", "x"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    for rank in range(3):
+        assert f"[rank {rank}] hello from {rank} of 3 local {rank} at 127.0.0.1 with gloo args ['--flag', 'x']" in out
+        assert f"[rank {rank}] note from {rank}" in err
+    assert all(line.startswith("[rank ") for line in out.splitlines())
+
+
+def test_a_failing_rank_stops_the_job_shows_its_error_and_leaves_no_process(tmp_path, capsys):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = write_script(tmp_path, RECORD_PIDS + """
+    if rank == 1:
+        while not all((pids / f).exists() for f in ("rank0", "rank2", "grandchild")):
+            time.sleep(0.02)
+        raise RuntimeError("rank one exploded on purpose")
+    if rank == 2:
+        import signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # must be SIGKILLed after the grace period
+    time.sleep(300)
+    """)
+    start = time.monotonic()
+    code = launcher_main(["-n", "3", "--grace", "1", str(script), str(pids)])
+    elapsed = time.monotonic() - start
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "[rank 1] RuntimeError: rank one exploded on purpose" in err
+    assert "rank 1 exited with exit code 1" in err
+    assert err.rstrip().endswith("RuntimeError: rank one exploded on purpose")  # repeated in the summary
+    assert elapsed < 10, f"job took {elapsed:.1f}s to stop"
+    recorded = [int((pids / name).read_text()) for name in ("rank0", "rank1", "rank2", "grandchild")]
+    assert not [pid for pid in recorded if alive(pid)]
+
+
+def test_interrupting_the_launcher_stops_every_rank(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = write_script(tmp_path, RECORD_PIDS + """
+    time.sleep(300)
+    """)
+    proc = hspmd_run("-n", "2", str(script), str(pids))
+    wait_for_files(pids, ["rank0", "rank1", "grandchild"])
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "interrupted" in err
+    recorded = [int((pids / name).read_text()) for name in ("rank0", "rank1", "grandchild")]
+    assert not [pid for pid in recorded if alive(pid)]
+
+
+def test_a_rank_killed_by_a_signal_fails_the_job(tmp_path, capsys):
+    script = write_script(tmp_path, """
+        import os, signal, time
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(300)
+    """)
+    code = launcher_main(["-n", "2", "--grace", "1", str(script)])
+    assert code == 128 + signal.SIGKILL
+    err = capsys.readouterr().err
+    assert "rank 0 exited with signal SIGKILL" in err
+
+
+def test_a_missing_script_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launcher_main(["-n", "2", str(tmp_path / "nope.py")])
+    assert exit_info.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_a_script_joins_the_job_through_init_from_env(tmp_path, capsys, monkeypatch):
+    script = write_script(tmp_path, """
+        import torch
+        from hspmd.runtime.torch_dist import init_from_env
+        backend = init_from_env(timeout=30)
+        total = backend.all_reduce(torch.tensor([backend.rank + 1.0]), tuple(range(backend.world_size)))
+        print(f"rank {backend.rank} of {backend.world_size} sum {total.item():g}")
+        backend.shutdown()
+    """)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    code = launcher_main(["-n", "2", str(script)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "[rank 0] rank 0 of 2 sum 3" in out
+    assert "[rank 1] rank 1 of 2 sum 3" in out
