@@ -1,0 +1,90 @@
+"""Strategy files: JSON or YAML holding Strategy.to_dict() data (one strategy, or a list of them for
+multi-strategy training). Example (YAML):
+
+    name: c3
+    num_layers: 60
+    zero: false
+    pipelines:
+      - micro_batches: 32
+        micro_batch_size: 1
+        stages:
+          - {ranks: 0-3, layers: 0-19}
+          - {ranks: 4-7, layers: 20-39, tp: 4}
+          - {ranks: "8,9,10,11", layers: [40, 59]}
+
+Every error is a StrategyError naming the file and the key path (e.g. pipelines[0].stages[2].tp).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path as FilePath
+
+import yaml
+
+from hspmd.errors import StrategyError
+from hspmd.specialize.strategy import Strategy, StrategyFieldError, field_context
+
+SUFFIXES = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
+
+
+def _format_of(path: FilePath) -> str:
+    fmt = SUFFIXES.get(path.suffix.lower())
+    if fmt is None:
+        raise StrategyError(f"strategy file {path} has suffix {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
+    return fmt
+
+
+def _read(path: str | FilePath) -> tuple[FilePath, object]:
+    path = FilePath(path)
+    fmt = _format_of(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise StrategyError(f"cannot read strategy file {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if fmt == "json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise StrategyError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    except yaml.YAMLError as exc:
+        raise StrategyError(f"{path} is not valid YAML: {exc}") from None
+    return path, data
+
+
+def _from_data(data: object, path: FilePath, index: int | None = None) -> Strategy:
+    try:
+        if index is None:
+            return Strategy.from_dict(data)
+        with field_context(index):
+            return Strategy.from_dict(data)
+    except StrategyFieldError as exc:
+        raise StrategyError(f"in strategy file {path}: {exc}") from None
+
+
+def load_strategy(path: str | FilePath) -> Strategy:
+    """One strategy from a .json/.yaml/.yml file."""
+    path, data = _read(path)
+    if isinstance(data, list):
+        raise StrategyError(f"{path} holds a list of {len(data)} strategies; load it with load_strategies()")
+    return _from_data(data, path)
+
+
+def load_strategies(path: str | FilePath) -> tuple[Strategy, ...]:
+    """All strategies of a file holding a list of them (a single strategy gives a 1-tuple)."""
+    path, data = _read(path)
+    if not isinstance(data, list):
+        return (_from_data(data, path),)
+    if not data:
+        raise StrategyError(f"{path} holds an empty list; give at least one strategy")
+    return tuple(_from_data(item, path, i) for i, item in enumerate(data))
+
+
+def save_strategy(strategy: Strategy | tuple[Strategy, ...] | list[Strategy], path: str | FilePath) -> None:
+    """Write one strategy (or a list) in the format given by the suffix."""
+    path = FilePath(path)
+    fmt = _format_of(path)
+    data = strategy.to_dict() if isinstance(strategy, Strategy) else [s.to_dict() for s in strategy]
+    if fmt == "json":
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    else:
+        path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -1,0 +1,193 @@
+"""The compact one-line strategy syntax, mirroring the paper's appendix tables.
+
+    33x1: R0-3 L0-14 | R4-7 L15-29 | R8-11 L30-44 | R12-15 L45-59 ; 31x1: R16-19 L0-15 | R30 L16-59 ; zero
+
+Grammar (whitespace is free between words, none inside a word):
+
+    strategy := clause (';' clause)*
+    clause   := pipeline | 'zero' | 'name=' TEXT | 'layers=' INT
+    pipeline := batches ':' stage ('|' stage)*
+    batches  := COUNT 'x' SIZE          micro-batch count x micro-batch size; '?' = bound at run time
+    stage    := 'R' ranks 'L' layers ['tp' INT]
+    ranks    := item (',' item)*        item := INT | INT '-' INT     (0-3,8 = 0,1,2,3,8; TP order)
+    layers   := INT | INT '-' INT       inclusive, as in the paper (L0-14 = layers 0..14)
+
+A stage is one tensor-parallel group, so `tp` may be left out (it must equal the rank count).
+`layers=` is an optional check of the model depth (inferred from the pipelines otherwise); TEXT of
+`name=` runs to the next ';'. Errors are StrategySyntaxError with the offending part marked.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hspmd.errors import StrategyError
+from hspmd.specialize.strategy import (
+    Path,
+    Pipeline,
+    Stage,
+    Strategy,
+    StrategyFieldError,
+    closest_hint,
+    field_context,
+    parse_index_list,
+    parse_layer_range,
+)
+
+OPTIONS = ("zero", "name", "layers")
+_BATCHES = re.compile(r"\s*(\d+|\?)\s*x\s*(\d+|\?)\s*:")
+_WORD = re.compile(r"\S+")
+_STAGE_FIELDS = {"R": "ranks", "L": "layers", "tp": "tp"}
+
+
+class StrategySyntaxError(StrategyError):
+    """The compact strategy text is invalid; `position` points at the offending part."""
+
+    def __init__(self, message: str, text: str, position: int):
+        self.text, self.position = text, position
+        super().__init__(f"{message}\n  {text}\n  {' ' * position}^ (at character {position})")
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.text = text
+        self.positions: dict[Path, int] = {}
+
+    def fail(self, message: str, position: int) -> StrategySyntaxError:
+        return StrategySyntaxError(message, self.text, position)
+
+    def clauses(self):
+        start = 0
+        for part in self.text.split(";"):
+            yield start, part
+            start += len(part) + 1
+
+    def parse(self) -> Strategy:
+        pipelines: list[Pipeline] = []
+        options: dict[str, tuple[int, object]] = {}
+        for start, clause in self.clauses():
+            stripped = clause.lstrip()
+            at = start + len(clause) - len(stripped)
+            if not stripped.strip():
+                raise self.fail("empty clause: expected a pipeline ('16x2: R0-3 L0-29 | ...') or an option", at)
+            if stripped[0].isdigit() or stripped[0] == "?":
+                pipelines.append(self.pipeline(clause, start, len(pipelines)))
+            else:
+                key, value = self.option(stripped, at)
+                if key in options:
+                    raise self.fail(f"option {key!r} is given twice", at)
+                options[key] = (at, value)
+        if not pipelines:
+            raise self.fail("no pipeline: write at least one, e.g. '16x1: R0-3 L0-59'", 0)
+        num_layers = options["layers"][1] if "layers" in options else pipelines[0].num_layers
+        for key in options:
+            self.positions[("num_layers" if key == "layers" else key,)] = options[key][0]
+        name = options["name"][1] if "name" in options else ""
+        return self.build(lambda: Strategy(tuple(pipelines), num_layers, "zero" in options, name))
+
+    def build(self, make, prefix: Path = ()):
+        """Run a constructor; a field error (its path under `prefix`) is reported at the text of the
+        field it names."""
+        try:
+            with field_context(*prefix):
+                return make()
+        except StrategyFieldError as exc:
+            path = exc.path
+            while path and path not in self.positions:
+                path = path[:-1]
+            raise self.fail(str(exc), self.positions.get(path, 0)) from None
+
+    def option(self, clause: str, at: int) -> tuple[str, object]:
+        key, eq, value = clause.partition("=")
+        key = key.strip()
+        if key not in OPTIONS:
+            word = key.split()[0] if key.split() else key
+            if word.startswith("R") or word.startswith("L"):
+                raise self.fail("a pipeline starts with its micro-batches, e.g. '16x2: R0-3 L0-29'", at)
+            raise self.fail(
+                f"unknown clause {word!r}: write a pipeline ('16x2: R0-3 L0-29 | ...') or an option "
+                f"(zero, name=..., layers=...); {closest_hint(word, OPTIONS)}",
+                at,
+            )
+        if key == "zero":
+            if eq or value.strip():
+                raise self.fail("'zero' takes no value", at)
+            return key, True
+        value_at = at + len(clause.partition("=")[0]) + 1
+        if not eq or not value.strip():
+            raise self.fail(f"option {key!r} needs a value, e.g. {key}={'60' if key == 'layers' else 'c2'}", value_at)
+        value = value.strip()
+        if key == "layers":
+            if not value.isdigit():
+                raise self.fail(f"layers= needs a positive integer, got {value!r}", value_at)
+            return key, int(value)
+        return key, value
+
+    def pipeline(self, clause: str, start: int, index: int) -> Pipeline:
+        match = _BATCHES.match(clause)
+        if not match:
+            raise self.fail("a pipeline starts with COUNTxSIZE: (micro-batches x micro-batch size, '?' = run time), e.g. '16x2:'", start)
+        path: Path = ("pipelines", index)
+        self.positions[path] = start
+        self.positions[path + ("micro_batches",)] = start + match.start(1)
+        self.positions[path + ("micro_batch_size",)] = start + match.start(2)
+        counts = [None if g == "?" else int(g) for g in match.groups()]
+        stages = []
+        offset = match.end()
+        for j, part in enumerate(clause[offset:].split("|")):
+            stages.append(self.stage(part, start + offset, path + ("stages", j)))
+            offset += len(part) + 1
+        return self.build(lambda: Pipeline(tuple(stages), *counts), path)
+
+    def stage(self, part: str, start: int, path: Path) -> Stage:
+        fields: dict[str, str] = {}
+        words = list(_WORD.finditer(part))
+        self.positions[path] = start + (words[0].start() if words else 0)
+        if not words:
+            raise self.fail("empty stage: write R<ranks> L<layers>, e.g. R0-3 L0-14", start)
+        for word in words:
+            text, at = word.group(), start + word.start()
+            prefix = "tp" if text.startswith("tp") else text[0]
+            if prefix not in _STAGE_FIELDS:
+                raise self.fail(f"unexpected {text!r}: a stage is R<ranks> L<layers> [tp<n>], e.g. R0-3 L0-14", at)
+            field = _STAGE_FIELDS[prefix]
+            if field in fields:
+                raise self.fail(f"{prefix} given twice in one stage (ranks are written without spaces: R0-3,8)", at)
+            fields[field] = text[len(prefix):]
+            self.positions[path + (field,)] = at + len(prefix)
+        for field, prefix in (("ranks", "R"), ("layers", "L")):
+            if field not in fields:
+                raise self.fail(f"stage has no {prefix}<{field}>, e.g. R0-3 L0-14", self.positions[path])
+        tp = fields.get("tp")
+        if tp is not None and not tp.isdigit():
+            raise self.fail(f"tp needs a positive integer, got {tp!r}", self.positions[path + ("tp",)])
+
+        def make() -> Stage:
+            with field_context(*path, "ranks"):
+                ranks = parse_index_list(fields["ranks"])
+            with field_context(*path, "layers"):
+                layers = parse_layer_range(fields["layers"])
+            with field_context(*path):
+                return Stage(ranks, layers, None if tp is None else int(tp))
+
+        return self.build(make)
+
+
+def parse_strategy(text: str) -> Strategy:
+    """Parse the compact syntax (module docstring) into a validated Strategy."""
+    if not isinstance(text, str):
+        raise StrategyError(f"strategy text must be a string, got {type(text).__name__}")
+    return _Parser(text).parse()
+
+
+def format_strategy(strategy: Strategy) -> str:
+    """The compact text of `strategy`; parse_strategy(format_strategy(s)) == s."""
+    clauses = [f"name={strategy.name}"] if strategy.name else []
+    for p in strategy.pipelines:
+        count = "?" if p.micro_batches is None else p.micro_batches
+        size = "?" if p.micro_batch_size is None else p.micro_batch_size
+        stages = " | ".join(map(str, p.stages))
+        clauses.append(f"{count}x{size}: {stages}")
+    if strategy.zero:
+        clauses.append("zero")
+    return " ; ".join(clauses)
