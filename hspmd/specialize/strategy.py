@@ -12,7 +12,9 @@ stage of that pipeline holding the layer.
 
 Weight layout convention: a linear layer's weight is stored as (in_features, out_features) and
 applied as y = x @ W. Column parallel therefore splits dim 1 (`S1:tp`), row parallel splits dim 0
-(`S0:tp`). The embedding table is (vocab, hidden), the LM head weight (hidden, vocab).
+(`S0:tp`). The embedding table is (vocab, hidden), the LM head weight (hidden, vocab). Norm
+weights are `param_annotation(layer, "replicated")` (the final norm: the last layer's stage);
+tokens enter at `activation_annotation(0)`, logits and labels live at the last layer's.
 
 Validation raises `StrategyFieldError` (a `StrategyError`) whose `path` names the field, e.g.
 `pipelines[1].stages[2].layers`; loaders and the text parser add their own context to it.
@@ -25,6 +27,9 @@ import io
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
+
+from rich.console import Console
+from rich.table import Table
 
 from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Duplicate, Split, Subgroup
 from hspmd.errors import StrategyError
@@ -405,9 +410,6 @@ class Strategy:
 
     def describe(self) -> str:
         """A readable table of pipelines, stages, layers, ranks, TP degrees and micro-batches."""
-        from rich.console import Console
-        from rich.table import Table
-
         title = (
             f"{self.name or 'strategy'}: {self.num_layers} layers, {len(self.all_ranks)} devices, "
             f"{len(self.pipelines)} pipeline(s), ZeRO {'on' if self.zero else 'off'}"

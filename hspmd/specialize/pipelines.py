@@ -1,0 +1,224 @@
+"""Pipeline discovery (paper section 5.4): which devices form which stage of which pipeline.
+
+Start with one pipeline per device; devices joined by a collective share a stage; a P2P edge
+(src -> dst) makes src's stage precede dst's. A pipeline is then a connected set of stages: the
+minimal device set that runs one micro-batch's whole dataflow.
+
+Inputs are the CommOps scheduled per micro-batch, forward direction only: the backward pass mirrors
+the forward P2P edges in reverse and would only add cycles, and once-per-step communication
+(gradient synchronisation between data-parallel pipelines, the initial parameter broadcast) must be
+left out, since its collectives span pipelines and would merge them into one.
+
+Valid stage graphs are DAGs: a chain is the usual pipeline, and a stage may feed several later
+stages (a skip connection across stages, or two branches that join again); stages are returned in a
+topological order with ties broken by smallest rank, and `links` keeps the exact edges. A cycle is
+the only inconsistent pattern (one micro-batch's data would return to an earlier stage).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Iterable
+
+from hspmd.annotations import DeviceGroup
+from hspmd.errors import HSPMDError
+from hspmd.specialize.strategy import Strategy
+
+StageDevices = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Stages (sorted device tuples) in dataflow order and `links` = (producer, consumer) stage
+    indices, sorted. Iterating, indexing and len() go over the stages."""
+
+    stages: tuple[StageDevices, ...]
+    links: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def chain(cls, stages: Iterable[Iterable[int]]) -> "PipelineLayout":
+        stages = tuple(tuple(sorted(s)) for s in stages)
+        return cls(stages, tuple((j, j + 1) for j in range(len(stages) - 1)))
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(sorted(d for s in self.stages for d in s))
+
+    @property
+    def is_chain(self) -> bool:
+        return self.links == tuple((j, j + 1) for j in range(len(self.stages) - 1))
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __iter__(self):
+        return iter(self.stages)
+
+    def __getitem__(self, index: int) -> StageDevices:
+        return self.stages[index]
+
+    def __str__(self) -> str:
+        arrows = " -> " if self.is_chain else " , "
+        return arrows.join(str(DeviceGroup(s)) for s in self.stages)
+
+
+@dataclass(frozen=True)
+class CommPattern:
+    """The per-micro-batch communication of a strategy: collective groups, forward P2P edges, and
+    every device (a lone single-stage TP1 pipeline communicates with nobody)."""
+
+    collective_groups: tuple[tuple[int, ...], ...]
+    p2p_edges: tuple[tuple[int, int], ...]
+    devices: tuple[int, ...]
+
+
+def _device(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise HSPMDError(f"{where}: device ids must be non-negative integers, got {value!r}")
+    return value
+
+
+class _Stages:
+    """Union-find over devices: the classes are the stages."""
+
+    def __init__(self):
+        self.parent: dict[int, int] = {}
+
+    def add(self, d: int) -> None:
+        self.parent.setdefault(d, d)
+
+    def find(self, d: int) -> int:
+        root = d
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[d] != root:
+            self.parent[d], d = root, self.parent[d]
+        return root
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+    def classes(self) -> dict[int, StageDevices]:
+        members: dict[int, list[int]] = {}
+        for d in self.parent:
+            members.setdefault(self.find(d), []).append(d)
+        return {root: tuple(sorted(ds)) for root, ds in members.items()}
+
+
+def discover_pipelines(
+    collective_groups: Iterable[Iterable[int]],
+    p2p_edges: Iterable[tuple[int, int]],
+    devices: Iterable[int] = (),
+) -> tuple[PipelineLayout, ...]:
+    """Pipelines from per-micro-batch communication (module docstring), ordered by smallest rank.
+    `devices` adds devices that take part in no communication (each its own pipeline)."""
+    stages = _Stages()
+    for i, group in enumerate(collective_groups):
+        members = [_device(d, f"collective group {i}") for d in group]
+        if not members:
+            raise HSPMDError(f"collective group {i} is empty; a collective needs at least one device")
+        for d in members:
+            stages.add(d)
+            stages.union(members[0], d)
+    edges = []
+    for i, edge in enumerate(p2p_edges):
+        edge = tuple(edge)
+        if len(edge) != 2:
+            raise HSPMDError(f"P2P edge {i} is {edge!r}; give (src, dst) pairs")
+        src, dst = (_device(d, f"P2P edge {i}") for d in edge)
+        stages.add(src)
+        stages.add(dst)
+        edges.append((src, dst))
+    for d in devices:
+        stages.add(_device(d, "devices"))
+
+    classes = stages.classes()
+    successors: dict[int, set[int]] = {root: set() for root in classes}
+    neighbours: dict[int, set[int]] = {root: set() for root in classes}
+    for src, dst in edges:
+        a, b = stages.find(src), stages.find(dst)
+        if a != b:
+            successors[a].add(b)
+            neighbours[a].add(b)
+            neighbours[b].add(a)
+
+    layouts = []
+    seen: set[int] = set()
+    for root in sorted(classes, key=lambda r: classes[r][0]):
+        if root in seen:
+            continue
+        component, frontier = {root}, [root]
+        while frontier:
+            for n in neighbours[frontier.pop()] - component:
+                component.add(n)
+                frontier.append(n)
+        seen |= component
+        layouts.append(_order(component, successors, classes))
+    return tuple(sorted(layouts, key=lambda p: p.devices[0]))
+
+
+def _order(component: set[int], successors: dict[int, set[int]], classes: dict[int, StageDevices]) -> PipelineLayout:
+    """Topological order of one pipeline's stages (ties: smallest rank first); raise on a cycle."""
+    indegree = {n: 0 for n in component}
+    for n in component:
+        for m in successors[n]:
+            indegree[m] += 1
+    ready = [(classes[n][0], n) for n in component if indegree[n] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for m in successors[n]:
+            indegree[m] -= 1
+            if indegree[m] == 0:
+                heapq.heappush(ready, (classes[m][0], m))
+    if len(order) < len(component):
+        raise HSPMDError(_cycle_message(set(component) - set(order), successors, classes))
+    position = {n: k for k, n in enumerate(order)}
+    links = sorted((position[n], position[m]) for n in order for m in successors[n])
+    return PipelineLayout(tuple(classes[n] for n in order), tuple(links))
+
+
+def _cycle_message(stuck: set[int], successors: dict[int, set[int]], classes: dict[int, StageDevices]) -> str:
+    """Every stage left after a topological sort has a predecessor also left: walk back to a cycle."""
+    predecessor = {m: n for n in sorted(stuck) for m in successors[n] if m in stuck}
+    walk, n = [], min(stuck)
+    while n not in walk:
+        walk.append(n)
+        n = predecessor[n]
+    cycle = walk[walk.index(n):][::-1]
+    first = min(range(len(cycle)), key=lambda k: classes[cycle[k]][0])
+    cycle = cycle[first:] + cycle[:first]
+    names = " -> ".join(str(DeviceGroup(classes[s])) for s in cycle + cycle[:1])
+    return (
+        f"P2P edges form a cycle between stages {names}: one micro-batch's forward dataflow cannot return "
+        f"to an earlier stage. Pass only the forward-pass CommOps (the backward pass mirrors them) and leave "
+        f"out once-per-step communication such as gradient synchronisation."
+    )
+
+
+def expected_pipelines(strategy: Strategy) -> tuple[PipelineLayout, ...]:
+    """The layout a strategy declares, in discover_pipelines' order and form."""
+    layouts = (PipelineLayout.chain(s.ranks for s in p.stages) for p in strategy.pipelines)
+    return tuple(sorted(layouts, key=lambda p: p.devices[0]))
+
+
+def comm_pattern(strategy: Strategy) -> CommPattern:
+    """The per-micro-batch forward communication a Llama under `strategy` generates: one TP
+    all-reduce group per stage with tp > 1 (attention/MLP outputs, vocab-parallel embedding and
+    loss), and the activation hand-off between consecutive stages, where receiver j of the next
+    TP group takes the whole activation from sender j mod |previous group| (the least-loaded BSR
+    choice when every link is equal). Gradient sync between pipelines is once per step: excluded."""
+    groups, edges = [], []
+    for p in strategy.pipelines:
+        for j, stage in enumerate(p.stages):
+            if stage.tp > 1:
+                groups.append(stage.ranks)
+            if j > 0:
+                senders = p.stages[j - 1].ranks
+                edges.extend((senders[k % len(senders)], r) for k, r in enumerate(stage.ranks))
+    return CommPattern(tuple(groups), tuple(edges), strategy.all_ranks)
