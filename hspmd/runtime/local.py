@@ -73,7 +73,8 @@ class LocalBackend(Backend):
     def __init__(self, world: LocalWorld, rank: int):
         self.world, self.rank, self.world_size = world, rank, len(world.devices)
         self._group_calls: dict[Group, int] = {}
-        self._pair_calls: dict[tuple[int, int], int] = {}
+        self._sent: dict[int, int] = {}  # messages sent to each peer so far
+        self._received: dict[int, int] = {}  # messages received from each peer so far
 
     def _key(self, kind: str, group: Group) -> tuple:
         if self.rank not in group:
@@ -103,13 +104,13 @@ class LocalBackend(Backend):
         self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, tuple[Shape, torch.dtype]]
     ) -> dict[int, torch.Tensor]:
         for peer, tensor in sends.items():
-            n = self._pair_calls.get((self.rank, peer), 0)
-            self._pair_calls[(self.rank, peer)] = n + 1
+            n = self._sent.get(peer, 0)
+            self._sent[peer] = n + 1
             self.world.post((self.rank, peer, n), tensor.clone())
         out = {}
         for peer, (shape, dtype) in recvs.items():
-            n = self._pair_calls.get((peer, self.rank), 0)
-            self._pair_calls[(peer, self.rank)] = n + 1
+            n = self._received.get(peer, 0)
+            self._received[peer] = n + 1
             got = self.world.take((peer, self.rank, n))
             if tuple(got.shape) != tuple(shape) or got.dtype != dtype:
                 raise CommunicationError(

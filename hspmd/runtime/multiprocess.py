@@ -18,10 +18,12 @@ from typing import Any, Callable
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.runtime.ports import LOOPBACK, free_port
 
-# After the first failure, how long to wait for the other ranks' reports: a rank that only saw its
-# peer vanish (CommunicationError) reports too, and the caller wants the original error.
+# After a CommunicationError, how long to wait for the other ranks' reports: it may only be the
+# echo of a peer's own failure, and the caller wants that original error.
 _REPORT_GRACE_S = 2.0
 _TERMINATE_GRACE_S = 3.0
+# Ranks start at different times (each imports torch); a short comm_timeout must not cut that off.
+_RENDEZVOUS_S = 60.0
 
 
 def run_multiprocess(
@@ -71,6 +73,8 @@ def _collect(procs: list, reports: Any, timeout: float) -> list[Any]:
     first_failure_at: float | None = None
     while len(results) + len(failures) < len(procs):
         now = time.monotonic()
+        if any(not is_comm for is_comm, _ in failures.values()):
+            break
         if first_failure_at is not None and now - first_failure_at > _REPORT_GRACE_S:
             break
         if now > deadline:
@@ -137,7 +141,7 @@ def _rank_main(fn, args, rank, nprocs, port, backend, comm_timeout, reports) -> 
 
     comm = None
     try:
-        comm = init_from_env(backend, timeout=comm_timeout)
+        comm = init_from_env(backend, timeout=comm_timeout, rendezvous_timeout=max(comm_timeout, _RENDEZVOUS_S))
         result = pickle.dumps(fn(comm, *args))
         reports.put((rank, True, result))
     except BaseException as exc:  # noqa: BLE001 - forwarded to the parent

@@ -244,12 +244,15 @@ class TorchDistBackend(Backend):
         _GROUPS_BY_WORLD.pop(self._world, None)
 
 
-def init_from_env(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> TorchDistBackend:
+def init_from_env(
+    backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, rendezvous_timeout: float | None = None
+) -> TorchDistBackend:
     """Join the job described by torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT, LOCAL_RANK), as set by `hspmd run` and by torchrun.
 
-    `backend` defaults to $HSPMD_BACKEND, else gloo. `timeout` bounds the rendezvous and every
-    collective, so a crashed or missing peer turns into a CommunicationError, never a hang."""
+    `backend` defaults to $HSPMD_BACKEND, else gloo. `timeout` bounds every collective and group
+    creation, so a crashed or missing peer turns into a CommunicationError, never a hang;
+    `rendezvous_timeout` (default: `timeout`) bounds the wait for all ranks to start."""
     backend = (backend or os.environ.get("HSPMD_BACKEND") or "gloo").lower()
     if backend not in SUPPORTED_BACKENDS:
         raise HSPMDError(f"unknown backend {backend!r}: use one of {', '.join(SUPPORTED_BACKENDS)}")
@@ -266,21 +269,28 @@ def init_from_env(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S
             raise HSPMDError("backend 'nccl' needs a CUDA GPU and none is visible: use --backend gloo")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        try:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://{address}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=timeout),
-            )
-        except Exception as exc:  # noqa: BLE001 - re-raised typed
-            raise CommunicationError(
-                f"rank {rank} of {world_size} could not join the job at {address} with {backend} within "
-                f"{timeout:g}s: {type(exc).__name__}: {exc}"
-            ) from exc
+        _join(backend, rank, world_size, timeout, timeout if rendezvous_timeout is None else rendezvous_timeout)
     return TorchDistBackend(timeout=timeout)
+
+
+def _join(backend: str, rank: int, world_size: int, timeout: float, rendezvous_timeout: float) -> None:
+    """init_process_group over a TCPStore hosted by rank 0, or over torchrun's agent store when
+    torchrun provides one (TORCHELASTIC_USE_AGENT_STORE); then the rendezvous uses `timeout` too."""
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+            return
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+            is_master=rank == 0, timeout=timedelta(seconds=rendezvous_timeout),
+        )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - re-raised typed
+        raise CommunicationError(
+            f"rank {rank} of {world_size} could not join the job at {address} with {backend} within "
+            f"{rendezvous_timeout:g}s: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _default_device(dist_backend: str) -> torch.device:
