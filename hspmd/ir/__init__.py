@@ -1,1 +1,22 @@
-"""hspmd.ir"""
+"""The graph IR and the DSL that builds single-device-view graphs."""
+
+from hspmd.ir.dsl import (
+    comm,
+    constant,
+    gradient_annotation,
+    initial_value,
+    normal,
+    ones,
+    parameter,
+    placeholder,
+    state,
+    uniform,
+    zeros,
+)
+from hspmd.ir.graph import Derived, Graph, Node, OpDef, Tensor
+from hspmd.ir.shapes import Binding, symbols
+
+__all__ = [
+    "Binding", "Derived", "Graph", "Node", "OpDef", "Tensor", "comm", "constant", "gradient_annotation",
+    "initial_value", "normal", "ones", "parameter", "placeholder", "state", "symbols", "uniform", "zeros",
+]

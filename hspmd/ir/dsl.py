@@ -1,0 +1,147 @@
+"""The DSL entry points that create leaves and CommOps: placeholder, parameter, state, comm.
+
+    g = Graph("mlp")
+    B, = symbols("B")
+    x = placeholder(g, "x", (B, 8), annotation="S0:2@[0,1]")
+    w = parameter(g, "w", (8, 16), init=init.normal(0.02), annotation="D:2@[0,1]")
+    y = comm(x @ w, "D:2@[0,1]")
+
+`annotation` is one annotation, a list (one per strategy) or a Hierarchy; it may be left out and
+given later with Graph.add_strategy.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Sequence
+
+import torch
+
+from hspmd.annotations import Annotation
+from hspmd.errors import HSPMDError
+from hspmd.ir.graph import Derived, Graph, Node, OpDef, Tensor
+from hspmd.ir.shapes import as_shape
+
+Initializer = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
+
+
+class _Leaf(OpDef):
+    is_leaf = True
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def describe(self, node: Node) -> str:
+        return str(node.output.dtype).replace("torch.", "")
+
+
+PLACEHOLDER, PARAMETER, STATE = _Leaf("placeholder"), _Leaf("parameter"), _Leaf("state")
+
+
+class CommDef(OpDef):
+    """Changes a tensor's annotation (the only op allowed to change its DG union or HSize).
+
+    Its value is its input's; specialization replaces it by the resolved primitives. Its gradient
+    is the reverse reshard: back to the input's annotation, with Partial read as Duplicate (the
+    gradient of a sum reaches every summand whole)."""
+
+    kind = "comm"
+    is_comm = True
+
+    def gradient(self, node: Node, grads):
+        (g,) = grads
+        if g is None:
+            return [None]
+        x = node.inputs[0]
+        return [comm(g, Derived((x,), lambda _, refs: gradient_annotation(refs[0]), f"grad layout of {x.name}"),
+                     name=node.graph.unique_name(node.name))]
+
+
+def gradient_annotation(ann: Annotation) -> Annotation:
+    """The layout a gradient takes when it flows back to a tensor laid out as `ann`: the same
+    splits, with every Partial (bottom tier or HDim P) read as Duplicate."""
+    from hspmd.annotations import DistributedStates, Duplicate, Partial, Subgroup
+
+    subs = tuple(
+        Subgroup(s.dg, DistributedStates(tuple(Duplicate(a.n) if isinstance(a, Partial) else a for a in s.ds.axes)))
+        for s in ann.subgroups
+    )
+    hdim = "D" if ann.hdim == "P" else ann.hdim
+    return Annotation(subs, hdim, ann.ratios if isinstance(hdim, int) else None)
+
+
+COMM = CommDef()
+
+
+def placeholder(graph: Graph, name: str, shape: Sequence[object], dtype: torch.dtype = torch.float32,
+                annotation: object = None) -> Tensor:
+    """A per-micro-batch input, fed at run time."""
+    node = graph.add_node(PLACEHOLDER, (), [(as_shape(shape, f"placeholder {name}"), dtype)], name=name)
+    graph.set_annotation(node, annotation)
+    return node.output
+
+
+def parameter(graph: Graph, name: str, shape: Sequence[object], init: Initializer | None = None,
+              dtype: torch.dtype = torch.float32, annotation: object = None) -> Tensor:
+    """A trained weight. `init(shape, generator)` makes the whole tensor once; each device keeps
+    its piece (the generator is seeded from the name, so every device agrees)."""
+    full = as_shape(shape, f"parameter {name}")
+    if any(not isinstance(d, int) for d in full):
+        raise HSPMDError(f"parameter {name}: shape {full} must be concrete ints (no run-time symbols)")
+    node = graph.add_node(PARAMETER, (), [(full, dtype)], name=name)
+    node.init = init or normal(0.02)
+    graph.set_annotation(node, annotation)
+    return node.output
+
+
+def state(graph: Graph, name: str, like: Tensor, annotation: object, init: Initializer | None = None) -> Tensor:
+    """A non-trained per-step value (optimizer moments), zero unless `init` says otherwise."""
+    node = graph.add_node(STATE, (), [(like.shape, like.dtype)], name=name)
+    node.init = init or zeros()
+    graph.set_annotation(node, annotation)
+    return node.output
+
+
+def comm(x: Tensor, annotation: object, name: str | None = None) -> Tensor:
+    """Reshard `x` to `annotation` (one per strategy, or a Derived rule)."""
+    if not isinstance(x, Tensor):
+        raise HSPMDError(f"comm: expected a graph tensor, got {x!r}")
+    node = x.graph.add_node(COMM, (x,), [(x.shape, x.dtype)], name=name)
+    x.graph.set_annotation(node, annotation)
+    return node.output
+
+
+def name_seed(name: str, seed: int = 0) -> int:
+    return zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+
+
+def normal(std: float = 0.02, mean: float = 0.0) -> Initializer:
+    return lambda shape, gen: torch.randn(shape, generator=gen) * std + mean
+
+
+def uniform(bound: float) -> Initializer:
+    return lambda shape, gen: (torch.rand(shape, generator=gen) * 2 - 1) * bound
+
+
+def zeros() -> Initializer:
+    return lambda shape, gen: torch.zeros(shape)
+
+
+def ones() -> Initializer:
+    return lambda shape, gen: torch.ones(shape)
+
+
+def constant(value: float) -> Initializer:
+    return lambda shape, gen: torch.full(shape, float(value))
+
+
+def initial_value(node: Node, seed: int = 0) -> torch.Tensor:
+    """The whole initial tensor of a parameter or state (deterministic in its name and `seed`)."""
+    gen = torch.Generator().manual_seed(name_seed(node.name, seed))
+    return node.init(tuple(node.output.shape), gen).to(node.output.dtype)
+
+
+__all__ = [
+    "COMM", "CommDef", "Initializer", "PARAMETER", "PLACEHOLDER", "STATE", "comm", "constant", "gradient_annotation",
+    "initial_value", "name_seed", "normal", "ones", "parameter", "placeholder", "state", "uniform", "zeros",
+]

@@ -1,0 +1,106 @@
+"""Symbolic shapes: dims are ints or sympy expressions in run-time symbols (batch, sequence, ...).
+
+Shapes are checked when the graph is built, so a mismatch that would only surface inside a
+communication at run time (two tensors whose batch dims are different symbols) is an error at
+build time. A `Binding` gives the symbols (and run-time top-tier ratios) their values for one
+micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Mapping, Sequence, Union
+
+import sympy
+
+from hspmd.errors import ShapeError
+
+Dim = Union[int, sympy.Expr]
+Shape = tuple[Dim, ...]
+
+
+def symbols(names: str) -> tuple[sympy.Symbol, ...]:
+    """Positive integer symbols for run-time dims: `B, S = symbols("B S")`."""
+    out = sympy.symbols(names, integer=True, positive=True)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def as_dim(value: object, where: str) -> Dim:
+    if isinstance(value, bool):
+        raise ShapeError(f"{where}: a dim must be an int or a sympy expression, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ShapeError(f"{where}: dim {value} is negative")
+        return value
+    if isinstance(value, sympy.Basic):
+        value = sympy.sympify(value)
+        return int(value) if value.is_Integer else value
+    raise ShapeError(f"{where}: a dim must be an int or a sympy expression, got {value!r}")
+
+
+def as_shape(values: Sequence[object], where: str) -> Shape:
+    return tuple(as_dim(v, where) for v in values)
+
+
+def same_dim(a: Dim, b: Dim) -> bool:
+    """Equal for every binding of the symbols (a structural check, never a guess)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def numel(shape: Shape) -> Dim:
+    return sympy.sympify(prod(shape)) if any(not isinstance(d, int) for d in shape) else prod(shape)
+
+
+def format_shape(shape: Shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Values of the run-time symbols for one micro-batch, and ratios for run-time top-tier splits
+    (`H0{...}` annotations): one weight per subgroup, e.g. the per-pipeline micro-batch sizes."""
+
+    values: tuple[tuple[str, int], ...] = ()
+    ratios: tuple[int, ...] | None = None
+
+    @staticmethod
+    def of(values: Mapping[object, int] | None = None, ratios: Sequence[int] | None = None) -> "Binding":
+        items = tuple(sorted((str(k), int(v)) for k, v in (values or {}).items()))
+        return Binding(items, None if ratios is None else tuple(ratios))
+
+    @property
+    def mapping(self) -> dict[str, int]:
+        return dict(self.values)
+
+    def dim(self, d: Dim, where: str = "") -> int:
+        if isinstance(d, int):
+            return d
+        subs = {s: self.mapping[s.name] for s in d.free_symbols if s.name in self.mapping}
+        value = sympy.sympify(d).subs(subs)
+        if not value.is_Integer:
+            missing = sorted(s.name for s in value.free_symbols)
+            raise ShapeError(
+                f"{where or 'shape'}: dim {d} needs a value for symbol(s) {missing}; "
+                f"bind them, e.g. Binding.of({{{', '.join(repr(m) + ': ...' for m in missing)}}})"
+            )
+        if value < 0:
+            raise ShapeError(f"{where or 'shape'}: dim {d} is {value} < 0 under binding {self.mapping}")
+        return int(value)
+
+    def shape(self, shape: Shape, where: str = "") -> tuple[int, ...]:
+        return tuple(self.dim(d, where) for d in shape)
+
+    def scalar(self, value: float | sympy.Expr, where: str = "") -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        subs = {s: self.mapping[s.name] for s in value.free_symbols if s.name in self.mapping}
+        out = sympy.sympify(value).subs(subs)
+        if out.free_symbols:
+            raise ShapeError(f"{where or 'scalar'}: {value} needs symbol(s) {sorted(map(str, out.free_symbols))} bound")
+        return float(out)
+
+
+__all__ = ["Binding", "Dim", "Shape", "as_dim", "as_shape", "format_shape", "numel", "same_dim", "symbols"]

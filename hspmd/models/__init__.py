@@ -1,0 +1,1 @@
+"""Models written in the hspmd DSL (and their plain-torch references)."""

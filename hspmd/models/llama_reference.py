@@ -1,0 +1,67 @@
+"""The same small Llama in plain torch on one device: the independent reference that every
+parallel strategy is checked against (it shares nothing with hspmd but the parameter names)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _rmsnorm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, base):
+    """x: [batch, seq, heads, head_dim]; rotate-half form with positions 0..seq-1."""
+    s, d = x.shape[1], x.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos().to(x.dtype)[None, :, None, :], ang.sin().to(x.dtype)[None, :, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_loss(params: dict[str, torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor, layers: int,
+                   heads: int, eps: float = 1e-6, rope_base: float = 10000.0, tokens_per_step: int | None = None):
+    """Sum of token cross-entropies / tokens_per_step (default: the tokens given)."""
+    b, s = tokens.shape
+    x = params["embed"][tokens]
+    for l in range(layers):
+        p = lambda n: params[f"layers.{l}.{n}"]
+        h = _rmsnorm(x, p("attn_norm"), eps)
+        hd = h.shape[-1] // heads
+        q = _rope((h @ p("wq")).view(b, s, heads, hd), rope_base).transpose(1, 2)
+        k = _rope((h @ p("wk")).view(b, s, heads, hd), rope_base).transpose(1, 2)
+        v = (h @ p("wv")).view(b, s, heads, hd).transpose(1, 2)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        att = att.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        o = (att @ v).transpose(1, 2).reshape(b, s, -1)
+        x = x + o @ p("wo")
+        m = _rmsnorm(x, p("mlp_norm"), eps)
+        x = x + (F.silu(m @ p("w_gate")) * (m @ p("w_up"))) @ p("w_down")
+    logits = _rmsnorm(x, params["final_norm"], eps) @ params["lm_head"]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+    return loss / (tokens_per_step or tokens.numel())
+
+
+def reference_training(params: dict[str, torch.Tensor], batches, layers: int, heads: int, steps: int,
+                       lr: float, betas=(0.9, 0.999), eps_adam: float = 1e-8, weight_decay: float = 0.0):
+    """Train with torch.optim.AdamW; `batches(step)` gives (tokens, labels) of the whole step.
+    Returns per step (loss, {name: grad}) and the final parameters."""
+    ps = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    opt = torch.optim.AdamW(list(ps.values()), lr=lr, betas=betas, eps=eps_adam, weight_decay=weight_decay)
+    history = []
+    for step in range(steps):
+        tokens, labels = batches(step)
+        opt.zero_grad()
+        loss = reference_loss(ps, tokens, labels, layers, heads)
+        loss.backward()
+        history.append((loss.item(), {k: v.grad.clone() for k, v in ps.items()}))
+        opt.step()
+    return history, {k: v.detach().clone() for k, v in ps.items()}
+
+
+__all__ = ["reference_loss", "reference_training"]

@@ -1,0 +1,336 @@
+"""Neural-network ops of a Llama-style model: embedding, softmax, rmsnorm / layernorm, rotary
+embedding, causal attention, SwiGLU, cross-entropy. Fused backward ops compute their local
+gradient with torch autograd on the local pieces; their deduction rules say where that is exact."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hspmd.annotations import Duplicate, Partial, Split
+from hspmd.errors import ShapeError
+from hspmd.ir.graph import Node, Tensor
+from hspmd.ir.shapes import format_shape, same_dim
+from hspmd.ops.base import RuleOp, make, normalize_dim
+from hspmd.ops.elementwise import add, mul, silu
+from hspmd.ops.rules import Mismatch, elementwise_rule
+
+
+def _local_shape(box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+# ---------------------------------------------------------------- embedding
+
+
+class Embedding(RuleOp):
+    """table[ids]; a vocab-split table gives Partial outputs (rows outside the piece read as 0)."""
+
+    kind = "embedding"
+
+    def rule(self, node: Node):
+        last = node.output.ndim - 1
+
+        def rule(axes):
+            ia, ta = axes
+            if isinstance(ia, Partial):
+                raise Mismatch("token ids cannot be partial")
+            if isinstance(ia, Split):
+                if not isinstance(ta, Duplicate):
+                    raise Mismatch("ids are split while the table is not whole at the same axis")
+                return Split(ia.dim, ia.n), 0
+            if isinstance(ta, Split):
+                return (Partial(ta.n), None) if ta.dim == 0 else (Split(last, ta.n), 1)
+            return ta, None
+
+        return rule
+
+    def compute(self, node, ctx, inputs):
+        ids, table = inputs
+        v0, v1 = ctx.in_box(1)[0]
+        if (v0, v1) == (0, ctx.in_shape(1)[0]):
+            return [F.embedding(ids, table)]
+        inside = (ids >= v0) & (ids < v1)
+        out = F.embedding((ids - v0).clamp(0, max(v1 - v0 - 1, 0)), table) if v1 > v0 else \
+            torch.zeros(tuple(ids.shape) + (table.shape[1],), dtype=table.dtype)
+        return [out * inside.unsqueeze(-1).to(out.dtype)]
+
+    def gradient(self, node, grads):
+        ids, table = node.inputs
+        g = make(EMBEDDING_GRAD, [ids, grads[0], table], [(table.shape, table.dtype)]).output
+        return [None, g]
+
+
+class EmbeddingGrad(RuleOp):
+    """Scatter-add of output gradients into the table's rows (inputs: ids, grad, table)."""
+
+    kind = "embedding_grad"
+
+    def rule(self, node: Node):
+        glast = node.inputs[1].ndim - 1
+
+        def rule(axes):
+            ia, ga, ta = axes
+            if isinstance(ia, Split) and isinstance(ga, Split) and ia.dim == ga.dim and isinstance(ta, Duplicate):
+                return Partial(ia.n), None
+            if isinstance(ia, Duplicate):
+                if isinstance(ta, Split) and ta.dim == 0 and isinstance(ga, Duplicate):
+                    return Split(0, ta.n), 2
+                if isinstance(ta, Split) and ta.dim == 1 and isinstance(ga, Split) and ga.dim == glast:
+                    return Split(1, ta.n), 2
+                if isinstance(ta, Duplicate) and not isinstance(ga, Split):
+                    return ga, None
+            raise Mismatch(f"ids {ia}, gradient {ga} and table {ta} do not line up")
+
+        return rule
+
+    def compute(self, node, ctx, inputs):
+        ids, g, table = inputs
+        v0, v1 = ctx.in_box(2)[0]
+        out = torch.zeros(tuple(table.shape), dtype=g.dtype)
+        flat_ids, flat_g = ids.reshape(-1), g.reshape(-1, g.shape[-1])
+        inside = (flat_ids >= v0) & (flat_ids < v1)
+        out.index_add_(0, flat_ids[inside] - v0, flat_g[inside])
+        return [out]
+
+
+EMBEDDING, EMBEDDING_GRAD = Embedding(), EmbeddingGrad()
+
+
+def embedding(ids: Tensor, table: Tensor) -> Tensor:
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ShapeError(f"embedding: ids {ids.name} must be an integer tensor, got {ids.dtype}")
+    if table.ndim != 2:
+        raise ShapeError(f"embedding: table {table.name} must be [vocab, hidden], got {format_shape(table.shape)}")
+    return make(EMBEDDING, [ids, table], [(tuple(ids.shape) + (table.shape[1],), table.dtype)]).output
+
+
+# ---------------------------------------------------------------- fused local ops with autograd
+
+
+class Fused(RuleOp):
+    """An op computed by `forward(inputs, attrs, ctx)`, elementwise-like deduction with `whole_dims`
+    (negative = from the end) kept whole, and an autograd-based backward op `<kind>_grad` that
+    takes (inputs..., grad) and returns one gradient per differentiable input."""
+
+    def __init__(self, kind: str, forward, whole_dims=(), linear: bool = False, diff_inputs=(0,)):
+        self.kind, self.forward, self.whole_dims = kind, forward, whole_dims
+        self.linear, self.diff_inputs = linear, diff_inputs
+        self.backward = FusedGrad(self) if diff_inputs else None
+
+    def rule(self, node: Node):
+        return elementwise_rule([t.shape for t in node.inputs], node.output.shape,
+                                "all" if self.linear else "none", whole_dims=self.whole(node))
+
+    def whole(self, node: Node) -> tuple[int, ...]:
+        return self.whole_dims(node.attrs) if callable(self.whole_dims) else self.whole_dims
+
+    def compute(self, node, ctx, inputs):
+        return [self.forward(inputs, node.attrs, ctx)]
+
+    def gradient(self, node, grads):
+        (g,) = grads
+        outs = make(self.backward, list(node.inputs) + [g],
+                    [(node.inputs[i].shape, node.inputs[i].dtype) for i in self.diff_inputs],
+                    attrs=node.attrs).outputs
+        grads_in = [None] * len(node.inputs)
+        for i, t in zip(self.diff_inputs, outs):
+            grads_in[i] = t
+        return grads_in
+
+    def describe(self, node):
+        return ", ".join(f"{k}={v}" for k, v in node.attrs.items())
+
+
+class FusedGrad(RuleOp):
+    """Vector-Jacobian product of a Fused op on the local pieces (linear in the gradient input)."""
+
+    def __init__(self, op: Fused):
+        self.op, self.kind = op, op.kind + "_grad"
+
+    def rule(self, node: Node):
+        n = len(node.inputs)
+        return elementwise_rule([t.shape for t in node.inputs], node.inputs[0].shape, "one", (n - 1,),
+                                whole_dims=self.op.whole(node))
+
+    def compute(self, node, ctx, inputs):
+        *xs, g = inputs
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(i in self.op.diff_inputs) for i, x in enumerate(xs)]
+            y = self.op.forward(leaves, node.attrs, ctx)
+            wanted = [leaves[i] for i in self.op.diff_inputs]
+            out = torch.autograd.grad(y, wanted, g, allow_unused=True)
+        return [o if o is not None else torch.zeros_like(w) for o, w in zip(out, wanted)]
+
+
+def _softmax(inputs, attrs, ctx):
+    return torch.softmax(inputs[0], dim=attrs["dim"])
+
+
+def _rms_normalize(inputs, attrs, ctx):
+    x = inputs[0]
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + attrs["eps"])
+
+
+def _layer_normalize(inputs, attrs, ctx):
+    x = inputs[0]
+    mu = x.mean(-1, keepdim=True)
+    var = (x - mu).pow(2).mean(-1, keepdim=True)
+    return (x - mu) * torch.rsqrt(var + attrs["eps"])
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, base: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotary(inputs, attrs, ctx):
+    x = inputs[0]
+    seq_dim = attrs["seq_dim"]
+    start = ctx.in_box(0)[seq_dim][0]
+    cos, sin = rotary_tables(torch.arange(start, start + x.shape[seq_dim]), x.shape[-1], attrs["base"], x.dtype)
+    view = [1] * x.dim()
+    view[seq_dim], view[-1] = x.shape[seq_dim], x.shape[-1]
+    cos, sin = cos.reshape(view), sin.reshape(view)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _causal_attention(inputs, attrs, ctx):
+    q, k, v = inputs
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = q.shape[-2]
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+SOFTMAX = Fused("softmax", _softmax, whole_dims=lambda attrs: (attrs["dim"],))
+RMS_NORMALIZE = Fused("rms_normalize", _rms_normalize, whole_dims=(-1,))
+LAYER_NORMALIZE = Fused("layer_normalize", _layer_normalize, whole_dims=(-1,))
+ROTARY = Fused("rotary", _rotary, whole_dims=(-1,), linear=True)
+CAUSAL_ATTENTION = Fused("causal_attention", _causal_attention, whole_dims=(-2, -1), diff_inputs=(0, 1, 2))
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    dim = normalize_dim(dim, x.ndim, "softmax")
+    return make(SOFTMAX, [x], [(x.shape, x.dtype)], attrs={"dim": dim}).output
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / rms(x) * weight over the last dim (which must be whole on each device)."""
+    return mul(make(RMS_NORMALIZE, [x], [(x.shape, x.dtype)], attrs={"eps": eps}).output, weight)
+
+
+def layernorm(x: Tensor, weight: Tensor, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    y = mul(make(LAYER_NORMALIZE, [x], [(x.shape, x.dtype)], attrs={"eps": eps}).output, weight)
+    return add(y, bias) if bias is not None else y
+
+
+def rotary(x: Tensor, seq_dim: int = 1, base: float = 10000.0) -> Tensor:
+    """Rotary position embedding (rotate-half form) of x[..., head_dim]; positions are global,
+    so a sequence split along `seq_dim` stays exact."""
+    seq_dim = normalize_dim(seq_dim, x.ndim, "rotary")
+    if isinstance(x.shape[-1], int) and x.shape[-1] % 2:
+        raise ShapeError(f"rotary: head dim {x.shape[-1]} of {x.name} must be even")
+    return make(ROTARY, [x], [(x.shape, x.dtype)], attrs={"seq_dim": seq_dim, "base": base}).output
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v on [batch, heads, seq, head_dim]; batch and heads
+    may be split, the sequence and head dims must be whole on each device."""
+    for t in (k, v):
+        if t.ndim != 4 or q.ndim != 4 or not all(same_dim(a, b) for a, b in zip(q.shape, t.shape)):
+            raise ShapeError(f"causal_attention: q {format_shape(q.shape)}, k/v {format_shape(t.shape)} must be "
+                             f"equal [batch, heads, seq, head_dim]")
+    return make(CAUSAL_ATTENTION, [q, k, v], [(q.shape, q.dtype)]).output
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return mul(silu(gate), up)
+
+
+# ---------------------------------------------------------------- cross entropy
+
+
+class CrossEntropy(RuleOp):
+    """Sum (or mean over the global token count) of token losses; the class dim must be whole."""
+
+    kind = "cross_entropy"
+
+    def rule(self, node: Node):
+        last = node.inputs[0].ndim - 1
+        with_grad = len(node.inputs) == 3
+
+        def rule(axes):
+            la, ya = axes[0], axes[1]
+            ga = axes[2] if with_grad else Duplicate(la.n)
+            if isinstance(la, Split) and la.dim == last:
+                raise Mismatch("the class dim of the logits is split; gather it with comm() first")
+            if isinstance(la, Partial) or isinstance(ya, Partial):
+                raise Mismatch("logits and labels must not be partial")
+            if isinstance(la, Split) or isinstance(ya, Split):
+                if not (isinstance(la, Split) and isinstance(ya, Split) and la.dim == ya.dim):
+                    raise Mismatch("logits and labels must be split alike")
+                if isinstance(ga, Partial):
+                    raise Mismatch("the loss gradient is partial where logits are split")
+                return (Split(la.dim, la.n), 0) if with_grad else (Partial(la.n), None)
+            return ga, None
+
+        return rule
+
+    def _count(self, node, ctx) -> float:
+        if node.attrs["reduction"] == "sum":
+            return 1.0
+        n = 1
+        for d in ctx.in_shape(1):
+            n *= d
+        return float(max(n, 1))
+
+    def compute(self, node, ctx, inputs):
+        logits, labels = inputs[0], inputs[1]
+        flat = logits.reshape(-1, logits.shape[-1])
+        if len(inputs) == 2:
+            loss = F.cross_entropy(flat, labels.reshape(-1), reduction="sum") if flat.shape[0] else \
+                torch.zeros((), dtype=logits.dtype)
+            return [loss / self._count(node, ctx)]
+        g = inputs[2]
+        probs = torch.softmax(flat, dim=-1)
+        probs[torch.arange(flat.shape[0]), labels.reshape(-1)] -= 1
+        return [(probs * (g / self._count(node, ctx))).reshape(logits.shape)]
+
+    def gradient(self, node, grads):
+        logits, labels = node.inputs
+        g = make(CROSS_ENTROPY_GRAD, [logits, labels, grads[0]], [(logits.shape, logits.dtype)], attrs=node.attrs)
+        return [g.output, None]
+
+    def describe(self, node):
+        return f"reduction={node.attrs['reduction']}"
+
+
+class CrossEntropyGrad(CrossEntropy):
+    kind = "cross_entropy_grad"
+
+
+CROSS_ENTROPY, CROSS_ENTROPY_GRAD = CrossEntropy(), CrossEntropyGrad()
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
+    """Scalar loss of logits [..., classes] against integer labels [...]."""
+    if reduction not in ("sum", "mean"):
+        raise ShapeError(f"cross_entropy: reduction must be 'sum' or 'mean', got {reduction!r}")
+    if labels.ndim != logits.ndim - 1 or not all(same_dim(a, b) for a, b in zip(logits.shape, labels.shape)):
+        raise ShapeError(f"cross_entropy: labels {format_shape(labels.shape)} must match logits "
+                         f"{format_shape(logits.shape)} without the class dim")
+    return make(CROSS_ENTROPY, [logits, labels], [((), logits.dtype)], attrs={"reduction": reduction}).output
+
+
+__all__ = [
+    "causal_attention", "cross_entropy", "embedding", "layernorm", "rmsnorm", "rotary", "rotary_tables", "softmax",
+    "swiglu",
+]

@@ -1,0 +1,174 @@
+"""Optimizers as graph ops (phase "update", once per step after the micro-batches).
+
+minimize() builds the backward graph, then per parameter: a gradient CommOp to the parameter's
+layout (Partial gradients -> AllReduce; per-pipeline summands of a heterogeneous union ->
+SplitAllReduce), the update op, and assignments of the new values. With ZeRO-1 the gradient goes
+to a sharded layout instead (ReduceScatter / SplitReduceScatter), the optimizer states live in
+that layout, and the updated shard is gathered back (AllGather / SplitAllGather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from hspmd.annotations import Annotation, DistributedStates, Duplicate, Split, Subgroup
+from hspmd.errors import DeductionError, HSPMDError
+from hspmd.ir.dsl import comm, state
+from hspmd.ir.graph import Derived, Node, OpDef, Tensor
+from hspmd.ops.autodiff import gradients
+from hspmd.ops.base import RuleOp, make
+from hspmd.ops.rules import elementwise_rule
+
+
+def zero_annotation(ann: Annotation, dim: int = 0) -> Annotation:
+    """ZeRO-1 layout of a parameter: every replica axis becomes a split of `dim` (bottom tier:
+    Duplicate -> Split; top tier: HDim D -> HDim `dim`, equal shares per subgroup)."""
+    subs = tuple(
+        Subgroup(s.dg, DistributedStates(tuple(Split(dim, a.n) if isinstance(a, Duplicate) else a for a in s.ds.axes)))
+        for s in ann.subgroups
+    )
+    if ann.hdim == "D" and ann.hsize > 1:
+        return Annotation(subs, dim, (1,) * ann.hsize)
+    return Annotation(subs, ann.hdim, ann.ratios)
+
+
+class Update(RuleOp):
+    """Elementwise optimizer step on (param, grad, *states) -> (param, *states); no Partial."""
+
+    def __init__(self, kind: str, step_fn):
+        self.kind, self.step_fn = kind, step_fn
+
+    def rule(self, node: Node):
+        return elementwise_rule([t.shape for t in node.inputs], node.inputs[0].shape, "none")
+
+    def compute(self, node, ctx, inputs):
+        return list(self.step_fn(node.attrs, ctx.step, *inputs))
+
+    def describe(self, node):
+        return ", ".join(f"{k}={v}" for k, v in node.attrs.items())
+
+
+def _adamw(attrs, step, p, g, m, v):
+    b1, b2 = attrs["betas"]
+    m = m * b1 + g * (1 - b1)
+    v = v * b2 + g * g * (1 - b2)
+    m_hat = m / (1 - b1 ** step)
+    v_hat = v / (1 - b2 ** step)
+    p = p * (1 - attrs["lr"] * attrs["weight_decay"]) - attrs["lr"] * m_hat / (v_hat.sqrt() + attrs["eps"])
+    return p, m, v
+
+
+def _sgd(attrs, step, p, g, *buf):
+    if attrs["weight_decay"]:
+        g = g + attrs["weight_decay"] * p
+    if buf:
+        b = g if step == 1 else buf[0] * attrs["momentum"] + g
+        return p - attrs["lr"] * b, b
+    return (p - attrs["lr"] * g,)
+
+
+ADAMW_UPDATE, SGD_UPDATE = Update("adamw_update", _adamw), Update("sgd_update", _sgd)
+
+
+class Assign(OpDef):
+    """Write `value` into the leaf `target` at the end of the step; layouts must be equal."""
+
+    kind = "assign"
+
+    def deduce(self, node, anns):
+        target, value = anns
+        if target != value:
+            raise DeductionError(
+                f"assign {node.name}: the new value of {node.inputs[0].name} is laid out as {value} but the "
+                f"leaf is {target}; insert comm(value, ...) to the leaf's annotation"
+            )
+        return []
+
+    def describe(self, node):
+        return f"-> {node.inputs[0].name}"
+
+
+ASSIGN = Assign()
+
+
+def assign(target: Tensor, value: Tensor) -> Node:
+    if not target.node.opdef.is_leaf or target.node.kind == "placeholder":
+        raise HSPMDError(f"assign: {target.name} must be a parameter or state")
+    return make(ASSIGN, [target, value], [], name=f"{target.node.name}.assign")
+
+
+def _follow(param: Tensor, zero: bool, what: str) -> Derived:
+    fn = (lambda _, refs: zero_annotation(refs[0])) if zero else (lambda _, refs: refs[0])
+    return Derived((param,), fn, f"{'ZeRO-1 shard' if zero else 'layout'} of {param.name} ({what})")
+
+
+@dataclass
+class Optimizer:
+    """Base: builds backward + gradient sync + update ops into the loss's graph."""
+
+    lr: float
+    weight_decay: float = 0.0
+    zero: bool = False
+    state_names: tuple[str, ...] = field(default=(), init=False)
+
+    def _update(self, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> list[Tensor]:
+        raise HSPMDError(f"{type(self).__name__} defines no update")
+
+    def minimize(self, loss: Tensor, params: Sequence[Tensor] | None = None) -> dict[str, Tensor]:
+        """Add the training step to the graph; returns {param name: synchronised gradient}."""
+        graph = loss.graph
+        params = list(params) if params is not None else [n.output for n in graph.parameters]
+        grads = gradients(loss, params)
+        graph.losses.append(loss)
+        synced = {}
+        with graph.phase("update"):
+            for p, g in zip(params, grads):
+                if g is None:
+                    continue
+                name = p.node.name
+                g_sync = comm(g, _follow(p, self.zero, "gradient"), name=f"{name}.grad_sync")
+                synced[name] = graph.gradients[name] = g_sync
+                if self.zero:
+                    shard = comm(p, _follow(p, True, "parameter shard"), name=f"{name}.shard")
+                else:
+                    shard = p
+                states = [state(graph, f"{name}.{s}", p, _follow(p, self.zero, s)) for s in self.state_names]
+                new = self._update(shard, g_sync, states)
+                new_p = comm(new[0], _follow(p, False, "gathered update"), name=f"{name}.gather") if self.zero else new[0]
+                assign(p, new_p)
+                for s, value in zip(states, new[1:]):
+                    assign(s, value)
+        return synced
+
+
+@dataclass
+class AdamW(Optimizer):
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        self.state_names = ("exp_avg", "exp_avg_sq")
+
+    def _update(self, p, g, states):
+        attrs = {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
+        return list(make(ADAMW_UPDATE, [p, g, *states], [(p.shape, p.dtype)] * 3, attrs=attrs,
+                         name=f"{p.node.name}.adamw").outputs)
+
+
+@dataclass
+class SGD(Optimizer):
+    momentum: float = 0.0
+
+    def __post_init__(self):
+        self.state_names = ("momentum",) if self.momentum else ()
+
+    def _update(self, p, g, states):
+        attrs = {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+        return list(make(SGD_UPDATE, [p, g, *states], [(p.shape, p.dtype)] * (1 + len(states)), attrs=attrs,
+                         name=f"{p.node.name}.sgd").outputs)
+
+
+__all__ = ["AdamW", "Optimizer", "SGD", "assign", "zero_annotation"]

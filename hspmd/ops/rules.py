@@ -1,0 +1,193 @@
+"""Deduction machinery shared by every op: align the inputs' axes, then apply a per-position rule.
+
+After the deduction pass has aligned the inputs to one DG union and HSize (hspmd.annotations.
+align_hsize), each subgroup is plain SPMD: the inputs' DS axes over the same device group are
+refined to a common factorisation (D:4 against D:2,S1:2 becomes D:2,D:2 against D:2,S1:2) and
+the op's position rule maps the inputs' axes at each position to one output axis. The top tier
+(HDim) is one more position: HDim d is Split(d, HSize), D is Duplicate, P is Partial. This is the
+paper's "DS union, then HDim" deduction with one rule per op instead of two.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Callable, Sequence
+
+from hspmd.annotations import Annotation, DistributedStates, Duplicate, Partial, Split, Subgroup
+from hspmd.annotations.states import Axis
+
+
+class Mismatch(Exception):
+    """The inputs' layouts do not let the op compute locally; the deduction pass turns this into a
+    DeductionError that names the op and tells the user to insert comm()."""
+
+
+PositionRule = Callable[[Sequence[Axis]], tuple[Axis, int | None]]
+
+
+def _rescale(axis: Axis, n: int) -> Axis:
+    if isinstance(axis, Split):
+        return Split(axis.dim, n)
+    return type(axis)(n)
+
+
+def _refine(ds_list: Sequence[DistributedStates], size: int) -> list[list[tuple[Axis, int]]]:
+    """Each input's axes refined to the common cut points: (axis factor, original axis index)."""
+    cuts = {1, size}
+    for ds in ds_list:
+        cuts.update(accumulate((a.n for a in ds.axes), lambda x, y: x * y))
+    chain = sorted(cuts)
+    for lo, hi in zip(chain, chain[1:]):
+        if hi % lo:
+            raise Mismatch(
+                "the inputs' distributed states nest their axes differently ("
+                + " vs ".join(str(ds) or "-" for ds in ds_list) + ")"
+            )
+    out = []
+    for ds in ds_list:
+        refined, start = [], 1
+        for index, axis in enumerate(ds.axes):
+            stop = start * axis.n
+            inner = [c for c in chain if start < c <= stop]
+            prev = start
+            for c in inner:
+                refined.append((_rescale(axis, c // prev), index))
+                prev = c
+            start = stop
+        out.append(refined)
+    for pos in range(len(chain) - 1):
+        splits = [(i, r[pos][1]) for i, r in enumerate(out) if isinstance(r[pos][0], Split)]
+        for i, orig in splits:
+            pieces = sum(1 for a, o in out[i] if o == orig)
+            if pieces > 1 and len(splits) > 1:
+                raise Mismatch(
+                    f"a split axis of one input lines up with differently grouped splits of another ("
+                    + " vs ".join(str(ds) or "-" for ds in ds_list) + ")"
+                )
+    return out
+
+
+def _merge(axes: list[tuple[Axis, object]]) -> DistributedStates:
+    """Join neighbouring output axes that describe one layout (D,D / P,P / splits of one origin)."""
+    merged: list[tuple[Axis, object]] = []
+    for axis, origin in axes:
+        if merged:
+            last, last_origin = merged[-1]
+            same = (
+                (isinstance(axis, Duplicate) and isinstance(last, Duplicate))
+                or (isinstance(axis, Partial) and isinstance(last, Partial))
+                or (isinstance(axis, Split) and isinstance(last, Split) and axis.dim == last.dim
+                    and origin is not None and origin == last_origin)
+            )
+            if same:
+                merged[-1] = (_rescale(last, last.n * axis.n), last_origin)
+                continue
+        merged.append((axis, origin))
+    return DistributedStates(tuple(a for a, _ in merged))
+
+
+def deduce_subgroup(ds_list: Sequence[DistributedStates], size: int, rule: PositionRule) -> DistributedStates:
+    refined = _refine(ds_list, size)
+    positions = len(refined[0])
+    out = []
+    for pos in range(positions):
+        axes = [r[pos][0] for r in refined]
+        axis, source = rule(axes)
+        out.append((axis, None if source is None else (source, refined[source][pos][1])))
+    return _merge(out)
+
+
+def top_axis(ann: Annotation) -> Axis:
+    if isinstance(ann.hdim, int):
+        return Split(ann.hdim, ann.hsize)
+    return (Partial if ann.hdim == "P" else Duplicate)(ann.hsize)
+
+
+def deduce_union(anns: Sequence[Annotation], rule: PositionRule) -> Annotation:
+    """Apply `rule` to every subgroup's DS and to the top tier of aligned inputs."""
+    first = anns[0]
+    subgroups = []
+    for k, sub in enumerate(first.subgroups):
+        ds = deduce_subgroup([a.subgroups[k].ds for a in anns], len(sub.dg), rule)
+        subgroups.append(Subgroup(sub.dg, ds))
+    if first.hsize == 1:
+        return Annotation(tuple(subgroups))
+    axis, source = rule([top_axis(a) for a in anns])
+    if isinstance(axis, Split):
+        ratios = {anns[i].ratios for i, a in enumerate(anns) if isinstance(a.hdim, int)
+                  and isinstance(top_axis(a), Split)}
+        if len(ratios) > 1:
+            raise Mismatch(f"inputs split across subgroups in different ratios {sorted(map(str, ratios))}")
+        return Annotation(tuple(subgroups), axis.dim, anns[source].ratios)
+    return Annotation(tuple(subgroups), "P" if isinstance(axis, Partial) else "D")
+
+
+def map_annotation(ann: Annotation, fn: Callable[[Axis], Axis]) -> Annotation:
+    """A single-input rule applied to every axis (both tiers) of one annotation."""
+    return deduce_union([ann], lambda axes: (fn(axes[0]), 0))
+
+
+# ---------------------------------------------------------------- shared position rules
+
+
+def broadcast_info(in_shapes: Sequence[tuple], out_shape: tuple) -> list[tuple[int, set[int]]]:
+    """(dim offset into the output, output dims this input broadcasts along) for each input."""
+    info = []
+    for shape in in_shapes:
+        offset = len(out_shape) - len(shape)
+        bcast = set(range(offset))
+        bcast.update(offset + i for i, d in enumerate(shape) if d == 1 and out_shape[offset + i] != 1)
+        info.append((offset, bcast))
+    return info
+
+
+def elementwise_rule(in_shapes: Sequence[tuple], out_shape: tuple, partial: str = "none",
+                     linear_inputs: Sequence[int] = (), whole_dims: Sequence[int] = ()) -> PositionRule:
+    """Rule for broadcasting elementwise ops.
+
+    partial: "none" (nonlinear), "all" (a sum: every input partial alike, e.g. add) or "one"
+    (linear in each input of `linear_inputs` separately: exactly one of them partial, e.g. mul).
+    whole_dims: output dims the op needs whole on a device (the normalised dim of a norm)."""
+    info = broadcast_info(in_shapes, out_shape)
+    whole = {d % max(len(out_shape), 1) for d in whole_dims}
+
+    def rule(axes: Sequence[Axis]) -> tuple[Axis, int | None]:
+        n = axes[0].n
+        split_dim, source = None, None
+        for i, a in enumerate(axes):
+            if isinstance(a, Split):
+                d = a.dim + info[i][0]
+                if d in info[i][1]:
+                    raise Mismatch(f"input {i} is split along dim {a.dim}, which it broadcasts")
+                if d in whole:
+                    raise Mismatch(f"the op needs dim {d} whole on each device but input {i} splits it")
+                if split_dim is not None and d != split_dim:
+                    raise Mismatch(f"inputs split different dims ({split_dim} and {d}) at one axis")
+                split_dim, source = d, (source if source is not None else i)
+        partials = [i for i, a in enumerate(axes) if isinstance(a, Partial)]
+        if split_dim is not None:
+            if partials:
+                raise Mismatch(f"input(s) {partials} hold partial summands where input {source} holds pieces")
+            for i, a in enumerate(axes):
+                if not isinstance(a, Split) and split_dim not in info[i][1]:
+                    kind = "a partial summand" if isinstance(a, Partial) else "the whole dim"
+                    raise Mismatch(f"input {source} holds pieces of dim {split_dim} where input {i} holds {kind}")
+            return Split(split_dim, n), source
+        if partials:
+            if partial == "all" and len(partials) == len(axes):
+                return Partial(n), None
+            if partial == "one" and len(partials) == 1 and partials[0] in linear_inputs:
+                return Partial(n), None
+            raise Mismatch(
+                f"input(s) {partials} hold partial summands, which this op cannot combine "
+                f"({'it is not linear' if partial == 'none' else 'mixed with whole values'})"
+            )
+        return Duplicate(n), None
+
+    return rule
+
+
+__all__ = [
+    "Mismatch", "PositionRule", "broadcast_info", "deduce_subgroup", "deduce_union", "elementwise_rule",
+    "map_annotation", "top_axis",
+]

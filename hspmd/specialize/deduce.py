@@ -1,0 +1,100 @@
+"""The deduction pass (paper section 5.2): every tensor's annotation for one strategy.
+
+Per op, in graph order: leaves and CommOps take their (explicit or derived) annotation; every
+other op first aligns its inputs' DG unions to the largest HSize (align_hsize) and requires the
+unions to be equal, else the user must insert comm(); then the op's rule deduces the DS union and
+HDim of its outputs. Shapes are symbolic and were checked when the graph was built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hspmd.annotations import Annotation, align_hsize
+from hspmd.errors import AnnotationError, DeductionError, HSPMDError
+from hspmd.ir.graph import Derived, Graph, Node, Tensor
+from hspmd.ops.rules import Mismatch
+
+
+@dataclass(frozen=True)
+class Deduced:
+    """Annotations of every tensor of `graph` under `strategy` (indexed by tensor id)."""
+
+    graph: Graph
+    strategy: int
+    annotations: tuple[Annotation | None, ...]
+
+    def __getitem__(self, tensor: Tensor) -> Annotation:
+        return self.annotations[tensor.id]
+
+    def of(self, name: str) -> Annotation:
+        return self[self.graph.tensor(name)]
+
+
+def _inputs_text(node: Node, anns) -> str:
+    return ", ".join(f"{t.name}: {a}" for t, a in zip(node.inputs, anns))
+
+
+def _leaf_annotation(node: Node, strategy: int, anns: list, own: Annotation | None) -> Annotation:
+    spec = node.annotation
+    if isinstance(spec, Derived):
+        try:
+            return spec.fn(own, tuple(anns[r.id] for r in spec.refs))
+        except HSPMDError as exc:
+            raise DeductionError(f"{node.kind} {node.name}: cannot derive its annotation ({spec.description}): {exc}") from exc
+    if not spec or strategy >= len(spec):
+        raise DeductionError(
+            f"{node.kind} {node.name} has no annotation for strategy {strategy}; give one when building it "
+            f"or with graph.add_strategy(...)"
+        )
+    return spec[strategy]
+
+
+def deduce_node(node: Node, strategy: int, anns: list) -> list[Annotation]:
+    """The output annotations of one node, given the annotations of everything before it."""
+    if node.opdef.is_leaf:
+        out = [_leaf_annotation(node, strategy, anns, None)]
+    elif node.opdef.is_comm:
+        out = [_leaf_annotation(node, strategy, anns, anns[node.inputs[0].id])]
+    else:
+        ins = [anns[t.id] for t in node.inputs]
+        try:
+            aligned = align_hsize(ins)
+        except AnnotationError as exc:
+            raise DeductionError(
+                f"{node.kind} {node.name} (strategy {strategy}): inputs {_inputs_text(node, ins)} have different "
+                f"HSize and cannot be regrouped ({exc}); insert comm() on an input so their device-group unions match"
+            ) from exc
+        unions = {a.dg_union for a in aligned}
+        if len(unions) > 1:
+            raise DeductionError(
+                f"{node.kind} {node.name} (strategy {strategy}): inputs {_inputs_text(node, ins)} live on different "
+                f"device-group unions; insert comm() on an input so they match"
+            )
+        try:
+            out = node.opdef.deduce(node, aligned)
+        except Mismatch as exc:
+            raise DeductionError(
+                f"{node.kind} {node.name} (strategy {strategy}): cannot compute locally on inputs "
+                f"{_inputs_text(node, ins)}: {exc}; insert comm() on an input to reshard it"
+            ) from exc
+    for t, a in zip(node.outputs, out):
+        try:
+            a.check_rank(t.ndim, f"{node.kind} {node.name}")
+        except AnnotationError as exc:
+            raise DeductionError(str(exc)) from exc
+    return out
+
+
+def deduce(graph: Graph, strategy: int = 0) -> Deduced:
+    """Annotations of every tensor under `strategy` (an explicit index, never a global)."""
+    if not 0 <= strategy < max(graph.num_strategies, 1):
+        raise DeductionError(f"graph {graph.name} has no strategy {strategy}; it has {graph.num_strategies}")
+    anns: list[Annotation | None] = [None] * len(graph.tensors)
+    for node in graph.nodes:
+        for t, a in zip(node.outputs, deduce_node(node, strategy, anns)):
+            anns[t.id] = a
+    return Deduced(graph, strategy, tuple(anns))
+
+
+__all__ = ["Deduced", "deduce", "deduce_node"]

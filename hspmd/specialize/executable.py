@@ -1,0 +1,195 @@
+"""Operator instantiation (paper section 5.3): one executable graph per device.
+
+From the deduced graph, a device keeps the live ops whose tensors touch it (non-local operator
+removal) and replaces each CommOp by the resolver's plan (CommOp substitution: top-tier plans run
+on every device of the union, bottom-tier ones on each subgroup alone; the plan executor runs
+only this device's part). Plans depend on concrete shapes, so they are resolved per binding of the
+run-time symbols and cached.
+
+The program is split the way a pipeline scheduler needs it:
+    forward   ops of one micro-batch's forward pass on this device (its pipeline stage)
+    backward  ops of one micro-batch's backward pass
+    update    once per step: gradient synchronisation and optimizer ops
+Each comm instruction knows whether it is a stage-to-stage transfer (P2P: send and/or receive
+points), a collective, or local; a scheduler interleaves micro-batches by running forward(m) and
+backward(m) in any order that keeps P2P pairs matched (run.py runs them against any Backend).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from hspmd.annotations import Annotation, device_pieces
+from hspmd.errors import HSPMDError
+from hspmd.ir.graph import Graph, Node, Tensor
+from hspmd.ir.shapes import Binding, format_shape
+from hspmd.specialize import lowering
+from hspmd.specialize.deduce import Deduced
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One step of a device program: run `node` locally, or this device's part of its comm plan.
+    role: "leaf", "compute", "assign", "identity" (comm with equal layouts), "local" (comm that
+    needs no peer), "collective", "send", "recv", "send+recv"."""
+
+    node: Node
+    role: str
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.role in ("send", "recv", "send+recv")
+
+    def __str__(self) -> str:
+        n = self.node
+        ins = ", ".join(t.name for t in n.inputs)
+        return f"{self.role:10s} {n.name} = {n.kind}({ins})"
+
+
+def run_time_ratios(ann: Annotation, binding: Binding):
+    """The binding's top-tier ratios, for an annotation that leaves them to run time."""
+    return binding.ratios if isinstance(ann.hdim, int) and ann.ratios is None else None
+
+
+def resolve_node(deduced: Deduced, node: Node, binding: Binding, topology=None, cache: dict | None = None):
+    """The plan of a CommOp under a binding (plans are global values, cached per binding)."""
+    key = (node.id, binding)
+    if cache is not None and key in cache:
+        return cache[key]
+    src, dst = deduced[node.inputs[0]], deduced[node.output]
+    plan = lowering.resolve_comm(src, dst, binding.shape(node.output.shape, node.name), run_time_ratios(src, binding),
+                                 run_time_ratios(dst, binding), topology)
+    if cache is not None:
+        cache[key] = plan
+    return plan
+
+
+def live_nodes(graph: Graph, fetches: Iterable[Tensor] = ()) -> set[int]:
+    """Ids of nodes needed for the step: assignments, losses, fetched tensors, and their inputs."""
+    roots = [n for n in graph.nodes if n.kind == "assign"]
+    roots += [t.node for t in graph.losses] + [t.node for t in fetches]
+    live, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if n.id in live:
+            continue
+        live.add(n.id)
+        stack.extend(t.node for t in n.inputs)
+    return live
+
+
+def node_devices(node: Node, deduced: Deduced) -> set[int]:
+    if node.kind == "assign":
+        return set(deduced[node.inputs[0]].devices)
+    devices = {d for t in node.outputs for d in deduced[t].devices}
+    if node.opdef.is_comm:
+        devices |= set(deduced[node.inputs[0]].devices)
+    return devices
+
+
+@dataclass
+class ExecutableGraph:
+    """The program of one device under one strategy (printable with str())."""
+
+    device: int
+    deduced: Deduced
+    forward: tuple[Instruction, ...]
+    backward: tuple[Instruction, ...]
+    update: tuple[Instruction, ...]
+    topology: object = None
+    binding: Binding = field(default_factory=Binding)
+    plans: dict = field(default_factory=dict, repr=False)
+    _boxes: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def graph(self) -> Graph:
+        return self.deduced.graph
+
+    @property
+    def strategy(self) -> int:
+        return self.deduced.strategy
+
+    def instructions(self) -> tuple[Instruction, ...]:
+        return self.forward + self.backward + self.update
+
+    @property
+    def placeholders(self) -> tuple[Node, ...]:
+        return tuple(i.node for i in self.forward + self.backward if i.node.kind == "placeholder")
+
+    @property
+    def held_leaves(self) -> tuple[Node, ...]:
+        """Parameters and optimizer states this device keeps a piece of."""
+        return tuple(i.node for i in self.instructions() if i.node.kind in ("parameter", "state"))
+
+    @property
+    def accumulated(self) -> tuple[Tensor, ...]:
+        """Per-micro-batch tensors the update phase reads: summed over the step's micro-batches."""
+        mine = {i.node.id for i in self.forward + self.backward}
+        out = {}
+        for i in self.update:
+            for t in i.node.inputs:
+                if t.node.id in mine and t.node.kind not in ("parameter", "state"):
+                    out[t.id] = t
+        return tuple(out.values())
+
+    def box(self, t: Tensor, binding: Binding):
+        """This device's piece of `t` (global coordinates) under a binding; None if it holds none."""
+        key = (t.id, binding)
+        if key not in self._boxes:
+            ann = self.deduced[t]
+            shape = binding.shape(t.shape, t.name)
+            piece = device_pieces(ann, shape, run_time_ratios(ann, binding)).get(self.device)
+            self._boxes[key] = None if piece is None else piece.box
+        return self._boxes[key]
+
+    def plan(self, node: Node, binding: Binding):
+        return resolve_node(self.deduced, node, binding, self.topology, self.plans)
+
+    def __str__(self) -> str:
+        lines = [f"executable graph of device {self.device} (strategy {self.strategy}, graph {self.graph.name})"]
+        for title, prog in (("forward", self.forward), ("backward", self.backward), ("update", self.update)):
+            lines.append(f"  {title} ({len(prog)} instructions)")
+            for ins in prog:
+                n = ins.node
+                anns = " ; ".join(str(self.deduced[t]) for t in n.outputs)
+                line = f"    {ins}"
+                if n.opdef.is_comm:
+                    line += f"  {self.deduced[n.inputs[0]]} -> {anns}"
+                    if ins.role != "identity":
+                        try:
+                            line += "  [" + lowering.describe_for(self.plan(n, self.binding), self.device) + "]"
+                        except HSPMDError as exc:
+                            line += f"  [unresolved: {exc}]"
+                elif anns:
+                    line += f"  {format_shape(n.outputs[0].shape)} {anns}"
+                lines.append(line)
+        return "\n".join(lines)
+
+
+def instantiate(deduced: Deduced, device: int, binding: Binding = Binding(), topology: object = None,
+                fetches: Iterable[Tensor] = (), live: set[int] | None = None,
+                plans: dict | None = None) -> ExecutableGraph:
+    """The executable graph of `device` (plans for comms are resolved under `binding`)."""
+    graph = deduced.graph
+    live = live_nodes(graph, fetches) if live is None else live
+    exe = ExecutableGraph(device, deduced, (), (), (), topology, binding, {} if plans is None else plans)
+    programs: dict[str, list[Instruction]] = {"forward": [], "backward": [], "update": []}
+    for node in graph.nodes:
+        if node.id not in live or device not in node_devices(node, deduced):
+            continue
+        if node.opdef.is_comm:
+            src, dst = deduced[node.inputs[0]], deduced[node.output]
+            role = "identity" if src == dst else lowering.role_of(exe.plan(node, binding), device)
+        elif node.kind == "assign":
+            role = "assign"
+        else:
+            role = "leaf" if node.opdef.is_leaf else "compute"
+        programs[node.phase].append(Instruction(node, role))
+    exe.forward, exe.backward, exe.update = (tuple(programs[p]) for p in ("forward", "backward", "update"))
+    return exe
+
+
+__all__ = [
+    "ExecutableGraph", "Instruction", "instantiate", "live_nodes", "node_devices", "resolve_node", "run_time_ratios",
+]

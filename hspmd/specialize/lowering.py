@@ -1,0 +1,66 @@
+"""CommOp substitution: a CommOp becomes the resolver's plan (hspmd.comm_resolve), and one device
+runs its part of it with the plan executor (hspmd.runtime.plan_executor). This module is the only
+place the specializer touches either, and reads plans as plain data: which collectives and P2P
+transfers involve a device, and the communication pattern pipeline discovery needs."""
+
+from __future__ import annotations
+
+from hspmd.annotations import Annotation
+
+
+def _bound(ann: Annotation, ratios) -> Annotation:
+    return ann.with_ratios(ratios) if ratios is not None else ann
+
+
+def resolve_comm(src: Annotation, dst: Annotation, shape, src_ratios, dst_ratios, topology):
+    from hspmd.comm_resolve import resolve
+
+    return resolve(_bound(src, src_ratios), _bound(dst, dst_ratios), tuple(shape), topology)
+
+
+def role_of(plan, device: int) -> str:
+    """How `device` takes part: collective, send, recv, send+recv, or local (no peer)."""
+    sends = recvs = collective = False
+    for step in plan.steps:
+        collective |= any(device in c.devices and len(c.devices) > 1 for c in step.collectives)
+        for t in step.transfers:
+            if t.src != t.dst:
+                sends |= t.src == device
+                recvs |= t.dst == device
+    if collective:
+        return "collective"
+    if sends and recvs:
+        return "send+recv"
+    return "send" if sends else "recv" if recvs else "local"
+
+
+def pattern(plan) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
+    """(collective groups, P2P edges) of a plan."""
+    groups = [c.devices for s in plan.steps for c in s.collectives if len(c.devices) > 1]
+    edges = [(t.src, t.dst) for s in plan.steps for t in s.transfers if t.src != t.dst]
+    return groups, edges
+
+
+def describe_for(plan, device: int) -> str:
+    """The plan's steps as this device sees them, e.g. 'AllReduce[0,1] ; SendRecv 1->3'."""
+    parts = []
+    for s in plan.steps:
+        mine = [c for c in s.collectives if device in c.devices]
+        moves = [t for t in s.transfers if device in (t.src, t.dst) and t.src != t.dst]
+        if mine:
+            parts.append(s.primitive + "".join("[" + ",".join(map(str, c.devices)) + "]"
+                                               for c in dict.fromkeys(c for c in mine)))
+        elif moves:
+            parts.append(s.primitive + " " + ",".join(f"{t.src}->{t.dst}" for t in moves))
+        elif device in s.rebuilds or device in s.dst.devices:
+            parts.append(s.primitive + " (local)")
+    return " ; ".join(parts) or "nothing on this device"
+
+
+def execute(plan, backend, local):
+    from hspmd.runtime.plan_executor import execute_plan
+
+    return execute_plan(plan, backend, local)
+
+
+__all__ = ["describe_for", "execute", "pattern", "resolve_comm", "role_of"]

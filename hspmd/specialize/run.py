@@ -1,0 +1,166 @@
+"""Running executable graphs on one device against any Backend (in-process threads, gloo, ...).
+
+A scheduler drives one device with three calls, in any order that keeps P2P transfers matched
+between neighbouring stages (the simplest: all forwards, then all backwards, then the update):
+
+    state = DeviceState.initial(exe, seed)          # this device's pieces of parameters / states
+    mb = run_forward(exe, backend, state, feeds, binding)    # one micro-batch; keeps activations
+    run_backward(exe, backend, state, mb)                    # accumulates gradients into state
+    run_update(exe, backend, state)                          # gradient sync + optimizer, once a step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from hspmd.annotations import Annotation
+from hspmd.errors import HSPMDError, ShapeError
+from hspmd.ir.dsl import initial_value
+from hspmd.ir.graph import Node, Tensor
+from hspmd.ir.shapes import Binding
+from hspmd.runtime.backend import Backend
+from hspmd.specialize import lowering
+from hspmd.specialize.executable import ExecutableGraph, Instruction
+
+
+@dataclass
+class DeviceState:
+    """What a device keeps across micro-batches and steps: leaf pieces (by node name), gradient
+    accumulators (by tensor id), fetched values summed over micro-batches, and the step count."""
+
+    leaves: dict[str, torch.Tensor]
+    accum: dict[int, torch.Tensor] = field(default_factory=dict)
+    fetched: dict[str, torch.Tensor] = field(default_factory=dict)
+    step: int = 0
+
+    @staticmethod
+    def initial(exe: ExecutableGraph, seed: int = 0) -> "DeviceState":
+        leaves = {}
+        for node in exe.held_leaves:
+            box = exe.box(node.output, exe.binding)
+            whole = initial_value(node, seed)
+            leaves[node.name] = whole[tuple(slice(a, b) for a, b in box)].clone()
+        return DeviceState(leaves)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch's local values on this device (activations kept for its backward)."""
+
+    binding: Binding
+    env: dict[int, torch.Tensor]
+
+
+class _Context:
+    """ComputeContext of one op on one device under one binding."""
+
+    def __init__(self, exe: ExecutableGraph, node: Node, binding: Binding, step: int):
+        self.exe, self.node, self.binding, self.step, self.device = exe, node, binding, step, exe.device
+
+    def in_box(self, i):
+        return self.exe.box(self.node.inputs[i], self.binding)
+
+    def out_box(self, i):
+        return self.exe.box(self.node.outputs[i], self.binding)
+
+    def in_shape(self, i):
+        return self.binding.shape(self.node.inputs[i].shape)
+
+    def out_shape(self, i):
+        return self.binding.shape(self.node.outputs[i].shape)
+
+    def in_ann(self, i) -> Annotation:
+        return self.exe.deduced[self.node.inputs[i]]
+
+    def out_ann(self, i) -> Annotation:
+        return self.exe.deduced[self.node.outputs[i]]
+
+    def scalar(self, value):
+        return self.binding.scalar(value, self.node.name)
+
+
+def _local_shape(box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def _value(state: DeviceState, env: dict[int, torch.Tensor], t: Tensor) -> torch.Tensor | None:
+    if t.id in env:
+        return env[t.id]
+    if t.node.kind in ("parameter", "state"):
+        return state.leaves.get(t.node.name)
+    return None
+
+
+def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Backend, state: DeviceState,
+             env: dict[int, torch.Tensor], binding: Binding, feeds: Mapping[str, torch.Tensor] | None = None) -> None:
+    for ins in program:
+        node = ins.node
+        if node.kind == "placeholder":
+            if feeds is None or node.name not in feeds:
+                raise HSPMDError(f"device {exe.device}: no value fed for placeholder {node.name}")
+            value = feeds[node.name]
+            expected = _local_shape(exe.box(node.output, binding))
+            if tuple(value.shape) != expected:
+                raise ShapeError(f"device {exe.device}: placeholder {node.name} fed shape {tuple(value.shape)}, "
+                                 f"its piece under {exe.deduced[node.output]} is {expected}")
+            env[node.output.id] = value
+        elif node.kind in ("parameter", "state"):
+            env[node.output.id] = state.leaves[node.name]
+        elif node.kind == "assign":
+            target, value = node.inputs
+            state.leaves[target.node.name] = _value(state, env, value)
+        elif node.opdef.is_comm:
+            local = _value(state, env, node.inputs[0])
+            if ins.role == "identity":
+                out = local
+            else:
+                out = lowering.execute(exe.plan(node, binding), backend, local)
+            if out is not None:
+                env[node.output.id] = out
+        else:
+            inputs = [_value(state, env, t) for t in node.inputs]
+            with torch.no_grad():
+                outs = node.opdef.compute(node, _Context(exe, node, binding, state.step), inputs)
+            for t, v in zip(node.outputs, outs):
+                env[t.id] = v
+
+
+def run_forward(exe: ExecutableGraph, backend: Backend, state: DeviceState, feeds: Mapping[str, torch.Tensor],
+                binding: Binding | None = None, fetch: Sequence[Tensor] = ()) -> MicroBatch:
+    """One micro-batch's forward pass on this device; fetched tensors (and losses) held here are
+    summed into state.fetched."""
+    binding = exe.binding if binding is None else binding
+    mb = MicroBatch(binding, {})
+    _execute(exe, exe.forward, backend, state, mb.env, binding, feeds)
+    for t in list(exe.graph.losses) + list(fetch):
+        if t.id in mb.env:
+            state.fetched[t.name] = state.fetched.get(t.name, 0) + mb.env[t.id]
+    return mb
+
+
+def run_backward(exe: ExecutableGraph, backend: Backend, state: DeviceState, mb: MicroBatch) -> None:
+    """The backward pass of micro-batch `mb`; its gradients are added to state.accum."""
+    _execute(exe, exe.backward, backend, state, mb.env, mb.binding)
+    for t in exe.accumulated:
+        if t.id in mb.env:
+            v = mb.env[t.id]
+            state.accum[t.id] = v.clone() if t.id not in state.accum else state.accum[t.id] + v
+    mb.env.clear()
+
+
+def run_update(exe: ExecutableGraph, backend: Backend, state: DeviceState, fetch: Sequence[Tensor] = ()) -> None:
+    """Once per step: gradient synchronisation and optimizer updates, then reset accumulators.
+    Fetched update-phase tensors (e.g. synchronised gradients) held here go to state.fetched."""
+    state.step += 1
+    env = dict(state.accum)
+    _execute(exe, exe.update, backend, state, env, exe.binding)
+    for t in fetch:
+        if t.id in env:
+            state.fetched[t.name] = env[t.id]
+    state.accum.clear()
+
+
+__all__ = ["DeviceState", "MicroBatch", "run_backward", "run_forward", "run_update"]

@@ -1,0 +1,97 @@
+"""specialize(): deduction + per-device executable graphs + pipeline discovery, as one value.
+
+    spec = specialize(graph, strategy=0, binding=Binding.of({"B": 4, "S": 8, "T": 64}, ratios=(2, 1)))
+    print(spec)                   # pipelines, then each device's program
+    spec.executables[3]           # one device's ExecutableGraph
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from hspmd.errors import HSPMDError
+from hspmd.ir.graph import Graph, Tensor
+from hspmd.ir.shapes import Binding
+from hspmd.specialize import lowering
+from hspmd.specialize.deduce import Deduced, deduce
+from hspmd.specialize.executable import ExecutableGraph, instantiate, live_nodes, resolve_node
+from hspmd.specialize.pipelines import PipelineLayout, discover_pipelines
+
+
+@dataclass
+class Specialized:
+    """A graph specialized under one strategy: annotations, device programs, pipelines."""
+
+    deduced: Deduced
+    executables: dict[int, ExecutableGraph]
+    pipelines: tuple[PipelineLayout, ...]
+    binding: Binding
+
+    @property
+    def graph(self) -> Graph:
+        return self.deduced.graph
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(sorted(self.executables))
+
+    def locate(self, device: int) -> tuple[int, int]:
+        """(pipeline index, stage index) of `device`."""
+        for i, p in enumerate(self.pipelines):
+            for j, stage in enumerate(p.stages):
+                if device in stage:
+                    return i, j
+        raise HSPMDError(f"device {device} is in no pipeline of this specialization")
+
+    def __str__(self) -> str:
+        lines = [f"graph {self.graph.name} under strategy {self.deduced.strategy}: "
+                 f"{len(self.executables)} devices, {len(self.pipelines)} pipeline(s)"]
+        for i, p in enumerate(self.pipelines):
+            lines.append(f"  pipeline {i}: {p}")
+        for d in self.devices:
+            lines.append(str(self.executables[d]))
+        return "\n".join(lines)
+
+
+def all_devices(deduced: Deduced) -> tuple[int, ...]:
+    return tuple(sorted({d for a in deduced.annotations if a is not None for d in a.devices}))
+
+
+def per_micro_batch_pattern(deduced: Deduced, binding: Binding, live: set[int], topology=None, cache=None):
+    """(collective groups, P2P edges, devices) of the forward-phase CommOps: what pipeline
+    discovery reads (backward mirrors forward; update-phase comms span pipelines once a step)."""
+    groups, edges = [], []
+    for node in deduced.graph.nodes:
+        if node.phase != "forward" or not node.opdef.is_comm or node.id not in live:
+            continue
+        src, dst = deduced[node.inputs[0]], deduced[node.output]
+        if src == dst:
+            continue
+        plan = resolve_node(deduced, node, binding, topology, cache)
+        g, e = lowering.pattern(plan)
+        groups += g
+        edges += e
+    return groups, edges
+
+
+def specialize(graph: Graph, strategy: int = 0, binding: Binding | None = None, devices: Iterable[int] | None = None,
+               topology=None, fetches: Sequence[Tensor] = (), deduced: Deduced | None = None) -> Specialized:
+    """Deduce, instantiate one executable graph per device (all devices of the strategy unless
+    `devices` is given), resolve CommOps under `binding`, and discover the pipelines."""
+    binding = binding or Binding()
+    deduced = deduced or deduce(graph, strategy)
+    live = live_nodes(graph, fetches)
+    every = all_devices(deduced)
+    chosen = every if devices is None else tuple(devices)
+    plans: dict = {}
+    executables = {}
+    for d in chosen:
+        exe = instantiate(deduced, d, binding, topology, fetches, live, plans)
+        executables[d] = exe
+    groups, edges = per_micro_batch_pattern(deduced, binding, live, topology, plans)
+    pipelines = discover_pipelines(groups, edges, every)
+    return Specialized(deduced, executables, pipelines, binding)
+
+
+__all__ = ["Specialized", "all_devices", "per_micro_batch_pattern", "specialize"]
