@@ -59,7 +59,7 @@ def resolve_node(deduced: Deduced, node: Node, binding: Binding, topology=None, 
         return cache[key]
     src, dst = deduced[node.inputs[0]], deduced[node.output]
     plan = lowering.resolve_comm(src, dst, binding.shape(node.output.shape, node.name), run_time_ratios(src, binding),
-                                 run_time_ratios(dst, binding), topology)
+                                 run_time_ratios(dst, binding), topology, node.output.dtype)
     if cache is not None:
         cache[key] = plan
     return plan

@@ -8,14 +8,10 @@ from __future__ import annotations
 from hspmd.annotations import Annotation
 
 
-def _bound(ann: Annotation, ratios) -> Annotation:
-    return ann.with_ratios(ratios) if ratios is not None else ann
+def resolve_comm(src: Annotation, dst: Annotation, shape, src_ratios, dst_ratios, topology, dtype):
+    from hspmd.comm_resolve.resolver import resolve
 
-
-def resolve_comm(src: Annotation, dst: Annotation, shape, src_ratios, dst_ratios, topology):
-    from hspmd.comm_resolve import resolve
-
-    return resolve(_bound(src, src_ratios), _bound(dst, dst_ratios), tuple(shape), topology)
+    return resolve(src, dst, tuple(shape), topology, dtype=dtype, src_ratios=src_ratios, dst_ratios=dst_ratios)
 
 
 def role_of(plan, device: int) -> str:
