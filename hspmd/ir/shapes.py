@@ -8,7 +8,8 @@ micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 from typing import Mapping, Sequence, Union
 
@@ -44,10 +45,16 @@ def as_shape(values: Sequence[object], where: str) -> Shape:
 
 
 def same_dim(a: Dim, b: Dim) -> bool:
-    """Equal for every binding of the symbols (a structural check, never a guess)."""
+    """Equal for every binding of the symbols (dims are polynomials in the symbols, so expanding
+    the difference decides it exactly)."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+    return a == b or _expanded_difference_is_zero(sympy.sympify(a), sympy.sympify(b))
+
+
+@lru_cache(maxsize=4096)
+def _expanded_difference_is_zero(a: sympy.Expr, b: sympy.Expr) -> bool:
+    return sympy.expand(a - b) == 0
 
 
 def numel(shape: Shape) -> Dim:

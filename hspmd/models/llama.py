@@ -134,7 +134,8 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
     """The training graph of the model: loss = sum of token cross-entropies / T (T = tokens per
     step, a run-time symbol, so micro-batches and pipelines of any sizes add up to the mean).
 
-    strategies: one entry per strategy, a Strategy or an explicit {node name: annotation} map."""
+    strategies: one entry per strategy, a Strategy or an explicit {node name: annotation} map.
+    optimizer: default AdamW(lr=1e-3), with ZeRO-1 if a strategy asks for it."""
     per = _annotations_per_strategy(strategies, config, sequence_parallel, vocab_parallel)
 
     def ann(name: str):
@@ -176,7 +177,8 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
     f = comm(rmsnorm(x, param("final_norm", (h,), ones()), config.eps), ann("final.in"), name="final.in")
     logits = comm(matmul(f, param("lm_head", (h, config.vocab))), ann("logits.out"), name="logits.out")
     loss = scale(cross_entropy(logits, labels, reduction="sum"), sympy.Integer(1) / T)
-    (optimizer or AdamW(lr=1e-3)).minimize(loss)
+    zero = any(getattr(s, "zero", False) for s in strategies)
+    (optimizer or AdamW(lr=1e-3, zero=zero)).minimize(loss)
     return LlamaGraph(g, tokens, labels, loss, config, B, S, T)
 
 

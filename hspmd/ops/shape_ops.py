@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import sympy
@@ -92,6 +93,12 @@ def mean(x: Tensor, dims=None, keepdim: bool = False) -> Tensor:
     return _reduce(MEAN, x, dims, keepdim)
 
 
+@lru_cache(maxsize=4096)
+def _quotient(a, b):
+    return sympy.cancel(a / b)
+
+
+@lru_cache(maxsize=4096)
 def _ratio(a, b) -> tuple:
     num, den = sympy.fraction(sympy.cancel(sympy.sympify(b) / sympy.sympify(a)))
     return num, den
@@ -172,8 +179,7 @@ def reshape(x: Tensor, shape: Sequence[object]) -> Tensor:
     shape = list(shape)
     if sum(1 for d in shape if isinstance(d, int) and d == -1) == 1:
         known = numel(tuple(d for d in shape if not (isinstance(d, int) and d == -1)))
-        rest = sympy.cancel(sympy.sympify(numel(x.shape)) / sympy.sympify(known))
-        shape[shape.index(-1)] = rest
+        shape[shape.index(-1)] = _quotient(sympy.sympify(numel(x.shape)), sympy.sympify(known))
     shape = as_shape(shape, f"reshape of {x.name}")
     if tuple(shape) == tuple(x.shape):
         return x
