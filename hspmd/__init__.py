@@ -21,3 +21,17 @@ __all__ = [
     "Annotation", "DeviceGroup", "DistributedStates", "Duplicate", "Hierarchy", "HSPMDError", "Partial", "Split",
     "Subgroup", "device_pieces", "parse", "parse_hierarchy", "shard", "unshard",
 ]
+
+# Graph IR, DSL, op library and specialization (issue 4).
+from hspmd import ops
+from hspmd.ir import Binding, Derived, Graph, comm, parameter, placeholder, state, symbols
+from hspmd.ops import SGD, AdamW, gradients
+from hspmd.specialize.deduce import deduce
+from hspmd.specialize.inprocess import InProcessTrainer
+from hspmd.specialize.run import DeviceState, run_backward, run_forward, run_update
+from hspmd.specialize.specialized import specialize
+
+__all__ += [
+    "AdamW", "Binding", "Derived", "DeviceState", "Graph", "InProcessTrainer", "SGD", "comm", "deduce", "gradients",
+    "ops", "parameter", "placeholder", "run_backward", "run_forward", "run_update", "specialize", "state", "symbols",
+]
