@@ -1,0 +1,104 @@
+"""Traffic and time of plan steps: bytes per device and per link class, alpha-beta estimates.
+
+Collectives are costed as rings over their members in group order (the NCCL-style algorithm):
+member i sends to member i+1. A reduce-scatter member never sends its own final chunk, an
+all-gather member never sends its successor's chunk, an all-reduce is a reduce-scatter into n
+even chunks followed by an all-gather. Time of a ring = (ring steps) x (worst edge latency) +
+(worst edge bytes / its bandwidth). A batched send-receive costs, per device, the sum over its
+messages of latency + bytes / bandwidth, and the step lasts as long as its busiest sender or
+receiver. Collectives a device joins run one after another; a step lasts as long as its busiest
+device; steps of one phase (disjoint subgroups) overlap, phases add up. This is a planning
+estimate (no congestion, no overlap of compute), not a measurement.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from hspmd.comm_resolve.slices import box_volume
+from hspmd.comm_resolve.topology import Topology
+from hspmd.errors import ShapeError
+
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+}
+
+
+def dtype_name(dtype: object) -> str:
+    """Canonical dtype name ("float32") from a name, "torch.float32" or a torch.dtype."""
+    name = str(dtype).removeprefix("torch.")
+    aliases = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32"}
+    name = aliases.get(name, name)
+    if name not in DTYPE_SIZES:
+        raise ShapeError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(DTYPE_SIZES))}")
+    return name
+
+
+@dataclass
+class Traffic:
+    """Accumulated bytes sent/received per device and per link class, and per-device busy time."""
+
+    sent: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    received: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    by_link: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    busy: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+
+    def edge(self, topology: Topology, a: int, b: int, nbytes: int) -> None:
+        if a == b or nbytes <= 0:
+            return
+        self.sent[a] += nbytes
+        self.received[b] += nbytes
+        self.by_link[topology.link(a, b).name] += nbytes
+
+    @property
+    def seconds(self) -> float:
+        return max(self.busy.values(), default=0.0)
+
+
+def collective_traffic(traffic: Traffic, topology: Topology, itemsize: int, kind: str, devices, box, parts) -> None:
+    """Add one ring collective's edge bytes and its duration to every member's busy time."""
+    n = len(devices)
+    if n < 2:
+        return
+    if kind == "all_reduce":
+        total = box_volume(box) * itemsize
+        per_edge = [2 * (n - 1) * total // n] * n
+        steps = 2 * (n - 1)
+    else:
+        sizes = [box_volume(p) * itemsize for p in parts]
+        total = sum(sizes)
+        skip = [sizes[(i + 1) % n] for i in range(n)] if kind == "all_gather" else sizes
+        per_edge = [total - s for s in skip]
+        steps = n - 1
+    worst_latency, worst_transfer = 0.0, 0.0
+    for i, a in enumerate(devices):
+        b = devices[(i + 1) % n]
+        traffic.edge(topology, a, b, per_edge[i])
+        link = topology.link(a, b)
+        worst_latency = max(worst_latency, link.latency)
+        worst_transfer = max(worst_transfer, per_edge[i] / link.bandwidth)
+    seconds = steps * worst_latency + worst_transfer
+    for d in devices:
+        traffic.busy[d] += seconds
+
+
+def transfer_traffic(traffic: Traffic, topology: Topology, itemsize: int, transfers: Iterable) -> None:
+    """Add messages; each device is busy for the larger of its send and its receive time."""
+    send_time: dict[int, float] = defaultdict(float)
+    recv_time: dict[int, float] = defaultdict(float)
+    for t in transfers:
+        if t.src == t.dst:
+            continue
+        nbytes = sum(box_volume(b) for b in t.boxes) * itemsize
+        traffic.edge(topology, t.src, t.dst, nbytes)
+        seconds = topology.link(t.src, t.dst).seconds(nbytes)
+        send_time[t.src] += seconds
+        recv_time[t.dst] += seconds
+    for d in set(send_time) | set(recv_time):
+        traffic.busy[d] += max(send_time[d], recv_time[d])
+
+
+__all__ = ["DTYPE_SIZES", "Traffic", "collective_traffic", "dtype_name", "transfer_traffic"]

@@ -1,0 +1,338 @@
+"""Plans are data: ordered steps of primitives, each with its device groups and the boxes it moves.
+
+One uniform step shape serves every primitive, so one executor runs them all:
+
+* `Step.src` / `Step.dst`: the layouts before and after the step (intermediate annotations).
+* `Step.collectives`: sub-collectives `Collective(kind, devices, box, parts, zero_inputs)` in a
+  global order (every member runs the ones it is in, in this order, so blocking collectives on
+  overlapping groups cannot deadlock). `box` is the global region acted on; for all_gather
+  `parts[i]` is member i's input, for reduce_scatter `parts[i]` is member i's output (uneven and
+  empty allowed); members in `zero_inputs` contribute zeros (a replica whose summand another
+  member already contributes, or a member that only receives).
+* `Step.transfers`: fused point-to-point messages `Transfer(src, dst, boxes, tensors)`: all boxes
+  one device sends another in this step, in one message; src == dst is a local copy.
+* `Step.rebuilds`: the devices that build their destination piece afresh (zeros, then the local
+  copies, collective results and received boxes land in it). Any other device of the destination
+  keeps its local tensor unchanged (an Identity for it).
+
+A device's results are always clipped to its destination piece: no device allocates more than the
+boxes it sends, receives or reduces, never the whole tensor unless its piece is the whole tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Mapping
+
+from hspmd.annotations import Annotation, Box, parse
+from hspmd.comm_resolve.cost import DTYPE_SIZES, Traffic, collective_traffic, transfer_traffic
+from hspmd.comm_resolve.slices import box_volume
+from hspmd.comm_resolve.topology import Topology
+
+PRIMITIVES = (
+    "Identity", "LocalSplit", "SendRecv", "AllReduce", "ReduceScatter", "AllGather",
+    "SplitAllReduce", "SplitReduceScatter", "SplitAllGather", "BatchedSendRecv",
+)
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+SCHEMA = "hspmd.plan/1"
+FUSED_SCHEMA = "hspmd.fused-plan/1"
+
+
+def _box_json(box: Box) -> list[list[int]]:
+    return [[int(a), int(b)] for a, b in box]
+
+
+def _box_from(data) -> Box:
+    return tuple((int(a), int(b)) for a, b in data)
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    devices: tuple[int, ...]
+    box: Box
+    parts: tuple[Box, ...] = ()
+    zero_inputs: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind, "devices": list(self.devices), "box": _box_json(self.box),
+            "parts": [_box_json(p) for p in self.parts], "zero_inputs": list(self.zero_inputs),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Collective":
+        return cls(d["kind"], tuple(d["devices"]), _box_from(d["box"]), tuple(_box_from(p) for p in d["parts"]),
+                   tuple(d.get("zero_inputs", ())))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    boxes: tuple[Box, ...]
+    tensors: tuple[int, ...]
+
+    @property
+    def elements(self) -> int:
+        return sum(box_volume(b) for b in self.boxes)
+
+    def to_dict(self) -> dict:
+        return {"src": self.src, "dst": self.dst, "boxes": [_box_json(b) for b in self.boxes],
+                "tensors": list(self.tensors)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Transfer":
+        return cls(d["src"], d["dst"], tuple(_box_from(b) for b in d["boxes"]), tuple(d["tensors"]))
+
+
+@dataclass(frozen=True)
+class Step:
+    primitive: str
+    src: Annotation
+    dst: Annotation
+    collectives: tuple[Collective, ...] = ()
+    transfers: tuple[Transfer, ...] = ()
+    rebuilds: tuple[int, ...] = ()
+    subgroup: int | None = None
+    phase: int = 0
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Who talks to whom: collective groups, then sender-receiver pairs; for a step without
+        communication, the devices it acts on."""
+        groups = list(dict.fromkeys(c.devices for c in self.collectives))
+        groups += [(t.src, t.dst) for t in self.transfers if t.src != t.dst]
+        if groups:
+            return tuple(groups)
+        if self.rebuilds:
+            return (tuple(self.rebuilds),)
+        sub = self.dst.subgroups[self.subgroup] if self.subgroup is not None else None
+        return (tuple(sub.dg) if sub else self.dst.devices,)
+
+    @property
+    def messages(self) -> int:
+        return sum(1 for t in self.transfers if t.src != t.dst)
+
+    def traffic(self, topology: Topology, itemsize: int) -> Traffic:
+        traffic = Traffic()
+        for c in self.collectives:
+            collective_traffic(traffic, topology, itemsize, c.kind, c.devices, c.box, c.parts)
+        transfer_traffic(traffic, topology, itemsize, self.transfers)
+        return traffic
+
+    def to_dict(self) -> dict:
+        return {
+            "primitive": self.primitive, "phase": self.phase, "subgroup": self.subgroup,
+            "src": str(self.src), "dst": str(self.dst),
+            "groups": [list(g) for g in self.groups],
+            "collectives": [c.to_dict() for c in self.collectives],
+            "transfers": [t.to_dict() for t in self.transfers],
+            "rebuilds": list(self.rebuilds),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Step":
+        return cls(
+            d["primitive"], parse(d["src"]), parse(d["dst"]),
+            tuple(Collective.from_dict(c) for c in d["collectives"]),
+            tuple(Transfer.from_dict(t) for t in d["transfers"]),
+            tuple(d["rebuilds"]), d.get("subgroup"), d.get("phase", 0),
+        )
+
+
+class _Stats:
+    """Traffic summaries shared by single-tensor and fused plans (needs `_traffics` and `_phases`)."""
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @cached_property
+    def _total(self) -> Traffic:
+        total = Traffic()
+        for t in self._traffics:
+            for table, into in ((t.sent, total.sent), (t.received, total.received), (t.by_link, total.by_link)):
+                for key, n in table.items():
+                    into[key] += n
+        return total
+
+    def _with_all_devices(self, table) -> dict[int, int]:
+        return {d: int(table.get(d, 0)) for d in self.devices}
+
+    @property
+    def bytes_sent(self) -> dict[int, int]:
+        return self._with_all_devices(self._total.sent)
+
+    @property
+    def bytes_received(self) -> dict[int, int]:
+        return self._with_all_devices(self._total.received)
+
+    @property
+    def bytes_by_link(self) -> dict[str, int]:
+        return dict(sorted(self._total.by_link.items()))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._total.sent.values())
+
+    @property
+    def estimated_seconds(self) -> float:
+        per_phase: dict[int, float] = {}
+        for phase, traffic in zip(self._phases, self._traffics):
+            per_phase[phase] = max(per_phase.get(phase, 0.0), traffic.seconds)
+        return sum(per_phase.values())
+
+    def _stats_dict(self) -> dict:
+        return {
+            "bytes_sent": {str(d): n for d, n in self.bytes_sent.items()},
+            "bytes_received": {str(d): n for d, n in self.bytes_received.items()},
+            "bytes_by_link": self.bytes_by_link,
+            "estimated_seconds": self.estimated_seconds,
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+@dataclass(frozen=True, eq=True)
+class Plan(_Stats):
+    """How to turn a tensor laid out as `src` into `dst` (see the module docstring)."""
+
+    src: Annotation
+    dst: Annotation
+    shape: tuple[int, ...]
+    steps: tuple[Step, ...]
+    topology: Topology
+    dtype: str = "float32"
+
+    @cached_property
+    def _traffics(self) -> list[Traffic]:
+        return [s.traffic(self.topology, self.itemsize) for s in self.steps]
+
+    @property
+    def _phases(self) -> list[int]:
+        return [s.phase for s in self.steps]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.src.devices) | set(self.dst.devices)))
+
+    @property
+    def primitives(self) -> tuple[str, ...]:
+        return tuple(s.primitive for s in self.steps)
+
+    @property
+    def messages(self) -> int:
+        return sum(s.messages for s in self.steps)
+
+    def collective_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every collective group the plan uses (for backends that must create groups up front)."""
+        return tuple(dict.fromkeys(c.devices for s in self.steps for c in s.collectives))
+
+    def step_seconds(self) -> list[float]:
+        return [t.seconds for t in self._traffics]
+
+    def step_bytes(self) -> list[int]:
+        return [sum(t.sent.values()) for t in self._traffics]
+
+    def explain(self) -> str:
+        from hspmd.comm_resolve.render import plan_text
+
+        return plan_text(self)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA, "src": str(self.src), "dst": str(self.dst), "shape": list(self.shape),
+            "dtype": self.dtype, "itemsize": self.itemsize, "topology": self.topology.to_dict(),
+            "steps": [
+                {**s.to_dict(), "bytes": b, "estimated_seconds": t}
+                for s, b, t in zip(self.steps, self.step_bytes(), self.step_seconds())
+            ],
+            **self._stats_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Plan":
+        return cls(
+            parse(d["src"]), parse(d["dst"]), tuple(d["shape"]), tuple(Step.from_dict(s) for s in d["steps"]),
+            Topology.from_dict(d["topology"]), d.get("dtype", "float32"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True)
+class TensorMove:
+    """One tensor of a fused reshard: its layouts before and after, and its global shape."""
+
+    src: Annotation
+    dst: Annotation
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=True)
+class FusedPlan(_Stats):
+    """One batched send-receive moving many tensors at once: one message per device pair."""
+
+    moves: tuple[TensorMove, ...]
+    transfers: tuple[Transfer, ...]
+    topology: Topology
+    dtype: str = "float32"
+
+    @cached_property
+    def _traffics(self) -> list[Traffic]:
+        traffic = Traffic()
+        transfer_traffic(traffic, self.topology, self.itemsize, self.transfers)
+        return [traffic]
+
+    @property
+    def _phases(self) -> list[int]:
+        return [0]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(sorted({d for m in self.moves for d in m.src.devices + m.dst.devices}))
+
+    @property
+    def messages(self) -> int:
+        return sum(1 for t in self.transfers if t.src != t.dst)
+
+    def explain(self) -> str:
+        from hspmd.comm_resolve.render import fused_plan_text
+
+        return fused_plan_text(self)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": FUSED_SCHEMA, "dtype": self.dtype, "itemsize": self.itemsize,
+            "topology": self.topology.to_dict(),
+            "tensors": [{"src": str(m.src), "dst": str(m.dst), "shape": list(m.shape)} for m in self.moves],
+            "steps": [{"primitive": "BatchedSendRecv", "groups": [[t.src, t.dst] for t in self.transfers if t.src != t.dst],
+                       "transfers": [t.to_dict() for t in self.transfers]}],
+            "messages": self.messages,
+            **self._stats_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "FusedPlan":
+        moves = tuple(TensorMove(parse(m["src"]), parse(m["dst"]), tuple(m["shape"])) for m in d["tensors"])
+        transfers = tuple(Transfer.from_dict(t) for t in d["steps"][0]["transfers"])
+        return cls(moves, transfers, Topology.from_dict(d["topology"]), d.get("dtype", "float32"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "FusedPlan":
+        return cls.from_dict(json.loads(text))
+
+
+__all__ = ["COLLECTIVE_KINDS", "Collective", "FusedPlan", "PRIMITIVES", "Plan", "Step", "TensorMove", "Transfer"]

@@ -1,0 +1,287 @@
+"""Hierarchical communication resolution (paper section 4, figure 4): src annotation -> plan.
+
+Decision order:
+
+1. Same HSize, same HDim (and the same top-tier regions): every subgroup on its own (4.1) --
+   Identity; SendRecv when only its device group changes; AllReduce / ReduceScatter / AllGather /
+   LocalSplit when only its distributed states change (collectives.py); BatchedSendRecv otherwise.
+   Subgroups whose device group changes move together in one final step.
+2. Same HSize, other HDim, same DG union (4.2): a bottom-tier step per subgroup equalises the DS
+   union (e.g. ReduceScatter in one subgroup, Identity in the other), then SplitAllReduce /
+   SplitReduceScatter / SplitAllGather over the finest slices (split_collectives.py).
+3. Anything else: BatchedSendRecv over the finest slice grid (bsr.py).
+
+Partial sums never travel through BSR. When a Partial source has no collective path, the default
+is to reduce it where it lies first (ReduceScatter inside subgroups, SplitReduceScatter across
+them) and move the reduced pieces; with `reduce_partial=False` the resolver follows the paper
+to the letter and raises UnsupportedReshard instead. A Partial destination is reached by giving
+each slice to one summand and zeros to the others (no reduction needed).
+
+Steps of different subgroups in one phase run side by side (the time estimate overlaps them);
+the plan lists them subgroup by subgroup so that each step's src is the previous step's dst.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from hspmd.annotations import Annotation, Subgroup, device_pieces, parse, subgroup_regions
+from hspmd.comm_resolve.bsr import Family, destination_needs, plan_transfers
+from hspmd.comm_resolve.collectives import collective_steps, reduction_targets
+from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
+from hspmd.comm_resolve.plan import Plan, Step, Transfer
+from hspmd.comm_resolve.split_collectives import split_step
+from hspmd.comm_resolve.topology import Topology, default_topology
+from hspmd.errors import CommunicationError, ShapeError, UnsupportedReshard
+
+
+@dataclass(frozen=True)
+class _Context:
+    src: Annotation
+    dst: Annotation
+    shape: tuple[int, ...]
+    topology: Topology
+    itemsize: int
+    reduce_partial: bool
+
+    def refuse(self, why: str) -> UnsupportedReshard:
+        return UnsupportedReshard(
+            f"cannot reshard {self.src} -> {self.dst} (shape {self.shape}): {why}. BatchedSendRecv cannot carry "
+            f"partial sums and no collective path exists; reduce the sums first (e.g. comm() to a split or "
+            f"duplicate layout on the same devices) or resolve with reduce_partial=True"
+        )
+
+
+def bind_ratios(ann: Annotation, ratios: Sequence[int] | None, role: str) -> Annotation:
+    """The annotation with its top-tier ratios bound (run-time ratios must be given)."""
+    if isinstance(ann.hdim, int) and ann.ratios is None:
+        if ratios is None:
+            raise ShapeError(
+                f"the {role} {ann} splits dim {ann.hdim} across subgroups in ratios bound at run time; "
+                f"pass {role[:3]}_ratios=(...) or bind them with annotation.with_ratios(...)"
+            )
+        return ann.with_ratios(tuple(ratios))
+    return ann
+
+
+def check_shape(shape: Sequence[int], *anns: Annotation) -> tuple[int, ...]:
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        raise ShapeError(f"shape must be a sequence of non-negative integers, got {shape!r}") from None
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape):
+        raise ShapeError(f"resolve needs a concrete shape of non-negative integers, got {shape}")
+    for ann in anns:
+        ann.check_rank(len(shape), f"tensor of shape {shape}")
+    return shape
+
+
+def resolve(
+    src: Annotation | str,
+    dst: Annotation | str,
+    shape: Sequence[int],
+    topology: Topology | str | None = None,
+    *,
+    dtype: object = "float32",
+    src_ratios: Sequence[int] | None = None,
+    dst_ratios: Sequence[int] | None = None,
+    reduce_partial: bool = True,
+) -> Plan:
+    """The communication plan turning a tensor of `shape` laid out as `src` into `dst`.
+
+    A pure function of its arguments. `topology` (a Topology or text such as "2x4") defaults to one
+    node holding every device; `dtype` sets the element size for byte counts and time estimates."""
+    src = bind_ratios(parse(src), src_ratios, "source")
+    dst = bind_ratios(parse(dst), dst_ratios, "destination")
+    shape = check_shape(shape, src, dst)
+    devices = set(src.devices) | set(dst.devices)
+    topology = default_topology(devices) if topology is None else Topology.parse(topology)
+    topology.check_devices(sorted(devices), f"reshard {src} -> {dst}")
+    name = dtype_name(dtype)
+    ctx = _Context(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial)
+    return Plan(src, dst, shape, tuple(_route(src, dst, ctx)), topology, name)
+
+
+# routing ------------------------------------------------------------------------------------------
+
+
+def _route(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
+    if src.hsize == dst.hsize and src.hdim == dst.hdim and _regions(src, ctx) == _regions(dst, ctx):
+        return _bottom_tier(src, dst, ctx)
+    if src.hsize == dst.hsize and src.dg_union == dst.dg_union:
+        steps = _top_tier(src, dst, ctx)
+        if steps is not None:
+            return steps
+    return _general(src, dst, ctx)
+
+
+def _regions(ann: Annotation, ctx: _Context):
+    return subgroup_regions(ann, ctx.shape)
+
+
+def _replace(union: Annotation, k: int, sub: Subgroup) -> Annotation:
+    subs = list(union.subgroups)
+    subs[k] = sub
+    return Annotation(tuple(subs), union.hdim, union.ratios)
+
+
+def _identity(union: Annotation, k: int) -> Step:
+    return Step("Identity", union, union, subgroup=k)
+
+
+def _shift(steps: list[Step], by: int) -> list[Step]:
+    return [replace(s, phase=s.phase + by) for s in steps]
+
+
+def _in_sequence(steps: list[Step]) -> list[Step]:
+    return [replace(s, phase=i) for i, s in enumerate(steps)]
+
+
+def _next_phase(steps: list[Step]) -> int:
+    return max((s.phase + 1 for s in steps if s.primitive != "Identity"), default=0)
+
+
+def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Context) -> tuple[list[Step], Annotation]:
+    """Subgroup k (same device group) into `target`'s distributed states, inside `union`."""
+    current = union.subgroups[k]
+    if current == target:
+        return [_identity(union, k)], union
+    steps = collective_steps(union, k, target.ds, ctx.shape)
+    if steps:
+        return _in_sequence(steps), _replace(union, k, target)
+    if steps is not None:
+        done = _replace(union, k, target)
+        return [Step("Identity", union, done, subgroup=k)], done
+    steps = []
+    if current.ds.partial_count > 1:
+        steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} changes {current.ds} -> {target.ds}")
+    done = _replace(union, k, target)
+    step = _transfer_step(union, done, ctx, restrict=k)
+    return steps + [replace(step, phase=len(steps))], done
+
+
+def _reduce_subgroup(union: Annotation, k: int, ctx: _Context, why: str) -> tuple[list[Step], Annotation]:
+    """Reduce subgroup k's bottom-tier Partial in place (ReduceScatter, else AllReduce)."""
+    if not ctx.reduce_partial:
+        raise ctx.refuse(f"{why} and its Partial has no collective path")
+    sub = union.subgroups[k]
+    for target in reduction_targets(sub.ds, _regions(union, ctx)[k]):
+        steps = collective_steps(union, k, target, ctx.shape)
+        if steps:
+            return _in_sequence(steps), _replace(union, k, Subgroup(sub.dg, target))
+    raise CommunicationError(f"internal: no reduction of {sub} in {union}")
+
+
+def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
+    union, steps, moving = src, [], []
+    for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
+        if s.dg != t.dg:
+            moving.append(k)
+            if s.ds != t.ds and s.ds.partial_count > 1:
+                sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
+                steps += sub_steps
+            continue
+        sub_steps, union = _equalise(union, k, t, ctx)
+        steps += sub_steps
+    if moving:
+        steps.append(replace(_move_step(union, dst, moving, ctx), phase=_next_phase(steps)))
+    elif steps[-1].dst != dst:
+        steps[-1] = replace(steps[-1], dst=dst)  # equal regions written with other ratios: the same layout
+    return steps
+
+
+def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Context) -> Step:
+    """Subgroups whose device group changes: SendRecv of each piece (summands too) when the
+    distributed states stay, BSR within the subgroup otherwise; one fused exchange for all."""
+    sp = device_pieces(union, ctx.shape)
+    pairs, families = [], []
+    for k in moving:
+        s, t = union.subgroups[k], dst.subgroups[k]
+        if s.ds == t.ds:
+            pairs += [Transfer(a, b, (sp[a].box,), (0,)) for a, b in zip(s.dg, t.dg)]
+        else:
+            owners = {d: sp[d].box for d in s.dg}
+            families.append(Family(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg)))
+    transfers = _fuse(pairs + list(plan_transfers(families, ctx.topology, ctx.itemsize)))
+    rebuilds = tuple(sorted(d for k in moving for d in dst.subgroups[k].dg))
+    return Step("BatchedSendRecv" if families else "SendRecv", union, dst, (), transfers, rebuilds)
+
+
+def _fuse(transfers: list[Transfer]) -> tuple[Transfer, ...]:
+    by_pair: dict[tuple[int, int], list[Transfer]] = {}
+    for t in transfers:
+        by_pair.setdefault((t.src, t.dst), []).append(t)
+    return tuple(
+        Transfer(s, d, sum((t.boxes for t in ts), ()), sum((t.tensors for t in ts), ()))
+        for (s, d), ts in sorted(by_pair.items())
+    )
+
+
+_SPLIT = {("P", "D"): "SplitAllReduce", ("P", "dim"): "SplitReduceScatter", ("dim", "D"): "SplitAllGather"}
+
+
+def _top_tier(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step] | None:
+    kind = lambda h: "dim" if isinstance(h, int) else h  # noqa: E731
+    primitive = _SPLIT.get((kind(src.hdim), kind(dst.hdim)))
+    if primitive is None or any(s.ds.partial_count > 1 for s in dst.subgroups):
+        return None
+    union, steps = src, []
+    if any(s.ds != t.ds for s, t in zip(src.subgroups, dst.subgroups)):
+        for k, t in enumerate(dst.subgroups):
+            sub_steps, union = _equalise(union, k, t, ctx)
+            steps += sub_steps
+    step = split_step(primitive, union, dst, ctx.shape)
+    if step is None:
+        return None
+    return steps + [replace(step, phase=_next_phase(steps))]
+
+
+def _general(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
+    if not src.has_partial:
+        return [_transfer_step(src, dst, ctx)]
+    if not ctx.reduce_partial:
+        raise ctx.refuse(f"the source holds partial sums and the destination has another HSize or device group union")
+    steps, union = _reduce_union(src, dst, ctx)
+    return steps + _shift(_route(union, dst, ctx), _next_phase(steps))
+
+
+def _reduce_union(union: Annotation, goal: Annotation, ctx: _Context) -> tuple[list[Step], Annotation]:
+    """Every Partial reduced where it lies: bottom tier per subgroup, then the top tier by a
+    SplitReduceScatter (along the goal's HDim and ratios when it has one, else ratios = subgroup
+    sizes) or, failing that, a SplitAllReduce."""
+    steps = []
+    for k, sub in enumerate(union.subgroups):
+        if sub.ds.partial_count > 1:
+            sub_steps, union = _reduce_subgroup(union, k, ctx, "")
+            steps += sub_steps
+    if union.hdim != "P":
+        return steps, union
+    phase = _next_phase(steps)
+    split = {d for s in union.subgroups for d in s.ds.split_dims}
+    dims = sorted(range(len(ctx.shape)), key=lambda d: (d != goal.hdim, d in split, -ctx.shape[d], d))
+    sizes = tuple(len(s.dg) for s in union.subgroups)
+    for d in dims:
+        ratios = goal.ratios if d == goal.hdim and goal.hsize == union.hsize else sizes
+        target = Annotation(union.subgroups, d, ratios)
+        step = split_step("SplitReduceScatter", union, target, ctx.shape)
+        if step is not None:
+            return steps + [replace(step, phase=phase)], target
+    target = Annotation(union.subgroups, "D")
+    return steps + [replace(split_step("SplitAllReduce", union, target, ctx.shape), phase=phase)], target
+
+
+def _transfer_step(src: Annotation, dst: Annotation, ctx: _Context, restrict: int | None = None) -> Step:
+    """BatchedSendRecv of values from `src` to `dst` (whole union, or subgroup `restrict` only);
+    LocalSplit when every device finds what it needs in its own piece."""
+    sp = device_pieces(src, ctx.shape)
+    devices = None if restrict is None else dst.subgroups[restrict].dg.devices
+    owners = {d: p.box for d, p in sp.items() if restrict is None or d in src.subgroups[restrict].dg.devices}
+    needs = destination_needs(dst, ctx.shape, owners, devices)
+    transfers = plan_transfers([Family(0, len(ctx.shape), owners, needs)], ctx.topology, ctx.itemsize)
+    rebuilds = tuple(sorted(dst.devices if devices is None else devices))
+    remote = any(t.src != t.dst for t in transfers)
+    return Step("BatchedSendRecv" if remote else "LocalSplit", src, dst, (), transfers, rebuilds, restrict)
+
+
+__all__ = ["bind_ratios", "check_shape", "resolve"]

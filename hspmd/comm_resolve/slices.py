@@ -1,0 +1,93 @@
+"""Finest-grained slices: the grid cut at every boundary of every piece involved in a reshard.
+
+The paper's planners (split collectives, BSR) reason per slice: within one grid cell every device
+either holds all of it or none of it, so ownership and need are per cell. Cells are index tuples
+into the per-dim cut lists; `merge_cells` turns a set of cells back into few disjoint boxes so that
+plans and messages stay short. Uneven, non-power-of-two and empty pieces need no special case: a
+cut is a cut.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from itertools import product
+from math import prod
+from typing import Iterable, Sequence
+
+from hspmd.annotations import Box
+
+Cell = tuple[int, ...]
+
+
+def box_volume(box: Box) -> int:
+    return prod(max(0, stop - start) for start, stop in box)
+
+
+def box_contains(outer: Box, inner: Box) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
+
+
+def empty_box_at(box: Box) -> Box:
+    """A zero-volume box anchored at `box`'s corner (a member that contributes or receives nothing)."""
+    return ((box[0][0], box[0][0]),) + tuple(box[1:]) if box else box
+
+
+class Grid:
+    """The cut lists of one tensor's finest slices (cells are index tuples)."""
+
+    def __init__(self, boxes: Iterable[Box], ndim: int):
+        cuts: list[set[int]] = [set() for _ in range(ndim)]
+        for box in boxes:
+            if box_volume(box) == 0:
+                continue
+            for dim, (start, stop) in enumerate(box):
+                cuts[dim].add(start)
+                cuts[dim].add(stop)
+        self.cuts = [sorted(c) for c in cuts]
+        self.ndim = ndim
+
+    def ranges(self, box: Box) -> tuple[range, ...]:
+        """Cell index ranges per dim covered by `box` (whose bounds are cuts of this grid)."""
+        if box_volume(box) == 0:
+            return tuple(range(0) for _ in box)
+        return tuple(
+            range(bisect_left(c, start), bisect_left(c, stop)) for c, (start, stop) in zip(self.cuts, box)
+        )
+
+    def cells(self, box: Box) -> Iterable[Cell]:
+        return product(*self.ranges(box))
+
+    def cell_box(self, cell: Cell) -> Box:
+        return tuple((c[i], c[i + 1]) for c, i in zip(self.cuts, cell))
+
+    def cell_volume(self, cell: Cell) -> int:
+        return prod(c[i + 1] - c[i] for c, i in zip(self.cuts, cell))
+
+    def index_box(self, lo: Sequence[int], hi: Sequence[int]) -> Box:
+        return tuple((c[a], c[b]) for c, a, b in zip(self.cuts, lo, hi))
+
+    def merge(self, cells: Iterable[Cell]) -> list[Box]:
+        """Disjoint boxes covering exactly `cells` (greedy growth, last dim first)."""
+        remaining = set(cells)
+        boxes = []
+        for start in sorted(remaining):
+            if start not in remaining:
+                continue
+            lo, hi = list(start), [i + 1 for i in start]
+            for dim in reversed(range(self.ndim)):
+                while True:
+                    slab = [range(lo[d], hi[d]) if d != dim else range(hi[dim], hi[dim] + 1) for d in range(self.ndim)]
+                    if hi[dim] < len(self.cuts[dim]) - 1 and all(c in remaining for c in product(*slab)):
+                        hi[dim] += 1
+                    else:
+                        break
+            remaining.difference_update(product(*(range(a, b) for a, b in zip(lo, hi))))
+            boxes.append(self.index_box(lo, hi))
+        return boxes
+
+
+def in_ranges(cell: Cell, ranges: tuple[range, ...]) -> bool:
+    return all(r.start <= i < r.stop for i, r in zip(cell, ranges))
+
+
+__all__ = ["Cell", "Grid", "box_contains", "box_volume", "empty_box_at", "in_ranges"]

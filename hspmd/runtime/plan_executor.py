@@ -1,0 +1,186 @@
+"""Run a communication plan (hspmd.comm_resolve) on one rank, over any Backend.
+
+The same per-rank code serves every primitive: for each step a device that rebuilds its piece
+allocates its destination piece (zeros), runs the sub-collectives it is a member of in the plan's
+global order, then does its local copies and one batched exchange for its messages. Results are
+clipped to the destination piece, so a device never allocates more than the boxes it touches.
+
+With torch.distributed, every rank must first create the plan's groups collectively:
+`backend.prepare_groups(plan.collective_groups())`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Mapping
+
+import torch
+
+from hspmd.annotations import Annotation, Box, Piece, box_intersection, box_relative, box_shape, device_pieces
+from hspmd.comm_resolve.plan import Collective, FusedPlan, Plan, Step, Transfer
+from hspmd.comm_resolve.slices import box_volume
+from hspmd.errors import ShapeError
+from hspmd.runtime.backend import Backend
+
+
+@lru_cache(maxsize=4096)
+def _pieces(ann: Annotation, shape: tuple[int, ...]) -> dict[int, Piece]:
+    return device_pieces(ann, shape)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _check_local(local: torch.Tensor | None, piece: Piece | None, dtype: torch.dtype, device: int, what: str) -> None:
+    if piece is None:
+        return
+    if local is None:
+        raise ShapeError(f"device {device} holds a piece of {what} but was given no local tensor")
+    if tuple(local.shape) != tuple(piece.shape):
+        raise ShapeError(f"device {device}: local tensor has shape {tuple(local.shape)}, {what} gives it {piece.shape}")
+    if local.dtype != dtype:
+        raise ShapeError(
+            f"device {device}: local tensor is {local.dtype} but the plan was made for {dtype}; "
+            f"resolve with dtype={str(dtype).removeprefix('torch.')!r}"
+        )
+
+
+def _cut(tensor: torch.Tensor, held: Box, box: Box, dtype: torch.dtype) -> torch.Tensor:
+    """`box` (global coordinates) out of a tensor holding `held`; an empty box needs no data."""
+    if any(stop <= start for start, stop in box):
+        return torch.zeros(box_shape(box), dtype=dtype)
+    return tensor[box_relative(box, held)]
+
+
+def _write(out: torch.Tensor, held: Box, region: Box, value: torch.Tensor) -> None:
+    """Write the part of `value` (covering `region`) that falls inside `held`."""
+    common = box_intersection(region, held)
+    if common is not None:
+        out[box_relative(common, held)] = value[box_relative(common, region)]
+
+
+def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out, dst: Box, dtype) -> None:
+    me = backend.rank
+    silent = me in c.zero_inputs or src is None
+    if c.kind == "all_reduce":
+        value = torch.zeros(box_shape(c.box), dtype=dtype) if silent else _cut(local, src, c.box, dtype)
+        _write(out, dst, c.box, backend.all_reduce(value.contiguous(), c.devices))
+    elif c.kind == "all_gather":
+        mine = c.parts[c.devices.index(me)]
+        value = _cut(local, src, mine, dtype) if src is not None else torch.zeros(box_shape(mine), dtype=dtype)
+        shapes = [tuple(box_shape(p)) for p in c.parts]
+        for part, got in zip(c.parts, backend.all_gather(value.contiguous(), c.devices, shapes)):
+            _write(out, dst, part, got)
+    else:
+        parts = [
+            torch.zeros(box_shape(p), dtype=dtype) if silent else _cut(local, src, p, dtype).contiguous()
+            for p in c.parts
+        ]
+        _write(out, dst, c.parts[c.devices.index(me)], backend.reduce_scatter(parts, c.devices))
+
+
+def _exchange(
+    transfers: tuple[Transfer, ...],
+    backend: Backend,
+    sources: Mapping[int, tuple[torch.Tensor, Box]],
+    targets: Mapping[int, tuple[torch.Tensor, Box]],
+    dtype: torch.dtype,
+) -> None:
+    """Local copies and one batched exchange; `sources`/`targets` map tensor id -> (tensor, box)."""
+    me = backend.rank
+    sends, recvs, incoming = {}, {}, {}
+    for t in transfers:
+        if t.src == me and t.dst == me:
+            for tid, box in zip(t.tensors, t.boxes):
+                if tid in targets:
+                    _write(targets[tid][0], targets[tid][1], box, _cut(sources[tid][0], sources[tid][1], box, dtype))
+        elif t.src == me:
+            chunks = [_cut(sources[tid][0], sources[tid][1], box, dtype).reshape(-1) for tid, box in zip(t.tensors, t.boxes)]
+            sends[t.dst] = torch.cat(chunks) if chunks else torch.zeros(0, dtype=dtype)
+        elif t.dst == me:
+            recvs[t.src] = ((t.elements,), dtype)
+            incoming[t.src] = t
+    if not sends and not recvs:
+        return
+    got = backend.exchange(sends, recvs)
+    for peer, t in incoming.items():
+        offset = 0
+        for tid, box in zip(t.tensors, t.boxes):
+            n = box_volume(box)
+            _write(targets[tid][0], targets[tid][1], box, got[peer][offset : offset + n].reshape(box_shape(box)))
+            offset += n
+
+
+def _keeps(transfers, me: int, tid: int, src: Piece | None, dst: Piece) -> bool:
+    """True when the device's only part in tensor `tid` is copying its whole piece to itself."""
+    mine = [(t, b) for t in transfers if me in (t.src, t.dst) for x, b in zip(t.tensors, t.boxes) if x == tid]
+    return (
+        src is not None and src.box == dst.box and src.summand == dst.summand and len(mine) == 1
+        and mine[0][0].src == mine[0][0].dst == me and mine[0][1] == dst.box
+    )
+
+
+def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend: Backend, local):
+    me = backend.rank
+    src, dst = _pieces(step.src, shape).get(me), _pieces(step.dst, shape).get(me)
+    if me not in step.rebuilds:
+        sending = [t for t in step.transfers if t.src == me]
+        if sending:
+            _exchange(tuple(sending), backend, {0: (local, src.box)}, {}, dtype)
+        return local if dst is not None else None
+    if _keeps(step.transfers, me, 0, src, dst) and not any(me in c.devices for c in step.collectives):
+        return local
+    out = torch.zeros(dst.shape, dtype=dtype)
+    src_box = src.box if src is not None else None
+    for c in step.collectives:
+        if me in c.devices:
+            _run_collective(c, backend, local, src_box, out, dst.box, dtype)
+    _exchange(step.transfers, backend, {0: (local, src_box)}, {0: (out, dst.box)}, dtype)
+    return out
+
+
+def execute_plan(plan: Plan, backend: Backend, local: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of `plan`: its source piece in, its destination piece out (None if the
+    rank holds no destination piece)."""
+    me, dtype = backend.rank, _torch_dtype(plan.dtype)
+    _check_local(local, _pieces(plan.src, plan.shape).get(me), dtype, me, f"source {plan.src}")
+    for step in plan.steps:
+        local = execute_step(step, plan.shape, dtype, backend, local)
+    return local if me in plan.dst.devices else None
+
+
+def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """This rank's part of a fused multi-tensor plan: {tensor index: source piece} in,
+    {tensor index: destination piece} out."""
+    me, dtype = backend.rank, _torch_dtype(plan.dtype)
+    sources, targets, out = {}, {}, {}
+    for tid, move in enumerate(plan.moves):
+        src, dst = _pieces(move.src, move.shape).get(me), _pieces(move.dst, move.shape).get(me)
+        _check_local(locals_.get(tid), src, dtype, me, f"tensor {tid} ({move.src})")
+        if src is not None:
+            sources[tid] = (locals_[tid], src.box)
+        if dst is None:
+            continue
+        if _keeps(plan.transfers, me, tid, src, dst):
+            out[tid] = locals_[tid]
+        else:
+            out[tid] = torch.zeros(dst.shape, dtype=dtype)
+            targets[tid] = (out[tid], dst.box)
+    _exchange(plan.transfers, backend, sources, targets, dtype)
+    return out
+
+
+def run_plan(plan: Plan | FusedPlan, locals_: Mapping[int, object], timeout: float = 60.0) -> dict[int, object]:
+    """Run `plan` in this process, one thread per device (hspmd.runtime.local), and return the
+    destination pieces: {device: tensor} for a Plan, {device: {tensor index: tensor}} for a FusedPlan."""
+    from hspmd.runtime.local import run_on_devices
+
+    if isinstance(plan, FusedPlan):
+        results = run_on_devices(lambda b: execute_fused_plan(plan, b, locals_.get(b.rank, {})), plan.devices, timeout)
+        return {d: r for d, r in results.items() if r}
+    results = run_on_devices(lambda b: execute_plan(plan, b, locals_.get(b.rank)), plan.devices, timeout)
+    return {d: r for d, r in results.items() if r is not None}
+
+
+__all__ = ["execute_fused_plan", "execute_plan", "execute_step", "run_plan"]
