@@ -35,3 +35,9 @@ __all__ += [
     "AdamW", "Binding", "Derived", "DeviceState", "Graph", "InProcessTrainer", "SGD", "comm", "deduce", "gradients",
     "ops", "parameter", "placeholder", "run_backward", "run_forward", "run_update", "specialize", "state", "symbols",
 ]
+
+# Hierarchical communication resolution and plan execution (issue 3).
+from hspmd.comm_resolve import FusedPlan, Plan, Topology, resolve, resolve_many
+from hspmd.runtime.plan_executor import run_plan
+
+__all__ += ["FusedPlan", "Plan", "Topology", "resolve", "resolve_many", "run_plan"]

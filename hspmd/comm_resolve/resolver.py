@@ -47,8 +47,8 @@ class _Context:
 
     def refuse(self, why: str) -> UnsupportedReshard:
         return UnsupportedReshard(
-            f"cannot reshard {self.src} -> {self.dst} (shape {self.shape}): {why}. BatchedSendRecv cannot carry "
-            f"partial sums and no collective path exists; reduce the sums first (e.g. comm() to a split or "
+            f"cannot reshard {self.src} -> {self.dst} (shape {self.shape}): {why}, which BatchedSendRecv cannot "
+            f"carry, and no collective path exists; reduce the sums first (e.g. comm() to a split or "
             f"duplicate layout on the same devices) or resolve with reduce_partial=True"
         )
 
@@ -164,7 +164,7 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Context) -> tup
 def _reduce_subgroup(union: Annotation, k: int, ctx: _Context, why: str) -> tuple[list[Step], Annotation]:
     """Reduce subgroup k's bottom-tier Partial in place (ReduceScatter, else AllReduce)."""
     if not ctx.reduce_partial:
-        raise ctx.refuse(f"{why} and its Partial has no collective path")
+        raise ctx.refuse(f"{why} with partial sums")
     sub = union.subgroups[k]
     for target in reduction_targets(sub.ds, _regions(union, ctx)[k]):
         steps = collective_steps(union, k, target, ctx.shape)
@@ -241,7 +241,7 @@ def _general(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
     if not src.has_partial:
         return [_transfer_step(src, dst, ctx)]
     if not ctx.reduce_partial:
-        raise ctx.refuse(f"the source holds partial sums and the destination has another HSize or device group union")
+        raise ctx.refuse("the destination has another HSize or device group union and the source holds partial sums")
     steps, union = _reduce_union(src, dst, ctx)
     return steps + _shift(_route(union, dst, ctx), _next_phase(steps))
 
@@ -253,7 +253,7 @@ def _reduce_union(union: Annotation, goal: Annotation, ctx: _Context) -> tuple[l
     steps = []
     for k, sub in enumerate(union.subgroups):
         if sub.ds.partial_count > 1:
-            sub_steps, union = _reduce_subgroup(union, k, ctx, "")
+            sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} holds {sub.ds}")
             steps += sub_steps
     if union.hdim != "P":
         return steps, union

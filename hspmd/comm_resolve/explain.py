@@ -1,0 +1,132 @@
+"""`hspmd explain SRC DST --shape 8,6 [--topology 2x4] [--json]`: the plan between two annotations.
+
+Without --json it prints the steps (primitive, device groups, bytes, estimated time), the bytes
+each device sends and receives, the bytes per link class and the estimated time. Errors print
+one message on stderr and exit with code 2.
+
+JSON schema ("schema": "hspmd.plan/1"; device ids as JSON object keys are strings):
+
+    {
+      "schema": "hspmd.plan/1",
+      "src": "HP{S1:4@[0-3] | S1:2@[4,5]}", "dst": "...", "shape": [8, 6],
+      "dtype": "float32", "itemsize": 4,
+      "topology": {"name": "2x4", "node_sizes": [4, 4],
+                   "intra": [{"name", "bandwidth" (bytes/s), "latency" (s)}, ...],
+                   "inter": {...}, "pairs": [{"devices": [a, b], "name", "bandwidth", "latency"}]},
+      "steps": [
+        {"primitive": "SplitAllReduce",        one of Identity, LocalSplit, SendRecv, AllReduce,
+                                                ReduceScatter, AllGather, SplitAllReduce,
+                                                SplitReduceScatter, SplitAllGather, BatchedSendRecv
+         "phase": 0,                            steps of one phase run side by side
+         "subgroup": null,                      the subgroup a bottom-tier step acts on, else null
+         "src": "...", "dst": "...",            layouts before and after the step
+         "groups": [[0, 4], [1, 4], ...],       collective groups, then [sender, receiver] pairs
+         "collectives": [{"kind": "all_reduce" | "reduce_scatter" | "all_gather",
+                          "devices": [...], "box": [[start, stop], ...],
+                          "parts": [box, ...], "zero_inputs": [...]}],
+         "transfers": [{"src": d, "dst": e, "boxes": [box, ...], "tensors": [0, ...]}],
+         "rebuilds": [...],                     devices that rebuild their piece in this step
+         "bytes": n, "estimated_seconds": t}
+      ],
+      "bytes_sent": {"0": n, ...}, "bytes_received": {"0": n, ...},
+      "bytes_by_link": {"intra-node": n, ...},
+      "estimated_seconds": t
+    }
+
+Boxes are global half-open ranges per dim. `hspmd.comm_resolve.Plan.from_json` reads it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hspmd.errors import HSPMDError
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _UsageError(message)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.replace(" ", "").split(",") if part != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (e.g. 8,6), got {text!r}") from None
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="hspmd explain", description="Show the communication plan that turns SRC into DST.")
+    p.add_argument("src", help="source annotation, e.g. 'HP{S1:4@[0-3] | S1:2@[4,5]}'")
+    p.add_argument("dst", help="destination annotation")
+    p.add_argument("--shape", type=_ints, required=True, help="global tensor shape, e.g. 8,6")
+    p.add_argument("--topology", default=None, help="cluster, e.g. 2x4, nvlink-ib:4x8, h800-h20:2+4 (default: one node)")
+    p.add_argument("--dtype", default="float32", help="element type for byte counts (default float32)")
+    p.add_argument("--src-ratios", type=_ints, default=None, help="run-time top-tier ratios of SRC, e.g. 2,1")
+    p.add_argument("--dst-ratios", type=_ints, default=None, help="run-time top-tier ratios of DST")
+    p.add_argument("--strict", action="store_true", help="follow the paper: refuse Partial sources that need BSR")
+    p.add_argument("--details", action="store_true", help="list every sub-collective and message")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (schema in the module docstring)")
+    return p
+
+
+def _print_rich(plan, details: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hspmd.comm_resolve.render import bytes_text, groups_text, seconds_text, step_details
+
+    console = Console(highlight=False)
+    console.print(f"[bold]{plan.src}[/bold] -> [bold]{plan.dst}[/bold]   shape {plan.shape}, {plan.dtype}, "
+                  f"topology {plan.topology}", markup=True)
+    steps = Table(title="steps")
+    for col in ("#", "phase", "primitive", "subgroup", "groups", "bytes", "est. time"):
+        steps.add_column(col)
+    for i, (s, b, t) in enumerate(zip(plan.steps, plan.step_bytes(), plan.step_seconds()), 1):
+        steps.add_row(str(i), str(s.phase), s.primitive, "" if s.subgroup is None else str(s.subgroup),
+                      groups_text(s), bytes_text(b), seconds_text(t))
+    console.print(steps)
+    if details:
+        for i, s in enumerate(plan.steps, 1):
+            console.print(f"step {i}: {s.src} -> {s.dst}", markup=False)
+            for line in step_details(s):
+                console.print(f"  {line}", markup=False)
+    devices = Table(title="bytes per device")
+    for col in ("device", "sent", "received"):
+        devices.add_column(col)
+    for d in plan.devices:
+        devices.add_row(str(d), bytes_text(plan.bytes_sent[d]), bytes_text(plan.bytes_received[d]))
+    console.print(devices)
+    links = ", ".join(f"{k}: {bytes_text(n)}" for k, n in plan.bytes_by_link.items()) or "none"
+    console.print(f"bytes by link class: {links}", markup=False)
+    console.print(f"estimated time: {seconds_text(plan.estimated_seconds)} (alpha-beta model, ring collectives)",
+                  markup=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hspmd.comm_resolve.resolver import resolve
+
+    try:
+        args = _parser().parse_args(argv)
+        plan = resolve(
+            args.src, args.dst, args.shape, args.topology, dtype=args.dtype, src_ratios=args.src_ratios,
+            dst_ratios=args.dst_ratios, reduce_partial=not args.strict,
+        )
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except (_UsageError, HSPMDError) as exc:
+        print(f"hspmd explain: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(plan.to_json(indent=2))
+    else:
+        _print_rich(plan, args.details)
+    return 0
+
+
+__all__ = ["main"]
