@@ -293,6 +293,21 @@ def _to_cpu(value: Any) -> Any:
     return [_to_cpu(v) for v in value]
 
 
+def torch_nccl_rank(backend: Backend) -> dict[str, Any]:
+    """The reference program on TorchDistBackend over NCCL (CUDA tensors), results moved to the CPU."""
+    return _to_cpu(backend_program(_OnCuda(backend)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD), reason=f"needs {WORLD} CUDA GPUs"
+)
+def test_torch_nccl_matches_the_in_process_backend(reference):
+    results = run_multiprocess(torch_nccl_rank, WORLD, backend="nccl", timeout=180)
+    for rank in range(WORLD):
+        assert_same(results[rank], reference[rank], f"rank {rank}")
+
+
 def cupy_rank(backend: Backend) -> dict[str, Any]:
     """The reference program on CupyNcclBackend (CUDA tensors), results moved to the CPU."""
     from hspmd.runtime.cupy_nccl import CupyNcclBackend

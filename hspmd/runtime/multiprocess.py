@@ -36,12 +36,13 @@ def run_multiprocess(
 ) -> list[Any]:
     """Run fn(backend, *args) on ranks 0..nprocs-1 and return their results, indexed by rank.
 
-    `fn`, `args` and the results must be picklable (processes are spawned, not forked); `backend`
+    `fn`, `args` and the results must be picklable (`fn` importable by name: ranks are forked from
+    a fresh fork server, not from the caller); `backend`
     is the torch.distributed backend name. `timeout` bounds the whole job, `comm_timeout` each
     collective. Raises HSPMDError naming the failing rank, with its traceback, if any rank fails."""
     if nprocs < 1:
         raise HSPMDError(f"run_multiprocess needs nprocs >= 1, got {nprocs}")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     reports: Any = ctx.Queue()
     port = free_port()
     procs = [
@@ -63,6 +64,14 @@ def run_multiprocess(
     finally:
         _stop(procs, graceful=succeeded)
         reports.close()
+
+
+def _context():
+    """Fork ranks from a fork server that has imported torch once (never from the caller, whose
+    threads fork would copy mid-flight): each rank then starts in a fraction of a second."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "hspmd.runtime.torch_dist"])
+    return ctx
 
 
 def _collect(procs: list, reports: Any, timeout: float) -> list[Any]:

@@ -19,6 +19,7 @@ Torch orders members by rank; results are put back into the caller's group order
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import weakref
@@ -37,6 +38,18 @@ SUPPORTED_BACKENDS = ("gloo", "nccl")
 # Process groups per world (keyed by the world group object), shared by every backend instance in
 # the process, so that each set of ranks is created once per world.
 _GROUPS_BY_WORLD: "weakref.WeakKeyDictionary[object, dict[tuple[int, ...], object]]" = weakref.WeakKeyDictionary()
+_LIVE_BACKENDS: "weakref.WeakSet[TorchDistBackend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Destroy the world before interpreter finalisation when a script did not call shutdown():
+    process groups torn down during finalisation can abort the process, failing a finished run."""
+    for backend in list(_LIVE_BACKENDS):
+        backend._world, backend._groups = None, {}
+    _GROUPS_BY_WORLD.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class TorchDistBackend(Backend):
@@ -61,6 +74,7 @@ class TorchDistBackend(Backend):
         self._world = world
         self._groups = _GROUPS_BY_WORLD.setdefault(world, {})
         self._native_reduce_scatter = True
+        _LIVE_BACKENDS.add(self)
         self.barrier(tuple(range(self.world_size)))
 
     # groups -------------------------------------------------------------------------------------
@@ -240,8 +254,12 @@ class TorchDistBackend(Backend):
         which hosts the rendezvous store that group creation needs, alive until all ranks are done."""
         if dist.is_initialized():
             self.barrier(tuple(range(self.world_size)))
-            dist.destroy_process_group()
         _GROUPS_BY_WORLD.pop(self._world, None)
+        # Process groups must not outlive destroy_process_group: one torn down later, at
+        # interpreter exit, can abort the process ("terminate called without an active exception").
+        self._world, self._groups = None, {}
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def init_from_env(
