@@ -36,10 +36,10 @@ def run_multiprocess(
 ) -> list[Any]:
     """Run fn(backend, *args) on ranks 0..nprocs-1 and return their results, indexed by rank.
 
-    `fn`, `args` and the results must be picklable (`fn` importable by name: ranks are forked from
-    a fresh fork server, not from the caller); `backend`
-    is the torch.distributed backend name. `timeout` bounds the whole job, `comm_timeout` each
-    collective. Raises HSPMDError naming the failing rank, with its traceback, if any rank fails."""
+    `fn` must be importable by name and `args` and the results picklable (ranks are forked from a
+    fork server, not from the caller). `backend` is the torch.distributed backend name; `timeout`
+    bounds the whole job, `comm_timeout` each collective. Raises HSPMDError naming the failing
+    rank, with its traceback, if any rank fails."""
     if nprocs < 1:
         raise HSPMDError(f"run_multiprocess needs nprocs >= 1, got {nprocs}")
     ctx = _context()
@@ -141,7 +141,7 @@ def _stop(procs: list, graceful: bool) -> None:
 
 
 def _rank_main(fn, args, rank, nprocs, port, backend, comm_timeout, reports) -> None:
-    """Body of one spawned rank: join the world, run fn, report (ok, result) or (False, traceback)."""
+    """Body of one rank: join the world, run fn, report (ok, result) or (False, traceback)."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), HSPMD_BACKEND=backend,
