@@ -72,7 +72,7 @@ def backend_program(backend: Backend) -> dict[str, Any]:
 
     out["broadcast_world"] = backend.broadcast(data(r, 15, (2, 2), torch.float64), 2, world)
     if r in (1, 2, 3):
-        out["broadcast_subset"] = backend.broadcast(data(r, 16, (3,)), 3, (1, 2, 3))
+        out["broadcast_subset"] = backend.broadcast(data(r, 16, (3,)), 3, (2, 3, 1))
 
     backend.barrier(world)
     if r in (1, 3):
@@ -251,6 +251,46 @@ def test_cupy_backend_without_cupy_says_to_install_the_gpu_extra():
 
     with pytest.raises(HSPMDError, match=r"hspmd\[gpu\]"):
         CupyNcclBackend(store=None, rank=0, world_size=1)
+
+
+def test_cupy_backend_logic_matches_the_in_process_backend_on_a_fake_nccl(reference, monkeypatch):
+    """CupyNcclBackend's own logic (store rendezvous of unique ids, union of prepared groups, member
+    order, padding, byte views, grouped point-to-point) over a CPU stand-in for cupy.cuda.nccl."""
+    import threading
+
+    import torch.distributed as dist
+
+    import fake_nccl
+    from hspmd.runtime import cupy_nccl
+
+    monkeypatch.setattr(cupy_nccl, "nccl", fake_nccl.nccl)
+    monkeypatch.setattr(cupy_nccl, "cupy", fake_nccl.cupy)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake_nccl.Stream())
+    monkeypatch.setattr(torch.cuda, "Event", fake_nccl.Event)
+    store = dist.HashStore()
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+
+    def rank_thread(rank: int) -> None:
+        try:
+            backend = cupy_nccl.CupyNcclBackend(store, rank, WORLD, timeout=20, namespace="fake")
+            backend.device = torch.device("cpu")  # the fake "device memory" is CPU memory
+            results[rank] = backend_program(backend)
+            backend.barrier(tuple(range(WORLD)))
+            backend.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=rank_thread, args=(r,)) for r in range(WORLD)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for rank in range(WORLD):
+        assert_same(results[rank], reference[rank], f"rank {rank}")
 
 
 def _gpu_ranks_available(n: int) -> bool:

@@ -46,10 +46,14 @@ class CupyNcclBackend(Backend):
     """One rank's NCCL collectives on CUDA tensors of the current device (device id == rank).
 
     `store` is any torch.distributed Store every rank can reach (e.g. a TCPStore hosted by rank 0);
-    `timeout` bounds communicator creation and `barrier`. NCCL collectives themselves have no
+    `timeout` bounds communicator creation and `barrier`. Store keys live under `namespace`, by
+    default one per backend constructed in this process (the same on every rank when every rank
+    constructs its backends in the same order; pass one explicitly otherwise). NCCL collectives themselves have no
     timeout here: a peer that dies mid-collective is noticed at the next barrier."""
 
-    def __init__(self, store, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self, store, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT_S, namespace: str | None = None
+    ):
         if nccl is None:
             raise HSPMDError(
                 "CupyNcclBackend needs CuPy with NCCL, which is not installed: "
@@ -61,7 +65,7 @@ class CupyNcclBackend(Backend):
         self.timeout = timeout
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._store = store
-        self._namespace = f"hspmd/cupy_nccl/{next(_instances)}"
+        self._namespace = namespace or f"hspmd/cupy_nccl/{next(_instances)}"
         self._comms: dict[tuple[int, ...], object] = {}
         self._prepare_calls = 0
         self._world = self._communicator(tuple(range(world_size)), "creating the world communicator")
