@@ -137,18 +137,19 @@ def demand_by_owner_set(families: Sequence[Family], itemsize: int) -> dict[froze
     return dict(demand)
 
 
-def max_send_lower_bound(families: Sequence[Family], itemsize: int) -> float:
-    """The least possible maximum of per-device send bytes, splitting slices freely among owners
-    (a fractional bound: binary search on the cap T with a max-flow feasibility test)."""
+def max_send_lower_bound(families: Sequence[Family], itemsize: int) -> int:
+    """The least possible maximum of per-device send bytes, even splitting slices freely among
+    their owners: the smallest cap T for which a flow (demand -> owner sets -> owners, each
+    owner capped at T) carries every byte. Binary search on integer T."""
     import networkx as nx
 
     demand = demand_by_owner_set(families, itemsize)
     total = sum(demand.values())
     if total == 0:
-        return 0.0
+        return 0
     senders = sorted({d for owners in demand for d in owners})
 
-    def feasible(cap: float) -> bool:
+    def feasible(cap: int) -> bool:
         g = nx.DiGraph()
         for i, (owners, nbytes) in enumerate(demand.items()):
             g.add_edge("s", ("set", i), capacity=nbytes)
@@ -156,11 +157,11 @@ def max_send_lower_bound(families: Sequence[Family], itemsize: int) -> float:
                 g.add_edge(("set", i), ("dev", d))
         for d in senders:
             g.add_edge(("dev", d), "t", capacity=cap)
-        return nx.maximum_flow_value(g, "s", "t") >= total - 1e-6 * total
+        return nx.maximum_flow_value(g, "s", "t") >= total
 
-    lo, hi = total / len(senders), float(total)
-    for _ in range(40):
-        mid = (lo + hi) / 2
+    lo, hi = -(-total // len(senders)) - 1, total
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
         lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
     return hi
 

@@ -29,8 +29,8 @@ def tensor_moves(moves: Iterable) -> tuple[TensorMove, ...]:
                 src, dst, shape = move
             except (TypeError, ValueError):
                 raise ShapeError(f"tensor {i}: expected a (src, dst, shape) triple, got {move!r}") from None
-        src = bind_ratios(parse(src), None, "source")
-        dst = bind_ratios(parse(dst), None, "destination")
+        src = bind_ratios(parse(src), None, f"source of tensor {i}")
+        dst = bind_ratios(parse(dst), None, f"destination of tensor {i}")
         shape = check_shape(shape, src, dst)
         if src.has_partial:
             raise UnsupportedReshard(
@@ -63,7 +63,7 @@ def resolve_many(
     return FusedPlan(moves, transfers, topology, name)
 
 
-def send_lower_bound(plan: FusedPlan) -> float:
+def send_lower_bound(plan: FusedPlan) -> int:
     """The least possible maximum per-device send bytes for the plan's tensors (fractional bound)."""
     return max_send_lower_bound(families(plan.moves), plan.itemsize)
 

@@ -53,13 +53,14 @@ class _Context:
         )
 
 
-def bind_ratios(ann: Annotation, ratios: Sequence[int] | None, role: str) -> Annotation:
+def bind_ratios(ann: Annotation, ratios: Sequence[int] | None, role: str, argument: str = "") -> Annotation:
     """The annotation with its top-tier ratios bound (run-time ratios must be given)."""
     if isinstance(ann.hdim, int) and ann.ratios is None:
         if ratios is None:
+            how = f"pass {argument}=(...) or " if argument else ""
             raise ShapeError(
                 f"the {role} {ann} splits dim {ann.hdim} across subgroups in ratios bound at run time; "
-                f"pass {role[:3]}_ratios=(...) or bind them with annotation.with_ratios(...)"
+                f"{how}bind them with annotation.with_ratios(...)"
             )
         return ann.with_ratios(tuple(ratios))
     return ann
@@ -92,8 +93,8 @@ def resolve(
 
     A pure function of its arguments. `topology` (a Topology or text such as "2x4") defaults to one
     node holding every device; `dtype` sets the element size for byte counts and time estimates."""
-    src = bind_ratios(parse(src), src_ratios, "source")
-    dst = bind_ratios(parse(dst), dst_ratios, "destination")
+    src = bind_ratios(parse(src), src_ratios, "source", "src_ratios")
+    dst = bind_ratios(parse(dst), dst_ratios, "destination", "dst_ratios")
     shape = check_shape(shape, src, dst)
     devices = set(src.devices) | set(dst.devices)
     topology = default_topology(devices) if topology is None else Topology.parse(topology)
@@ -192,20 +193,23 @@ def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
 
 
 def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Context) -> Step:
-    """Subgroups whose device group changes: SendRecv of each piece (summands too) when the
-    distributed states stay, BSR within the subgroup otherwise; one fused exchange for all."""
+    """Subgroups whose device group changes, in one fused exchange. Same distributed states:
+    SendRecv (partial summands go device to device by position; values go through the BSR table,
+    so replicas already in place stay and each missing piece comes from the best owner).
+    Otherwise BSR within the subgroup."""
     sp = device_pieces(union, ctx.shape)
-    pairs, families = [], []
+    pairs, families, reshaped = [], [], False
     for k in moving:
         s, t = union.subgroups[k], dst.subgroups[k]
-        if s.ds == t.ds:
+        if s.ds == t.ds and s.ds.partial_count > 1:
             pairs += [Transfer(a, b, (sp[a].box,), (0,)) for a, b in zip(s.dg, t.dg)]
         else:
+            reshaped |= s.ds != t.ds
             owners = {d: sp[d].box for d in s.dg}
             families.append(Family(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg)))
     transfers = _fuse(pairs + list(plan_transfers(families, ctx.topology, ctx.itemsize)))
     rebuilds = tuple(sorted(d for k in moving for d in dst.subgroups[k].dg))
-    return Step("BatchedSendRecv" if families else "SendRecv", union, dst, (), transfers, rebuilds)
+    return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), transfers, rebuilds)
 
 
 def _fuse(transfers: list[Transfer]) -> tuple[Transfer, ...]:

@@ -50,6 +50,9 @@ def check_step(index: int, step: Step, shape) -> None:
         if not set(c.devices) <= rebuilds:
             raise _fail(index, step, f"{c.kind} members {list(c.devices)} must all rebuild their piece")
         for i, m in enumerate(c.devices):
+            limit = max(box_volume(sp[m].box) if m in sp else 0, box_volume(dp[m].box) if m in dp else 0)
+            if box_volume(c.box) > limit:
+                raise _fail(index, step, f"{c.kind} over {c.box} on device {m} is larger than its pieces")
             if m in c.zero_inputs:
                 continue
             reads = [c.parts[i]] if c.kind == "all_gather" else [c.box]

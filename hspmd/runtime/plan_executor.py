@@ -42,7 +42,7 @@ def _check_local(local: torch.Tensor | None, piece: Piece | None, dtype: torch.d
     if local.dtype != dtype:
         raise ShapeError(
             f"device {device}: local tensor is {local.dtype} but the plan was made for {dtype}; "
-            f"resolve with dtype={str(dtype).removeprefix('torch.')!r}"
+            f"resolve with dtype={str(local.dtype).removeprefix('torch.')!r}"
         )
 
 
@@ -183,4 +183,12 @@ def run_plan(plan: Plan | FusedPlan, locals_: Mapping[int, object], timeout: flo
     return {d: r for d, r in results.items() if r is not None}
 
 
-__all__ = ["execute_fused_plan", "execute_plan", "execute_step", "run_plan"]
+def reshard_tensor(plan: Plan, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Shard the whole tensor `x` as the plan's source, run the plan in this process and return the
+    destination reassembled (replicas checked): equal to `x` when the plan is right."""
+    from hspmd.annotations import shard, unshard
+
+    return unshard(run_plan(plan, shard(x, plan.src, seed=seed)), plan.dst, shape=plan.shape)
+
+
+__all__ = ["execute_fused_plan", "execute_plan", "execute_step", "reshard_tensor", "run_plan"]

@@ -1,0 +1,126 @@
+"""Plans as data: topology model, traffic and time estimates, JSON, text, and `hspmd explain`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hspmd import Plan, Topology, resolve
+from hspmd.cli import main as cli_main
+from hspmd.comm_resolve.explain import main as explain_main
+from hspmd.comm_resolve.topology import INFINIBAND, NVLINK
+from hspmd.errors import AnnotationError, ShapeError
+from hspmd.runtime.local import run_on_devices
+from hspmd.runtime.plan_executor import execute_plan
+
+
+def test_topology_presets_and_text():
+    t = Topology.parse("2x4")
+    assert t == Topology.nodes(2, 4) and t.n_devices == 8 and t.node_of(5) == 1
+    assert t.link(0, 3).name == "intra-node" and t.link(3, 4).name == "inter-node" and t.link(2, 2).name == "local"
+    assert t.bandwidth(0, 1) > t.bandwidth(0, 7)
+    ib = Topology.parse("nvlink-ib:4x8")
+    assert ib.link(8, 15) == NVLINK and ib.link(7, 8) == INFINIBAND and ib.n_devices == 32
+    mixed = Topology.parse("h800-h20:1+1x2")
+    assert [mixed.link(0, 1).name, mixed.link(2, 3).name, mixed.link(1, 2).name] == ["nvlink-h800", "nvlink-h20", "roce"]
+    assert mixed.bandwidth(2, 3) > mixed.bandwidth(0, 1) > mixed.bandwidth(1, 2)
+    custom = t.with_pairs({(5, 1): NVLINK})
+    assert custom.link(1, 5) == NVLINK and Topology.from_dict(custom.to_dict()) == custom
+
+
+@pytest.mark.parametrize("text", ["2x", "fat-tree", "h800-h20:2"])
+def test_unknown_topologies_are_errors(text):
+    with pytest.raises(AnnotationError, match="unknown topology"):
+        Topology.parse(text)
+
+
+def test_ring_allgather_traffic_and_time():
+    """4 members, 2 floats each: every member sends the 3 chunks but its successor's (24 B);
+    on 2 nodes of 2 the ring 0-1-2-3-0 crosses nodes twice."""
+    topo = Topology.nodes(2, 2)
+    plan = resolve("S0:4@[0-3]", "D:4@[0-3]", (8,), topo)
+    assert plan.primitives == ("AllGather",)
+    assert plan.bytes_sent == {d: 24 for d in range(4)} == plan.bytes_received
+    assert plan.bytes_by_link == {"inter-node": 48, "intra-node": 48}
+    expected = 3 * topo.inter.latency + 24 / topo.inter.bandwidth
+    assert plan.estimated_seconds == pytest.approx(expected)
+
+
+def test_allreduce_and_sendrecv_traffic():
+    ar = resolve("P:2@[0,1]", "D:2@[0,1]", (8,), dtype="float64")
+    assert ar.bytes_sent == {0: 64, 1: 64}
+    topo = Topology.nodes(2, 2)
+    sr = resolve("S0:2@[0,1]", "S0:2@[2,3]", (8,), topo)
+    assert sr.bytes_sent == {0: 16, 1: 16, 2: 0, 3: 0} and sr.bytes_by_link == {"inter-node": 32}
+    assert sr.estimated_seconds == pytest.approx(topo.inter.latency + 16 / topo.inter.bandwidth)
+
+
+def test_phases_of_different_subgroups_overlap_in_the_estimate():
+    plan = resolve("HD{P:2@[0,1] | P:2@[2,3]}", "HD{D:2@[0,1] | D:2@[2,3]}", (1024,))
+    assert plan.primitives == ("AllReduce", "AllReduce")
+    assert plan.estimated_seconds == pytest.approx(max(plan.step_seconds()))
+
+
+@pytest.mark.parametrize(
+    "src, dst, shape",
+    [("HP{P:2@[0,1] | S0:2@[2,3]}", "HD{S0:2@[0,1] | S0:2@[2,3]}", (8, 6)), ("P:2@[0,1]", "S1:3@[1,2,3]", (4, 5)),
+     ("H0(2:1){S1:2@[0,1] | @[2]}", "HD{S1:2@[0,1] | @[2]}", (7, 5))],
+)
+def test_plans_round_trip_through_json(src, dst, shape):
+    plan = resolve(src, dst, shape, "2x2")
+    data = json.loads(plan.to_json())
+    assert data["schema"] == "hspmd.plan/1"
+    assert [s["primitive"] for s in data["steps"]] == list(plan.primitives)
+    assert all(isinstance(g, list) for s in data["steps"] for g in s["groups"])
+    assert data["bytes_sent"] == {str(d): n for d, n in plan.bytes_sent.items()}
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_plan_text_names_steps_groups_and_traffic():
+    text = str(resolve("HP{S1:4@[0-3] | S1:2@[4,5]}", "HD{S1:4@[0-3] | S1:2@[4,5]}", (8, 6)))
+    assert "SplitAllReduce" in text and "[0,4] [1,4] [2,5] [3,5]" in text
+    assert "bytes sent" in text and "estimated time" in text
+
+
+def test_executor_rejects_locals_that_do_not_match_the_plan():
+    plan = resolve("S0:2@[0,1]", "D:2@[0,1]", (4, 3))
+    good = {0: torch.zeros(2, 3), 1: torch.zeros(2, 3)}
+    with pytest.raises(ShapeError, match="resolve with dtype='float64'"):
+        run_on_devices(lambda b: execute_plan(plan, b, good[b.rank].double()), [0, 1], timeout=5)
+    with pytest.raises(ShapeError, match="shape"):
+        run_on_devices(lambda b: execute_plan(plan, b, torch.zeros(3, 3)), [0, 1], timeout=5)
+
+
+def test_explain_json_has_the_documented_schema(capsys):
+    assert explain_main(["P:2,S1:2@[0-3]", "S0:2,S1:2@[0-3]", "--shape", "8,6", "--topology", "2x2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["steps"][0]["primitive"] == "ReduceScatter"
+    assert data["steps"][0]["groups"] == [[0, 2], [1, 3]]
+    assert set(data["bytes_sent"]) == set(data["bytes_received"]) == {"0", "1", "2", "3"}
+    assert data["estimated_seconds"] > 0
+
+
+def test_explain_prints_a_readable_plan_through_the_hspmd_command(capsys):
+    assert cli_main(["explain", "HP{P:2@[0,1] | S0:2@[2,3]}", "HD{S0:2@[0,1] | S0:2@[2,3]}", "--shape", "8,6",
+                     "--details"]) == 0
+    out = capsys.readouterr().out
+    for word in ("ReduceScatter", "Identity", "SplitAllReduce", "bytes per device", "estimated time", "all_reduce"):
+        assert word in out
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["S0:2@[0,1", "@[0]", "--shape", "4"], "close the device list"),
+        (["S0:2@[0,1]", "@[0]", "--shape", "4,x"], "comma-separated integers"),
+        (["S0:2@[0,1]", "@[0]"], "--shape"),
+        (["P:2@[0,1]", "@[2]", "--shape", "4", "--strict"], "partial sums"),
+        (["S0:2@[0,9]", "@[0]", "--shape", "4", "--topology", "1x4"], "not in topology"),
+    ],
+)
+def test_explain_errors_exit_2_with_a_message_and_no_traceback(argv, words, capsys):
+    assert explain_main(argv) == 2
+    captured = capsys.readouterr()
+    assert words in captured.err and "Traceback" not in captured.err and captured.out == ""
