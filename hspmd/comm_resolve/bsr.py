@@ -122,8 +122,11 @@ def plan_transfers(families: Sequence[Family], topology: Topology, itemsize: int
     )
 
 
-def demand_by_owner_set(families: Sequence[Family], itemsize: int) -> dict[frozenset, int]:
-    """Bytes that must cross a link, grouped by the set of devices able to send them."""
+def demand_by_owner_set(
+    families: Sequence[Family], itemsize: int, topology: Topology | None = None
+) -> dict[frozenset, int]:
+    """Bytes that must cross a link, grouped by the set of devices able to send them (with a
+    topology: only the owners on the fastest link to the receiver, the ones rule 2 keeps)."""
     demand: dict[frozenset, int] = defaultdict(int)
     for fam in families:
         needs = [(e, b) for e in fam.needs for b in fam.needs[e]]
@@ -132,18 +135,23 @@ def demand_by_owner_set(families: Sequence[Family], itemsize: int) -> dict[froze
         for e, box in needs:
             for cell in grid.cells(box):
                 owners = frozenset(d for d, r in owner_ranges if in_ranges(cell, r))
-                if e not in owners:
-                    demand[owners] += grid.cell_volume(cell) * itemsize
+                if e in owners:
+                    continue
+                if topology is not None:
+                    fastest = max(topology.bandwidth(d, e) for d in owners)
+                    owners = frozenset(d for d in owners if topology.bandwidth(d, e) == fastest)
+                demand[owners] += grid.cell_volume(cell) * itemsize
     return dict(demand)
 
 
-def max_send_lower_bound(families: Sequence[Family], itemsize: int) -> int:
+def max_send_lower_bound(families: Sequence[Family], itemsize: int, topology: Topology | None = None) -> int:
     """The least possible maximum of per-device send bytes, even splitting slices freely among
-    their owners: the smallest cap T for which a flow (demand -> owner sets -> owners, each
-    owner capped at T) carries every byte. Binary search on integer T."""
+    their owners (with a topology: among their fastest owners): the smallest cap T for which a
+    flow (demand -> owner sets -> owners, each owner capped at T) carries every byte. Binary
+    search on integer T."""
     import networkx as nx
 
-    demand = demand_by_owner_set(families, itemsize)
+    demand = demand_by_owner_set(families, itemsize, topology)
     total = sum(demand.values())
     if total == 0:
         return 0

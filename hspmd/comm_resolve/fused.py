@@ -63,9 +63,11 @@ def resolve_many(
     return FusedPlan(moves, transfers, topology, name)
 
 
-def send_lower_bound(plan: FusedPlan) -> int:
-    """The least possible maximum per-device send bytes for the plan's tensors (fractional bound)."""
-    return max_send_lower_bound(families(plan.moves), plan.itemsize)
+def send_lower_bound(plan: FusedPlan, fastest_links_only: bool = False) -> int:
+    """The least possible maximum per-device send bytes for the plan's tensors, splitting slices
+    freely among their owners; with `fastest_links_only`, among the owners the bandwidth rule
+    allows (the bound the load-balancing rule can be held to)."""
+    return max_send_lower_bound(families(plan.moves), plan.itemsize, plan.topology if fastest_links_only else None)
 
 
 def required_bytes(plan: FusedPlan) -> dict[int, int]:
