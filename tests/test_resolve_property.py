@@ -1,9 +1,10 @@
 """Property test of the resolver and the plan executor against the reference shard/unshard.
 
 Random (src, dst) pairs on 1-16 devices: uneven shapes (dims smaller than shard counts included),
-heterogeneous unions, every HDim, different device sets, and destinations derived from the
-source (same DG union, same DS union, moved devices) so that every branch of the decision order
-is exercised. Every plan is structurally checked and run with the threaded in-process backend;
+heterogeneous unions, every HDim, different device sets, several topologies (sender choice), and
+destinations derived from the source (same DG union, same DS union, moved devices) so that every branch of the decision order
+is exercised. Every plan is structurally checked, read back from its JSON, and run with the
+threaded in-process backend (hspmd.run_plan);
 its result must unshard to the original tensor. A refusal (paper-strict mode) must be an
 UnsupportedReshard of a Partial source.
 """
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hspmd import Annotation, DistributedStates, Duplicate, Partial, Split, Subgroup, shard, unshard
-from hspmd.comm_resolve import resolve
+from hspmd.comm_resolve import Plan, resolve
 from hspmd.comm_resolve.verify import check_plan
 from hspmd.errors import UnsupportedReshard
 from hspmd.runtime.plan_executor import run_plan
@@ -92,17 +93,18 @@ def reshards(draw):
 
 
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(reshards(), st.integers(0, 2**16))
-def test_every_plan_reproduces_the_tensor(case, seed):
+@given(reshards(), st.integers(0, 2**16), st.sampled_from([None, "2x8", "4x4", "h800-h20:1+1"]))
+def test_every_plan_reproduces_the_tensor(case, seed, topology):
     src, dst, shape = case
     x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    plan = resolve(src, dst, shape, dtype="float64")
+    plan = resolve(src, dst, shape, topology, dtype="float64")
     check_plan(plan)
+    assert Plan.from_json(plan.to_json()) == plan
     result = run_plan(plan, shard(x, src, seed=seed))
     assert set(result) == set(dst.devices)
     torch.testing.assert_close(unshard(result, dst, shape=shape), x, rtol=1e-9, atol=1e-9)
     try:
-        strict = resolve(src, dst, shape, dtype="float64", reduce_partial=False)
+        strict = resolve(src, dst, shape, topology, dtype="float64", reduce_partial=False)
     except UnsupportedReshard as refusal:
         assert src.has_partial, f"refused a reshard without Partial: {refusal}"
         assert str(src) in str(refusal) and str(dst) in str(refusal)

@@ -20,6 +20,7 @@ valid wins.
 from __future__ import annotations
 
 from itertools import combinations
+from math import prod
 from typing import Sequence
 
 from hspmd.annotations import (
@@ -79,21 +80,14 @@ def refine(a: Sequence[Axis], b: Sequence[Axis]) -> tuple[list[Axis], list[Axis]
     return spread(a), spread(b)
 
 
-def _digits(index: int, radix: Sequence[int]) -> tuple[int, ...]:
-    out = []
-    for n in reversed(radix):
-        out.append(index % n)
-        index //= n
-    return tuple(reversed(out))
-
-
 def _groups(devices: Sequence[int], radix: Sequence[int], position: int) -> list[tuple[int, ...]]:
-    """Devices that differ only in the digit at `position`, ordered by that digit."""
-    by_rest: dict[tuple, list[tuple[int, int]]] = {}
-    for i, d in enumerate(devices):
-        digits = _digits(i, radix)
-        by_rest.setdefault(digits[:position] + digits[position + 1 :], []).append((digits[position], d))
-    return [tuple(d for _, d in sorted(members)) for _, members in sorted(by_rest.items())]
+    """Devices that differ only in the digit at `position` (mixed radix, outermost first),
+    ordered by that digit."""
+    stride, n = prod(radix[position + 1 :]), radix[position]
+    by_rest: dict[int, list[int]] = {}
+    for index, device in enumerate(devices):
+        by_rest.setdefault(index - (index // stride % n) * stride, []).append(device)
+    return [tuple(members) for _, members in sorted(by_rest.items())]
 
 
 def tiles(box: Box, parts: Sequence[Box]) -> bool:
@@ -106,10 +100,15 @@ def tiles(box: Box, parts: Sequence[Box]) -> bool:
     return all(box_intersection(p, q) is None for p, q in combinations(full, 2))
 
 
-def _replace(union: Annotation, k: int, ds: DistributedStates) -> Annotation:
+def with_subgroup(union: Annotation, k: int, sub: Subgroup) -> Annotation:
+    """The union with subgroup k replaced (same HDim and ratios)."""
     subs = list(union.subgroups)
-    subs[k] = Subgroup(subs[k].dg, ds)
+    subs[k] = sub
     return Annotation(tuple(subs), union.hdim, union.ratios)
+
+
+def _replace(union: Annotation, k: int, ds: DistributedStates) -> Annotation:
+    return with_subgroup(union, k, Subgroup(union.subgroups[k].dg, ds))
 
 
 def change_step(union: Annotation, k: int, axes: list[Axis], position: int, new_axis: Axis, shape) -> Step | None:
@@ -229,4 +228,4 @@ def reduction_targets(ds: DistributedStates, region: Box) -> list[DistributedSta
     return [swap(lambda n, d=d: Split(d, n)) for d in dims] + [swap(Duplicate)]
 
 
-__all__ = ["change_step", "collective_steps", "reduction_targets", "refine", "tiles"]
+__all__ = ["change_step", "collective_steps", "reduction_targets", "refine", "tiles", "with_subgroup"]

@@ -3,6 +3,11 @@
 All tensors' BSR tables are merged into one: senders are balanced over the whole switch, and
 every slice one device sends another, of every tensor, travels in one message. Tensors are
 numbered by their position in the input; executing a fused plan maps tensor index -> piece.
+
+JSON ("schema": "hspmd.fused-plan/1"): "tensors": [{"src", "dst", "shape"}, ...]; one step
+{"primitive": "BatchedSendRecv", "groups": [[sender, receiver], ...], "transfers": [{"src", "dst",
+"boxes", "tensors"}]} where tensors[i] is the index of the tensor boxes[i] belongs to; then
+"messages", "bytes_sent", "bytes_received", "bytes_by_link", "estimated_seconds" as for plans.
 """
 
 from __future__ import annotations

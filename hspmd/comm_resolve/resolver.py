@@ -28,7 +28,7 @@ from typing import Sequence
 
 from hspmd.annotations import Annotation, Subgroup, device_pieces, parse, subgroup_regions
 from hspmd.comm_resolve.bsr import Family, destination_needs, plan_transfers
-from hspmd.comm_resolve.collectives import collective_steps, reduction_targets
+from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.comm_resolve.plan import Plan, Step, Transfer
 from hspmd.comm_resolve.split_collectives import split_step
@@ -92,7 +92,11 @@ def resolve(
     """The communication plan turning a tensor of `shape` laid out as `src` into `dst`.
 
     A pure function of its arguments. `topology` (a Topology or text such as "2x4") defaults to one
-    node holding every device; `dtype` sets the element size for byte counts and time estimates."""
+    node holding every device; `dtype` sets the element size for byte counts and time estimates;
+    `src_ratios` / `dst_ratios` bind top-tier ratios left to run time (`H0{...}`). A Partial
+    source with no collective path is reduced in place first; `reduce_partial=False` raises
+    UnsupportedReshard instead (the paper's rule). Raises AnnotationError / ShapeError when the
+    annotations do not fit the shape or the topology."""
     src = bind_ratios(parse(src), src_ratios, "source", "src_ratios")
     dst = bind_ratios(parse(dst), dst_ratios, "destination", "dst_ratios")
     shape = check_shape(shape, src, dst)
@@ -121,12 +125,6 @@ def _regions(ann: Annotation, ctx: _Context):
     return subgroup_regions(ann, ctx.shape)
 
 
-def _replace(union: Annotation, k: int, sub: Subgroup) -> Annotation:
-    subs = list(union.subgroups)
-    subs[k] = sub
-    return Annotation(tuple(subs), union.hdim, union.ratios)
-
-
 def _identity(union: Annotation, k: int) -> Step:
     return Step("Identity", union, union, subgroup=k)
 
@@ -150,14 +148,14 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Context) -> tup
         return [_identity(union, k)], union
     steps = collective_steps(union, k, target.ds, ctx.shape)
     if steps:
-        return _in_sequence(steps), _replace(union, k, target)
+        return _in_sequence(steps), with_subgroup(union, k, target)
     if steps is not None:
-        done = _replace(union, k, target)
+        done = with_subgroup(union, k, target)
         return [Step("Identity", union, done, subgroup=k)], done
     steps = []
     if current.ds.partial_count > 1:
         steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} changes {current.ds} -> {target.ds}")
-    done = _replace(union, k, target)
+    done = with_subgroup(union, k, target)
     step = _transfer_step(union, done, ctx, restrict=k)
     return steps + [replace(step, phase=len(steps))], done
 
@@ -170,7 +168,7 @@ def _reduce_subgroup(union: Annotation, k: int, ctx: _Context, why: str) -> tupl
     for target in reduction_targets(sub.ds, _regions(union, ctx)[k]):
         steps = collective_steps(union, k, target, ctx.shape)
         if steps:
-            return _in_sequence(steps), _replace(union, k, Subgroup(sub.dg, target))
+            return _in_sequence(steps), with_subgroup(union, k, Subgroup(sub.dg, target))
     raise CommunicationError(f"internal: no reduction of {sub} in {union}")
 
 
