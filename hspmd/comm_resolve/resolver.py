@@ -184,7 +184,8 @@ def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
         sub_steps, union = _equalise(union, k, t, ctx)
         steps += sub_steps
     if moving:
-        steps.append(replace(_move_step(union, dst, moving, ctx), phase=_next_phase(steps)))
+        before = [s for s in steps if s.subgroup in moving]  # the move overlaps the other subgroups' steps
+        steps.append(replace(_move_step(union, dst, moving, ctx), phase=_next_phase(before)))
     elif steps[-1].dst != dst:
         steps[-1] = replace(steps[-1], dst=dst)  # equal regions written with other ratios: the same layout
     return steps
