@@ -249,6 +249,21 @@ class TorchDistBackend(Backend):
                     work.wait(self.timeout)
         return out
 
+    def post_sends(self, sends: Mapping[int, torch.Tensor]) -> "PendingSends":
+        """Start sends without waiting for their receivers; `.wait()` on the result completes them.
+        Pipeline schedules need this: two neighbouring stages that both send before they receive
+        (1F1B's steady state) deadlock when a send waits for its matching receive."""
+        ops = []
+        for peer in sorted(sends):
+            if not 0 <= peer < self.world_size or peer == self.rank:
+                raise CommunicationError(f"post_sends on rank {self.rank}: peer {peer} must be another rank in [0, {self.world_size})")
+            if sends[peer].numel():
+                ops.append(dist.P2POp(dist.isend, sends[peer].detach().contiguous(), peer))
+        peers = sorted(sends)
+        with self._wrapped("post_sends", peers):
+            works = dist.batch_isend_irecv(ops) if ops else []
+        return PendingSends(self, works, [op.tensor for op in ops], peers)
+
     def shutdown(self) -> None:
         """Leave the job (collective: every rank calls it). The world barrier first keeps rank 0,
         which hosts the rendezvous store that group creation needs, alive until all ranks are done."""
@@ -260,6 +275,19 @@ class TorchDistBackend(Backend):
         self._world, self._groups = None, {}
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class PendingSends:
+    """Sends in flight (from TorchDistBackend.post_sends); keeps their tensors alive until wait()."""
+
+    def __init__(self, backend: TorchDistBackend, works: list, tensors: list[torch.Tensor], peers: list[int]):
+        self._backend, self._works, self._tensors, self._peers = backend, works, tensors, peers
+
+    def wait(self) -> None:
+        with self._backend._wrapped("post_sends (wait)", self._peers):
+            for work in self._works:
+                work.wait(self._backend.timeout)
+        self._works, self._tensors = [], []
 
 
 def init_from_env(
@@ -347,4 +375,4 @@ def _is_unsupported(exc: BaseException | None) -> bool:
     return exc is not None and ("does not support" in text or "not supported" in text)
 
 
-__all__ = ["TorchDistBackend", "init_from_env", "DEFAULT_TIMEOUT_S", "SUPPORTED_BACKENDS"]
+__all__ = ["PendingSends", "TorchDistBackend", "init_from_env", "DEFAULT_TIMEOUT_S", "SUPPORTED_BACKENDS"]

@@ -1,0 +1,222 @@
+"""Distributed training of one strategy: every rank builds the same graph, constructs a
+DistributedTrainer and calls step(batch) with the same global batch.
+
+    backend = init_from_env()                       # under `hspmd run -n 4` or torchrun
+    trainer = DistributedTrainer(graph, 0, backend, MicroBatchLayout.of(strategy),
+                                 schedule="1f1b", symbols={"S": 16, "T": 96})
+    loss = trainer.step({"tokens": x, "labels": y})  # the same value on every rank
+    trainer.save_checkpoint("ckpt.safetensors")     # collective; rank-independent file
+
+Each rank specializes the graph for itself, finds its pipeline and stage among the discovered
+pipelines, and runs its stage's schedule over its pipeline's own micro-batches (pipelines may
+differ in stage count, micro-batch count and size). The update (gradient synchronisation across
+pipelines + optimizer) runs once per step on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import sympy
+import torch
+
+from hspmd.annotations import Annotation, box_relative, box_shape, device_pieces, subgroup_regions
+from hspmd.errors import HSPMDError, ShapeError
+from hspmd.ir.graph import Graph, Node
+from hspmd.ir.shapes import Binding
+from hspmd.runtime.backend import Backend
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.checkpoint import CheckpointReader, cut_from_tensors, cut_leaves, gather_leaves, save_checkpoint
+from hspmd.runtime.executor import ScheduleRun, run_schedule
+from hspmd.runtime.schedules import Schedule, schedule_for
+from hspmd.specialize.executable import run_time_ratios
+from hspmd.specialize.run import DeviceState, run_update
+from hspmd.specialize.specialized import all_devices, specialize
+from hspmd.specialize.strategy import Strategy
+
+
+def batch_symbol(graph: Graph) -> sympy.Symbol:
+    """The symbol every placeholder's dim 0 is declared with (the micro-batch size)."""
+    firsts = {p.output.shape[0] for p in graph.placeholders if p.output.shape}
+    symbols = {d for d in firsts if isinstance(d, sympy.Symbol)}
+    if len(firsts) != 1 or len(symbols) != 1:
+        raise ShapeError(
+            f"graph {graph.name}: the trainer splits placeholders along dim 0, which must be one shared "
+            f"batch symbol in every placeholder, found {sorted(map(str, firsts))}"
+        )
+    return symbols.pop()
+
+
+def summing_devices(ann: Annotation, shape: tuple[int, ...], ratios=None) -> tuple[int, ...]:
+    """One holder per distinct piece (the first in device-group order), skipping replicated
+    subgroups: the devices whose values add up to a scalar laid out as `ann`."""
+    pieces = device_pieces(ann, shape, ratios)
+    subgroups = ann.subgroups[:1] if ann.hdim == "D" else ann.subgroups
+    chosen, seen = [], set()
+    for k, sub in enumerate(subgroups):
+        for d in sub.dg:
+            key = (k, pieces[d].box, pieces[d].summand)
+            if key not in seen:
+                seen.add(key)
+                chosen.append(d)
+    return tuple(chosen)
+
+
+class DistributedTrainer:
+    """One rank's part of training `graph` under strategy index `strategy`.
+
+    layout: how a step's global batch splits across pipelines (a MicroBatchLayout, or a Strategy
+    whose micro-batch counts and sizes are bound). schedule: "1f1b" or "gpipe". symbols: values of
+    the graph's other run-time symbols (e.g. sequence length, tokens per step); the batch symbol
+    (dim 0 of the placeholders) is bound to the sum of the micro-batch sizes. Construction is
+    collective: every rank of the job constructs its trainer at the same point."""
+
+    def __init__(self, graph: Graph, strategy: int, backend: Backend, layout: MicroBatchLayout | Strategy,
+                 schedule: str = "1f1b", symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None):
+        self.graph, self.backend = graph, backend
+        self.layout = layout if isinstance(layout, MicroBatchLayout) else MicroBatchLayout.of(layout)
+        self.schedule_name = schedule
+        self.binding = Binding.of({**dict(symbols or {}), batch_symbol(graph).name: sum(self.layout.sizes)},
+                                  ratios=self.layout.sizes)
+        rank = backend.rank
+        self.spec = specialize(graph, strategy, self.binding, devices=[rank], topology=topology)
+        self.devices = all_devices(self.spec.deduced)
+        if self.devices != tuple(range(backend.world_size)):
+            raise HSPMDError(
+                f"strategy {strategy} uses devices {list(self.devices)} but the job has ranks 0-{backend.world_size - 1}: "
+                f"start exactly one rank per device (e.g. `hspmd run -n {len(self.devices)}`)"
+            )
+        self.exe = self.spec.executables[rank]
+        discovered, self.stage = self.spec.locate(rank)
+        self.stages = self.spec.pipelines[discovered]
+        self.pipeline = self._batch_subgroup(self.stages.devices)
+        if self.layout.pipelines != self._batch_hsize():
+            raise HSPMDError(
+                f"the micro-batch layout has {self.layout.pipelines} pipeline(s) but the batch of strategy {strategy} "
+                f"is split across {self._batch_hsize()}: give one count and size per pipeline"
+            )
+        self.micro_batches = self.layout.counts[self.pipeline]
+        self.order: Schedule = schedule_for(schedule, len(self.stages.stages), self.stage, self.micro_batches)
+        self.state = DeviceState.initial(self.exe, seed)
+        self.last_run: ScheduleRun | None = None
+        backend.prepare_groups(self._groups())
+
+    # ---- layout ---------------------------------------------------------------------------------
+
+    def _placeholder_annotations(self) -> list[tuple[Node, Annotation]]:
+        return [(p, self.spec.deduced[p.output]) for p in self.graph.placeholders]
+
+    def _batch_hsize(self) -> int:
+        return max(ann.hsize for _, ann in self._placeholder_annotations())
+
+    def _batch_subgroup(self, devices) -> int:
+        """Index of the batch-annotation subgroup (= strategy pipeline) that holds `devices`."""
+        for _, ann in self._placeholder_annotations():
+            for k, sub in enumerate(ann.subgroups):
+                if set(sub.dg.devices) & set(devices):
+                    return k
+        raise HSPMDError(f"no placeholder of graph {self.graph.name} is fed to pipeline {list(devices)}")
+
+    def _groups(self) -> list[tuple[int, ...]]:
+        groups = {self.devices}
+        for ins in self.exe.instructions():
+            if ins.role == "collective":
+                groups.update(self.exe.plan(ins.node, self.binding).collective_groups())
+        return sorted(groups)
+
+    # ---- training -------------------------------------------------------------------------------
+
+    def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+        expected = self.layout.global_batch_size
+        for node in self.graph.placeholders:
+            if node.name not in batch:
+                raise HSPMDError(f"step(): the batch has no {node.name!r}; feed every placeholder: "
+                                 f"{', '.join(p.name for p in self.graph.placeholders)}")
+            value = batch[node.name]
+            if value.dim() == 0 or value.shape[0] != expected:
+                raise ShapeError(f"step(): {node.name} has shape {tuple(value.shape)} but its dim 0 must be the global "
+                                 f"batch size {expected} ({self.layout})")
+
+    def _piece(self, node: Node, rows: torch.Tensor) -> torch.Tensor:
+        """This device's piece of a placeholder, from its pipeline's rows of one micro-batch."""
+        t = node.output
+        ann = self.spec.deduced[t]
+        shape = self.binding.shape(t.shape, node.name)
+        k = next(k for k, sub in enumerate(ann.subgroups) if self.backend.rank in sub.dg.devices)
+        region = subgroup_regions(ann, shape, run_time_ratios(ann, self.binding))[k]
+        if tuple(rows.shape) != tuple(box_shape(region)):
+            raise ShapeError(f"step(): pipeline {self.pipeline}'s micro-batch of {node.name} has shape "
+                             f"{tuple(rows.shape)}, its region under {ann} is {tuple(box_shape(region))}")
+        return rows[box_relative(self.exe.box(t, self.binding), region)]
+
+    def step(self, batch: Mapping[str, torch.Tensor]) -> float | None:
+        """One training step on the global batch (every rank passes the same one): this rank's
+        schedule, then the update. Returns the step loss, the same on every rank (None if the
+        graph has no loss)."""
+        self._check_batch(batch)
+        placeholders = {i.node.name: i.node for i in self.exe.forward + self.exe.backward if i.node.kind == "placeholder"}
+
+        def feeds(m: int) -> dict[str, torch.Tensor]:
+            start, stop = self.layout.rows(self.pipeline, m)
+            return {name: self._piece(node, batch[name][start:stop]) for name, node in placeholders.items()}
+
+        self.state.fetched.clear()
+        self.last_run = run_schedule(self.exe, self.backend, self.state, self.order, feeds, self.binding)
+        run_update(self.exe, self.backend, self.state)
+        return self._reduce_loss()
+
+    def _reduce_loss(self) -> float | None:
+        if not self.graph.losses:
+            return None
+        loss = self.graph.losses[0]
+        ann = self.spec.deduced[loss]
+        shape = self.binding.shape(loss.shape, loss.name)
+        mine = self.backend.rank in summing_devices(ann, shape, run_time_ratios(ann, self.binding))
+        local = self.state.fetched.get(loss.name)
+        value = local.detach().reshape(()).to(torch.float64) if mine and local is not None else torch.zeros((), dtype=torch.float64)
+        return float(self.backend.all_reduce(value, self.devices))
+
+    @property
+    def steps_done(self) -> int:
+        return self.state.step
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Whole parameters and optimizer states, gathered on the lowest rank (collective; the
+        other ranks get None). Replicas are checked to agree, as hspmd.unshard does."""
+        return gather_leaves(self.exe, self.backend, self.state.leaves, dst=self.devices[0])
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], step: int | None = None) -> None:
+        """Take this device's pieces of whole tensors (every rank passes them; not collective)."""
+        self.state.leaves.update(cut_leaves(self.exe, cut_from_tensors(tensors)))
+        self.state.accum.clear()
+        if step is not None:
+            self.state.step = step
+
+    def save_checkpoint(self, path) -> None:
+        """Collective: gather to the lowest rank, which writes `path`; returns once it is written."""
+        tensors = self.state_dict()
+        if tensors is not None:
+            save_checkpoint(path, tensors, self.state.step, self.graph.name)
+        self.backend.barrier(self.devices)
+
+    def load_checkpoint(self, path) -> int:
+        """Each rank reads only its own pieces from `path` (any strategy's checkpoint of this model);
+        returns the step count it was saved at."""
+        reader = CheckpointReader(path)
+        self.state.leaves.update(cut_leaves(self.exe, reader))
+        self.state.accum.clear()
+        self.state.step = reader.step
+        return reader.step
+
+    # ---- reporting ------------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """This rank's place in the strategy and its schedule, e.g. for a log line."""
+        return (f"rank {self.backend.rank}: pipeline {self.pipeline} ({self.stages}), stage {self.stage + 1} of "
+                f"{len(self.stages.stages)}, {self.micro_batches} micro-batch(es) of {self.layout.sizes[self.pipeline]}, "
+                f"{self.schedule_name}: {' '.join(map(str, self.order))}")
+
+
+__all__ = ["DistributedTrainer", "batch_symbol", "summing_devices"]

@@ -1,0 +1,138 @@
+"""Pipeline schedules as pure data, the micro-batch layout, and the executor on the in-process
+backend (threads): orders, memory bounds, deadlock freedom, and what the executor really keeps."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hspmd.errors import HSPMDError
+from hspmd.models.llama import LlamaConfig, build_llama
+from hspmd.ops import SGD
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.local import run_on_devices
+from hspmd.runtime.schedules import (
+    BACKWARD,
+    FORWARD,
+    Action,
+    check_order,
+    describe_schedule,
+    gpipe,
+    one_f_one_b,
+    peak_in_flight,
+    pipeline_schedule,
+    render_timeline,
+    schedule_for,
+    simulate,
+)
+from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.specialize.strategy_text import parse_strategy
+
+shapes = st.integers(1, 6).flatmap(lambda s: st.tuples(st.just(s), st.integers(0, s - 1), st.integers(1, 9)))
+
+
+def _text(order):
+    return " ".join(map(str, order))
+
+
+def test_one_f_one_b_orders_match_the_textbook():
+    assert _text(one_f_one_b(4, 0, 6)) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5"
+    assert _text(one_f_one_b(4, 2, 6)) == "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5"
+    assert _text(one_f_one_b(4, 3, 6)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
+    assert _text(one_f_one_b(4, 0, 2)) == "F0 F1 B0 B1"  # fewer micro-batches than warm-up slots
+    assert _text(gpipe(3, 1, 3)) == "F0 F1 F2 B0 B1 B2"
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_one_f_one_b_warm_up_steady_and_peak(shape):
+    stages, stage, m = shape
+    order = one_f_one_b(stages, stage, m)
+    check_order(order, m)
+    warmup = min(stages - stage - 1, m)
+    assert all(a.kind == FORWARD for a in order[:warmup])
+    steady = order[warmup : warmup + 2 * (m - warmup)]
+    assert [a.kind for a in steady] == [FORWARD, BACKWARD] * (m - warmup)
+    assert all(a.kind == BACKWARD for a in order[warmup + 2 * (m - warmup) :])
+    assert peak_in_flight(order) == min(stages - stage, m)
+    assert peak_in_flight(gpipe(stages, stage, m)) == m
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.sampled_from(["gpipe", "1f1b"]))
+def test_every_schedule_runs_without_deadlock_and_1f1b_is_never_slower(stages, m, name):
+    timeline = simulate(pipeline_schedule(name, stages, m))
+    assert timeline.makespan >= 3 * m  # stage 0 alone does m forwards and m backwards
+    assert simulate(pipeline_schedule("1f1b", stages, m)).makespan <= simulate(pipeline_schedule("gpipe", stages, m)).makespan
+
+
+def test_simulate_names_the_stages_of_a_deadlocking_order():
+    # stage 0 wants B0 before sending F1; stage 1 wants F1 before sending B0's gradient
+    orders = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+              [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]]
+    with pytest.raises(HSPMDError, match=r"deadlocks: stage 0 at B0, stage 1 at F1"):
+        simulate(orders)
+
+
+def test_timeline_rendering_shows_each_stage_and_the_bubble():
+    text = render_timeline(simulate(pipeline_schedule("1f1b", 2, 3)))
+    rows = text.splitlines()
+    assert [r.split("|")[0] for r in rows] == ["stage 0 ", "stage 1 "]
+    assert rows[1].split("|")[1].startswith("   F0 B0 ..")  # stage 1 idles one unit, then alternates
+    assert "bubble" in describe_schedule("gpipe", 3, 4) and "peak in flight 4" in describe_schedule("gpipe", 3, 4)
+
+
+@pytest.mark.parametrize(
+    "order, message",
+    [
+        ([Action("B", 0), Action("F", 0)], "before F0"),
+        ([Action("F", 0), Action("F", 0), Action("B", 0)], "second time"),
+        ([Action("F", 0)], "never runs B0"),
+        ([Action("F", 2), Action("B", 2)], "outside"),
+    ],
+)
+def test_check_order_rejects_broken_orders(order, message):
+    with pytest.raises(HSPMDError, match=message):
+        check_order(order, 1)
+
+
+def test_schedule_errors_name_the_fix():
+    with pytest.raises(HSPMDError, match="did you mean '1f1b'"):
+        schedule_for("1fb1", 2, 0, 2)
+    with pytest.raises(HSPMDError, match="stage 3 does not exist"):
+        one_f_one_b(3, 3, 2)
+    with pytest.raises(HSPMDError, match="micro_batches must be an integer >= 1"):
+        gpipe(2, 0, 0)
+
+
+def test_layout_splits_the_global_batch_pipeline_by_pipeline():
+    layout = MicroBatchLayout((2, 3), (2, 1))
+    assert layout.global_batch_size == 7
+    assert [layout.rows(0, m) for m in range(2)] == [(0, 2), (2, 4)]
+    assert [layout.rows(1, m) for m in range(3)] == [(4, 5), (5, 6), (6, 7)]
+    assert layout.pipeline_rows(1) == (4, 7)
+    assert str(layout) == "global batch 7 = pipeline 0: 2 x 2 + pipeline 1: 3 x 1"
+    assert MicroBatchLayout.of(parse_strategy("layers=2 ; 2x2: R0,1 L0-1 ; 3x1: R2 L0 | R3 L1")) == layout
+    with pytest.raises(HSPMDError, match="micro-batches 0-2, not 3"):
+        layout.rows(1, 3)
+    with pytest.raises(HSPMDError, match="one count and one size per pipeline"):
+        MicroBatchLayout((1, 2), (1,))
+
+
+def _peaks_on_threads(backend, text, schedule):
+    strategy = parse_strategy(text)
+    layout = MicroBatchLayout.of(strategy)
+    model = build_llama(LlamaConfig(layers=strategy.num_layers, hidden=16, ffn=32, vocab=16), [strategy], optimizer=SGD(lr=0.1))
+    trainer = DistributedTrainer(model.graph, 0, backend, strategy, schedule=schedule, symbols={"S": 4, "T": 4 * layout.global_batch_size})
+    tokens = torch.arange(4 * layout.global_batch_size).reshape(-1, 4) % 16
+    loss = trainer.step({"tokens": tokens, "labels": tokens.flip(1)})
+    return trainer.stage, trainer.last_run.peak_in_flight, loss
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_executor_keeps_exactly_the_schedules_peak_of_micro_batches_alive(schedule):
+    """Three stages, five micro-batches: the executor's measured peak is the schedule's bound."""
+    results = run_on_devices(lambda b: _peaks_on_threads(b, "layers=3 ; 5x1: R0 L0 | R1 L1 | R2 L2", schedule), range(3))
+    for stage, peak, _ in results.values():
+        assert peak == (min(3 - stage, 5) if schedule == "1f1b" else 5)
+    assert len({loss for _, _, loss in results.values()}) == 1
