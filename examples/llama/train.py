@@ -1,0 +1,166 @@
+"""Train a small Llama on the shipped corpus with a heterogeneous strategy on 4 ranks.
+
+    hspmd run -n 4 examples/llama/train.py [--steps 60] [--schedule 1f1b|gpipe] [--resume]
+    torchrun --nproc-per-node 4 examples/llama/train.py
+
+Default strategy (compact syntax of hspmd.specialize.strategy_text):
+
+    pipeline 0: ranks 0,1 as one tensor-parallel stage (TP2) holding all 4 layers,
+                2 micro-batches of 4 sequences per step
+    pipeline 1: rank 2 (layers 0-1) -> rank 3 (layers 2-3), two pipeline stages,
+                2 micro-batches of 2 sequences per step
+
+so the global batch of 12 sequences is split 2:1 toward the faster (TP2) pipeline. Gradients of
+the two pipelines are synchronised once per step. The model is written once, for one device; only
+its annotations come from the strategy.
+
+Rank 0 prints the strategy, the pipelines hspmd discovers from the specialized graphs, a progress
+bar with the loss, and saves a safetensors checkpoint (whole tensors, loadable under any strategy);
+--resume continues from it. --summary FILE writes a JSON summary (used by `hspmd demo`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+from chardata import CharCorpus
+from hspmd.errors import HSPMDError
+from hspmd.models.llama import LlamaConfig, build_llama
+from hspmd.ops import AdamW
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.torch_dist import init_from_env
+from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.specialize.strategy_text import parse_strategy
+
+DEFAULT_STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
+DEFAULT_CHECKPOINT = os.path.join("runs", "llama", "checkpoint.safetensors")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train a small Llama with a heterogeneous hspmd strategy.")
+    p.add_argument("--steps", type=int, default=60, help="train until this many steps are done (default 60)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
+    p.add_argument("--strategy", default=DEFAULT_STRATEGY, help="strategy in hspmd's compact syntax")
+    p.add_argument("--seq", type=int, default=32, help="sequence length in characters")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the batches")
+    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="safetensors file written at the end")
+    p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--summary", default=None, help="rank 0 writes a JSON summary of the run here")
+    p.add_argument("--log-every", type=int, default=1, help="without a terminal, print every N-th step (default 1)")
+    return p.parse_args(argv)
+
+
+def limit_threads() -> None:
+    """Several ranks share this machine's cores: torch's default of one thread per core in every
+    rank oversubscribes them many times over (torchrun sets OMP_NUM_THREADS=1 for the same reason)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+class StepReport:
+    """Rank 0's progress: a live rich bar on a terminal, one line with a bar per step otherwise
+    (under `hspmd run` the output goes through a pipe, prefixed with the rank)."""
+
+    def __init__(self, console: Console, start: int, total: int, every: int = 1):
+        self.console, self.total, self.every = console, total, max(1, every)
+        self.live = console.is_terminal
+        if self.live:
+            self.progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=console)
+            self.task = self.progress.add_task("train", total=total, completed=start, loss="-")
+            self.progress.start()
+
+    def update(self, step: int, loss: float, seconds: float) -> None:
+        if self.live:
+            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}")
+            return
+        if step % self.every and step != self.total:
+            return
+        row = Table.grid(padding=(0, 1))
+        row.add_row(f"step {step:>4}/{self.total}", ProgressBar(total=self.total, completed=step, width=30),
+                    f"loss {loss:.4f}", f"{seconds:.2f}s")
+        self.console.print(row)
+
+    def close(self) -> None:
+        if self.live:
+            self.progress.stop()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    limit_threads()
+    backend = init_from_env()
+    rank = backend.rank
+    console = Console(width=100, highlight=False, soft_wrap=True)
+    say = console.print if rank == 0 else (lambda *a, **k: None)
+
+    corpus = CharCorpus()
+    strategy = parse_strategy(args.strategy)
+    layout = MicroBatchLayout.of(strategy)
+    config = LlamaConfig(vocab=corpus.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads, ffn=args.ffn)
+    model = build_llama(config, [strategy], optimizer=AdamW(lr=args.lr))
+    rows = layout.global_batch_size
+    trainer = DistributedTrainer(model.graph, 0, backend, layout, schedule=args.schedule,
+                                 symbols={"S": args.seq, "T": rows * args.seq}, seed=args.seed)
+
+    say(strategy.describe().rstrip())
+    say(f"{layout} sequences of {args.seq} characters")
+    say(f"vocabulary: {len(corpus.chars)} characters (padded to {corpus.vocab}); model {config}")
+    say("pipelines discovered from the specialized graphs:")
+    for i, p in enumerate(trainer.spec.pipelines):
+        say(f"  {i}: {p}")
+    print(trainer.describe(), flush=True)
+
+    start = trainer.load_checkpoint(args.checkpoint) if args.resume else 0
+    if args.resume:
+        say(f"resumed from {args.checkpoint} at step {start}")
+    losses: list[float] = []
+    began = time.monotonic()
+    report = StepReport(console, start, args.steps, args.log_every) if rank == 0 else None
+    for step in range(start, args.steps):
+        tick = time.monotonic()
+        loss = trainer.step(corpus.batch(step, rows, args.seq, args.seed))
+        losses.append(loss)
+        if report is not None:
+            report.update(step + 1, loss, time.monotonic() - tick)
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            trainer.save_checkpoint(args.checkpoint)
+    if report is not None:
+        report.close()
+    trainer.save_checkpoint(args.checkpoint)
+    seconds = time.monotonic() - began
+    if losses:
+        say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps} "
+            f"({seconds:.1f}s, {seconds / len(losses):.2f}s/step)")
+    say(f"checkpoint: {os.path.abspath(args.checkpoint)} (step {trainer.steps_done})")
+    if rank == 0 and args.summary:
+        with open(args.summary, "w", encoding="utf-8") as f:
+            json.dump({"losses": losses, "start_step": start, "steps": args.steps, "seconds": seconds,
+                       "checkpoint": os.path.abspath(args.checkpoint), "schedule": args.schedule,
+                       "world_size": backend.world_size, "strategy": args.strategy}, f, indent=1)
+    backend.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except HSPMDError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)

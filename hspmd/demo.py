@@ -1,0 +1,119 @@
+"""`hspmd demo` (`make demo`): heterogeneous training of a small Llama on 4 local gloo processes.
+
+Before training it shows what hspmd works from: a few of the model's annotations under the
+strategy (asymmetric unions across the two pipelines), the plan of the once-per-step gradient
+synchronisation between the pipelines (as `hspmd explain` prints it) and the 1F1B schedule of the
+two-stage pipeline. Then it runs `hspmd run -n 4 examples/llama/train.py` through the launcher
+and ends with a summary: how the loss moved and where the checkpoint is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from hspmd.errors import HSPMDError
+
+STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
+SHOWN_ANNOTATIONS = ("tokens", "embed", "layers.0.wq", "layers.0.wo", "layers.1.out", "lm_head")
+HIDDEN = 64
+
+
+def example_script() -> Path:
+    """examples/llama/train.py of the source tree this package runs from."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "llama" / "train.py"
+    if not path.is_file():
+        raise HSPMDError(f"the demo needs the example {path}, which is not there: run it from a source checkout of hspmd")
+    return path
+
+
+def _rule(title: str) -> None:
+    print(f"\n== {title} " + "=" * max(0, 78 - len(title)))
+
+
+def show_plan() -> None:
+    """The strategy, a few annotations, one communication plan and the schedule."""
+    from hspmd.comm_resolve.explain import main as explain
+    from hspmd.models.llama import LlamaConfig, llama_annotations
+    from hspmd.runtime.schedules import describe_schedule
+    from hspmd.specialize.strategy_text import parse_strategy
+
+    strategy = parse_strategy(STRATEGY)
+    _rule("strategy")
+    print(f"  {STRATEGY}")
+    print(strategy.describe().rstrip())
+    _rule("annotations (the model is written once; these say how each tensor is laid out)")
+    annotations = llama_annotations(LlamaConfig(layers=strategy.num_layers, hidden=HIDDEN), strategy)
+    for name in SHOWN_ANNOTATIONS:
+        print(f"  {name:14s} {annotations[name]}")
+    gradient = strategy.gradient_annotation(0, "column")
+    print(f"  {'grad wq':14s} {gradient}   (one summand per pipeline until the step's sync)")
+    _rule("plan of the gradient sync of layers.0.wq (hspmd explain)")
+    sys.stdout.flush()
+    explain([str(gradient), str(annotations["layers.0.wq"]), "--shape", f"{HIDDEN},{HIDDEN}"])
+    _rule("1F1B schedule of pipeline 1 (rank 2 -> rank 3)")
+    pipeline = strategy.pipelines[1]
+    print(describe_schedule("1f1b", len(pipeline.stages), pipeline.micro_batches))
+
+
+class _Tee(io.TextIOBase):
+    """Forwards the ranks' output and keeps nothing: the summary comes from the JSON file."""
+
+    def write(self, text: str) -> int:
+        sys.stdout.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hspmd demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    parser.add_argument("--out", default=os.path.join("runs", "demo"), help="where the checkpoint and summary go")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    from hspmd.runtime.launcher import launch
+
+    began = time.monotonic()
+    try:
+        script = example_script()
+        show_plan()
+    except HSPMDError as exc:
+        print(f"hspmd demo: {exc}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    checkpoint = os.path.join(args.out, "llama.safetensors")
+    summary_path = os.path.join(args.out, "summary.json")
+    if os.path.exists(summary_path):
+        os.remove(summary_path)
+    command = [sys.executable, str(script), "--steps", str(args.steps), "--schedule", args.schedule,
+               "--strategy", STRATEGY, "--checkpoint", checkpoint, "--summary", summary_path,
+               "--log-every", str(max(1, args.steps // 12))]
+    _rule(f"training: hspmd run -n 4 {script.relative_to(script.parents[2])} --steps {args.steps}")
+    sys.stdout.flush()
+    code = launch(command, 4, backend="gloo", stdout=_Tee())
+    if code != 0:
+        print(f"hspmd demo: training failed (exit code {code}); the failing rank's error is above", file=sys.stderr)
+        return code
+    with open(summary_path, encoding="utf-8") as f:
+        summary = json.load(f)
+    losses = summary["losses"]
+    _rule("summary")
+    print(f"  loss went from {losses[0]:.4f} (step 1) to {losses[-1]:.4f} (step {summary['steps']}) "
+          f"with {summary['schedule']} on {summary['world_size']} gloo processes")
+    print(f"  training {summary['seconds']:.1f}s, demo total {time.monotonic() - began:.1f}s")
+    print(f"  checkpoint: {summary['checkpoint']}")
+    shown = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else str(script)
+    print(f"  continue it: hspmd run -n 4 {shown} --strategy '{STRATEGY}' --checkpoint {checkpoint} "
+          f"--resume --steps {args.steps + 20}")
+    return 0
+
+
+__all__ = ["main", "show_plan"]
