@@ -226,6 +226,18 @@ def test_a_collective_nobody_joins_times_out_with_a_communication_error():
     assert "CommunicationError: all_reduce on group [0, 1] failed on rank 0" in message
 
 
+def sum_of_many_tensors(backend: Backend, tensors: list[torch.Tensor]) -> float:
+    return float(sum(t.sum() for t in tensors)) + backend.rank
+
+
+@pytest.mark.multiprocess
+def test_hundreds_of_tensor_arguments_reach_every_rank():
+    """Arguments travel as plain pickled bytes: one file descriptor per tensor would run out."""
+    tensors = [torch.full((2,), float(i)) for i in range(300)]
+    expected = float(sum(2 * i for i in range(300)))
+    assert run_multiprocess(sum_of_many_tensors, 2, tensors, timeout=60) == [expected, expected + 1]
+
+
 def test_backend_refuses_to_start_without_torch_distributed():
     from hspmd.runtime.torch_dist import TorchDistBackend
 

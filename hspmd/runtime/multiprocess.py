@@ -45,10 +45,13 @@ def run_multiprocess(
     ctx = _context()
     reports: Any = ctx.Queue()
     port = free_port()
+    # Plain pickle copies tensors into the bytes; multiprocessing's own pickler would share each one
+    # through a file descriptor, and a few hundred tensors exhaust the fds one message may carry.
+    job = pickle.dumps((fn, args))
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, args, rank, nprocs, port, backend, comm_timeout, reports),
+            args=(job, rank, nprocs, port, backend, comm_timeout, reports),
             name=f"hspmd-rank-{rank}",
             daemon=True,
         )
@@ -140,7 +143,7 @@ def _stop(procs: list, graceful: bool) -> None:
             proc.join()
 
 
-def _rank_main(fn, args, rank, nprocs, port, backend, comm_timeout, reports) -> None:
+def _rank_main(job, rank, nprocs, port, backend, comm_timeout, reports) -> None:
     """Body of one rank: join the world, run fn, report (ok, result) or (False, traceback)."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
@@ -150,6 +153,7 @@ def _rank_main(fn, args, rank, nprocs, port, backend, comm_timeout, reports) -> 
 
     comm = None
     try:
+        fn, args = pickle.loads(job)
         comm = init_from_env(backend, timeout=comm_timeout, rendezvous_timeout=max(comm_timeout, _RENDEZVOUS_S))
         result = pickle.dumps(fn(comm, *args))
         reports.put((rank, True, result))
