@@ -28,7 +28,7 @@ pytestmark = pytest.mark.multiprocess
 
 SEQ, LR = 8, 1e-2
 CONFIG = dict(vocab=32, hidden=16, heads=2, ffn=32)
-HETERO = "layers=4 ; 2x2: R0,1 L0-3 ; 2x1: R2 L0-1 | R3 L2-3"  # TP2 pipeline + 2-stage pipeline, batch 4:2
+HETERO = "layers=4 ; 2x2: R0,1 L0-3 ; 3x1: R2 L0-1 | R3 L2-3"  # TP2 pipeline 2x2 + 2-stage pipeline 3x1
 PP4 = "layers=4 ; 6x1: R0 L0 | R1 L1 | R2 L2 | R3 L3"  # 4 stages, 6 micro-batches
 DP_TP_PP = "layers=2 ; 3x1: R0,1 L0 | R2,3 L1 ; 3x1: R4,5 L0 | R6,7 L1"
 
