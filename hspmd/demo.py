@@ -10,7 +10,6 @@ and ends with a summary: how the loss moved and where the checkpoint is.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -62,17 +61,6 @@ def show_plan() -> None:
     print(describe_schedule("1f1b", len(pipeline.stages), pipeline.micro_batches))
 
 
-class _Tee(io.TextIOBase):
-    """Forwards the ranks' output and keeps nothing: the summary comes from the JSON file."""
-
-    def write(self, text: str) -> int:
-        sys.stdout.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        sys.stdout.flush()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hspmd demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
@@ -98,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "--log-every", str(max(1, args.steps // 12))]
     _rule(f"training: hspmd run -n 4 {script.relative_to(script.parents[2])} --steps {args.steps}")
     sys.stdout.flush()
-    code = launch(command, 4, backend="gloo", stdout=_Tee())
+    code = launch(command, 4, backend="gloo")
     if code != 0:
         print(f"hspmd demo: training failed (exit code {code}); the failing rank's error is above", file=sys.stderr)
         return code

@@ -11,6 +11,11 @@ Each rank specializes the graph for itself, finds its pipeline and stage among t
 pipelines, and runs its stage's schedule over its pipeline's own micro-batches (pipelines may
 differ in stage count, micro-batch count and size). The update (gradient synchronisation across
 pipelines + optimizer) runs once per step on every rank.
+
+Stages are numbered in the discovered (topological) order. For a pipeline whose stages form a DAG
+rather than a chain, 1F1B's warm-up then counts every later stage, not only those on this stage's
+path: more warm-up than needed (more activations kept), but still strictly decreasing along every
+link, which is what keeps the order deadlock-free.
 """
 
 from __future__ import annotations
