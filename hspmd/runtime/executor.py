@@ -55,6 +55,9 @@ class NonBlockingSends(Backend):
     def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
         return self.inner.all_gather(tensor, group, shapes)
 
+    def all_gather_joined(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> torch.Tensor:
+        return self.inner.all_gather_joined(tensor, group, shapes)
+
     def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
         return self.inner.reduce_scatter(parts, group)
 
