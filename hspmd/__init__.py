@@ -41,3 +41,9 @@ from hspmd.comm_resolve import FusedPlan, Plan, Topology, resolve, resolve_many
 from hspmd.runtime.plan_executor import run_plan
 
 __all__ += ["FusedPlan", "Plan", "Topology", "resolve", "resolve_many", "run_plan"]
+
+# Distributed runtime (issue 5) and strategy switching.
+from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.switching import execute_switch, plan_switch, recover_strategy
+
+__all__ += ["DistributedTrainer", "execute_switch", "plan_switch", "recover_strategy"]
