@@ -38,6 +38,7 @@ from hspmd.specialize.executable import run_time_ratios
 from hspmd.specialize.run import DeviceState, run_update
 from hspmd.specialize.specialized import all_devices, specialize
 from hspmd.specialize.strategy import Strategy
+from hspmd.switching import execute_switch, plan_switch
 
 
 def batch_symbol(graph: Graph) -> sympy.Symbol:
@@ -79,6 +80,7 @@ class DistributedTrainer:
     def __init__(self, graph: Graph, strategy: int, backend: Backend, layout: MicroBatchLayout | Strategy,
                  schedule: str = "1f1b", symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None):
         self.graph, self.backend = graph, backend
+        self.symbols, self.seed, self.topology = dict(symbols or {}), seed, topology
         self.layout = layout if isinstance(layout, MicroBatchLayout) else MicroBatchLayout.of(layout)
         self.schedule_name = schedule
         self.binding = Binding.of({**dict(symbols or {}), batch_symbol(graph).name: sum(self.layout.sizes)},
@@ -184,6 +186,24 @@ class DistributedTrainer:
     @property
     def steps_done(self) -> int:
         return self.state.step
+
+    # ---- switching ------------------------------------------------------------------------------
+
+    def switch(self, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None) -> "DistributedTrainer":
+        """Collective: the trainer of another strategy of the same graph, holding this one's
+        parameters and optimizer states, moved by one fused batched send-receive (paper section 6).
+        No restart and no checkpoint: training continues at the same step."""
+        plan = plan_switch(self.graph, self.spec.deduced.strategy, strategy, topology=self.topology)
+        leaves = execute_switch(plan, self.backend, self.state.leaves)
+        nxt = DistributedTrainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
+                                 self.symbols, self.seed, self.topology)
+        missing = set(nxt.state.leaves) - set(leaves)
+        if missing:
+            raise HSPMDError(f"rank {self.backend.rank}: the switch to strategy {strategy} delivered no piece of "
+                             f"{sorted(missing)[:3]}; the strategies disagree on the graph's leaves")
+        nxt.state.leaves = {name: leaves[name] for name in nxt.state.leaves}
+        nxt.state.step = self.state.step
+        return nxt
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
