@@ -28,6 +28,9 @@ class Binary(RuleOp):
             gx, gy = g, g
         elif self.kind == "sub":
             gx, gy = g, neg(g)
+        elif self.kind == "mul" and x.id == y.id:
+            # d(x*x) = 2*g*x as one contribution, not two products summed after the fact
+            return [unbroadcast(scale(mul(g, x), 2), x.shape), None]
         elif self.kind == "mul":
             gx, gy = mul(g, y), mul(g, x)
         else:
@@ -75,9 +78,8 @@ NEG = Unary("neg", lambda x, a, c: -x, True, lambda n, g: neg(g))
 SCALE = Unary("scale", lambda x, a, c: x * c.scalar(a["factor"]), True, lambda n, g: scale(g, n.attrs["factor"]))
 ADD_SCALAR = Unary("add_scalar", lambda x, a, c: x + c.scalar(a["value"]), False, lambda n, g: g)
 SILU = Unary("silu", lambda x, a, c: F.silu(x), False, lambda n, g: silu_grad(n.inputs[0], g))
-RELU = Unary("relu", lambda x, a, c: torch.relu(x), False, lambda n, g: mul(g, step_mask(n.inputs[0])))
+RELU = Unary("relu", lambda x, a, c: torch.relu(x), False, lambda n, g: relu_grad(n.inputs[0], g))
 EXP = Unary("exp", lambda x, a, c: torch.exp(x), False, lambda n, g: mul(g, n.output))
-STEP_MASK = Unary("step_mask", lambda x, a, c: (x > 0).to(x.dtype), False, lambda n, g: None)
 
 
 class SiluGrad(RuleOp):
@@ -95,6 +97,22 @@ class SiluGrad(RuleOp):
 
 
 SILU_GRAD = SiluGrad()
+
+
+class ReluGrad(RuleOp):
+    """g where x > 0, else 0, in one kernel: linear in g only."""
+
+    kind = "relu_grad"
+
+    def rule(self, node):
+        return elementwise_rule([t.shape for t in node.inputs], node.output.shape, "one", (1,))
+
+    def compute(self, node, ctx, inputs):
+        x, g = inputs
+        return [torch.ops.aten.threshold_backward(g, x, 0)]
+
+
+RELU_GRAD = ReluGrad()
 
 
 def add(x, y):
@@ -148,8 +166,8 @@ def relu(x: Tensor) -> Tensor:
     return _unary(RELU, x)
 
 
-def step_mask(x: Tensor) -> Tensor:
-    return _unary(STEP_MASK, x)
+def relu_grad(x: Tensor, g: Tensor) -> Tensor:
+    return make(RELU_GRAD, [x, g], [(x.shape, x.dtype)]).output
 
 
 def exp(x: Tensor) -> Tensor:

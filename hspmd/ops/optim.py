@@ -51,23 +51,27 @@ class Update(RuleOp):
         return ", ".join(f"{k}={v}" for k, v in node.attrs.items())
 
 
+# The updates return fresh tensors (inputs are never written: a leaf may still be read elsewhere in
+# the step) but fuse scalar products into one kernel each (torch.add(alpha=), addcmul, addcdiv).
+
 def _adamw(attrs, step, p, g, m, v):
     b1, b2 = attrs["betas"]
-    m = m * b1 + g * (1 - b1)
-    v = v * b2 + g * g * (1 - b2)
-    m_hat = m / (1 - b1 ** step)
-    v_hat = v / (1 - b2 ** step)
-    p = p * (1 - attrs["lr"] * attrs["weight_decay"]) - attrs["lr"] * m_hat / (v_hat.sqrt() + attrs["eps"])
+    lr = attrs["lr"]
+    m = torch.add(m * b1, g, alpha=1 - b1)
+    v = torch.addcmul(v * b2, g, g, value=1 - b2)
+    denom = (v / (1 - b2 ** step)).sqrt_().add_(attrs["eps"])
+    decayed = p * (1 - lr * attrs["weight_decay"]) if attrs["weight_decay"] else p
+    p = torch.addcdiv(decayed, m, denom, value=-lr / (1 - b1 ** step))
     return p, m, v
 
 
 def _sgd(attrs, step, p, g, *buf):
     if attrs["weight_decay"]:
-        g = g + attrs["weight_decay"] * p
+        g = torch.add(g, p, alpha=attrs["weight_decay"])
     if buf:
-        b = g if step == 1 else buf[0] * attrs["momentum"] + g
-        return p - attrs["lr"] * b, b
-    return (p - attrs["lr"] * g,)
+        b = g if step == 1 else torch.add(g, buf[0], alpha=attrs["momentum"])
+        return torch.add(p, b, alpha=-attrs["lr"]), b
+    return (torch.add(p, g, alpha=-attrs["lr"]),)
 
 
 ADAMW_UPDATE, SGD_UPDATE = Update("adamw_update", _adamw), Update("sgd_update", _sgd)

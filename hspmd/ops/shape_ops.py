@@ -202,7 +202,8 @@ class Transpose(RuleOp):
         return rule
 
     def compute(self, node, ctx, inputs):
-        return [inputs[0].transpose(*node.attrs["dims"]).contiguous()]
+        # A view: matmul reads transposed operands directly, and every consumer accepts strides.
+        return [inputs[0].transpose(*node.attrs["dims"])]
 
     def gradient(self, node, grads):
         return [transpose(grads[0], *node.attrs["dims"])]
@@ -248,7 +249,8 @@ class ExpandAs(RuleOp):
 
     def compute(self, node, ctx, inputs):
         box = ctx.out_box(0)
-        return [inputs[0].expand(tuple(b - a for a, b in box)).contiguous()]
+        # A broadcast view (stride 0): consumers compute out of place, so nothing writes through it.
+        return [inputs[0].expand(tuple(b - a for a, b in box))]
 
     def gradient(self, node, grads):
         from hspmd.ops.elementwise import unbroadcast
