@@ -147,7 +147,9 @@ def run_backward(exe: ExecutableGraph, backend: Backend, state: DeviceState, mb:
     for t in exe.accumulated:
         if t.id in mb.env:
             v = mb.env[t.id]
-            state.accum[t.id] = v.clone() if t.id not in state.accum else state.accum[t.id] + v
+            # the first micro-batch's gradient is taken as is, no copy: env is cleared below and no op
+            # writes into its inputs, so nothing else can change it before the update reads it
+            state.accum[t.id] = v if t.id not in state.accum else state.accum[t.id] + v
     mb.env.clear()
 
 
