@@ -38,6 +38,12 @@ class Backend(abc.ABC):
     def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
         """Every member's tensor, in group order; shapes[i] is member i's shape (may differ)."""
 
+    def all_gather_joined(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> torch.Tensor:
+        """Every member's tensor flattened and joined in group order, as one 1-D tensor: a gather
+        along a leading dim is then the destination itself. Backends that can gather straight
+        into one buffer override it to skip the copy."""
+        return torch.cat([t.reshape(-1) for t in self.all_gather(tensor, group, shapes)])
+
     @abc.abstractmethod
     def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
         """parts[i] is this rank's summand of member i's result; returns the sum of this rank's parts

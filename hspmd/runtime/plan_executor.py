@@ -80,6 +80,59 @@ def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out
         _write(out, dst, c.parts[c.devices.index(me)], backend.reduce_scatter(parts, c.devices))
 
 
+@lru_cache(maxsize=4096)
+def _tiling_dim(parts: tuple[Box, ...], box: Box) -> int | None:
+    """The dim along which `parts`, in their order, lie back to back and fill `box` exactly (each
+    spanning `box` on every other dim), or None: then concatenating the parts builds `box`."""
+    for d in range(len(box)):
+        edge = box[d][0]
+        for part in parts:
+            if any(part[i] != box[i] for i in range(len(box)) if i != d) or part[d][0] != edge:
+                break
+            edge = part[d][1]
+        else:
+            if edge == box[d][1]:
+                return d
+    return None
+
+
+def _leading(shape: tuple[int, ...], dim: int) -> bool:
+    """True when blocks along `dim` are contiguous runs of a row-major tensor of `shape`."""
+    return all(n == 1 for n in shape[:dim])
+
+
+def _sole_collective(step: Step, me: int) -> Collective | None:
+    """The step's only collective for this device when no message or local copy touches it."""
+    mine = [c for c in step.collectives if me in c.devices]
+    if len(mine) != 1 or any(me in (t.src, t.dst) for t in step.transfers):
+        return None
+    return mine[0]
+
+
+def _collective_result(c: Collective, backend: Backend, local, src: Box | None, dst: Piece, dtype):
+    """The destination piece straight from the backend, when the collective's result is exactly
+    that piece (no zeros to fill and no copy into them); None when it is not."""
+    me = backend.rank
+    silent = me in c.zero_inputs or src is None
+    if c.kind == "all_reduce" and c.box == dst.box:
+        value = torch.zeros(box_shape(c.box), dtype=dtype) if silent else _cut(local, src, c.box, dtype)
+        return backend.all_reduce(value, c.devices)
+    if c.kind == "reduce_scatter" and c.parts[c.devices.index(me)] == dst.box:
+        parts = [torch.zeros(box_shape(p), dtype=dtype) if silent else _cut(local, src, p, dtype) for p in c.parts]
+        return backend.reduce_scatter(parts, c.devices)
+    if c.kind != "all_gather":
+        return None
+    dim = _tiling_dim(c.parts, dst.box)
+    if dim is None:
+        return None
+    mine = c.parts[c.devices.index(me)]
+    value = _cut(local, src, mine, dtype) if src is not None else torch.zeros(box_shape(mine), dtype=dtype)
+    shapes = [tuple(box_shape(p)) for p in c.parts]
+    if _leading(dst.shape, dim):
+        return backend.all_gather_joined(value.contiguous(), c.devices, shapes).reshape(dst.shape)
+    return torch.cat(backend.all_gather(value.contiguous(), c.devices, shapes), dim=dim)
+
+
 def _exchange(
     transfers: tuple[Transfer, ...],
     backend: Backend,
@@ -131,8 +184,13 @@ def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend
         return local if dst is not None else None
     if _keeps(step.transfers, me, 0, src, dst) and not any(me in c.devices for c in step.collectives):
         return local
-    out = torch.zeros(dst.shape, dtype=dtype)
     src_box = src.box if src is not None else None
+    sole = _sole_collective(step, me)
+    if sole is not None:
+        out = _collective_result(sole, backend, local, src_box, dst, dtype)
+        if out is not None:
+            return out
+    out = torch.zeros(dst.shape, dtype=dtype)
     for c in step.collectives:
         if me in c.devices:
             _run_collective(c, backend, local, src_box, out, dst.box, dtype)

@@ -128,7 +128,7 @@ class TorchDistBackend(Backend):
 
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         pg = self._process_group(group, "all_reduce")
-        out = tensor.detach().clone().contiguous()
+        out = tensor.detach().clone(memory_format=torch.contiguous_format)
         if len(group) > 1:
             with self._wrapped("all_reduce", group):
                 dist.all_reduce(out, group=pg)
@@ -156,6 +156,18 @@ class TorchDistBackend(Backend):
         by_rank = dict(zip(sorted(group), gathered))
         return [by_rank[r][:n].reshape(s) for r, n, s in zip(group, sizes, shapes)]
 
+    def all_gather_joined(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> torch.Tensor:
+        """Equal pieces in rank order are gathered straight into one buffer (all_gather_into_tensor)."""
+        shapes = [tuple(s) for s in shapes]
+        pg = self._process_group(group, "all_gather")
+        if len(group) == 1 or list(group) != sorted(group) or len(set(shapes)) != 1 or tuple(tensor.shape) != shapes[0]:
+            return super().all_gather_joined(tensor, group, shapes)
+        out = torch.empty(len(group) * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        if out.numel():
+            with self._wrapped("all_gather", group):
+                dist.all_gather_into_tensor(out, tensor.detach().reshape(-1).contiguous(), group=pg)
+        return out
+
     def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
         """Uses the backend's reduce_scatter on parts padded to the largest part. Where the backend has
         none (gloo before torch 2.6 or so) it all-reduces the concatenated parts and keeps this rank's
@@ -181,6 +193,12 @@ class TorchDistBackend(Backend):
         width = max(p.numel() for p in parts)
         if width == 0:
             return torch.empty_like(parts[me])
+        if list(group) == sorted(group) and all(p.numel() == width for p in parts):
+            # equal parts in rank order: one flat input (reduce_scatter_tensor), faster than a list
+            out = torch.empty(width, dtype=parts[me].dtype, device=parts[me].device)
+            with self._wrapped("reduce_scatter", group):
+                dist.reduce_scatter_tensor(out, torch.cat([p.detach().reshape(-1) for p in parts]), group=pg)
+            return out.reshape(parts[me].shape)
         by_rank = dict(zip(group, parts))
         inputs = [_padded_flat(by_rank[r], width) for r in sorted(group)]
         out = torch.empty(width, dtype=parts[me].dtype, device=parts[me].device)
