@@ -10,6 +10,7 @@ paper's "DS union, then HDim" deduction with one rule per op instead of two.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from itertools import accumulate
 from typing import Callable, Sequence
 
@@ -31,8 +32,10 @@ def _rescale(axis: Axis, n: int) -> Axis:
     return type(axis)(n)
 
 
-def _refine(ds_list: Sequence[DistributedStates], size: int) -> list[list[tuple[Axis, int]]]:
-    """Each input's axes refined to the common cut points: (axis factor, original axis index)."""
+@lru_cache(maxsize=4096)
+def _refine(ds_list: tuple[DistributedStates, ...], size: int) -> tuple[tuple[tuple[Axis, int], ...], ...]:
+    """Each input's axes refined to the common cut points: (axis factor, original axis index).
+    Cached: a pure function of immutable values, and a model repeats few distinct input layouts."""
     cuts = {1, size}
     for ds in ds_list:
         cuts.update(accumulate((a.n for a in ds.axes), lambda x, y: x * y))
@@ -54,7 +57,7 @@ def _refine(ds_list: Sequence[DistributedStates], size: int) -> list[list[tuple[
                 refined.append((_rescale(axis, c // prev), index))
                 prev = c
             start = stop
-        out.append(refined)
+        out.append(tuple(refined))
     for pos in range(len(chain) - 1):
         splits = [(i, r[pos][1]) for i, r in enumerate(out) if isinstance(r[pos][0], Split)]
         for i, orig in splits:
@@ -64,7 +67,7 @@ def _refine(ds_list: Sequence[DistributedStates], size: int) -> list[list[tuple[
                     f"a split axis of one input lines up with differently grouped splits of another ("
                     + " vs ".join(str(ds) or "-" for ds in ds_list) + ")"
                 )
-    return out
+    return tuple(out)
 
 
 def _merge(axes: list[tuple[Axis, object]]) -> DistributedStates:
@@ -87,7 +90,7 @@ def _merge(axes: list[tuple[Axis, object]]) -> DistributedStates:
 
 
 def deduce_subgroup(ds_list: Sequence[DistributedStates], size: int, rule: PositionRule) -> DistributedStates:
-    refined = _refine(ds_list, size)
+    refined = _refine(tuple(ds_list), size)
     positions = len(refined[0])
     out = []
     for pos in range(positions):
@@ -104,22 +107,36 @@ def top_axis(ann: Annotation) -> Axis:
 
 
 def deduce_union(anns: Sequence[Annotation], rule: PositionRule) -> Annotation:
-    """Apply `rule` to every subgroup's DS and to the top tier of aligned inputs."""
+    """Apply `rule` to every subgroup's DS and to the top tier of aligned inputs.
+
+    Deduction runs this per op over unions of up to hundreds of subgroups, so two shortcuts keep
+    it cheap without changing its result: subgroups whose inputs have equal states deduce equal
+    states (the rule sees only the axes and the group size), so the rule runs once per distinct
+    case; and an output equal to one of the inputs is returned as that input's (immutable) value
+    rather than rebuilt, as layout-preserving ops are the common case."""
     first = anns[0]
-    subgroups = []
+    by_case: dict[tuple, DistributedStates] = {}
+    states = []
     for k, sub in enumerate(first.subgroups):
-        ds = deduce_subgroup([a.subgroups[k].ds for a in anns], len(sub.dg), rule)
-        subgroups.append(Subgroup(sub.dg, ds))
-    if first.hsize == 1:
-        return Annotation(tuple(subgroups))
-    axis, source = rule([top_axis(a) for a in anns])
-    if isinstance(axis, Split):
-        ratios = {anns[i].ratios for i, a in enumerate(anns) if isinstance(a.hdim, int)
-                  and isinstance(top_axis(a), Split)}
-        if len(ratios) > 1:
-            raise Mismatch(f"inputs split across subgroups in different ratios {sorted(map(str, ratios))}")
-        return Annotation(tuple(subgroups), axis.dim, anns[source].ratios)
-    return Annotation(tuple(subgroups), "P" if isinstance(axis, Partial) else "D")
+        case = (tuple(a.subgroups[k].ds for a in anns), len(sub.dg))
+        if case not in by_case:
+            by_case[case] = deduce_subgroup(list(case[0]), case[1], rule)
+        states.append(by_case[case])
+    hdim, ratios = "D", None
+    if first.hsize > 1:
+        axis, source = rule([top_axis(a) for a in anns])
+        if isinstance(axis, Split):
+            split_ratios = {anns[i].ratios for i, a in enumerate(anns) if isinstance(a.hdim, int)
+                            and isinstance(top_axis(a), Split)}
+            if len(split_ratios) > 1:
+                raise Mismatch(f"inputs split across subgroups in different ratios {sorted(map(str, split_ratios))}")
+            hdim, ratios = axis.dim, anns[source].ratios
+        elif isinstance(axis, Partial):
+            hdim = "P"
+    for a in anns:
+        if a.hdim == hdim and a.ratios == ratios and all(s.ds == ds for s, ds in zip(a.subgroups, states)):
+            return a
+    return Annotation(tuple(Subgroup(sub.dg, ds) for sub, ds in zip(first.subgroups, states)), hdim, ratios)
 
 
 def map_annotation(ann: Annotation, fn: Callable[[Axis], Axis]) -> Annotation:

@@ -9,6 +9,7 @@ HDim of its outputs. Shapes are symbolic and were checked when the graph was bui
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from hspmd.annotations import Annotation, align_hsize
 from hspmd.errors import AnnotationError, DeductionError, HSPMDError
@@ -29,6 +30,20 @@ class Deduced:
 
     def of(self, name: str) -> Annotation:
         return self[self.graph.tensor(name)]
+
+    def devices_of(self, tensor: Tensor) -> frozenset[int]:
+        """The devices holding a piece of `tensor`, as a set."""
+        return self._device_sets[tensor.id]
+
+    @cached_property
+    def _device_sets(self) -> tuple[frozenset[int], ...]:
+        """Each tensor's device set, built once and shared by every rank's instantiation (a
+        Deduced never changes, so neither do these); equal annotations share one set."""
+        by_annotation: dict[Annotation, frozenset[int]] = {}
+        for a in self.annotations:
+            if a is not None and a not in by_annotation:
+                by_annotation[a] = frozenset(a.devices)
+        return tuple(frozenset() if a is None else by_annotation[a] for a in self.annotations)
 
 
 def _inputs_text(node: Node, anns) -> str:
