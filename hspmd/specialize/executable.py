@@ -53,15 +53,24 @@ def run_time_ratios(ann: Annotation, binding: Binding):
 
 
 def resolve_node(deduced: Deduced, node: Node, binding: Binding, topology=None, cache: dict | None = None):
-    """The plan of a CommOp under a binding (plans are global values, cached per binding)."""
-    key = (node.id, binding)
-    if cache is not None and key in cache:
-        return cache[key]
+    """The plan of a CommOp under a binding (plans are global values, cached per binding).
+
+    `cache` keeps each plan under two keys: (node id, binding), the quick hit for a node seen
+    before, and the resolver's own arguments (src, dst, concrete shape, ratios, topology, dtype),
+    so that CommOps resharding equal layouts of equal shapes (the same comm in each of a model's
+    identical layers) share one plan. Sharing is safe: `resolve` is a pure function of exactly
+    those arguments and plans are immutable values that name no node."""
+    node_key = (node.id, binding)
+    if cache is not None and node_key in cache:
+        return cache[node_key]
     src, dst = deduced[node.inputs[0]], deduced[node.output]
-    plan = lowering.resolve_comm(src, dst, binding.shape(node.output.shape, node.name), run_time_ratios(src, binding),
-                                 run_time_ratios(dst, binding), topology, node.output.dtype)
+    args = (src, dst, binding.shape(node.output.shape, node.name), run_time_ratios(src, binding),
+            run_time_ratios(dst, binding), topology, node.output.dtype)
+    plan = None if cache is None else cache.get(args)
+    if plan is None:
+        plan = lowering.resolve_comm(*args)
     if cache is not None:
-        cache[key] = plan
+        cache[node_key] = cache[args] = plan
     return plan
 
 
@@ -79,13 +88,13 @@ def live_nodes(graph: Graph, fetches: Iterable[Tensor] = ()) -> set[int]:
     return live
 
 
-def node_devices(node: Node, deduced: Deduced) -> set[int]:
+def node_devices(node: Node, deduced: Deduced) -> frozenset[int]:
     if node.kind == "assign":
-        return set(deduced[node.inputs[0]].devices)
-    devices = {d for t in node.outputs for d in deduced[t].devices}
-    if node.opdef.is_comm:
-        devices |= set(deduced[node.inputs[0]].devices)
-    return devices
+        return deduced.devices_of(node.inputs[0])
+    tensors = list(node.outputs) + ([node.inputs[0]] if node.opdef.is_comm else [])
+    if len(tensors) == 1:
+        return deduced.devices_of(tensors[0])
+    return frozenset().union(*(deduced.devices_of(t) for t in tensors))
 
 
 @dataclass

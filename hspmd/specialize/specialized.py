@@ -55,7 +55,7 @@ class Specialized:
 
 
 def all_devices(deduced: Deduced) -> tuple[int, ...]:
-    return tuple(sorted({d for a in deduced.annotations if a is not None for d in a.devices}))
+    return tuple(sorted(frozenset().union(*set(deduced.devices_of(t) for t in deduced.graph.tensors))))
 
 
 def per_micro_batch_pattern(deduced: Deduced, binding: Binding, live: set[int], topology=None, cache=None):
