@@ -154,17 +154,32 @@ def subgroup_pieces(sub: Subgroup, region: Box) -> dict[int, Piece]:
     return out
 
 
+def _union_pieces(ann: Annotation, k: int, region: Box) -> dict[int, Piece]:
+    """Subgroup k's pieces as members of the union (summands named (k, j))."""
+    out = {}
+    for device, piece in subgroup_pieces(ann.subgroups[k], region).items():
+        partial = ann.hdim == "P" or piece.is_partial
+        out[device] = Piece(piece.box, (k, piece.summand[0] if piece.summand else 0) if partial else ())
+    return out
+
+
 def device_pieces(ann: Annotation, shape: Sequence[Length], ratios: Sequence[int] | None = None) -> dict[int, Piece]:
     """{device: Piece} for every device of the union.
 
     A partial summand is named (subgroup k, bottom-tier summand j): summing over j gives subgroup
     k's value of its region, and under HDim P summing over k gives the tensor."""
     out = {}
-    for k, (sub, region) in enumerate(zip(ann.subgroups, subgroup_regions(ann, shape, ratios))):
-        for device, piece in subgroup_pieces(sub, region).items():
-            partial = ann.hdim == "P" or piece.is_partial
-            out[device] = Piece(piece.box, (k, piece.summand[0] if piece.summand else 0) if partial else ())
+    for k, region in enumerate(subgroup_regions(ann, shape, ratios)):
+        out.update(_union_pieces(ann, k, region))
     return out
+
+
+def subgroup_device_pieces(
+    ann: Annotation, k: int, shape: Sequence[Length], ratios: Sequence[int] | None = None
+) -> dict[int, Piece]:
+    """device_pieces restricted to subgroup k's devices, without computing the other subgroups'
+    (a planner working inside one subgroup of a large union needs only these)."""
+    return _union_pieces(ann, k, subgroup_regions(ann, shape, ratios)[k])
 
 
 __all__ = [
@@ -180,5 +195,6 @@ __all__ = [
     "split_index",
     "summand_index",
     "device_pieces",
+    "subgroup_device_pieces",
     "check_shape",
 ]

@@ -26,7 +26,7 @@ from typing import Iterable, Mapping, Sequence
 
 from hspmd.annotations import Annotation, Box, device_pieces
 from hspmd.comm_resolve.plan import Transfer
-from hspmd.comm_resolve.slices import Cell, Grid, box_contains, box_volume, in_ranges
+from hspmd.comm_resolve.slices import Cell, Grid, box_contains, box_volume
 from hspmd.comm_resolve.topology import Topology
 from hspmd.errors import CommunicationError
 
@@ -57,7 +57,7 @@ def destination_needs(
         return {d: [p.box] for d, p in pieces.items() if box_volume(p.box) > 0}
     families = [list(pieces)] if dst.hdim == "P" else [[d for d in s.dg if d in pieces] for s in dst.subgroups]
     grid = Grid([p.box for p in pieces.values()] + [b for b in owners.values()], len(shape))
-    owner_ranges = [(d, grid.ranges(b)) for d, b in owners.items()]
+    owners_of = grid.holders(owners.items())
     needs: dict[int, list[Cell]] = defaultdict(list)
     for family in families:
         if not any(pieces[d].is_partial for d in family):
@@ -69,7 +69,7 @@ def destination_needs(
             for cell in grid.cells(pieces[d].box):
                 holders[cell][pieces[d].summand].append(d)
         for cell, by_key in holders.items():
-            owning = {d for d, r in owner_ranges if in_ranges(cell, r)}
+            owning = set(owners_of.get(cell, ()))
 
             def score(key):
                 devs = by_key[key]
@@ -100,10 +100,10 @@ def plan_transfers(families: Sequence[Family], topology: Topology, itemsize: int
         for e, box in pending:
             for cell in grid.cells(box):
                 table[cell].append(e)
-        owner_ranges = [(d, grid.ranges(b)) for d, b in sorted(fam.owners.items()) if box_volume(b) > 0]
+        owners_of = grid.holders(sorted(fam.owners.items()))
         cells_of_pair: dict[tuple[int, int], list[Cell]] = defaultdict(list)
         for cell in sorted(table):
-            owners = [d for d, r in owner_ranges if in_ranges(cell, r)]
+            owners = owners_of.get(cell, [])
             if not owners:
                 raise CommunicationError(f"tensor {fam.tensor}: no source device holds slice {grid.cell_box(cell)}")
             nbytes = grid.cell_volume(cell) * itemsize
@@ -131,10 +131,10 @@ def demand_by_owner_set(
     for fam in families:
         needs = [(e, b) for e in fam.needs for b in fam.needs[e]]
         grid = Grid(list(fam.owners.values()) + [b for _, b in needs], fam.ndim)
-        owner_ranges = [(d, grid.ranges(b)) for d, b in fam.owners.items() if box_volume(b) > 0]
+        owners_of = grid.holders(fam.owners.items())
         for e, box in needs:
             for cell in grid.cells(box):
-                owners = frozenset(d for d, r in owner_ranges if in_ranges(cell, r))
+                owners = frozenset(owners_of.get(cell, ()))
                 if e in owners:
                     continue
                 if topology is not None:

@@ -33,8 +33,8 @@ from hspmd.annotations import (
     Split,
     Subgroup,
     box_intersection,
-    device_pieces,
 )
+from hspmd.annotations.geometry import subgroup_device_pieces
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
 from hspmd.comm_resolve.slices import box_contains, box_volume
 
@@ -117,7 +117,7 @@ def change_step(union: Annotation, k: int, axes: list[Axis], position: int, new_
     after_axes = axes[:position] + [new_axis] + axes[position + 1 :]
     after = _replace(union, k, DistributedStates(tuple(after_axes)))
     change = (_kind(axes[position]), _kind(new_axis))
-    src, dst = device_pieces(before, shape), device_pieces(after, shape)
+    src, dst = subgroup_device_pieces(before, k, shape), subgroup_device_pieces(after, k, shape)
     devices = union.subgroups[k].dg.devices
     collectives, transfers = [], []
     for group in _groups(devices, [ax.n for ax in axes], position):
@@ -167,11 +167,12 @@ def _merge_local(first: Step, second: Step) -> Step:
 
 
 def _same_layout(union: Annotation, k: int, ds: DistributedStates, axes: list[Axis], shape) -> bool:
-    """Refining a split changes its pieces when the dim does not divide (splits nest): check."""
+    """Refining a split changes its pieces when the dim does not divide (splits nest): check
+    (only subgroup k differs between the two unions, so only its pieces are compared)."""
     if list(ds.axes) == axes:
         return True
-    return device_pieces(_replace(union, k, ds), shape) == device_pieces(
-        _replace(union, k, DistributedStates(tuple(axes))), shape
+    return subgroup_device_pieces(_replace(union, k, ds), k, shape) == subgroup_device_pieces(
+        _replace(union, k, DistributedStates(tuple(axes))), k, shape
     )
 
 

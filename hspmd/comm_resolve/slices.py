@@ -57,6 +57,15 @@ class Grid:
     def cells(self, box: Box) -> Iterable[Cell]:
         return product(*self.ranges(box))
 
+    def holders(self, boxes: Iterable[tuple[int, Box]]) -> dict[Cell, list[int]]:
+        """{cell: devices whose box covers it}, devices in the order given. Walks each box's own
+        cells, so it costs the boxes' total cell count rather than cells x devices."""
+        out: dict[Cell, list[int]] = {}
+        for device, box in boxes:
+            for cell in self.cells(box):
+                out.setdefault(cell, []).append(device)
+        return out
+
     def cell_box(self, cell: Cell) -> Box:
         return tuple((c[i], c[i + 1]) for c, i in zip(self.cuts, cell))
 

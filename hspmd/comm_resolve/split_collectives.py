@@ -21,7 +21,7 @@ from collections import defaultdict
 
 from hspmd.annotations import Annotation, device_pieces
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
-from hspmd.comm_resolve.slices import Cell, Grid, empty_box_at, in_ranges
+from hspmd.comm_resolve.slices import Cell, Grid, empty_box_at
 
 KIND = {"SplitAllReduce": "all_reduce", "SplitReduceScatter": "reduce_scatter", "SplitAllGather": "all_gather"}
 
@@ -51,12 +51,12 @@ def split_step(primitive: str, src: Annotation, dst: Annotation, shape) -> Step 
     kind = KIND[primitive]
     sp, dp = device_pieces(src, shape), device_pieces(dst, shape)
     grid = Grid([p.box for p in sp.values()] + [p.box for p in dp.values()], len(shape))
-    src_ranges = {d: grid.ranges(p.box) for d, p in sorted(sp.items())}
-    dst_ranges = {d: grid.ranges(p.box) for d, p in sorted(dp.items())}
+    src_holders = grid.holders((d, p.box) for d, p in sorted(sp.items()))
+    dst_holders = grid.holders((d, p.box) for d, p in sorted(dp.items()))
     entries: dict[tuple, dict[Cell, int | None]] = defaultdict(dict)
     for cell in grid.cells(tuple((0, s) for s in shape)):
-        holders = [d for d, r in src_ranges.items() if in_ranges(cell, r)]
-        needers = [d for d, r in dst_ranges.items() if in_ranges(cell, r)]
+        holders = src_holders.get(cell, [])
+        needers = dst_holders.get(cell, [])
         if kind == "all_gather":
             lacking = [e for e in needers if e not in holders]
             if lacking:
