@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 
 from hspmd.annotations import Annotation, Box, Piece, box_intersection, box_relative, box_shape, device_pieces
+from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, FusedPlan, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.errors import ShapeError
@@ -96,6 +97,11 @@ def _tiling_dim(parts: tuple[Box, ...], box: Box) -> int | None:
     return None
 
 
+@lru_cache(maxsize=4096)
+def _fills(parts: tuple[Box, ...], box: Box) -> bool:
+    return tiles(box, parts)
+
+
 def _leading(shape: tuple[int, ...], dim: int) -> bool:
     """True when blocks along `dim` are contiguous runs of a row-major tensor of `shape`."""
     return all(n == 1 for n in shape[:dim])
@@ -120,17 +126,18 @@ def _collective_result(c: Collective, backend: Backend, local, src: Box | None, 
     if c.kind == "reduce_scatter" and c.parts[c.devices.index(me)] == dst.box:
         parts = [torch.zeros(box_shape(p), dtype=dtype) if silent else _cut(local, src, p, dtype) for p in c.parts]
         return backend.reduce_scatter(parts, c.devices)
-    if c.kind != "all_gather":
-        return None
-    dim = _tiling_dim(c.parts, dst.box)
-    if dim is None:
+    if c.kind != "all_gather" or not _fills(c.parts, dst.box):
         return None
     mine = c.parts[c.devices.index(me)]
     value = _cut(local, src, mine, dtype) if src is not None else torch.zeros(box_shape(mine), dtype=dtype)
     shapes = [tuple(box_shape(p)) for p in c.parts]
-    if _leading(dst.shape, dim):
+    dim = _tiling_dim(c.parts, dst.box)
+    if dim is not None and _leading(dst.shape, dim):
         return backend.all_gather_joined(value.contiguous(), c.devices, shapes).reshape(dst.shape)
-    return torch.cat(backend.all_gather(value.contiguous(), c.devices, shapes), dim=dim)
+    out = torch.empty(dst.shape, dtype=dtype)  # every element is written: the parts tile the piece
+    for part, got in zip(c.parts, backend.all_gather(value.contiguous(), c.devices, shapes)):
+        _write(out, dst.box, part, got)
+    return out
 
 
 def _exchange(

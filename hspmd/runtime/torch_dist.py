@@ -39,6 +39,9 @@ SUPPORTED_BACKENDS = ("gloo", "nccl")
 # the process, so that each set of ranks is created once per world.
 _GROUPS_BY_WORLD: "weakref.WeakKeyDictionary[object, dict[tuple[int, ...], object]]" = weakref.WeakKeyDictionary()
 _LIVE_BACKENDS: "weakref.WeakSet[TorchDistBackend]" = weakref.WeakSet()
+# One-buffer collectives: renamed in recent torch (the old names warn), the old names before.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @atexit.register
@@ -165,7 +168,7 @@ class TorchDistBackend(Backend):
         out = torch.empty(len(group) * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         if out.numel():
             with self._wrapped("all_gather", group):
-                dist.all_gather_into_tensor(out, tensor.detach().reshape(-1).contiguous(), group=pg)
+                _ALL_GATHER_SINGLE(out, tensor.detach().reshape(-1).contiguous(), group=pg)
         return out
 
     def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
@@ -197,7 +200,7 @@ class TorchDistBackend(Backend):
             # equal parts in rank order: one flat input (reduce_scatter_tensor), faster than a list
             out = torch.empty(width, dtype=parts[me].dtype, device=parts[me].device)
             with self._wrapped("reduce_scatter", group):
-                dist.reduce_scatter_tensor(out, torch.cat([p.detach().reshape(-1) for p in parts]), group=pg)
+                _REDUCE_SCATTER_SINGLE(out, torch.cat([p.detach().reshape(-1) for p in parts]), group=pg)
             return out.reshape(parts[me].shape)
         by_rank = dict(zip(group, parts))
         inputs = [_padded_flat(by_rank[r], width) for r in sorted(group)]
