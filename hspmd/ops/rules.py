@@ -14,7 +14,7 @@ from functools import lru_cache
 from itertools import accumulate
 from typing import Callable, Sequence
 
-from hspmd.annotations import Annotation, DistributedStates, Duplicate, Partial, Split, Subgroup
+from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Duplicate, Partial, Split, Subgroup
 from hspmd.annotations.states import Axis
 
 
@@ -106,22 +106,38 @@ def top_axis(ann: Annotation) -> Axis:
     return (Partial if ann.hdim == "P" else Duplicate)(ann.hsize)
 
 
+@lru_cache(maxsize=1024)
+def _assemble(dgs: tuple[DeviceGroup, ...], states: tuple[DistributedStates, ...], hdim, ratios) -> Annotation:
+    """The union of these groups and states. Cached because a model's repeated layers deduce
+    equal unions again and again, and building (validating) a large union costs far more than
+    hashing it; annotations are immutable, so sharing one value is safe."""
+    return Annotation(tuple(Subgroup(dg, ds) for dg, ds in zip(dgs, states)), hdim, ratios)
+
+
 def deduce_union(anns: Sequence[Annotation], rule: PositionRule) -> Annotation:
     """Apply `rule` to every subgroup's DS and to the top tier of aligned inputs.
 
-    Deduction runs this per op over unions of up to hundreds of subgroups, so two shortcuts keep
-    it cheap without changing its result: subgroups whose inputs have equal states deduce equal
-    states (the rule sees only the axes and the group size), so the rule runs once per distinct
-    case; and an output equal to one of the inputs is returned as that input's (immutable) value
-    rather than rebuilt, as layout-preserving ops are the common case."""
+    Deduction runs this per op over unions of up to hundreds of subgroups, so it avoids repeated
+    work without changing the result: subgroups whose inputs have equal states deduce equal states
+    (the rule sees only the axes and the group size), so the rule runs once per distinct case
+    (cases are first told apart by the identity of the input states, which `anns` keeps alive for
+    the call, then by value); and an output equal to one of the inputs is returned as that input's
+    (immutable) value rather than rebuilt, layout-preserving ops being the common case."""
     first = anns[0]
-    by_case: dict[tuple, DistributedStates] = {}
-    states = []
-    for k, sub in enumerate(first.subgroups):
-        case = (tuple(a.subgroups[k].ds for a in anns), len(sub.dg))
-        if case not in by_case:
-            by_case[case] = deduce_subgroup(list(case[0]), case[1], rule)
-        states.append(by_case[case])
+    by_identity: dict[tuple[int, ...], int] = {}
+    by_value: dict[tuple, int] = {}
+    cases: list[tuple[DistributedStates, frozenset[int]]] = []  # (output states, inputs it equals)
+    case_of_subgroup = []
+    for ins, dg in zip(zip(*(a.ds_union for a in anns)), first.dg_union):
+        identity = tuple(map(id, ins))
+        if identity not in by_identity:
+            value = (ins, len(dg))
+            if value not in by_value:
+                out = deduce_subgroup(list(ins), len(dg), rule)
+                by_value[value] = len(cases)
+                cases.append((out, frozenset(i for i, ds in enumerate(ins) if ds == out)))
+            by_identity[identity] = by_value[value]
+        case_of_subgroup.append(by_identity[identity])
     hdim, ratios = "D", None
     if first.hsize > 1:
         axis, source = rule([top_axis(a) for a in anns])
@@ -133,10 +149,11 @@ def deduce_union(anns: Sequence[Annotation], rule: PositionRule) -> Annotation:
             hdim, ratios = axis.dim, anns[source].ratios
         elif isinstance(axis, Partial):
             hdim = "P"
-    for a in anns:
-        if a.hdim == hdim and a.ratios == ratios and all(s.ds == ds for s, ds in zip(a.subgroups, states)):
-            return a
-    return Annotation(tuple(Subgroup(sub.dg, ds) for sub, ds in zip(first.subgroups, states)), hdim, ratios)
+    equal_inputs = frozenset.intersection(*(cases[c][1] for c in set(case_of_subgroup)))
+    for i in sorted(equal_inputs):
+        if anns[i].hdim == hdim and anns[i].ratios == ratios:
+            return anns[i]
+    return _assemble(first.dg_union, tuple(cases[c][0] for c in case_of_subgroup), hdim, ratios)
 
 
 def map_annotation(ann: Annotation, fn: Callable[[Axis], Axis]) -> Annotation:

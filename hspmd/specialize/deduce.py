@@ -38,12 +38,15 @@ class Deduced:
     @cached_property
     def _device_sets(self) -> tuple[frozenset[int], ...]:
         """Each tensor's device set, built once and shared by every rank's instantiation (a
-        Deduced never changes, so neither do these); equal annotations share one set."""
-        by_annotation: dict[Annotation, frozenset[int]] = {}
+        Deduced never changes, so neither do these). Tensors holding the same annotation object
+        (deduction passes layouts through unchanged ops) share one set; the memo is keyed by
+        object identity because hashing a large union costs as much as listing its devices, and
+        ids are stable here since self.annotations keeps every object alive."""
+        by_object: dict[int, frozenset[int]] = {}
         for a in self.annotations:
-            if a is not None and a not in by_annotation:
-                by_annotation[a] = frozenset(a.devices)
-        return tuple(frozenset() if a is None else by_annotation[a] for a in self.annotations)
+            if a is not None and id(a) not in by_object:
+                by_object[id(a)] = frozenset(a.devices)
+        return tuple(frozenset() if a is None else by_object[id(a)] for a in self.annotations)
 
 
 def _inputs_text(node: Node, anns) -> str:
@@ -80,8 +83,7 @@ def deduce_node(node: Node, strategy: int, anns: list) -> list[Annotation]:
                 f"{node.kind} {node.name} (strategy {strategy}): inputs {_inputs_text(node, ins)} have different "
                 f"HSize and cannot be regrouped ({exc}); insert comm() on an input so their device-group unions match"
             ) from exc
-        unions = {a.dg_union for a in aligned}
-        if len(unions) > 1:
+        if any(a.dg_union != aligned[0].dg_union for a in aligned[1:]):
             raise DeductionError(
                 f"{node.kind} {node.name} (strategy {strategy}): inputs {_inputs_text(node, ins)} live on different "
                 f"device-group unions; insert comm() on an input so they match"
@@ -94,6 +96,8 @@ def deduce_node(node: Node, strategy: int, anns: list) -> list[Annotation]:
                 f"{_inputs_text(node, ins)}: {exc}; insert comm() on an input to reshard it"
             ) from exc
     for t, a in zip(node.outputs, out):
+        if any(a is anns[i.id] and i.ndim == t.ndim for i in node.inputs):
+            continue  # an input's annotation passed through unchanged, checked when it was deduced
         try:
             a.check_rank(t.ndim, f"{node.kind} {node.name}")
         except AnnotationError as exc:
