@@ -14,6 +14,7 @@ subgroup's DS, outermost first, splits the piece left by the axes before it (so 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate
 from math import prod
 from typing import Sequence, Union
@@ -168,6 +169,14 @@ def device_pieces(ann: Annotation, shape: Sequence[Length], ratios: Sequence[int
 
     A partial summand is named (subgroup k, bottom-tier summand j): summing over j gives subgroup
     k's value of its region, and under HDim P summing over k gives the tensor."""
+    return dict(_device_pieces(ann, tuple(shape), None if ratios is None else tuple(ratios)))
+
+
+@lru_cache(maxsize=64)
+def _device_pieces(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int, ...] | None) -> dict[int, Piece]:
+    """device_pieces, cached: a pure function of immutable values that a resolver asks for
+    several times per plan (and for the same layouts across plans). Callers get a copy, so the
+    cached dict is never modified; the size bound keeps memory small for unions of many devices."""
     out = {}
     for k, region in enumerate(subgroup_regions(ann, shape, ratios)):
         out.update(_union_pieces(ann, k, region))

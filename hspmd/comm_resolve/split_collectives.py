@@ -84,9 +84,12 @@ def _collectives(kind, members, zeros, box, roles, grid: Grid) -> list[Collectiv
     if kind == "all_reduce":
         return [Collective(kind, members, box, (), zeros)]
     cells = list(grid.cells(box))
+    cells_of: dict[int, list[Cell]] = defaultdict(list)
+    for c in cells:
+        cells_of[roles[c]].append(c)
     parts = []
     for m in members:
-        mine = grid.merge([c for c in cells if roles[c] == m])
+        mine = grid.merge(cells_of[m])
         if len(mine) > 1:
             return [
                 Collective(kind, members, grid.cell_box(c),
