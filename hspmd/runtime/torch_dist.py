@@ -200,7 +200,7 @@ class TorchDistBackend(Backend):
             # equal parts in rank order: one flat input (reduce_scatter_tensor), faster than a list
             out = torch.empty(width, dtype=parts[me].dtype, device=parts[me].device)
             with self._wrapped("reduce_scatter", group):
-                _REDUCE_SCATTER_SINGLE(out, torch.cat([p.detach().reshape(-1) for p in parts]), group=pg)
+                _REDUCE_SCATTER_SINGLE(out, _joined(parts), group=pg)
             return out.reshape(parts[me].shape)
         by_rank = dict(zip(group, parts))
         inputs = [_padded_flat(by_rank[r], width) for r in sorted(group)]
@@ -380,6 +380,20 @@ def _padded_flat(tensor: torch.Tensor, width: int) -> torch.Tensor:
     padded = torch.zeros(width, dtype=tensor.dtype, device=tensor.device)
     padded[: flat.numel()] = flat
     return padded
+
+
+def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parts flattened and joined: a flat view when they already lie back to back in one
+    buffer (row blocks of one tensor, as a reduce-scatter of a contiguous piece cuts them), else a copy."""
+    first = parts[0].detach()
+    end = first.data_ptr()
+    for p in parts:
+        if not p.is_contiguous() or p.dtype != first.dtype or p.data_ptr() != end or (
+            p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        ):
+            return torch.cat([q.detach().reshape(-1) for q in parts])
+        end += p.numel() * p.element_size()
+    return first.as_strided((sum(p.numel() for p in parts),), (1,))
 
 
 def _checked_self_message(tensor: torch.Tensor, shape: Shape, dtype: torch.dtype, rank: int) -> torch.Tensor:
