@@ -1,6 +1,7 @@
 """`hspmd demo` (`make demo`): heterogeneous training of a small Llama on 4 local gloo processes.
 
-Before training it shows what hspmd works from: a few of the model's annotations under the
+Training hot-switches strategy mid-run (to a long-sequence strategy, one fused BSR of every
+weight and optimizer state, no restart). Before training it shows what hspmd works from: a few of the model's annotations under the
 strategy (asymmetric unions across the two pipelines), the plan of the once-per-step gradient
 synchronisation between the pipelines (as `hspmd explain` prints it) and the 1F1B schedule of the
 two-stage pipeline. Then it runs `hspmd run -n 4 examples/llama/train.py` through the launcher
@@ -20,6 +21,8 @@ from typing import Sequence
 from hspmd.errors import HSPMDError
 
 STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
+# For long sequences: every device on one pipeline (TP2 x PP2), the same 12 rows per step.
+LONG_SEQUENCE_STRATEGY = "name=long-seq ; layers=4 ; 4x3: R0,1 L0-1 | R2,3 L2-3"
 SHOWN_ANNOTATIONS = ("tokens", "embed", "layers.0.wq", "layers.0.wo", "layers.1.out", "lm_head")
 HIDDEN = 64
 
@@ -61,10 +64,28 @@ def show_plan() -> None:
     print(describe_schedule("1f1b", len(pipeline.stages), pipeline.micro_batches))
 
 
+def show_recovery() -> None:
+    """Elastic training at paper scale: GPU 31 of Table 7's C1 fails; the recovered strategy is
+    the paper's C2, and every weight still has a copy in the other pipeline."""
+    from hspmd.specialize.paper_strategies import paper_strategy
+    from hspmd.specialize.strategy_text import format_strategy
+    from hspmd.switching import recover_strategy
+
+    _rule("elastic recovery at paper scale (Table 7): GPU 31 of C1 fails")
+    c1 = paper_strategy("table7_c1")
+    recovered = recover_strategy(c1, [31])
+    print(f"  C1:        {format_strategy(c1)}")
+    print(f"  recovered: {format_strategy(recovered)}")
+    same = format_strategy(recovered).split(";", 1)[1] == format_strategy(paper_strategy("table7_c2")).split(";", 1)[1]
+    print(f"  equal to the paper's C2: {same}; the lost stage's weights come from pipeline 0 (HD unions, ZeRO off)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hspmd demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    parser.add_argument("--switch-at", type=int, default=40,
+                        help="hot-switch to a long-sequence strategy after this step (0: never)")
     parser.add_argument("--out", default=os.path.join("runs", "demo"), help="where the checkpoint and summary go")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     from hspmd.runtime.launcher import launch
@@ -73,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         script = example_script()
         show_plan()
+        show_recovery()
     except HSPMDError as exc:
         print(f"hspmd demo: {exc}", file=sys.stderr)
         return 2
@@ -84,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = [sys.executable, str(script), "--steps", str(args.steps), "--schedule", args.schedule,
                "--strategy", STRATEGY, "--checkpoint", checkpoint, "--summary", summary_path,
                "--log-every", str(max(1, args.steps // 12))]
+    if 0 < args.switch_at < args.steps:
+        command += ["--switch-to", LONG_SEQUENCE_STRATEGY, "--switch-at", str(args.switch_at)]
     _rule(f"training: hspmd run -n 4 {script.relative_to(script.parents[2])} --steps {args.steps}")
     sys.stdout.flush()
     code = launch(command, 4, backend="gloo")

@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="train until this many steps are done (default 60)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help="strategy in hspmd's compact syntax")
+    p.add_argument("--switch-to", default=None,
+                   help="a second strategy (same ranks and global batch) to hot-switch to during training")
+    p.add_argument("--switch-at", type=int, default=0, help="step after which to switch to --switch-to")
     p.add_argument("--seq", type=int, default=32, help="sequence length in characters")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -114,7 +117,8 @@ def main(argv=None) -> int:
     strategy = parse_strategy(args.strategy)
     layout = MicroBatchLayout.of(strategy)
     config = LlamaConfig(vocab=corpus.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads, ffn=args.ffn)
-    model = build_llama(config, [strategy], optimizer=AdamW(lr=args.lr))
+    strategies = [strategy] + ([parse_strategy(args.switch_to)] if args.switch_to else [])
+    model = build_llama(config, strategies, optimizer=AdamW(lr=args.lr))
     rows = layout.global_batch_size
     trainer = DistributedTrainer(model.graph, 0, backend, layout, schedule=args.schedule,
                                  symbols={"S": args.seq, "T": rows * args.seq}, seed=args.seed)
@@ -139,6 +143,18 @@ def main(argv=None) -> int:
         losses.append(loss)
         if report is not None:
             report.update(step + 1, loss, time.monotonic() - tick)
+        if args.switch_to and step + 1 == args.switch_at:
+            if report is not None:
+                report.close()
+            tick = time.monotonic()
+            trainer = trainer.switch(1, strategies[1])
+            plan = trainer.last_switch
+            say(f"switched at step {step + 1} to: {args.switch_to}")
+            say(f"  one fused BSR moved {len(plan.names)} parameters and optimizer states in {plan.fused.messages} "
+                f"messages, {sum(plan.fused.bytes_sent.values()) / 2**20:.2f} MiB, {time.monotonic() - tick:.2f}s "
+                f"(no restart, no checkpoint)")
+            print(trainer.describe(), flush=True)
+            report = StepReport(console, step + 1, args.steps, args.log_every) if rank == 0 else None
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
             trainer.save_checkpoint(args.checkpoint)
     if report is not None:

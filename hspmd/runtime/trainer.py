@@ -106,6 +106,7 @@ class DistributedTrainer:
         self.order: Schedule = schedule_for(schedule, len(self.stages.stages), self.stage, self.micro_batches)
         self.state = DeviceState.initial(self.exe, seed)
         self.last_run: ScheduleRun | None = None
+        self.last_switch = None
         backend.prepare_groups(self._groups())
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -203,6 +204,7 @@ class DistributedTrainer:
                              f"{sorted(missing)[:3]}; the strategies disagree on the graph's leaves")
         nxt.state.leaves = {name: leaves[name] for name in nxt.state.leaves}
         nxt.state.step = self.state.step
+        nxt.last_switch = plan
         return nxt
 
     # ---- checkpoints ----------------------------------------------------------------------------
