@@ -77,15 +77,11 @@ class CupyNcclBackend(Backend):
         hosts a TCPStore on MASTER_ADDR:MASTER_PORT. Collective: every rank calls it."""
         import torch.distributed as dist
 
-        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-        if missing:
-            raise HSPMDError(
-                f"environment variables {', '.join(missing)} are not set: start the script with "
-                "`hspmd run -n N --backend nccl script.py` (or torchrun)"
-            )
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        from hspmd.runtime.torch_dist import launch_env
+
+        rank, world_size, local_rank = launch_env("hspmd run -n N --backend nccl script.py")
         if nccl is not None and torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
         if dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
         else:

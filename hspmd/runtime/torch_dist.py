@@ -311,6 +311,19 @@ class PendingSends:
         self._works, self._tensors = [], []
 
 
+def launch_env(how_to_start: str) -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the torchrun-style variables; a clear error naming the
+    missing ones and how to start the script when they are not set."""
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise HSPMDError(
+            f"environment variables {', '.join(missing)} are not set: start the script with "
+            f"`{how_to_start}` (or torchrun)"
+        )
+    rank = int(os.environ["RANK"])
+    return rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
+
+
 def init_from_env(
     backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, rendezvous_timeout: float | None = None
 ) -> TorchDistBackend:
@@ -323,14 +336,7 @@ def init_from_env(
     backend = (backend or os.environ.get("HSPMD_BACKEND") or "gloo").lower()
     if backend not in SUPPORTED_BACKENDS:
         raise HSPMDError(f"unknown backend {backend!r}: use one of {', '.join(SUPPORTED_BACKENDS)}")
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        raise HSPMDError(
-            f"environment variables {', '.join(missing)} are not set: start the script with "
-            "`hspmd run -n N script.py` (or torchrun)"
-        )
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    rank, world_size, local_rank = launch_env("hspmd run -n N script.py")
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise HSPMDError("backend 'nccl' needs a CUDA GPU and none is visible: use --backend gloo")
@@ -410,4 +416,4 @@ def _is_unsupported(exc: BaseException | None) -> bool:
     return exc is not None and ("does not support" in text or "not supported" in text)
 
 
-__all__ = ["PendingSends", "TorchDistBackend", "init_from_env", "DEFAULT_TIMEOUT_S", "SUPPORTED_BACKENDS"]
+__all__ = ["PendingSends", "TorchDistBackend", "init_from_env", "launch_env", "DEFAULT_TIMEOUT_S", "SUPPORTED_BACKENDS"]
