@@ -29,10 +29,6 @@ _TAIL_LINES = 25
 _POLL_S = 0.05
 
 
-class _Interrupted(Exception):
-    """The launcher itself was asked to stop (Ctrl-C, SIGTERM, SIGHUP)."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hspmd run",
@@ -68,22 +64,29 @@ def launch(
     the exit code; the others are stopped and the failing rank's last stderr lines are repeated."""
     out, err = stdout or sys.stdout, stderr or sys.stderr
     port = port or free_port()
-    ranks = [_start_rank(rank, command, nprocs, backend, port) for rank in range(nprocs)]
-    pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
-    previous_handlers = _install_stop_handlers()
+    stop = _StopRequest()
+    previous_handlers = _install_stop_handlers(stop)
+    ranks: list[_Rank] = []
+    pumps: list[threading.Thread] = []
     failed: list[_Rank] = []
-    interrupted = False
     try:
-        failed = _wait_for_end(ranks)
-    except (_Interrupted, KeyboardInterrupt):
-        interrupted = True
+        for rank in range(nprocs):
+            if stop.signal:
+                break
+            ranks.append(_start_rank(rank, command, nprocs, backend, port))
+        # Pumps (threads) start only after every Popen: preexec_fn is not safe once threads run.
+        pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
+        if not stop.signal:
+            failed = _wait_for_end(ranks, stop)
+    except KeyboardInterrupt:
+        stop.signal = "SIGINT"
     finally:
         _stop_all(ranks, grace)
         _restore_handlers(previous_handlers)
         for pump in pumps:
             pump.join(timeout=grace)
-    if interrupted:
-        err.write(f"hspmd run: interrupted; stopped all {nprocs} ranks\n")
+    if stop.signal:
+        err.write(f"hspmd run: interrupted ({stop.signal}); stopped all {len(ranks)} started rank(s)\n")
         err.flush()
         return 130
     if failed:
@@ -158,14 +161,16 @@ def _pump(pipe: IO[bytes], sink: IO[str], rank: int, tail: collections.deque | N
                 sink.flush()
 
 
-def _wait_for_end(ranks: list[_Rank]) -> list[_Rank]:
-    """Block until every rank succeeded (returns []) or some failed (returns them, first one first)."""
-    while True:
+def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest") -> list[_Rank]:
+    """Block until every rank succeeded (returns []), some failed (returns them, first one first)
+    or a stop signal arrived (returns [])."""
+    while not stop.signal:
         codes = [r.process.poll() for r in ranks]
         failed = [r for r, code in zip(ranks, codes) if code not in (None, 0)]
         if failed or all(code == 0 for code in codes):
             return failed
         time.sleep(_POLL_S)
+    return []
 
 
 def _stop_all(ranks: list[_Rank], grace: float) -> None:
@@ -198,15 +203,22 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _install_stop_handlers() -> dict[int, object]:
-    """Turn SIGTERM / SIGHUP into a clean stop of all ranks (only possible from the main thread)."""
+class _StopRequest:
+    """Set by a signal handler; polled by the launcher loop, so a signal never interrupts the
+    start-up or the clean-up of the ranks half-way."""
+
+    signal: str | None = None
+
+
+def _install_stop_handlers(stop: _StopRequest) -> dict[int, object]:
+    """Turn SIGINT / SIGTERM / SIGHUP into a clean stop of all ranks (only possible from the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
-    def stop(signum, frame):
-        raise _Interrupted(signal.Signals(signum).name)
+    def request(signum, frame):
+        stop.signal = stop.signal or signal.Signals(signum).name
 
-    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    return {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
 
 def _restore_handlers(previous: dict[int, object]) -> None:
