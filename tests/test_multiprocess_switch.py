@@ -1,6 +1,7 @@
 """Hot strategy switching on real gloo processes: train under a heterogeneous strategy, switch
-every weight and optimizer state to a pipeline strategy in one fused BSR, keep training; the loss
-curve and final weights equal single-device training."""
+every weight and optimizer state to another strategy in one fused BSR (a planned switch, or the
+recovery after a rank's GPU fails), keep training; the loss curve and final weights equal
+single-device training."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.trainer import DistributedTrainer
 from hspmd.specialize.strategy_text import parse_strategy
+from hspmd.switching import recover_strategy
 from test_multiprocess_training import CONFIG, HETERO, LR, SEQ, assert_matches_reference, batches
 
 pytestmark = pytest.mark.multiprocess
@@ -38,3 +40,28 @@ def test_hot_switch_between_strategies_keeps_training_exact():
     assert steps == 4 and all(r[0] == losses for r in results)
     weights = {k: v for k, v in params.items() if "exp_avg" not in k}
     assert_matches_reference(losses, weights, batches(HETERO, 4, seed=5), layers=4)
+
+
+def failure_rank(backend, steps_before: int, steps_after: int):
+    """Rank 3's GPU fails after `steps_before` steps: the survivors recover without it."""
+    torch.set_num_threads(1)
+    first = parse_strategy(HETERO)
+    second = recover_strategy(first, [3])
+    model = build_llama(LlamaConfig(layers=first.num_layers, **CONFIG), [first, second], optimizer=AdamW(lr=LR))
+    layout = MicroBatchLayout.of(first)
+    data = batches(HETERO, steps_before + steps_after, seed=6)
+    trainer = DistributedTrainer(model.graph, 0, backend, layout, symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
+    losses = [trainer.step({"tokens": x, "labels": y}) for x, y in data[:steps_before]]
+    trainer = trainer.switch(1, second, failed=(3,))
+    losses += [trainer.step({"tokens": x, "labels": y}) for x, y in data[steps_before:]]
+    return losses, trainer.state_dict(), trainer.idle, trainer.describe()
+
+
+def test_a_failed_gpu_is_left_out_and_training_continues_exactly():
+    results = run_multiprocess(failure_rank, 4, 2, 2, timeout=120)
+    losses, params, idle, _ = results[0]
+    assert [r[2] for r in results] == [False, False, False, True]
+    assert results[3][0][2:] == [None, None] and "idle" in results[3][3]
+    assert all(r[0] == losses for r in results[:3])
+    weights = {k: v for k, v in params.items() if "exp_avg" not in k}
+    assert_matches_reference(losses, weights, batches(HETERO, 4, seed=6), layers=4)

@@ -88,22 +88,25 @@ class DistributedTrainer:
         rank = backend.rank
         self.spec = specialize(graph, strategy, self.binding, devices=[rank], topology=topology)
         self.devices = all_devices(self.spec.deduced)
-        if self.devices != tuple(range(backend.world_size)):
+        if not set(self.devices) <= set(range(backend.world_size)):
             raise HSPMDError(
                 f"strategy {strategy} uses devices {list(self.devices)} but the job has ranks 0-{backend.world_size - 1}: "
-                f"start exactly one rank per device (e.g. `hspmd run -n {len(self.devices)}`)"
+                f"start one rank per device (e.g. `hspmd run -n {max(self.devices) + 1}`)"
             )
         self.exe = self.spec.executables[rank]
-        discovered, self.stage = self.spec.locate(rank)
-        self.stages = self.spec.pipelines[discovered]
-        self.pipeline = self._batch_subgroup(self.stages.devices)
         if self.layout.pipelines != self._batch_hsize():
             raise HSPMDError(
                 f"the micro-batch layout has {self.layout.pipelines} pipeline(s) but the batch of strategy {strategy} "
                 f"is split across {self._batch_hsize()}: give one count and size per pipeline"
             )
-        self.micro_batches = self.layout.counts[self.pipeline]
-        self.order: Schedule = schedule_for(schedule, len(self.stages.stages), self.stage, self.micro_batches)
+        self.idle = rank not in self.devices
+        self.stages, self.stage, self.pipeline, self.micro_batches, self.order = None, 0, None, 0, ()
+        if not self.idle:
+            discovered, self.stage = self.spec.locate(rank)
+            self.stages = self.spec.pipelines[discovered]
+            self.pipeline = self._batch_subgroup(self.stages.devices)
+            self.micro_batches = self.layout.counts[self.pipeline]
+            self.order: Schedule = schedule_for(schedule, len(self.stages.stages), self.stage, self.micro_batches)
         self.state = DeviceState.initial(self.exe, seed)
         self.last_run: ScheduleRun | None = None
         self.last_switch = None
@@ -159,9 +162,11 @@ class DistributedTrainer:
 
     def step(self, batch: Mapping[str, torch.Tensor]) -> float | None:
         """One training step on the global batch (every rank passes the same one): this rank's
-        schedule, then the update. Returns the step loss, the same on every rank (None if the
-        graph has no loss)."""
+        schedule, then the update. Returns the step loss, the same on every rank of the strategy
+        (None if the graph has no loss, or on an idle rank that the strategy leaves out)."""
         self._check_batch(batch)
+        if self.idle:
+            return None
         placeholders = {i.node.name: i.node for i in self.exe.forward + self.exe.backward if i.node.kind == "placeholder"}
 
         def feeds(m: int) -> dict[str, torch.Tensor]:
@@ -190,12 +195,17 @@ class DistributedTrainer:
 
     # ---- switching ------------------------------------------------------------------------------
 
-    def switch(self, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None) -> "DistributedTrainer":
+    def switch(self, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
+               failed: tuple[int, ...] = ()) -> "DistributedTrainer":
         """Collective: the trainer of another strategy of the same graph, holding this one's
         parameters and optimizer states, moved by one fused batched send-receive (paper section 6).
-        No restart and no checkpoint: training continues at the same step."""
-        plan = plan_switch(self.graph, self.spec.deduced.strategy, strategy, topology=self.topology)
-        leaves = execute_switch(plan, self.backend, self.state.leaves)
+        No restart and no checkpoint: training continues at the same step.
+
+        `failed`: ranks whose devices were lost (e.g. a dead GPU whose host process still runs).
+        Their pieces are taken from replicas elsewhere, the new strategy must leave them out, and
+        they stay in the job as idle ranks."""
+        plan = plan_switch(self.graph, self.spec.deduced.strategy, strategy, failed=failed, topology=self.topology)
+        leaves = execute_switch(plan, self.backend, {} if self.backend.rank in failed else self.state.leaves)
         nxt = DistributedTrainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
                                  self.symbols, self.seed, self.topology)
         missing = set(nxt.state.leaves) - set(leaves)
@@ -226,7 +236,8 @@ class DistributedTrainer:
         tensors = self.state_dict()
         if tensors is not None:
             save_checkpoint(path, tensors, self.state.step, self.graph.name)
-        self.backend.barrier(self.devices)
+        if not self.idle:
+            self.backend.barrier(self.devices)
 
     def load_checkpoint(self, path) -> int:
         """Each rank reads only its own pieces from `path` (any strategy's checkpoint of this model);
@@ -241,6 +252,8 @@ class DistributedTrainer:
 
     def describe(self) -> str:
         """This rank's place in the strategy and its schedule, e.g. for a log line."""
+        if self.idle:
+            return f"rank {self.backend.rank}: idle (strategy {self.spec.deduced.strategy} leaves it out)"
         return (f"rank {self.backend.rank}: pipeline {self.pipeline} ({self.stages}), stage {self.stage + 1} of "
                 f"{len(self.stages.stages)}, {self.micro_batches} micro-batch(es) of {self.layout.sizes[self.pipeline]}, "
                 f"{self.schedule_name}: {' '.join(map(str, self.order))}")
