@@ -1,7 +1,8 @@
 """`hspmd demo` (`make demo`): heterogeneous training of a small Llama on 4 local gloo processes.
 
-Training hot-switches strategy mid-run (to a long-sequence strategy, one fused BSR of every
-weight and optimizer state, no restart). Before training it shows what hspmd works from: a few of the model's annotations under the
+Training changes strategy mid-run without a restart: a planned hot switch to a long-sequence
+strategy and back (each one fused BSR of every weight and optimizer state), then rank 3's GPU
+fails and the other three ranks recover and keep training. Before training it shows what hspmd works from: a few of the model's annotations under the
 strategy (asymmetric unions across the two pipelines), the plan of the once-per-step gradient
 synchronisation between the pipelines (as `hspmd explain` prints it) and the 1F1B schedule of the
 two-stage pipeline. Then it runs `hspmd run -n 4 examples/llama/train.py` through the launcher
@@ -84,8 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hspmd demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
-    parser.add_argument("--switch-at", type=int, default=40,
-                        help="hot-switch to a long-sequence strategy after this step (0: never)")
+    parser.add_argument("--switch-at", type=int, default=20,
+                        help="hot-switch to a long-sequence strategy after this step, back 20 steps later (0: never)")
+    parser.add_argument("--fail-at", type=int, default=50,
+                        help="rank 3's GPU fails after this step; the others recover and continue (0: never)")
     parser.add_argument("--out", default=os.path.join("runs", "demo"), help="where the checkpoint and summary go")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     from hspmd.runtime.launcher import launch
@@ -107,7 +110,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                "--strategy", STRATEGY, "--checkpoint", checkpoint, "--summary", summary_path,
                "--log-every", str(max(1, args.steps // 12))]
     if 0 < args.switch_at < args.steps:
-        command += ["--switch-to", LONG_SEQUENCE_STRATEGY, "--switch-at", str(args.switch_at)]
+        command += ["--switch", f"{args.switch_at}={LONG_SEQUENCE_STRATEGY}"]
+        if args.switch_at + 20 < args.steps:
+            command += ["--switch", f"{args.switch_at + 20}={STRATEGY}"]
+    if 0 < args.fail_at < args.steps:
+        command += ["--fail", f"{args.fail_at}=3"]
     _rule(f"training: hspmd run -n 4 {script.relative_to(script.parents[2])} --steps {args.steps}")
     sys.stdout.flush()
     code = launch(command, 4, backend="gloo")

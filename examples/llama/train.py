@@ -17,6 +17,12 @@ its annotations come from the strategy.
 Rank 0 prints the strategy, the pipelines hspmd discovers from the specialized graphs, a progress
 bar with the loss, and saves a safetensors checkpoint (whole tensors, loadable under any strategy);
 --resume continues from it. --summary FILE writes a JSON summary (used by `hspmd demo`).
+
+Strategies change while training, without a restart: --switch 20=STRATEGY hot-switches every
+weight and optimizer state after step 20 (one fused batched send-receive); --fail 50=3 simulates
+the loss of rank 3's GPU after step 50: the other ranks derive a strategy without it
+(hspmd.switching.recover_strategy), take its pieces from replicas in the other pipeline and keep
+training, and rank 3 stays in the job idle.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from hspmd.ops import AdamW
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.torch_dist import init_from_env
 from hspmd.runtime.trainer import DistributedTrainer
-from hspmd.specialize.strategy_text import parse_strategy
+from hspmd.specialize.strategy_text import format_strategy, parse_strategy
+from hspmd.switching import recover_strategy
 
 DEFAULT_STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
 DEFAULT_CHECKPOINT = os.path.join("runs", "llama", "checkpoint.safetensors")
@@ -51,9 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="train until this many steps are done (default 60)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help="strategy in hspmd's compact syntax")
-    p.add_argument("--switch-to", default=None,
-                   help="a second strategy (same ranks and global batch) to hot-switch to during training")
-    p.add_argument("--switch-at", type=int, default=0, help="step after which to switch to --switch-to")
+    p.add_argument("--switch", action="append", default=[], metavar="STEP=STRATEGY",
+                   help="after STEP, hot-switch to STRATEGY (same global batch); may repeat")
+    p.add_argument("--fail", action="append", default=[], metavar="STEP=RANK[,RANK]",
+                   help="after STEP, these ranks' GPUs fail: the others recover (recover_strategy) and "
+                        "keep training, the failed ranks stay idle; may repeat")
     p.add_argument("--seq", type=int, default=32, help="sequence length in characters")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -66,6 +75,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--summary", default=None, help="rank 0 writes a JSON summary of the run here")
     p.add_argument("--log-every", type=int, default=1, help="without a terminal, print every N-th step (default 1)")
     return p.parse_args(argv)
+
+
+def plan_events(strategy, switches, failures):
+    """The strategies the run goes through and {step: (strategy index, failed ranks, why)}.
+    A failure recovers from the strategy in use at that step; failed ranks stay failed."""
+    parsed = []
+    for text, kind in [(t, "switch") for t in switches] + [(t, "fail") for t in failures]:
+        step, sep, value = text.partition("=")
+        if not sep or not step.strip().isdigit():
+            raise HSPMDError(f"--{kind} {text!r}: write STEP=..., e.g. --{kind} 20={'0,1' if kind == 'fail' else 'STRATEGY'}")
+        parsed.append((int(step), kind, value))
+    strategies, events, current, failed = [strategy], {}, strategy, ()
+    for step, kind, value in sorted(parsed, key=lambda e: e[0]):
+        if kind == "fail":
+            lost = tuple(int(r) for r in value.split(","))
+            failed = tuple(sorted(set(failed) | set(lost)))
+            current, why = recover_strategy(current, lost), f"GPU(s) of rank(s) {list(lost)} failed"
+        else:
+            current, why = parse_strategy(value), "planned switch"
+        strategies.append(current)
+        events[step] = (len(strategies) - 1, failed, why)
+    return strategies, events
 
 
 def limit_threads() -> None:
@@ -117,7 +148,7 @@ def main(argv=None) -> int:
     strategy = parse_strategy(args.strategy)
     layout = MicroBatchLayout.of(strategy)
     config = LlamaConfig(vocab=corpus.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads, ffn=args.ffn)
-    strategies = [strategy] + ([parse_strategy(args.switch_to)] if args.switch_to else [])
+    strategies, events = plan_events(strategy, args.switch, args.fail)
     model = build_llama(config, strategies, optimizer=AdamW(lr=args.lr))
     rows = layout.global_batch_size
     trainer = DistributedTrainer(model.graph, 0, backend, layout, schedule=args.schedule,
@@ -140,16 +171,18 @@ def main(argv=None) -> int:
     for step in range(start, args.steps):
         tick = time.monotonic()
         loss = trainer.step(corpus.batch(step, rows, args.seq, args.seed))
-        losses.append(loss)
-        if report is not None:
+        if loss is not None:
+            losses.append(loss)
+        if report is not None and loss is not None:
             report.update(step + 1, loss, time.monotonic() - tick)
-        if args.switch_to and step + 1 == args.switch_at:
+        if step + 1 in events:
             if report is not None:
                 report.close()
+            index, failed, why = events[step + 1]
             tick = time.monotonic()
-            trainer = trainer.switch(1, strategies[1])
+            trainer = trainer.switch(index, strategies[index], failed=failed)
             plan = trainer.last_switch
-            say(f"switched at step {step + 1} to: {args.switch_to}")
+            say(f"after step {step + 1}: {why}; now {format_strategy(strategies[index])}")
             say(f"  one fused BSR moved {len(plan.names)} parameters and optimizer states in {plan.fused.messages} "
                 f"messages, {sum(plan.fused.bytes_sent.values()) / 2**20:.2f} MiB, {time.monotonic() - tick:.2f}s "
                 f"(no restart, no checkpoint)")
