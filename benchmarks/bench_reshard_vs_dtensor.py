@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.profiler import ProfilerActivity, profile
 
-from hspmd.annotations import device_pieces, parse, shard
+from hspmd.annotations import device_pieces, shard
 from hspmd.comm_resolve import resolve
 from hspmd.runtime.backend import Backend
 from hspmd.runtime.multiprocess import run_multiprocess

@@ -71,7 +71,7 @@ def test_annotation_count_must_match_the_strategies():
 
 def test_missing_annotation_names_the_leaf():
     g = Graph()
-    x = placeholder(g, "x", (4,), annotation="@[0]")
+    placeholder(g, "x", (4,), annotation="@[0]")
     placeholder(g, "y", (4,))
     with pytest.raises(DeductionError, match="placeholder y has no annotation for strategy 0"):
         deduce(g, 0)

@@ -5,7 +5,6 @@ Most tests call the launcher in-process (ranks are still real processes); one go
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

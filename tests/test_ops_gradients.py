@@ -9,7 +9,7 @@ from hspmd.ir import Binding, Graph, placeholder, symbols
 from hspmd.runtime.local import run_on_devices
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
-from hspmd.specialize.run import DeviceState, run_backward, run_forward
+from hspmd.specialize.run import DeviceState, run_forward
 
 
 def _run_single(graph, feeds, fetch, binding=Binding()):

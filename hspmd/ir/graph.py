@@ -11,7 +11,7 @@ states that follow their parameter, ZeRO-1 shards.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch

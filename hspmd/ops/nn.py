@@ -18,10 +18,6 @@ from hspmd.ops.elementwise import add, mul, silu
 from hspmd.ops.rules import Mismatch, elementwise_rule
 
 
-def _local_shape(box) -> tuple[int, ...]:
-    return tuple(b - a for a, b in box)
-
-
 # ---------------------------------------------------------------- embedding
 
 

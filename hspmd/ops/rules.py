@@ -64,7 +64,7 @@ def _refine(ds_list: tuple[DistributedStates, ...], size: int) -> tuple[tuple[tu
             pieces = sum(1 for a, o in out[i] if o == orig)
             if pieces > 1 and len(splits) > 1:
                 raise Mismatch(
-                    f"a split axis of one input lines up with differently grouped splits of another ("
+                    "a split axis of one input lines up with differently grouped splits of another ("
                     + " vs ".join(str(ds) or "-" for ds in ds_list) + ")"
                 )
     return tuple(out)

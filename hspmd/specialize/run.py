@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from hspmd.annotations import Annotation
+from hspmd.annotations import Annotation, box_shape
 from hspmd.errors import HSPMDError, ShapeError
 from hspmd.ir.dsl import initial_value
 from hspmd.ir.graph import Node, Tensor
@@ -82,10 +82,6 @@ class _Context:
         return self.binding.scalar(value, self.node.name)
 
 
-def _local_shape(box) -> tuple[int, ...]:
-    return tuple(b - a for a, b in box)
-
-
 def _value(state: DeviceState, env: dict[int, torch.Tensor], t: Tensor) -> torch.Tensor | None:
     if t.id in env:
         return env[t.id]
@@ -102,7 +98,7 @@ def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Back
             if feeds is None or node.name not in feeds:
                 raise HSPMDError(f"device {exe.device}: no value fed for placeholder {node.name}")
             value = feeds[node.name]
-            expected = _local_shape(exe.box(node.output, binding))
+            expected = box_shape(exe.box(node.output, binding))
             if tuple(value.shape) != expected:
                 raise ShapeError(f"device {exe.device}: placeholder {node.name} fed shape {tuple(value.shape)}, "
                                  f"its piece under {exe.deduced[node.output]} is {expected}")
