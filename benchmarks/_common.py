@@ -10,7 +10,7 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from hspmd.runtime.backend import Backend
+from hspmd.backends.backend import Backend
 
 
 def timed_on_world(backend: Backend, fn: Callable[[], object]) -> tuple[float, object]:

@@ -30,9 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from hspmd.annotations import device_pieces, shard
 from hspmd.comm_resolve import resolve
-from hspmd.runtime.backend import Backend
+from hspmd.backends.backend import Backend
 from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.plan_executor import execute_plan
+from hspmd.backends.plan_executor import execute_plan
 
 try:
     from benchmarks._common import ms, slowest_rank_median, table, timed_on_world

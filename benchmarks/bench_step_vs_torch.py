@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from hspmd.ir import Binding, Graph, comm, initial_value, parameter, placeholder
 from hspmd.ops import SGD, relu
-from hspmd.runtime.backend import Backend
+from hspmd.backends.backend import Backend
 from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.specialize.inprocess import local_feeds
-from hspmd.specialize.run import DeviceState, run_backward, run_forward, run_update
+from hspmd.runtime.inprocess import local_feeds
+from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
 from hspmd.specialize.specialized import specialize
 
 try:

@@ -27,8 +27,8 @@ from hspmd import ops
 from hspmd.ir import Binding, Derived, Graph, comm, parameter, placeholder, state, symbols
 from hspmd.ops import SGD, AdamW, gradients
 from hspmd.specialize.deduce import deduce
-from hspmd.specialize.inprocess import InProcessTrainer
-from hspmd.specialize.run import DeviceState, run_backward, run_forward, run_update
+from hspmd.runtime.inprocess import InProcessTrainer
+from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
 from hspmd.specialize.specialized import specialize
 
 __all__ += [
@@ -38,7 +38,7 @@ __all__ += [
 
 # Hierarchical communication resolution and plan execution (issue 3).
 from hspmd.comm_resolve import FusedPlan, Plan, Topology, resolve, resolve_many
-from hspmd.runtime.plan_executor import run_plan
+from hspmd.backends.plan_executor import run_plan
 
 __all__ += ["FusedPlan", "Plan", "Topology", "resolve", "resolve_many", "run_plan"]
 

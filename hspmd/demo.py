@@ -44,7 +44,7 @@ def show_plan() -> None:
     """The strategy, a few annotations, one communication plan and the schedule."""
     from hspmd.comm_resolve.explain import main as explain
     from hspmd.models.llama import LlamaConfig, llama_annotations
-    from hspmd.runtime.schedules import describe_schedule
+    from hspmd.specialize.schedules import describe_schedule
     from hspmd.specialize.strategy_text import parse_strategy
 
     strategy = parse_strategy(STRATEGY)

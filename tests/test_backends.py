@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hspmd.errors import CommunicationError, HSPMDError
-from hspmd.runtime.backend import Backend
-from hspmd.runtime.local import run_on_devices
+from hspmd.backends.backend import Backend
+from hspmd.backends.local import run_on_devices
 from hspmd.runtime.multiprocess import run_multiprocess
 
 WORLD = 4
@@ -239,14 +239,14 @@ def test_hundreds_of_tensor_arguments_reach_every_rank():
 
 
 def test_backend_refuses_to_start_without_torch_distributed():
-    from hspmd.runtime.torch_dist import TorchDistBackend
+    from hspmd.backends.torch_dist import TorchDistBackend
 
     with pytest.raises(CommunicationError, match="init_from_env"):
         TorchDistBackend()
 
 
 def test_init_from_env_names_the_missing_variables(monkeypatch):
-    from hspmd.runtime.torch_dist import init_from_env
+    from hspmd.backends.torch_dist import init_from_env
 
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
@@ -259,7 +259,7 @@ CUPY_MISSING = importlib.util.find_spec("cupy") is None
 
 @pytest.mark.skipif(not CUPY_MISSING, reason="CuPy is installed")
 def test_cupy_backend_without_cupy_says_to_install_the_gpu_extra():
-    from hspmd.runtime.cupy_nccl import CupyNcclBackend
+    from hspmd.backends.cupy_nccl import CupyNcclBackend
 
     with pytest.raises(HSPMDError, match=r"hspmd\[gpu\]"):
         CupyNcclBackend(store=None, rank=0, world_size=1)
@@ -273,7 +273,7 @@ def test_cupy_backend_logic_matches_the_in_process_backend_on_a_fake_nccl(refere
     import torch.distributed as dist
 
     import fake_nccl
-    from hspmd.runtime import cupy_nccl
+    from hspmd.backends import cupy_nccl
 
     monkeypatch.setattr(cupy_nccl, "nccl", fake_nccl.nccl)
     monkeypatch.setattr(cupy_nccl, "cupy", fake_nccl.cupy)
@@ -362,7 +362,7 @@ def test_torch_nccl_matches_the_in_process_backend(reference):
 
 def cupy_rank(backend: Backend) -> dict[str, Any]:
     """The reference program on CupyNcclBackend (CUDA tensors), results moved to the CPU."""
-    from hspmd.runtime.cupy_nccl import CupyNcclBackend
+    from hspmd.backends.cupy_nccl import CupyNcclBackend
 
     nccl_backend = CupyNcclBackend.from_env(timeout=60)
     try:

@@ -14,7 +14,7 @@ import torch
 from hspmd import resolve
 from hspmd.comm_resolve.verify import check_plan
 from hspmd.errors import UnsupportedReshard
-from hspmd.runtime.plan_executor import reshard_tensor
+from hspmd.backends.plan_executor import reshard_tensor
 
 DEVICE_SETS = ["[0,1]", "[0,1,2]", "[1,2,3]", "[0,1,2,3]"]
 KINDS = ["S0", "S1", "D", "P"]

@@ -8,7 +8,7 @@ from hspmd.ir import Binding, initial_value
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
-from hspmd.specialize.inprocess import InProcessTrainer
+from hspmd.runtime.inprocess import InProcessTrainer
 from hspmd.specialize.specialized import specialize
 from hspmd.specialize.strategy_text import parse_strategy
 

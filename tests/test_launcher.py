@@ -143,7 +143,7 @@ def test_a_missing_script_is_a_usage_error(tmp_path, capsys):
 def test_a_script_joins_the_job_through_init_from_env(tmp_path, capsys, monkeypatch):
     script = write_script(tmp_path, """
         import torch
-        from hspmd.runtime.torch_dist import init_from_env
+        from hspmd.backends.torch_dist import init_from_env
         backend = init_from_env(timeout=30)
         total = backend.all_reduce(torch.tensor([backend.rank + 1.0]), tuple(range(backend.world_size)))
         print(f"rank {backend.rank} of {backend.world_size} sum {total.item():g}")

@@ -17,7 +17,7 @@ from hspmd.ir import initial_value
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
-from hspmd.runtime.backend import Backend
+from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.executor import NonBlockingSends
 from hspmd.runtime.multiprocess import run_multiprocess

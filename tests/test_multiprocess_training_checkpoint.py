@@ -13,7 +13,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.checkpoint import CheckpointReader
-from hspmd.runtime.local import run_on_devices
+from hspmd.backends.local import run_on_devices
 from hspmd.runtime.trainer import DistributedTrainer
 from hspmd.specialize.strategy_text import parse_strategy
 

@@ -6,10 +6,10 @@ import torch.nn.functional as F
 
 import hspmd.ops as O
 from hspmd.ir import Binding, Graph, placeholder, symbols
-from hspmd.runtime.local import run_on_devices
+from hspmd.backends.local import run_on_devices
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
-from hspmd.specialize.run import DeviceState, run_forward
+from hspmd.runtime.run import DeviceState, run_forward
 
 
 def _run_single(graph, feeds, fetch, binding=Binding()):
@@ -19,7 +19,7 @@ def _run_single(graph, feeds, fetch, binding=Binding()):
     def body(backend):
         mb = run_forward(exe, backend, state, feeds, binding)
         env = mb.env
-        from hspmd.specialize.run import _execute
+        from hspmd.runtime.run import _execute
 
         _execute(exe, exe.backward, backend, state, env, binding)
         return {t.name: env[t.id] for t in fetch}

@@ -19,9 +19,9 @@ import torch
 from hspmd import resolve, shard, unshard
 from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Duplicate, Partial, Split, Subgroup
 from hspmd.comm_resolve.plan import PRIMITIVES, Plan
-from hspmd.runtime.backend import Backend
+from hspmd.backends.backend import Backend
 from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.plan_executor import execute_plan, run_plan
+from hspmd.backends.plan_executor import execute_plan, run_plan
 
 WORLD = 4
 RANDOM_CASES = 96

@@ -13,7 +13,7 @@ from hspmd.comm_resolve.fused import required_bytes, send_lower_bound
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.verify import check_plan, peak_elements
 from hspmd.errors import UnsupportedReshard
-from hspmd.runtime.plan_executor import reshard_tensor
+from hspmd.backends.plan_executor import reshard_tensor
 
 FIGURE8_SRC = "HD{D:2@[1,2] | S0:2@[9,10] | S0:4@[12-15]}"
 FIGURE8_DST = "H0(1:1:2){@[1] | @[8] | @[0]}"

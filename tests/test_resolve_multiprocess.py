@@ -12,7 +12,7 @@ import torch
 from hspmd import parse, resolve, resolve_many, shard, unshard
 from hspmd.comm_resolve import FusedPlan, Plan
 from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.plan_executor import execute_fused_plan, execute_plan
+from hspmd.backends.plan_executor import execute_fused_plan, execute_plan
 
 WORLD = 4
 CASES = [

@@ -12,8 +12,8 @@ from hspmd.cli import main as cli_main
 from hspmd.comm_resolve.explain import main as explain_main
 from hspmd.comm_resolve.topology import INFINIBAND, NVLINK
 from hspmd.errors import AnnotationError, ShapeError
-from hspmd.runtime.local import run_on_devices
-from hspmd.runtime.plan_executor import execute_plan
+from hspmd.backends.local import run_on_devices
+from hspmd.backends.plan_executor import execute_plan
 
 
 def test_topology_presets_and_text():

@@ -8,7 +8,7 @@ import torch
 from hspmd import resolve
 from hspmd.comm_resolve.verify import check_plan
 from hspmd.errors import AnnotationError, ShapeError, UnsupportedReshard
-from hspmd.runtime.plan_executor import reshard_tensor
+from hspmd.backends.plan_executor import reshard_tensor
 
 
 def planned(src, dst, shape, **kwargs):

@@ -19,7 +19,7 @@ from hspmd import Annotation, DistributedStates, Duplicate, Partial, Split, Subg
 from hspmd.comm_resolve import Plan, resolve
 from hspmd.comm_resolve.verify import check_plan
 from hspmd.errors import UnsupportedReshard
-from hspmd.runtime.plan_executor import run_plan
+from hspmd.backends.plan_executor import run_plan
 
 MAX_DEVICES = 16
 

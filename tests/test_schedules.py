@@ -10,8 +10,8 @@ from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import SGD
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.local import run_on_devices
-from hspmd.runtime.schedules import (
+from hspmd.backends.local import run_on_devices
+from hspmd.specialize.schedules import (
     BACKWARD,
     FORWARD,
     Action,

@@ -9,8 +9,8 @@ import hspmd.ops as O
 from hspmd.annotations import Annotation, DistributedStates, Duplicate, Subgroup, shard, unshard
 from hspmd.errors import HSPMDError
 from hspmd.ir import Binding, Graph, comm, placeholder
-from hspmd.runtime.local import run_on_devices
-from hspmd.specialize.run import DeviceState, run_forward
+from hspmd.backends.local import run_on_devices
+from hspmd.runtime.run import DeviceState, run_forward
 from hspmd.specialize.specialized import specialize
 from hspmd.testing import annotations
 

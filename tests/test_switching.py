@@ -10,13 +10,13 @@ from hspmd.ir import Binding, initial_value
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
-from hspmd.specialize.inprocess import InProcessTrainer
+from hspmd.runtime.inprocess import InProcessTrainer
 from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.specialized import specialize
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import WeightLost, plan_switch, recover_strategy, surviving_layout
 from hspmd.annotations import parse
-from hspmd.runtime.local import run_on_devices
+from hspmd.backends.local import run_on_devices
 from hspmd.switching import execute_switch
 
 SEQ, LR = 6, 1e-3

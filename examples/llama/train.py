@@ -44,7 +44,7 @@ from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.torch_dist import init_from_env
+from hspmd.backends.torch_dist import init_from_env
 from hspmd.runtime.trainer import DistributedTrainer
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import recover_strategy

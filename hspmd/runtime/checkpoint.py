@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from hspmd.annotations import box_shape, device_pieces, unshard
 from hspmd.errors import HSPMDError, ShapeError
 from hspmd.ir.graph import Graph, Node
-from hspmd.runtime.backend import Backend
+from hspmd.backends.backend import Backend
 from hspmd.specialize.executable import ExecutableGraph, live_nodes, run_time_ratios
 
 STEP_KEY = "hspmd.step"

@@ -1,11 +1,11 @@
-"""Run one stage's schedule (hspmd.runtime.schedules) on a Backend: the forward and backward passes
+"""Run one stage's schedule (hspmd.specialize.schedules) on a Backend: the forward and backward passes
 of this device's executable graph, micro-batch by micro-batch, in the schedule's order.
 
 Stage-to-stage sends are posted without waiting for the receiver (`NonBlockingSends`), and are
 completed once the whole order has run: with blocking sends, 1F1B's steady state (stage s sends
 micro-batch m+1's activation while stage s+1 sends micro-batch m's gradient back) deadlocks.
 The update (gradient synchronisation + optimizer) is not part of a schedule: it runs once per
-step, after every stage's schedule, through hspmd.specialize.run.run_update.
+step, after every stage's schedule, through hspmd.runtime.run.run_update.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from hspmd.ir.shapes import Binding
-from hspmd.runtime.backend import Backend, Group, Shape
-from hspmd.runtime.schedules import FORWARD, Action, check_order
+from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.specialize.schedules import FORWARD, Action, check_order
 from hspmd.specialize.executable import ExecutableGraph
-from hspmd.specialize.run import DeviceState, MicroBatch, run_backward, run_forward
+from hspmd.runtime.run import DeviceState, MicroBatch, run_backward, run_forward
 
 
 class NonBlockingSends(Backend):

@@ -73,7 +73,7 @@ def _context():
     """Fork ranks from a fork server that has imported torch once (never from the caller, whose
     threads fork would copy mid-flight): each rank then starts in a fraction of a second."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "hspmd.runtime.torch_dist"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "hspmd.backends.torch_dist"])
     return ctx
 
 
@@ -149,7 +149,7 @@ def _rank_main(job, rank, nprocs, port, backend, comm_timeout, reports) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), HSPMD_BACKEND=backend,
     )
-    from hspmd.runtime.torch_dist import init_from_env
+    from hspmd.backends.torch_dist import init_from_env
 
     comm = None
     try:

@@ -29,13 +29,13 @@ from hspmd.annotations import Annotation, box_relative, box_shape, device_pieces
 from hspmd.errors import HSPMDError, ShapeError
 from hspmd.ir.graph import Graph, Node
 from hspmd.ir.shapes import Binding
-from hspmd.runtime.backend import Backend
+from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.checkpoint import CheckpointReader, cut_from_tensors, cut_leaves, gather_leaves, save_checkpoint
 from hspmd.runtime.executor import ScheduleRun, run_schedule
-from hspmd.runtime.schedules import Schedule, schedule_for
+from hspmd.specialize.schedules import Schedule, schedule_for
 from hspmd.specialize.executable import run_time_ratios
-from hspmd.specialize.run import DeviceState, run_update
+from hspmd.runtime.run import DeviceState, run_update
 from hspmd.specialize.specialized import all_devices, specialize
 from hspmd.specialize.strategy import Strategy
 from hspmd.switching import execute_switch, plan_switch

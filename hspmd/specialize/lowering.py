@@ -1,16 +1,14 @@
-"""CommOp substitution: a CommOp becomes the resolver's plan (hspmd.comm_resolve), and one device
-runs its part of it with the plan executor (hspmd.runtime.plan_executor). This module is the only
-place the specializer touches either, and reads plans as plain data: which collectives and P2P
+"""CommOp substitution: a CommOp becomes the resolver's plan (hspmd.comm_resolve). This module is the
+only place the specializer touches the resolver, and reads plans as plain data: which collectives and P2P
 transfers involve a device, and the communication pattern pipeline discovery needs."""
 
 from __future__ import annotations
 
 from hspmd.annotations import Annotation
+from hspmd.comm_resolve.resolver import resolve
 
 
 def resolve_comm(src: Annotation, dst: Annotation, shape, src_ratios, dst_ratios, topology, dtype):
-    from hspmd.comm_resolve.resolver import resolve
-
     return resolve(src, dst, tuple(shape), topology, dtype=dtype, src_ratios=src_ratios, dst_ratios=dst_ratios)
 
 
@@ -53,10 +51,4 @@ def describe_for(plan, device: int) -> str:
     return " ; ".join(parts) or "nothing on this device"
 
 
-def execute(plan, backend, local):
-    from hspmd.runtime.plan_executor import execute_plan
-
-    return execute_plan(plan, backend, local)
-
-
-__all__ = ["describe_for", "execute", "pattern", "resolve_comm", "role_of"]
+__all__ = ["describe_for", "pattern", "resolve_comm", "role_of"]

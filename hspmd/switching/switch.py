@@ -18,8 +18,8 @@ import torch
 from hspmd.comm_resolve import FusedPlan, resolve_many
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
-from hspmd.runtime.backend import Backend
-from hspmd.runtime.plan_executor import execute_fused_plan
+from hspmd.backends.backend import Backend
+from hspmd.backends.plan_executor import execute_fused_plan
 from hspmd.specialize.deduce import deduce
 from hspmd.switching.elastic import surviving_layout
 

@@ -11,10 +11,10 @@ import torch
 from hspmd.annotations import unshard
 from hspmd.errors import HSPMDError, ShapeError
 from hspmd.ir.shapes import Binding
-from hspmd.runtime.backend import Backend
-from hspmd.runtime.local import run_on_devices
+from hspmd.backends.backend import Backend
+from hspmd.backends.local import run_on_devices
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
-from hspmd.specialize.run import DeviceState, run_backward, run_forward, run_update
+from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
 from hspmd.specialize.specialized import Specialized
 
 Feeds = Mapping[str, torch.Tensor]

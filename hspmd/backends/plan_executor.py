@@ -21,7 +21,7 @@ from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, FusedPlan, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.errors import ShapeError
-from hspmd.runtime.backend import Backend
+from hspmd.backends.backend import Backend
 
 
 @lru_cache(maxsize=4096)
@@ -237,9 +237,9 @@ def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, 
 
 
 def run_plan(plan: Plan | FusedPlan, locals_: Mapping[int, object], timeout: float = 60.0) -> dict[int, object]:
-    """Run `plan` in this process, one thread per device (hspmd.runtime.local), and return the
+    """Run `plan` in this process, one thread per device (hspmd.backends.local), and return the
     destination pieces: {device: tensor} for a Plan, {device: {tensor index: tensor}} for a FusedPlan."""
-    from hspmd.runtime.local import run_on_devices
+    from hspmd.backends.local import run_on_devices
 
     if isinstance(plan, FusedPlan):
         results = run_on_devices(lambda b: execute_fused_plan(plan, b, locals_.get(b.rank, {})), plan.devices, timeout)

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 import torch
 
 from hspmd.errors import CommunicationError
-from hspmd.runtime.backend import Backend, Group, Shape
+from hspmd.backends.backend import Backend, Group, Shape
 
 T = TypeVar("T")
 

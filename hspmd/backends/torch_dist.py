@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hspmd.errors import CommunicationError, HSPMDError
-from hspmd.runtime.backend import Backend, Group, Shape
+from hspmd.backends.backend import Backend, Group, Shape
 
 DEFAULT_TIMEOUT_S = 300.0
 SUPPORTED_BACKENDS = ("gloo", "nccl")
@@ -65,7 +65,7 @@ class TorchDistBackend(Backend):
     def __init__(self, timeout: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None):
         if not dist.is_initialized():
             raise CommunicationError(
-                "torch.distributed is not initialised: call hspmd.runtime.torch_dist.init_from_env() "
+                "torch.distributed is not initialised: call hspmd.backends.torch_dist.init_from_env() "
                 "in a script started by `hspmd run` or torchrun, or dist.init_process_group() first"
             )
         self.rank = dist.get_rank()

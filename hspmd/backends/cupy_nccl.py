@@ -26,7 +26,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from hspmd.errors import CommunicationError, HSPMDError
-from hspmd.runtime.backend import Backend, Group, Shape
+from hspmd.backends.backend import Backend, Group, Shape
 
 try:
     import cupy
@@ -77,7 +77,7 @@ class CupyNcclBackend(Backend):
         hosts a TCPStore on MASTER_ADDR:MASTER_PORT. Collective: every rank calls it."""
         import torch.distributed as dist
 
-        from hspmd.runtime.torch_dist import launch_env
+        from hspmd.backends.torch_dist import launch_env
 
         rank, world_size, local_rank = launch_env("hspmd run -n N --backend nccl script.py")
         if nccl is not None and torch.cuda.is_available():

@@ -21,8 +21,8 @@ from hspmd.errors import HSPMDError, ShapeError
 from hspmd.ir.dsl import initial_value
 from hspmd.ir.graph import Node, Tensor
 from hspmd.ir.shapes import Binding
-from hspmd.runtime.backend import Backend
-from hspmd.specialize import lowering
+from hspmd.backends.backend import Backend
+from hspmd.backends.plan_executor import execute_plan
 from hspmd.specialize.executable import ExecutableGraph, Instruction
 
 
@@ -113,7 +113,7 @@ def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Back
             if ins.role == "identity":
                 out = local
             else:
-                out = lowering.execute(exe.plan(node, binding), backend, local)
+                out = execute_plan(exe.plan(node, binding), backend, local)
             if out is not None:
                 env[node.output.id] = out
         else:

@@ -1,0 +1,8 @@
+"""hspmd.backends: the per-rank communication interface and the plan executor.
+
+backend        the Backend interface every executor is written against
+local          in-process backend (one thread per device), the reference semantics
+torch_dist     torch.distributed backend (gloo on CPU, NCCL on CUDA) and init_from_env()
+cupy_nccl      NCCL through CuPy on CUDA tensors (the `gpu` extra)
+plan_executor  one rank's part of a resolver plan (or a fused multi-tensor plan) on any backend
+"""
