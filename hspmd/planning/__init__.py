@@ -1,0 +1,1 @@
+"""Planning: cluster and model descriptions, the cost model and simulator, strategy searches."""
