@@ -29,7 +29,7 @@ from hspmd.backends.backend import Backend
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.inprocess import local_feeds
 from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
-from hspmd.specialize.specialized import specialize
+from hspmd.specialize.specialized import specialize_graph
 
 try:
     from benchmarks._common import ms, slowest_rank_median, table, timed_on_world
@@ -83,7 +83,7 @@ class HspmdRank:
     def __init__(self, backend: Backend, c: Config):
         self.backend, self.config = backend, c
         graph, self.loss = build_mlp(c)
-        self.spec = specialize(graph, 0, Binding(), devices=[backend.rank])
+        self.spec = specialize_graph(graph, 0, Binding(), devices=[backend.rank])
         self.exe = self.spec.executables[backend.rank]
         self.state = DeviceState.initial(self.exe)
         self.initial = {n.name: initial_value(n) for n in graph.parameters}

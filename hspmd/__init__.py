@@ -29,11 +29,11 @@ from hspmd.ops import SGD, AdamW, gradients
 from hspmd.specialize.deduce import deduce
 from hspmd.runtime.inprocess import InProcessTrainer
 from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
-from hspmd.specialize.specialized import specialize
+from hspmd.specialize.specialized import specialize_graph
 
 __all__ += [
     "AdamW", "Binding", "Derived", "DeviceState", "Graph", "InProcessTrainer", "SGD", "comm", "deduce", "gradients",
-    "ops", "parameter", "placeholder", "run_backward", "run_forward", "run_update", "specialize", "state", "symbols",
+    "ops", "parameter", "placeholder", "run_backward", "run_forward", "run_update", "specialize_graph", "state", "symbols",
 ]
 
 # Hierarchical communication resolution and plan execution (issue 3).

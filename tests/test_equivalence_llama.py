@@ -9,7 +9,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
 from hspmd.runtime.inprocess import InProcessTrainer
-from hspmd.specialize.specialized import specialize
+from hspmd.specialize.specialized import specialize_graph
 from hspmd.specialize.strategy_text import parse_strategy
 
 SEQ, STEPS, LR = 8, 3, 1e-3
@@ -32,7 +32,7 @@ def _check(text, sequence_parallel=False, expect=None):
     sizes = strategy.micro_batch_ratios
     counts = [p.micro_batches for p in strategy.pipelines]
     binding = Binding.of({"B": sum(sizes), "S": SEQ, "T": strategy.global_batch_size * SEQ}, ratios=sizes)
-    spec = specialize(model.graph, 0, binding)
+    spec = specialize_graph(model.graph, 0, binding)
     trainer = InProcessTrainer(spec, micro_batches=counts)
 
     gen = torch.Generator().manual_seed(7)

@@ -8,7 +8,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.pipelines import expected_pipelines
-from hspmd.specialize.specialized import specialize
+from hspmd.specialize.specialized import specialize_graph
 
 _CACHE = {}
 
@@ -22,7 +22,7 @@ def _specialized(key, device):
     model, deduced = _CACHE[key]
     ratios = strategy.micro_batch_ratios
     binding = Binding.of({"B": sum(ratios), "S": 16, "T": 4096}, ratios=ratios)
-    return strategy, specialize(model.graph, 0, binding, devices=[device], deduced=deduced)
+    return strategy, specialize_graph(model.graph, 0, binding, devices=[device], deduced=deduced)
 
 
 @pytest.mark.parametrize("key, device", [("table7_c1", 5), ("table7_c2", 30), ("table5_32b_16h800_32h20", 40)])

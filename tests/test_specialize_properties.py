@@ -11,7 +11,7 @@ from hspmd.errors import HSPMDError
 from hspmd.ir import Binding, Graph, comm, placeholder
 from hspmd.backends.local import run_on_devices
 from hspmd.runtime.run import DeviceState, run_forward
-from hspmd.specialize.specialized import specialize
+from hspmd.specialize.specialized import specialize_graph
 from hspmd.testing import annotations
 
 DEVICES = (0, 1, 2, 3)
@@ -43,7 +43,7 @@ def test_random_graphs_deduce_or_fail_cleanly_and_match_the_reference(x_ann, y_a
         w = comm(w, whole, name="w_on_x")
     out = OPS[op][0](x, y) @ w
     try:
-        spec = specialize(g, 0, Binding(), fetches=[out])
+        spec = specialize_graph(g, 0, Binding(), fetches=[out])
     except HSPMDError:
         event("rejected by deduction")
         return

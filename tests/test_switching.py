@@ -12,7 +12,7 @@ from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
 from hspmd.runtime.inprocess import InProcessTrainer
 from hspmd.specialize.paper_strategies import paper_strategy
-from hspmd.specialize.specialized import specialize
+from hspmd.specialize.specialized import specialize_graph
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import WeightLost, plan_switch, recover_strategy, surviving_layout
 from hspmd.annotations import parse
@@ -60,13 +60,13 @@ def _train_with_switch(first, second, failed=()):
     initial = {n.name: initial_value(n) for n in model.graph.parameters}
     _, final = reference_training(initial, lambda s: data[s], config.layers, config.heads, 3, lr=LR)
 
-    trainer = InProcessTrainer(specialize(model.graph, 0, _binding(first)),
+    trainer = InProcessTrainer(specialize_graph(model.graph, 0, _binding(first)),
                                micro_batches=[p.micro_batches for p in first.pipelines])
     for step in range(2):
         trainer.step(_feeds(first, data[step], config.vocab))
     plan = plan_switch(model.graph, 0, 1, failed=failed)
     moved = _switch_states(trainer, plan, failed)
-    after = InProcessTrainer(specialize(model.graph, 1, _binding(second)),
+    after = InProcessTrainer(specialize_graph(model.graph, 1, _binding(second)),
                              micro_batches=[p.micro_batches for p in second.pipelines])
     for device, state in after.states.items():
         state.leaves = moved.get(device, {}) | {n: v for n, v in trainer.states.get(device, state).leaves.items()

@@ -239,8 +239,6 @@ class Plan(_Stats):
         return [sum(t.sent.values()) for t in self._traffics]
 
     def explain(self) -> str:
-        from hspmd.comm_resolve.render import plan_text
-
         return plan_text(self)
 
     def __str__(self) -> str:
@@ -306,8 +304,6 @@ class FusedPlan(_Stats):
         return sum(1 for t in self.transfers if t.src != t.dst)
 
     def explain(self) -> str:
-        from hspmd.comm_resolve.render import fused_plan_text
-
         return fused_plan_text(self)
 
     def __str__(self) -> str:

@@ -1,9 +1,11 @@
-"""Plans as text a person can read: one line per step, then traffic per device and per link."""
+"""Plans as text a person can read: one line per step, then traffic per device and per link.
+
+The functions read `Plan`, `FusedPlan` and `Step` values by their fields without importing them,
+so that plan.py can use this module for the plans' own `explain()` / `str()`."""
 
 from __future__ import annotations
 
 from hspmd.annotations import Box
-from hspmd.comm_resolve.plan import FusedPlan, Plan, Step
 
 
 def seconds_text(t: float) -> str:
@@ -26,13 +28,13 @@ def box_text(box: Box) -> str:
     return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
 
 
-def groups_text(step: Step, limit: int = 8) -> str:
+def groups_text(step, limit: int = 8) -> str:
     groups = step.groups
     text = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:limit])
     return text + (f" ... (+{len(groups) - limit})" if len(groups) > limit else "")
 
 
-def step_details(step: Step) -> list[str]:
+def step_details(step) -> list[str]:
     lines = []
     for c in step.collectives:
         parts = "" if not c.parts else " parts " + " ".join(box_text(p) for p in c.parts)
@@ -54,7 +56,7 @@ def _device_lines(plan) -> list[str]:
     ]
 
 
-def plan_text(plan: Plan, details: bool = True) -> str:
+def plan_text(plan, details: bool = True) -> str:
     lines = [
         f"plan {plan.src} -> {plan.dst}",
         f"  shape {plan.shape}, {plan.dtype}, topology {plan.topology}",
@@ -71,7 +73,7 @@ def plan_text(plan: Plan, details: bool = True) -> str:
     return "\n".join(lines + ["  " + line for line in _device_lines(plan)])
 
 
-def fused_plan_text(plan: FusedPlan) -> str:
+def fused_plan_text(plan) -> str:
     lines = [
         f"fused batched send-receive of {len(plan.moves)} tensors, {plan.dtype}, topology {plan.topology}",
         f"  {plan.messages} messages (one per device pair), {bytes_text(plan.total_bytes)} in all",

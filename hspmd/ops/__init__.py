@@ -2,7 +2,7 @@
 
 from hspmd.ir.graph import TENSOR_METHODS
 from hspmd.ops.autodiff import gradients
-from hspmd.ops.elementwise import add, div, exp, mul, neg, relu, scale, silu, sub, unbroadcast
+from hspmd.ops.elementwise import add, div, exp, mul, sub
 from hspmd.ops.linalg import linear, matmul
 from hspmd.ops.nn import (
     causal_attention,
@@ -16,7 +16,8 @@ from hspmd.ops.nn import (
 )
 from hspmd.ops.optim import SGD, AdamW, Optimizer, zero_annotation
 from hspmd.ops.rules import Mismatch
-from hspmd.ops.shape_ops import expand_as, fill_like, mean, reduce_sum, reshape, transpose
+from hspmd.ops.shape_ops import expand_as, fill_like, mean, reduce_sum, reshape, transpose, unbroadcast
+from hspmd.ops.unary import neg, relu, scale, silu
 
 TENSOR_METHODS.update(
     add=add, sub=sub, mul=mul, div=div, neg=neg, matmul=matmul, sum=reduce_sum, mean=mean, reshape=reshape,

@@ -13,7 +13,9 @@ from hspmd.errors import ShapeError
 from hspmd.ir.graph import Node, Tensor
 from hspmd.ir.shapes import format_shape, same_dim
 from hspmd.ops.base import RuleOp, make
+from hspmd.ops.elementwise import add
 from hspmd.ops.rules import Mismatch
+from hspmd.ops.shape_ops import reshape, transpose
 
 
 class MatMul(RuleOp):
@@ -67,8 +69,6 @@ class MatMul(RuleOp):
         return [torch.matmul(x, w)]
 
     def gradient(self, node, grads):
-        from hspmd.ops.shape_ops import reshape, transpose
-
         (g,) = grads
         x, w = node.inputs
         gx = matmul(g, transpose(w, -1, -2))
@@ -110,8 +110,6 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ w (+ bias), with w stored [in_features, out_features]."""
     y = matmul(x, w)
     if bias is not None:
-        from hspmd.ops.elementwise import add
-
         y = add(y, bias)
     return y
 

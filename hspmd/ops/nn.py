@@ -14,8 +14,9 @@ from hspmd.errors import ShapeError
 from hspmd.ir.graph import Node, Tensor
 from hspmd.ir.shapes import format_shape, same_dim
 from hspmd.ops.base import RuleOp, make, normalize_dim
-from hspmd.ops.elementwise import add, mul, silu
+from hspmd.ops.elementwise import add, mul
 from hspmd.ops.rules import Mismatch, elementwise_rule
+from hspmd.ops.unary import silu
 
 
 # ---------------------------------------------------------------- embedding

@@ -15,6 +15,7 @@ from hspmd.ir.graph import Node, Tensor
 from hspmd.ir.shapes import Shape, as_shape, format_shape, numel, same_dim
 from hspmd.ops.base import RuleOp, make, normalize_dim
 from hspmd.ops.rules import Mismatch
+from hspmd.ops.unary import scale
 
 
 def _dims(dims, ndim: int, op: str) -> tuple[int, ...]:
@@ -66,8 +67,6 @@ class Reduce(RuleOp):
         g = expand_as(g, x)
         if self.kind == "mean":
             count = numel(tuple(x.shape[d] for d in dims))
-            from hspmd.ops.elementwise import scale
-
             g = scale(g, 1 / count if isinstance(count, int) else sympy.Integer(1) / count)
         return [g]
 
@@ -253,8 +252,6 @@ class ExpandAs(RuleOp):
         return [inputs[0].expand(tuple(b - a for a, b in box))]
 
     def gradient(self, node, grads):
-        from hspmd.ops.elementwise import unbroadcast
-
         return [unbroadcast(grads[0], node.inputs[0].shape), None]
 
 
@@ -297,4 +294,14 @@ def fill_like(x: Tensor, value: float = 1.0) -> Tensor:
     return make(FILL_LIKE, [x], [(x.shape, x.dtype)], attrs={"value": value}).output
 
 
-__all__ = ["expand_as", "fill_like", "mean", "reduce_sum", "reshape", "reshape_groups", "transpose"]
+def unbroadcast(g: Tensor | None, shape) -> Tensor | None:
+    """Sum a broadcast gradient back to an input's shape."""
+    if g is None or tuple(g.shape) == tuple(shape):
+        return g
+    lead = g.ndim - len(shape)
+    dims = list(range(lead)) + [lead + i for i, d in enumerate(shape) if d == 1 and g.shape[lead + i] != 1]
+    out = reduce_sum(g, dims, keepdim=True)
+    return reshape(out, shape) if out.ndim != len(shape) else out
+
+
+__all__ = ["expand_as", "fill_like", "mean", "reduce_sum", "reshape", "reshape_groups", "transpose", "unbroadcast"]

@@ -36,7 +36,7 @@ from hspmd.runtime.executor import ScheduleRun, run_schedule
 from hspmd.specialize.schedules import Schedule, schedule_for
 from hspmd.specialize.executable import run_time_ratios
 from hspmd.runtime.run import DeviceState, run_update
-from hspmd.specialize.specialized import all_devices, specialize
+from hspmd.specialize.specialized import all_devices, specialize_graph
 from hspmd.specialize.strategy import Strategy
 from hspmd.switching import execute_switch, plan_switch
 
@@ -86,7 +86,7 @@ class DistributedTrainer:
         self.binding = Binding.of({**dict(symbols or {}), batch_symbol(graph).name: sum(self.layout.sizes)},
                                   ratios=self.layout.sizes)
         rank = backend.rank
-        self.spec = specialize(graph, strategy, self.binding, devices=[rank], topology=topology)
+        self.spec = specialize_graph(graph, strategy, self.binding, devices=[rank], topology=topology)
         self.devices = all_devices(self.spec.deduced)
         if not set(self.devices) <= set(range(backend.world_size)):
             raise HSPMDError(

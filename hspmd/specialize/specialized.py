@@ -1,6 +1,6 @@
-"""specialize(): deduction + per-device executable graphs + pipeline discovery, as one value.
+"""specialize_graph(): deduction + per-device executable graphs + pipeline discovery, as one value.
 
-    spec = specialize(graph, strategy=0, binding=Binding.of({"B": 4, "S": 8, "T": 64}, ratios=(2, 1)))
+    spec = specialize_graph(graph, strategy=0, binding=Binding.of({"B": 4, "S": 8, "T": 64}, ratios=(2, 1)))
     print(spec)                   # pipelines, then each device's program
     spec.executables[3]           # one device's ExecutableGraph
 """
@@ -75,7 +75,7 @@ def per_micro_batch_pattern(deduced: Deduced, binding: Binding, live: set[int], 
     return groups, edges
 
 
-def specialize(graph: Graph, strategy: int = 0, binding: Binding | None = None, devices: Iterable[int] | None = None,
+def specialize_graph(graph: Graph, strategy: int = 0, binding: Binding | None = None, devices: Iterable[int] | None = None,
                topology=None, fetches: Sequence[Tensor] = (), deduced: Deduced | None = None) -> Specialized:
     """Deduce, instantiate one executable graph per device (all devices of the strategy unless
     `devices` is given), resolve CommOps under `binding`, and discover the pipelines."""
