@@ -28,6 +28,7 @@ from typing import Mapping
 
 from hspmd.annotations import Annotation, Box, parse
 from hspmd.comm_resolve.cost import DTYPE_SIZES, Traffic, collective_traffic, transfer_traffic
+from hspmd.comm_resolve.render import fused_plan_text, plan_text
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.topology import Topology
 
