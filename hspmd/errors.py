@@ -39,3 +39,7 @@ class CommunicationError(HSPMDError):
 
 class ReplicaMismatch(HSPMDError):
     """Devices that should hold equal copies of a piece disagree (unshard found a broken replica)."""
+
+
+class ClusterError(HSPMDError):
+    """A cluster or model description (ClusterSpec, ModelSpec, their files) is invalid; the message names the key."""
