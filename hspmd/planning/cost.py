@@ -1,0 +1,309 @@
+"""One cost model for every planner and the simulator: compute time per layer, update time,
+memory per stage, and communication on the cluster's links.
+
+Compute (HeteroSim Table 1, a roofline per kernel class): gemm/attn kernels take
+gamma * FLOPs / peak + delta, elementwise/norm/misc kernels gamma * bytes / HBM bandwidth + delta,
+with gamma (>= 1: achieved fraction of peak, inverted) and delta (launch overhead, s) per device type
+and class. Backward = `backward_ratio` x forward (2 for matrix products), plus one forward with
+recompute. A ProfileTable of measured (forward, backward) per layer overrides the roofline where it
+has an entry (HAPT and H2 plan from profiles).
+
+Communication is alpha-beta on the ClusterSpec's links: a message costs alpha + B/beta; a ring
+collective over n members runs at its slowest edge: all-reduce 2(n-1) alpha + 2(n-1)/n B/beta,
+reduce-scatter and all-gather half of that. Memory = weights + gradients + optimizer states
+(ZeRO-1 divides the optimizer states by the data-parallel degree) + activations x the schedule's
+micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from hspmd.cluster import ClusterSpec, DeviceType, LinkClass
+from hspmd.errors import ClusterError
+from hspmd.planning.model import KERNEL_CLASSES, Kernel, ModelSpec
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """gamma and delta per kernel class, and the backward/forward ratio, for one device type."""
+
+    gamma: tuple[tuple[str, float], ...] = tuple((k, 1.0) for k in KERNEL_CLASSES)
+    delta: tuple[tuple[str, float], ...] = tuple((k, 0.0) for k in KERNEL_CLASSES)
+    backward_ratio: float = 2.0
+
+    def __post_init__(self):
+        for name, table in (("gamma", self.gamma), ("delta", self.delta)):
+            table = dict(table.items() if isinstance(table, Mapping) else table)
+            unknown = set(table) - set(KERNEL_CLASSES)
+            if unknown:
+                raise ClusterError(f"Efficiency {name}: unknown kernel class(es) {sorted(unknown)}; use {', '.join(KERNEL_CLASSES)}")
+            default = 1.0 if name == "gamma" else 0.0
+            full = {k: float(table.get(k, default)) for k in KERNEL_CLASSES}
+            if any(v < 0 for v in full.values()) or (name == "gamma" and any(v <= 0 for v in full.values())):
+                raise ClusterError(f"Efficiency {name}: values must be positive (delta >= 0), got {full}")
+            object.__setattr__(self, name, tuple(full.items()))
+        if not self.backward_ratio > 0:
+            raise ClusterError(f"Efficiency backward_ratio must be > 0, got {self.backward_ratio}")
+
+    def g(self, cls: str) -> float:
+        return dict(self.gamma)[cls]
+
+    def d(self, cls: str) -> float:
+        return dict(self.delta)[cls]
+
+    def to_dict(self) -> dict:
+        return {"gamma": dict(self.gamma), "delta": dict(self.delta), "backward_ratio": self.backward_ratio}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Efficiency":
+        return cls(tuple(dict(data.get("gamma", {})).items()), tuple(dict(data.get("delta", {})).items()),
+                   float(data.get("backward_ratio", 2.0)))
+
+
+@dataclass(frozen=True)
+class ProfileTable:
+    """Measured (forward, backward) seconds of one layer per (device type, tp, mbs, seq). A query
+    with no exact entry interpolates linearly in tokens (mbs x seq) between the entries of the same
+    (device type, tp), and scales the nearest one proportionally outside them."""
+
+    entries: tuple[tuple[tuple[str, int, int, int], tuple[float, float]], ...]
+
+    def __post_init__(self):
+        entries = self.entries.items() if isinstance(self.entries, Mapping) else self.entries
+        out = []
+        for key, (f, b) in entries:
+            t, tp, mbs, seq = key
+            if not (f >= 0 and b >= 0):
+                raise ClusterError(f"profile entry {key}: times must be >= 0, got ({f}, {b})")
+            out.append(((str(t), int(tp), int(mbs), int(seq)), (float(f), float(b))))
+        object.__setattr__(self, "entries", tuple(sorted(out)))
+
+    def lookup(self, device_type: str, tp: int, mbs: int, seq: int) -> tuple[float, float] | None:
+        table = dict(self.entries)
+        if (device_type, tp, mbs, seq) in table:
+            return table[(device_type, tp, mbs, seq)]
+        points = sorted((m * s, v) for (t, p, m, s), v in self.entries if t == device_type and p == tp)
+        if not points:
+            return None
+        tokens = mbs * seq
+        xs = [x for x, _ in points]
+        i = bisect.bisect_left(xs, tokens)
+        if 0 < i < len(points):
+            (x0, (f0, b0)), (x1, (f1, b1)) = points[i - 1], points[i]
+            w = (tokens - x0) / (x1 - x0)
+            return f0 + w * (f1 - f0), b0 + w * (b1 - b0)
+        x, (f, b) = points[0] if i == 0 else points[-1]
+        return f * tokens / x, b * tokens / x
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What a pipeline stage holds on each of its devices, for memory and time estimates."""
+
+    layers: int
+    tp: int = 1
+    first: bool = False
+    last: bool = False
+    dp: int = 1
+    zero: bool = False
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device, by kind."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Prices `model` on `cluster`. `efficiency` maps a device type name (or "*") to its Efficiency;
+    `profile` overrides layer times where it has them."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    efficiency: tuple[tuple[str, Efficiency], ...] = (("*", Efficiency()),)
+    profile: ProfileTable | None = None
+    _eff: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        eff = dict(self.efficiency.items() if isinstance(self.efficiency, Mapping) else self.efficiency)
+        object.__setattr__(self, "efficiency", tuple(sorted(eff.items())))
+        object.__setattr__(self, "_eff", eff)
+
+    # ---- compute --------------------------------------------------------------------------------
+
+    def device(self, device: "int | str | DeviceType") -> DeviceType:
+        if isinstance(device, DeviceType):
+            return device
+        if isinstance(device, str):
+            return self.cluster.type_named(device)
+        return self.cluster.device_type(device)
+
+    def efficiency_of(self, device: DeviceType) -> Efficiency:
+        eff = self._eff.get(device.name, self._eff.get("*"))
+        if eff is None:
+            raise ClusterError(f"cost model has no efficiency for device type {device.name!r} and no '*' default")
+        return eff
+
+    def kernel_time(self, kernel: Kernel, device: "int | str | DeviceType") -> float:
+        dev = self.device(device)
+        eff = self.efficiency_of(dev)
+        if kernel.cls in ("gemm", "attn"):
+            work = kernel.flops / dev.peak_flops(self.model.dtype)
+        else:
+            work = kernel.bytes / dev.hbm_bandwidth
+        return kernel.count * (eff.g(kernel.cls) * work + eff.d(kernel.cls))
+
+    def kernels_time(self, kernels: Sequence[Kernel], device) -> float:
+        return sum(self.kernel_time(k, device) for k in kernels)
+
+    def _fwd_bwd(self, forward: float, device: DeviceType, recompute: bool) -> tuple[float, float]:
+        backward = self.efficiency_of(device).backward_ratio * forward
+        return forward, backward + (forward if recompute else 0.0)
+
+    def layer_time(self, device, tp: int = 1, mbs: int = 1, seq: int | None = None, recompute: bool = False,
+                   tp_group: Sequence[int] | None = None) -> tuple[float, float]:
+        """(forward, backward) seconds of one transformer layer for one micro-batch on one device of a
+        TP group of `tp`; with `tp_group` (device ids) the layer's TP all-reduces are added
+        (2 in forward, 2 in backward, Megatron layout)."""
+        dev = self.device(device)
+        seq = seq or self.model.seq_len
+        measured = self.profile.lookup(dev.name, tp, mbs, seq) if self.profile else None
+        if measured is not None:
+            f, b = measured
+            b = b + (f if recompute else 0.0)
+        else:
+            f, b = self._fwd_bwd(self.kernels_time(self.model.layer_kernels(mbs, seq, tp), dev), dev, recompute)
+        if tp_group is not None and len(tp_group) > 1:
+            ar = self.collective("all_reduce", mbs * seq * self.model.hidden * self.model.itemsize, tp_group)
+            f, b = f + 2 * ar, b + 2 * ar
+        return f, b
+
+    def head_time(self, device, tp: int = 1, mbs: int = 1, seq: int | None = None) -> tuple[float, float]:
+        """(forward, backward) of the final norm, LM head and loss."""
+        dev = self.device(device)
+        return self._fwd_bwd(self.kernels_time(self.model.head_kernels(mbs, seq or self.model.seq_len, tp), dev), dev, False)
+
+    def embedding_time(self, device, tp: int = 1, mbs: int = 1, seq: int | None = None) -> tuple[float, float]:
+        dev = self.device(device)
+        return self._fwd_bwd(self.kernels_time(self.model.embedding_kernels(mbs, seq or self.model.seq_len, tp), dev), dev, False)
+
+    def stage_time(self, device, stage: StageShape, mbs: int = 1, seq: int | None = None,
+                   tp_group: Sequence[int] | None = None) -> tuple[float, float]:
+        """(forward, backward) of a whole stage for one micro-batch."""
+        f, b = self.layer_time(device, stage.tp, mbs, seq, stage.recompute, tp_group)
+        f, b = stage.layers * f, stage.layers * b
+        if stage.first:
+            ef, eb = self.embedding_time(device, stage.tp, mbs, seq)
+            f, b = f + ef, b + eb
+        if stage.last:
+            hf, hb = self.head_time(device, stage.tp, mbs, seq)
+            f, b = f + hf, b + hb
+        return f, b
+
+    def stage_parameters(self, stage: StageShape) -> float:
+        """Parameters on one device of the stage (matrices split over TP, norms replicated)."""
+        m = self.model
+        per_layer = (m.layer_parameters() - 2 * m.hidden) / stage.tp + 2 * m.hidden
+        params = stage.layers * per_layer
+        if stage.first:
+            params += m.embedding_parameters() / stage.tp
+        if stage.last:
+            tied_copy = m.embedding_parameters() if m.tied and not stage.first else 0
+            params += (m.head_parameters() + tied_copy) / stage.tp
+        return params
+
+    def update_time(self, device, parameters: float, tensors: int = 1) -> float:
+        """AdamW over `parameters` fp32 values on one device: memory-bound, reads parameter, gradient
+        and two moments and writes three of them (7 x 4 bytes per parameter), `tensors` launches."""
+        dev = self.device(device)
+        return self.kernel_time(Kernel("elementwise", 0.0, 28.0 * parameters, tensors), dev)
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def memory(self, stage: StageShape, inflight: int, mbs: int = 1, seq: int | None = None) -> Memory:
+        """Per-device bytes of a stage with `inflight` micro-batches' activations alive (the
+        schedule's peak_in_flight). Gradients in the model dtype; Adam moments in fp32, plus an
+        fp32 master copy when the model dtype is narrower; ZeRO-1 splits the optimizer over dp."""
+        m = self.model
+        params = self.stage_parameters(stage)
+        e = m.itemsize
+        optimizer = params * (8 + (4 if e < 4 else 0))
+        if stage.zero and stage.dp > 1:
+            optimizer /= stage.dp
+        seq = seq or m.seq_len
+        act = stage.layers * m.layer_activation_bytes(mbs, seq, stage.tp, stage.recompute)
+        if stage.last:
+            act += mbs * seq * (m.hidden + 2 * m.vocab / stage.tp) * e
+        return Memory(params * e, params * e, optimizer, act * max(0, inflight))
+
+    # ---- communication --------------------------------------------------------------------------
+
+    def p2p(self, nbytes: float, link: "LinkClass | tuple[int, int]") -> float:
+        """One message of `nbytes` on a link (or between two devices of the cluster)."""
+        if not isinstance(link, LinkClass):
+            a, b = link
+            return self.cluster.seconds(a, b, nbytes)
+        return link.seconds(nbytes)
+
+    def collective(self, kind: str, nbytes: float, group: Sequence[int]) -> float:
+        """A ring collective of `nbytes` (the whole tensor) over devices `group` in ring order,
+        timed at its slowest edge."""
+        if kind not in COLLECTIVES:
+            raise ClusterError(f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVES)}")
+        return ring_time(kind, nbytes, [self.cluster.link(a, group[(i + 1) % len(group)]) for i, a in enumerate(group)]
+                         if len(group) > 1 else [], nbytes_for_bucket=nbytes / max(1, len(group)))
+
+    def describe(self) -> str:
+        return f"cost model: {self.model.describe()} on {self.cluster.describe()}"
+
+
+def ring_time(kind: str, nbytes: float, edges: Sequence[LinkClass], nbytes_for_bucket: float | None = None) -> float:
+    """Ring collective over n = len(edges) members: steps x worst alpha + per-member share / worst beta."""
+    n = len(edges)
+    if n < 2 or nbytes <= 0:
+        return 0.0
+    chunk = nbytes_for_bucket if nbytes_for_bucket is not None else nbytes / n
+    ab = [e.alpha_beta(chunk) for e in edges]
+    alpha, beta = max(a for a, _ in ab), min(b for _, b in ab)
+    rounds = 2 if kind == "all_reduce" else 1
+    return rounds * ((n - 1) * alpha + (n - 1) / n * nbytes / beta)
+
+
+def efficiency_file(path: str | Path, efficiency: Mapping[str, Efficiency], links: Mapping[str, LinkClass] = ()) -> None:
+    """Write fitted efficiencies (and links) as JSON (what `hspmd calibrate` produces)."""
+    data = {"efficiency": {k: v.to_dict() for k, v in efficiency.items()},
+            "links": {k: v.to_dict() for k, v in dict(links).items()}}
+    Path(path).write_text(json.dumps(data, indent=2))
+
+
+def read_efficiency_file(path: str | Path) -> tuple[dict[str, Efficiency], dict[str, LinkClass]]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"cannot read calibration file {path}: {e}") from None
+    eff = {k: Efficiency.from_dict(v) for k, v in data.get("efficiency", {}).items()}
+    links = {k: LinkClass(k, float(v["bandwidth"]), float(v["latency"])) for k, v in data.get("links", {}).items()}
+    return eff, links
+
+
+__all__ = [
+    "COLLECTIVES", "CostModel", "Efficiency", "Memory", "ProfileTable", "StageShape", "efficiency_file",
+    "read_efficiency_file", "ring_time",
+]

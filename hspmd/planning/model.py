@@ -1,0 +1,202 @@
+"""What a model costs, independent of any hardware: parameter counts, FLOPs, bytes moved and
+activation memory of a Llama-family transformer, per layer and per micro-batch.
+
+A layer is listed as kernels of five classes (HeteroSim Table 1): "gemm" and "attn" are priced
+by FLOPs, "elementwise" and "norm" by bytes through HBM, "misc" (views, embedding look-ups) by a
+fixed overhead. FLOPs are exact for the matrix products (2 per multiply-add; the attention core
+counts the full s x s score matrix, as the project's causal_attention computes it); bytes are
+the tensors each kernel reads and writes once (an approximation of the real traffic). Activation
+memory counts the tensors autograd keeps for the backward pass (an estimate, not a measurement).
+
+Presets: llama-32b-hetu (the Hetu authors' scripts, PLANNING A3), llama-30b and gpt-13b (004's
+workloads), h2-100b (001 Table 4: GQA with 8 queries per key head), llama-tiny (the demo's model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
+from hspmd.errors import ClusterError
+
+KERNEL_CLASSES = ("gemm", "attn", "elementwise", "norm", "misc")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a layer: class, FLOPs and HBM bytes of one launch, and how many launches."""
+
+    cls: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    count: int = 1
+
+
+def _int(value: object, name: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ClusterError(f"ModelSpec {name}: must be an integer >= {low}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-family model. `mlp`: "swiglu" (gate, up, down) or "gelu" (two matrices with biases,
+    GPT); `tied`: the LM head shares the embedding matrix."""
+
+    name: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq_len: int
+    dtype: str = "bfloat16"
+    tied: bool = False
+    mlp: str = "swiglu"
+    head_dim: int | None = None
+
+    def __post_init__(self):
+        for field_name in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq_len"):
+            _int(getattr(self, field_name), field_name)
+        if self.heads % self.kv_heads:
+            raise ClusterError(f"ModelSpec {self.name}: heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ClusterError(f"ModelSpec {self.name}: hidden {self.hidden} does not split into {self.heads} heads")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        _int(self.head_dim, "head_dim")
+        if self.mlp not in ("swiglu", "gelu"):
+            raise ClusterError(f"ModelSpec {self.name}: mlp must be 'swiglu' or 'gelu', got {self.mlp!r}")
+        try:
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        except Exception as e:
+            raise ClusterError(f"ModelSpec {self.name}: dtype: {e}") from None
+
+    # ---- sizes ----------------------------------------------------------------------------------
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_parameters(self) -> int:
+        """Parameters of one transformer layer (attention, MLP, two norms)."""
+        h, f = self.hidden, self.ffn
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        mlp = 3 * h * f if self.mlp == "swiglu" else 2 * h * f + f + h
+        norms = 2 * h if self.mlp == "swiglu" else 4 * h  # RMSNorm weight; LayerNorm weight + bias
+        return attn + mlp + norms
+
+    def embedding_parameters(self) -> int:
+        return self.vocab * self.hidden
+
+    def head_parameters(self) -> int:
+        """Final norm plus the LM head (0 extra when tied to the embedding)."""
+        norm = self.hidden if self.mlp == "swiglu" else 2 * self.hidden
+        return norm + (0 if self.tied else self.vocab * self.hidden)
+
+    def parameters(self) -> int:
+        return self.layers * self.layer_parameters() + self.embedding_parameters() + self.head_parameters()
+
+    # ---- kernels --------------------------------------------------------------------------------
+
+    def layer_kernels(self, mbs: int, seq: int, tp: int = 1) -> tuple[Kernel, ...]:
+        """One layer's forward kernels on one of `tp` tensor-parallel devices."""
+        b, s, h, f, e = mbs, seq, self.hidden, self.ffn, self.itemsize
+        q, kv, heads = self.q_dim / tp, self.kv_dim / tp, self.heads / tp
+        t = b * s
+        gemm = lambda n_in, n_out: Kernel("gemm", 2 * t * n_in * n_out, e * (t * n_in + n_in * n_out + t * n_out))  # noqa: E731
+        scores = b * heads * s * s
+        kernels = [
+            Kernel("norm", 4 * t * h, 2 * t * h * e),
+            gemm(h, q), gemm(h, kv), gemm(h, kv),
+            Kernel("elementwise", 6 * t * (q + kv), 2 * t * (q + kv) * e, 2),  # rotary on q and k (two launches)
+            Kernel("attn", 4 * b * heads * s * s * self.head_dim, e * (2 * t * (q + kv) + 2 * scores)),
+            gemm(q, h),
+            Kernel("elementwise", t * h, 3 * t * h * e),  # residual add
+            Kernel("norm", 4 * t * h, 2 * t * h * e),
+        ]
+        if self.mlp == "swiglu":
+            kernels += [gemm(h, f / tp), gemm(h, f / tp), Kernel("elementwise", 5 * t * f / tp, 3 * t * f / tp * e), gemm(f / tp, h)]
+        else:
+            kernels += [gemm(h, f / tp), Kernel("elementwise", 8 * t * f / tp, 2 * t * f / tp * e), gemm(f / tp, h)]
+        kernels += [Kernel("elementwise", t * h, 3 * t * h * e), Kernel("misc", count=6)]
+        return tuple(kernels)
+
+    def head_kernels(self, mbs: int, seq: int, tp: int = 1) -> tuple[Kernel, ...]:
+        """Final norm, LM head (vocabulary split over TP) and the loss."""
+        t, h, e, v = mbs * seq, self.hidden, self.itemsize, self.vocab / tp
+        return (Kernel("norm", 4 * t * h, 2 * t * h * e),
+                Kernel("gemm", 2 * t * h * v, e * (t * h + h * v + t * v)),
+                Kernel("elementwise", 5 * t * v, 3 * t * v * e, 2))
+
+    def embedding_kernels(self, mbs: int, seq: int, tp: int = 1) -> tuple[Kernel, ...]:
+        t, h, e = mbs * seq, self.hidden, self.itemsize
+        return (Kernel("misc", 0, 2 * t * h * e, 1),)
+
+    def layer_flops(self, mbs: int, seq: int) -> float:
+        """Forward FLOPs of one layer for a micro-batch (all TP shards together)."""
+        return sum(k.flops * k.count for k in self.layer_kernels(mbs, seq) if k.cls in ("gemm", "attn"))
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def layer_activation_bytes(self, mbs: int, seq: int, tp: int = 1, recompute: bool = False) -> float:
+        """Bytes one layer keeps for its backward pass per micro-batch on one TP device; with
+        recompute only the layer input."""
+        t, h, f, e = mbs * seq, self.hidden, self.ffn, self.itemsize
+        if recompute:
+            return t * h * e
+        q, kv = self.q_dim / tp, self.kv_dim / tp
+        kept = (2 * t * h                    # norm input and output (attention)
+                + t * (q + 2 * kv)           # q, k, v projections
+                + t * (q + kv)               # rotated q, k
+                + mbs * (self.heads / tp) * seq * seq  # softmax probabilities
+                + t * q                      # attention output (input of wo)
+                + 2 * t * h)                 # norm input and output (MLP)
+        kept += 3 * t * f / tp if self.mlp == "swiglu" else 2 * t * f / tp
+        return kept * e
+
+    def with_(self, **changes) -> "ModelSpec":
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.layers} layers, hidden {self.hidden}, ffn {self.ffn}, {self.heads} heads "
+                f"({self.kv_heads} kv), vocab {self.vocab}, seq {self.seq_len}, {self.dtype}, "
+                f"{self.parameters() / 1e9:.2f} B parameters")
+
+
+def from_llama_config(config, seq_len: int = 32, name: str = "llama", dtype: str = "float32") -> ModelSpec:
+    """The ModelSpec of an hspmd.models.llama.LlamaConfig (GQA, head_dim and tying where it has them)."""
+    return ModelSpec(name, config.layers, config.hidden, config.ffn, config.heads,
+                     getattr(config, "kv_heads", None) or config.heads, config.vocab, seq_len, dtype,
+                     bool(getattr(config, "tie_embeddings", getattr(config, "tied", False))), "swiglu",
+                     getattr(config, "head_dim", None))
+
+
+MODELS = {
+    "llama-32b-hetu": ModelSpec("llama-32b-hetu", 60, 6656, 17920, 52, 52, 30592, 4096),
+    "llama-30b": ModelSpec("llama-30b", 60, 6656, 17920, 52, 52, 32000, 2048),
+    "gpt-13b": ModelSpec("gpt-13b", 40, 5120, 20480, 40, 40, 50257, 2048, mlp="gelu", tied=True),
+    "h2-100b": ModelSpec("h2-100b", 96, 8192, 36864, 64, 8, 92544, 4096),
+    "llama-tiny": ModelSpec("llama-tiny", 4, 64, 128, 4, 4, 64, 32, "float32"),
+}
+
+
+def model_named(name: "str | ModelSpec") -> ModelSpec:
+    if isinstance(name, ModelSpec):
+        return name
+    key = str(name).strip().lower()
+    if key not in MODELS:
+        raise ClusterError(f"unknown model {name!r}: use one of {', '.join(MODELS)}")
+    return MODELS[key]
+
+
+__all__ = ["KERNEL_CLASSES", "Kernel", "MODELS", "ModelSpec", "from_llama_config", "model_named"]
