@@ -43,3 +43,12 @@ class ReplicaMismatch(HSPMDError):
 
 class ClusterError(HSPMDError):
     """A cluster or model description (ClusterSpec, ModelSpec, their files) is invalid; the message names the key."""
+
+
+class WeightLost(HSPMDError):
+    """Every copy of some piece of a tensor was on failed devices; `lost` maps each lost tensor
+    (its index in a fused plan, or its name) to the boxes nobody alive holds."""
+
+    def __init__(self, message: str, lost: dict | None = None):
+        self.lost = dict(lost or {})
+        super().__init__(message)

@@ -217,8 +217,11 @@ def execute_plan(plan: Plan, backend: Backend, local: torch.Tensor | None) -> to
 
 def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """This rank's part of a fused multi-tensor plan: {tensor index: source piece} in,
-    {tensor index: destination piece} out."""
+    {tensor index: destination piece} out. A failed device of the plan takes no part (its pieces
+    are not read, it receives nothing)."""
     me, dtype = backend.rank, _torch_dtype(plan.dtype)
+    if me in plan.failed:
+        return {}
     sources, targets, out = {}, {}, {}
     for tid, move in enumerate(plan.moves):
         src, dst = _pieces(move.src, move.shape).get(me), _pieces(move.dst, move.shape).get(me)

@@ -9,6 +9,9 @@ must end up with them). Scanning the table slice by slice, needer by needer, the
   3. among equally fast owners, the one with the lowest cumulative send load so far (then the
      lowest device id, so plans are deterministic).
 
+With `heuristics=False` rules 2 and 3 give way to the paper's "w/o heuristics" baseline: the
+owner with the smallest rank sends (rule 1 still holds: nobody sends a device what it has).
+
 The load is shared across all tensors planned together, so a fused plan (many tensors, e.g. all
 parameters of a model when switching strategies) balances senders globally; all slices one device
 sends another, of every tensor, form one message. Each slice a device needs and lacks is received
@@ -80,8 +83,21 @@ def destination_needs(
     return {d: grid.merge(cells) for d, cells in needs.items()}
 
 
-def plan_transfers(families: Sequence[Family], topology: Topology, itemsize: int) -> tuple[Transfer, ...]:
-    """The fused messages (and local copies) that deliver every family's needs."""
+def unowned_boxes(fam: Family) -> list[Box]:
+    """The parts of `fam`'s needs that no owner holds (empty when every need can be served)."""
+    needs = [b for boxes in fam.needs.values() for b in boxes if box_volume(b) > 0]
+    if not needs:
+        return []
+    grid = Grid(list(fam.owners.values()) + needs, fam.ndim)
+    owned = grid.holders(fam.owners.items())
+    return grid.merge({cell for box in needs for cell in grid.cells(box) if cell not in owned})
+
+
+def plan_transfers(
+    families: Sequence[Family], topology: Topology, itemsize: int, *, heuristics: bool = True
+) -> tuple[Transfer, ...]:
+    """The fused messages (and local copies) that deliver every family's needs, families scanned
+    in the order given (the load balance of rule 3 depends on it)."""
     load: dict[int, int] = defaultdict(int)
     per_pair: dict[tuple[int, int], list[tuple[int, Box]]] = defaultdict(list)
     for fam in families:
@@ -110,6 +126,9 @@ def plan_transfers(families: Sequence[Family], topology: Topology, itemsize: int
             for e in table[cell]:
                 if e in owners:
                     sender = e
+                elif not heuristics:
+                    sender = min(owners)
+                    load[sender] += nbytes
                 else:
                     sender = max(owners, key=lambda d: (topology.bandwidth(d, e), -load[d], -d))
                     load[sender] += nbytes
@@ -174,4 +193,5 @@ def max_send_lower_bound(families: Sequence[Family], itemsize: int, topology: To
     return hi
 
 
-__all__ = ["Family", "demand_by_owner_set", "destination_needs", "max_send_lower_bound", "plan_transfers"]
+__all__ = ["Family", "demand_by_owner_set", "destination_needs", "max_send_lower_bound", "plan_transfers",
+           "unowned_boxes"]

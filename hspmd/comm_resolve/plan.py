@@ -285,6 +285,7 @@ class FusedPlan(_Stats):
     transfers: tuple[Transfer, ...]
     topology: Topology
     dtype: str = "float32"
+    failed: tuple[int, ...] = ()
 
     @cached_property
     def _traffics(self) -> list[Traffic]:
@@ -298,7 +299,8 @@ class FusedPlan(_Stats):
 
     @property
     def devices(self) -> tuple[int, ...]:
-        return tuple(sorted({d for m in self.moves for d in m.src.devices + m.dst.devices}))
+        """The living devices taking part (failed ones are left out)."""
+        return tuple(sorted({d for m in self.moves for d in m.src.devices + m.dst.devices} - set(self.failed)))
 
     @property
     def messages(self) -> int:
@@ -318,6 +320,7 @@ class FusedPlan(_Stats):
             "steps": [{"primitive": "BatchedSendRecv", "groups": [[t.src, t.dst] for t in self.transfers if t.src != t.dst],
                        "transfers": [t.to_dict() for t in self.transfers]}],
             "messages": self.messages,
+            "failed": list(self.failed),
             **self._stats_dict(),
         }
 
@@ -325,7 +328,8 @@ class FusedPlan(_Stats):
     def from_dict(cls, d: Mapping) -> "FusedPlan":
         moves = tuple(TensorMove(parse(m["src"]), parse(m["dst"]), tuple(m["shape"])) for m in d["tensors"])
         transfers = tuple(Transfer.from_dict(t) for t in d["steps"][0]["transfers"])
-        return cls(moves, transfers, Topology.from_dict(d["topology"]), d.get("dtype", "float32"))
+        return cls(moves, transfers, Topology.from_dict(d["topology"]), d.get("dtype", "float32"),
+                   tuple(d.get("failed", ())))
 
     @classmethod
     def from_json(cls, text: str) -> "FusedPlan":

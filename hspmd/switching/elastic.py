@@ -16,17 +16,17 @@ from math import lcm
 from typing import Iterable
 
 from hspmd.annotations import Annotation, split_bounds
-from hspmd.errors import HSPMDError
+from hspmd.errors import HSPMDError, WeightLost
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 from hspmd.specialize.strategy_build import balanced_layers
 
 
-class WeightLost(HSPMDError):
-    """Every copy of some piece of a tensor was on failed devices."""
-
-
 def surviving_layout(ann: Annotation, failed: Iterable[int], what: str = "tensor") -> Annotation:
-    """`ann` restricted to subgroups without failed devices; they must still hold the whole tensor."""
+    """`ann` restricted to subgroups without failed devices; they must still hold the whole tensor.
+
+    An annotation cannot describe a subgroup with a hole, so this drops the healthy pieces of a
+    damaged subgroup; switches do not use it (plan_switch(failed=...) keeps every surviving piece
+    as a source), it serves callers that need a layout of the survivors."""
     failed = set(failed)
     if not failed & set(ann.devices):
         return ann

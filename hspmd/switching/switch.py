@@ -5,7 +5,8 @@ The two strategies are annotations of the same graph, so a switch is pure data: 
 (src annotation, dst annotation, shape). `plan_switch` turns that into a SwitchPlan (one merged
 BSR table, senders balanced over all tensors, one message per device pair); `execute_switch` runs
 this rank's part on any Backend. Nothing is recomputed and no weight is lost: every destination
-piece is copied from a surviving source piece.
+piece is copied from a surviving source piece, and after a failure every piece a living device
+still holds is a source (a TP group that lost one member still serves the other members' pieces).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from typing import Iterable, Mapping
 
 import torch
 
+from hspmd.annotations import parse
 from hspmd.comm_resolve import FusedPlan, resolve_many
-from hspmd.errors import HSPMDError
+from hspmd.errors import HSPMDError, WeightLost
 from hspmd.ir.graph import Graph
 from hspmd.backends.backend import Backend
 from hspmd.backends.plan_executor import execute_fused_plan
 from hspmd.specialize.deduce import deduce
-from hspmd.switching.elastic import surviving_layout
 
 LEAF_KINDS = ("parameter", "state")
 
@@ -56,32 +57,63 @@ def plan_switch(
     failed: Iterable[int] = (),
     topology=None,
     kinds: tuple[str, ...] = LEAF_KINDS,
+    **choices,
 ) -> SwitchPlan:
     """The fused plan moving every leaf of `kinds` from `src_strategy` to `dst_strategy`.
 
-    `failed` devices are never used as senders (their pieces come from surviving replicas) and
-    must not appear in the destination strategy."""
-    failed = frozenset(failed)
+    `failed` devices are never used as senders (their pieces come from whatever living devices
+    hold them, down to single devices) and must not appear in the destination strategy; WeightLost
+    names the leaves whose values only failed devices held. `choices` (order=, heuristics=) go to
+    resolve_many."""
     src, dst = deduce(graph, src_strategy), deduce(graph, dst_strategy)
-    names, moves = [], []
+    leaves = {}
     for node in graph.nodes_of_kind(*kinds):
         t = node.output
-        before, after = src[t], dst[t]
+        shape = tuple(t.shape)
+        if src[t] != dst[t] and not all(isinstance(s, int) for s in shape):
+            raise HSPMDError(f"{node.kind} {node.name} has a symbolic shape {shape}; switching needs concrete shapes")
+        leaves[f"{node.kind} {node.name}"] = (node.name, src[t], dst[t], shape)
+    return _plan(leaves, src_strategy, dst_strategy, frozenset(failed), topology, choices)
+
+
+def plan_layout_switch(
+    layouts: Mapping[str, tuple[object, object, tuple[int, ...]]],
+    *,
+    failed: Iterable[int] = (),
+    topology=None,
+    src_strategy: int = 0,
+    dst_strategy: int = 1,
+    **choices,
+) -> SwitchPlan:
+    """plan_switch for leaves given directly as {name: (src annotation, dst annotation, shape)}
+    (e.g. hspmd.models.llama.llama_annotations of two strategies), without building a graph."""
+    leaves = {name: (name, parse(a), parse(b), tuple(shape)) for name, (a, b, shape) in layouts.items()}
+    return _plan(leaves, src_strategy, dst_strategy, frozenset(failed), topology, choices)
+
+
+def _plan(leaves, src_strategy: int, dst_strategy: int, failed: frozenset, topology, choices) -> SwitchPlan:
+    names, moves = [], []
+    for what, (name, before, after, shape) in leaves.items():
         lost = failed & set(after.devices)
         if lost:
             raise HSPMDError(
-                f"strategy {dst_strategy} places {node.kind} {node.name} on failed device(s) {sorted(lost)}: "
+                f"strategy {dst_strategy} places {what} on failed device(s) {sorted(lost)}: "
                 f"switch to a strategy without them (see hspmd.switching.recover_strategy)"
             )
-        before = surviving_layout(before, failed, f"{node.kind} {node.name}")
         if before == after:
             continue
-        shape = tuple(t.shape)
-        if not all(isinstance(s, int) for s in shape):
-            raise HSPMDError(f"{node.kind} {node.name} has a symbolic shape {shape}; switching needs concrete shapes")
-        names.append(node.name)
+        names.append(name)
         moves.append((before, after, shape))
-    return SwitchPlan(src_strategy, dst_strategy, tuple(names), resolve_many(moves, topology))
+    try:
+        fused = resolve_many(moves, topology, failed=failed, **choices)
+    except WeightLost as exc:
+        lost = {names[i]: boxes for i, boxes in exc.lost.items()}
+        raise WeightLost(
+            f"switching strategy {src_strategy} -> {dst_strategy} after device(s) {sorted(failed)} failed: "
+            f"only they held parts of {', '.join(lost)}; only values replicated on living devices survive "
+            f"(HD unions, ZeRO off); restore them from a checkpoint", lost,
+        ) from None
+    return SwitchPlan(src_strategy, dst_strategy, tuple(names), fused)
 
 
 def execute_switch(plan: SwitchPlan, backend: Backend, leaves: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -95,4 +127,4 @@ def execute_switch(plan: SwitchPlan, backend: Backend, leaves: Mapping[str, torc
     return kept | {plan.names[i]: v for i, v in moved.items()}
 
 
-__all__ = ["LEAF_KINDS", "SwitchPlan", "execute_switch", "plan_switch"]
+__all__ = ["LEAF_KINDS", "SwitchPlan", "execute_switch", "plan_layout_switch", "plan_switch"]
