@@ -44,6 +44,7 @@ class Traffic:
     sent: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     received: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     by_link: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    sent_by_link: dict[tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
     busy: dict[int, float] = field(default_factory=lambda: defaultdict(float))
 
     def edge(self, topology: Topology, a: int, b: int, nbytes: int) -> None:
@@ -51,7 +52,9 @@ class Traffic:
             return
         self.sent[a] += nbytes
         self.received[b] += nbytes
-        self.by_link[topology.link(a, b).name] += nbytes
+        link = topology.link(a, b).name
+        self.by_link[link] += nbytes
+        self.sent_by_link[(a, link)] += nbytes
 
     @property
     def seconds(self) -> float:

@@ -155,7 +155,8 @@ class _Stats:
     def _total(self) -> Traffic:
         total = Traffic()
         for t in self._traffics:
-            for table, into in ((t.sent, total.sent), (t.received, total.received), (t.by_link, total.by_link)):
+            for table, into in ((t.sent, total.sent), (t.received, total.received), (t.by_link, total.by_link),
+                                (t.sent_by_link, total.sent_by_link)):
                 for key, n in table.items():
                     into[key] += n
         return total
@@ -174,6 +175,14 @@ class _Stats:
     @property
     def bytes_by_link(self) -> dict[str, int]:
         return dict(sorted(self._total.by_link.items()))
+
+    @property
+    def bytes_sent_by_link(self) -> dict[int, dict[str, int]]:
+        """{sender: {link class: bytes}} for every device that sends."""
+        out: dict[int, dict[str, int]] = {}
+        for (device, link), n in sorted(self._total.sent_by_link.items()):
+            out.setdefault(device, {})[link] = n
+        return out
 
     @property
     def total_bytes(self) -> int:
