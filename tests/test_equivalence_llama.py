@@ -58,10 +58,14 @@ def _check(text, sequence_parallel=False, expect=None):
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
         assert set(trainer.gradients) == set(ref_grads)
         for name, grad in ref_grads.items():
-            torch.testing.assert_close(trainer.gradients[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+            # float32 summation order differs: allow 1e-4 of the gradient's own scale
+            scale = float(grad.abs().max())
+            torch.testing.assert_close(trainer.gradients[name], grad, rtol=1e-4, atol=1e-4 * scale, msg=name)
     params = trainer.parameters()
     for name, value in final.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        # AdamW normalises each element's step to about LR, so a near-zero gradient's rounding can move
+        # one element by a fraction of LR; a wrong gradient moves many elements by about LR
+        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=0.1 * LR, msg=name)
     for phase, names in (expect or {}).items():
         assert set(names) <= _primitives(spec, phase), (phase, _primitives(spec, phase))
     return spec

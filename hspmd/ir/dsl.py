@@ -13,17 +13,15 @@ given later with Graph.add_strategy.
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from hspmd.annotations import Annotation
+from hspmd.annotations import Annotation, Box
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Derived, Graph, Node, OpDef, Tensor
+from hspmd.ir.init import Initializer, as_initializer, normal, zeros
 from hspmd.ir.shapes import as_shape
-
-Initializer = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
-
 
 class _Leaf(OpDef):
     is_leaf = True
@@ -83,13 +81,13 @@ def placeholder(graph: Graph, name: str, shape: Sequence[object], dtype: torch.d
 
 def parameter(graph: Graph, name: str, shape: Sequence[object], init: Initializer | None = None,
               dtype: torch.dtype = torch.float32, annotation: object = None) -> Tensor:
-    """A trained weight. `init(shape, generator)` makes the whole tensor once; each device keeps
-    its piece (the generator is seeded from the name, so every device agrees)."""
+    """A trained weight. `init` (hspmd.ir.init) makes any piece without the whole tensor, from
+    a seed derived from the name, so every device agrees with a single-device run."""
     full = as_shape(shape, f"parameter {name}")
     if any(not isinstance(d, int) for d in full):
         raise HSPMDError(f"parameter {name}: shape {full} must be concrete ints (no run-time symbols)")
     node = graph.add_node(PARAMETER, (), [(full, dtype)], name=name)
-    node.init = init or normal(0.02)
+    node.init = as_initializer(init or normal(0.02))
     graph.set_annotation(node, annotation)
     return node.output
 
@@ -97,7 +95,7 @@ def parameter(graph: Graph, name: str, shape: Sequence[object], init: Initialize
 def state(graph: Graph, name: str, like: Tensor, annotation: object, init: Initializer | None = None) -> Tensor:
     """A non-trained per-step value (optimizer moments), zero unless `init` says otherwise."""
     node = graph.add_node(STATE, (), [(like.shape, like.dtype)], name=name)
-    node.init = init or zeros()
+    node.init = as_initializer(init or zeros())
     graph.set_annotation(node, annotation)
     return node.output
 
@@ -115,33 +113,15 @@ def name_seed(name: str, seed: int = 0) -> int:
     return zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
 
 
-def normal(std: float = 0.02, mean: float = 0.0) -> Initializer:
-    return lambda shape, gen: torch.randn(shape, generator=gen) * std + mean
-
-
-def uniform(bound: float) -> Initializer:
-    return lambda shape, gen: (torch.rand(shape, generator=gen) * 2 - 1) * bound
-
-
-def zeros() -> Initializer:
-    return lambda shape, gen: torch.zeros(shape)
-
-
-def ones() -> Initializer:
-    return lambda shape, gen: torch.ones(shape)
-
-
-def constant(value: float) -> Initializer:
-    return lambda shape, gen: torch.full(shape, float(value))
-
-
-def initial_value(node: Node, seed: int = 0) -> torch.Tensor:
-    """The whole initial tensor of a parameter or state (deterministic in its name and `seed`)."""
-    gen = torch.Generator().manual_seed(name_seed(node.name, seed))
-    return node.init(tuple(node.output.shape), gen).to(node.output.dtype)
+def initial_value(node: Node, seed: int = 0, box: Box | None = None) -> torch.Tensor:
+    """The initial value of a parameter or state, deterministic in its name and `seed`: the whole
+    tensor, or only the elements of `box` (equal to the same box of the whole, made without it)."""
+    shape = tuple(node.output.shape)
+    box = tuple((0, n) for n in shape) if box is None else tuple(box)
+    return node.init.make(shape, box, name_seed(node.name, seed)).to(node.output.dtype)
 
 
 __all__ = [
-    "COMM", "CommDef", "Initializer", "PARAMETER", "PLACEHOLDER", "STATE", "comm", "constant", "gradient_annotation",
-    "initial_value", "name_seed", "normal", "ones", "parameter", "placeholder", "state", "uniform", "zeros",
+    "COMM", "CommDef", "PARAMETER", "PLACEHOLDER", "STATE", "comm", "gradient_annotation", "initial_value", "name_seed",
+    "parameter", "placeholder", "state",
 ]

@@ -40,9 +40,7 @@ class DeviceState:
     def initial(exe: ExecutableGraph, seed: int = 0) -> "DeviceState":
         leaves = {}
         for node in exe.held_leaves:
-            box = exe.box(node.output, exe.binding)
-            whole = initial_value(node, seed)
-            leaves[node.name] = whole[tuple(slice(a, b) for a, b in box)].clone()
+            leaves[node.name] = initial_value(node, seed, exe.box(node.output, exe.binding))
         return DeviceState(leaves)
 
 

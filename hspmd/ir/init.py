@@ -1,0 +1,137 @@
+"""Initializers that make any box of a tensor without the rest of it.
+
+Every element's value is a pure function of (the tensor's seed, the element's global flat index):
+a counter-based generator, in the spirit of Philox / Threefry, built on a 32-bit integer mixer
+(Wellons' `lowbias32`). A rank that holds one piece of a weight creates just that piece, and the
+piece equals the same box of the whole tensor made on one device, under any strategy. A 32B model
+can therefore start on 32 devices without any of them ever holding a whole weight.
+
+The arithmetic is done on int64 tensors holding 32-bit values; products are split into 16-bit
+halves so that nothing overflows int64.
+
+A custom initializer is any callable `(shape, generator) -> whole tensor` (the older form); it is
+wrapped in `WholeTensor`, which does make the whole tensor on every rank and keeps only the box:
+fine for small weights, and the one initializer that does not scale.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+Box = tuple[tuple[int, int], ...]
+_MASK = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), without overflowing int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _flat_index(shape: tuple[int, ...], box: Box) -> torch.Tensor:
+    """Global row-major flat index of every element of `box`, laid out as the box."""
+    index = torch.zeros((), dtype=torch.int64)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        start, stop = box[d]
+        view = [1] * len(shape)
+        view[d] = stop - start
+        index = index + torch.arange(start, stop, dtype=torch.int64).reshape(view) * stride
+        stride *= shape[d]
+    return index.expand(tuple(b - a for a, b in box)) if shape else index
+
+
+def uniform_bits(seed: int, stream: int, shape: tuple[int, ...], box: Box) -> torch.Tensor:
+    """Uniform floats in (0, 1) (float64, 24 random bits) for the elements of `box`."""
+    key = (seed * 0x9E3779B1 + stream * 0x85EBCA77) & _MASK
+    index = _flat_index(shape, box)
+    h = _mix32((index & _MASK) ^ key)
+    h = _mix32(h ^ (index >> 32) ^ ((key * 0xC2B2AE3D + 1) & _MASK))
+    return ((h >> 8).to(torch.float64) + 0.5) / float(1 << 24)
+
+
+class Initializer(ABC):
+    """Makes the elements of `box` of a tensor of `shape` (float64; the caller casts)."""
+
+    @abstractmethod
+    def make(self, shape: tuple[int, ...], box: Box, seed: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Normal(Initializer):
+    std: float = 0.02
+    mean: float = 0.0
+
+    def make(self, shape, box, seed):
+        u1, u2 = uniform_bits(seed, 0, shape, box), uniform_bits(seed, 1, shape, box)
+        return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2) * self.std + self.mean
+
+
+@dataclass(frozen=True)
+class Uniform(Initializer):
+    bound: float
+
+    def make(self, shape, box, seed):
+        return (uniform_bits(seed, 0, shape, box) * 2 - 1) * self.bound
+
+
+@dataclass(frozen=True)
+class Constant(Initializer):
+    value: float
+
+    def make(self, shape, box, seed):
+        return torch.full(tuple(b - a for a, b in box), float(self.value), dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class WholeTensor(Initializer):
+    """A user's `(shape, generator) -> tensor`: the whole tensor is made, then cut to `box`."""
+
+    fn: Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
+
+    def make(self, shape, box, seed):
+        whole = self.fn(shape, torch.Generator().manual_seed(seed))
+        return whole[tuple(slice(a, b) for a, b in box)]
+
+
+def as_initializer(init: object) -> Initializer:
+    return init if isinstance(init, Initializer) else WholeTensor(init)
+
+
+def normal(std: float = 0.02, mean: float = 0.0) -> Initializer:
+    return Normal(std, mean)
+
+
+def uniform(bound: float) -> Initializer:
+    return Uniform(bound)
+
+
+def zeros() -> Initializer:
+    return Constant(0.0)
+
+
+def ones() -> Initializer:
+    return Constant(1.0)
+
+
+def constant(value: float) -> Initializer:
+    return Constant(value)
+
+
+__all__ = [
+    "Constant", "Initializer", "Normal", "Uniform", "WholeTensor", "as_initializer", "constant", "normal", "ones",
+    "uniform", "uniform_bits", "zeros",
+]
