@@ -24,6 +24,7 @@ class Backend(abc.ABC):
 
     rank: int
     world_size: int
+    device: torch.device = torch.device("cpu")  # where this rank's buffers live
 
     def prepare_groups(self, groups: Iterable[Group]) -> None:
         """Set up communicators for `groups` before their first use. Collective over the whole job:

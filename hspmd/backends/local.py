@@ -20,9 +20,10 @@ T = TypeVar("T")
 class LocalWorld:
     """Shared state of one in-process job: rendezvous slots for collectives and mailboxes for P2P."""
 
-    def __init__(self, devices: Iterable[int], timeout: float = 60.0):
+    def __init__(self, devices: Iterable[int], timeout: float = 60.0, device: torch.device | str = "cpu"):
         self.devices = tuple(sorted(set(devices)))
         self.timeout = timeout
+        self.device = torch.device(device)
         self._cond = threading.Condition()
         self._slots: dict[tuple, dict[int, object]] = {}
         self._reads: dict[tuple, int] = {}
@@ -72,6 +73,7 @@ class LocalWorld:
 class LocalBackend(Backend):
     def __init__(self, world: LocalWorld, rank: int):
         self.world, self.rank, self.world_size = world, rank, len(world.devices)
+        self.device = world.device
         self._group_calls: dict[Group, int] = {}
         self._sent: dict[int, int] = {}  # messages sent to each peer so far
         self._received: dict[int, int] = {}  # messages received from each peer so far
@@ -123,12 +125,13 @@ class LocalBackend(Backend):
         self.world.rendezvous(self._key("barrier", group), group, self.rank, None)
 
 
-def run_on_devices(fn: Callable[[Backend], T], devices: Iterable[int], timeout: float = 60.0) -> dict[int, T]:
-    """Run fn(backend) on one thread per device; return {device: result}.
+def run_on_devices(fn: Callable[[Backend], T], devices: Iterable[int], timeout: float = 60.0,
+                   device: torch.device | str = "cpu") -> dict[int, T]:
+    """Run fn(backend) on one thread per device, buffers on `device`; return {device: result}.
 
     If any device raises, the others are released (they see CommunicationError) and the first
     original error is re-raised, so a bug in one device's program never hangs the caller."""
-    world = LocalWorld(devices, timeout)
+    world = LocalWorld(devices, timeout, device)
     results: dict[int, T] = {}
     errors: dict[int, BaseException] = {}
 

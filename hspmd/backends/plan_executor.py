@@ -11,6 +11,7 @@ With torch.distributed, every rank must first create the plan's groups collectiv
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping
 
@@ -22,6 +23,7 @@ from hspmd.comm_resolve.plan import Collective, FusedPlan, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.errors import ShapeError
 from hspmd.backends.backend import Backend
+from hspmd.backends.local import run_on_devices
 
 
 @lru_cache(maxsize=4096)
@@ -31,6 +33,26 @@ def _pieces(ann: Annotation, shape: tuple[int, ...]) -> dict[int, Piece]:
 
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """How this rank makes buffers: the plan's dtype, on the device of the pieces it works with
+    (the backend's device when it holds none), so a plan never moves data to another device."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def for_rank(dtype: torch.dtype, backend: Backend, pieces) -> "Buffers":
+        held = next((t for t in pieces if t is not None), None)
+        return Buffers(dtype, held.device if held is not None else backend.device)
+
+    def zeros(self, shape) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
+
+    def empty(self, shape) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
 
 
 def _check_local(local: torch.Tensor | None, piece: Piece | None, dtype: torch.dtype, device: int, what: str) -> None:
@@ -47,10 +69,10 @@ def _check_local(local: torch.Tensor | None, piece: Piece | None, dtype: torch.d
         )
 
 
-def _cut(tensor: torch.Tensor, held: Box, box: Box, dtype: torch.dtype) -> torch.Tensor:
+def _cut(tensor: torch.Tensor, held: Box, box: Box, buf: Buffers) -> torch.Tensor:
     """`box` (global coordinates) out of a tensor holding `held`; an empty box needs no data."""
     if any(stop <= start for start, stop in box):
-        return torch.zeros(box_shape(box), dtype=dtype)
+        return buf.zeros(box_shape(box))
     return tensor[box_relative(box, held)]
 
 
@@ -61,21 +83,21 @@ def _write(out: torch.Tensor, held: Box, region: Box, value: torch.Tensor) -> No
         out[box_relative(common, held)] = value[box_relative(common, region)]
 
 
-def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out, dst: Box, dtype) -> None:
+def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out, dst: Box, buf: Buffers) -> None:
     me = backend.rank
     silent = me in c.zero_inputs or src is None
     if c.kind == "all_reduce":
-        value = torch.zeros(box_shape(c.box), dtype=dtype) if silent else _cut(local, src, c.box, dtype)
+        value = buf.zeros(box_shape(c.box)) if silent else _cut(local, src, c.box, buf)
         _write(out, dst, c.box, backend.all_reduce(value.contiguous(), c.devices))
     elif c.kind == "all_gather":
         mine = c.parts[c.devices.index(me)]
-        value = _cut(local, src, mine, dtype) if src is not None else torch.zeros(box_shape(mine), dtype=dtype)
+        value = _cut(local, src, mine, buf) if src is not None else buf.zeros(box_shape(mine))
         shapes = [tuple(box_shape(p)) for p in c.parts]
         for part, got in zip(c.parts, backend.all_gather(value.contiguous(), c.devices, shapes)):
             _write(out, dst, part, got)
     else:
         parts = [
-            torch.zeros(box_shape(p), dtype=dtype) if silent else _cut(local, src, p, dtype).contiguous()
+            buf.zeros(box_shape(p)) if silent else _cut(local, src, p, buf).contiguous()
             for p in c.parts
         ]
         _write(out, dst, c.parts[c.devices.index(me)], backend.reduce_scatter(parts, c.devices))
@@ -115,26 +137,26 @@ def _sole_collective(step: Step, me: int) -> Collective | None:
     return mine[0]
 
 
-def _collective_result(c: Collective, backend: Backend, local, src: Box | None, dst: Piece, dtype):
+def _collective_result(c: Collective, backend: Backend, local, src: Box | None, dst: Piece, buf: Buffers):
     """The destination piece straight from the backend, when the collective's result is exactly
     that piece (no zeros to fill and no copy into them); None when it is not."""
     me = backend.rank
     silent = me in c.zero_inputs or src is None
     if c.kind == "all_reduce" and c.box == dst.box:
-        value = torch.zeros(box_shape(c.box), dtype=dtype) if silent else _cut(local, src, c.box, dtype)
+        value = buf.zeros(box_shape(c.box)) if silent else _cut(local, src, c.box, buf)
         return backend.all_reduce(value, c.devices)
     if c.kind == "reduce_scatter" and c.parts[c.devices.index(me)] == dst.box:
-        parts = [torch.zeros(box_shape(p), dtype=dtype) if silent else _cut(local, src, p, dtype) for p in c.parts]
+        parts = [buf.zeros(box_shape(p)) if silent else _cut(local, src, p, buf) for p in c.parts]
         return backend.reduce_scatter(parts, c.devices)
     if c.kind != "all_gather" or not _fills(c.parts, dst.box):
         return None
     mine = c.parts[c.devices.index(me)]
-    value = _cut(local, src, mine, dtype) if src is not None else torch.zeros(box_shape(mine), dtype=dtype)
+    value = _cut(local, src, mine, buf) if src is not None else buf.zeros(box_shape(mine))
     shapes = [tuple(box_shape(p)) for p in c.parts]
     dim = _tiling_dim(c.parts, dst.box)
     if dim is not None and _leading(dst.shape, dim):
         return backend.all_gather_joined(value.contiguous(), c.devices, shapes).reshape(dst.shape)
-    out = torch.empty(dst.shape, dtype=dtype)  # every element is written: the parts tile the piece
+    out = buf.empty(dst.shape)  # every element is written: the parts tile the piece
     for part, got in zip(c.parts, backend.all_gather(value.contiguous(), c.devices, shapes)):
         _write(out, dst.box, part, got)
     return out
@@ -145,7 +167,7 @@ def _exchange(
     backend: Backend,
     sources: Mapping[int, tuple[torch.Tensor, Box]],
     targets: Mapping[int, tuple[torch.Tensor, Box]],
-    dtype: torch.dtype,
+    buf: Buffers,
 ) -> None:
     """Local copies and one batched exchange; `sources`/`targets` map tensor id -> (tensor, box)."""
     me = backend.rank
@@ -154,12 +176,12 @@ def _exchange(
         if t.src == me and t.dst == me:
             for tid, box in zip(t.tensors, t.boxes):
                 if tid in targets:
-                    _write(targets[tid][0], targets[tid][1], box, _cut(sources[tid][0], sources[tid][1], box, dtype))
+                    _write(targets[tid][0], targets[tid][1], box, _cut(sources[tid][0], sources[tid][1], box, buf))
         elif t.src == me:
-            chunks = [_cut(sources[tid][0], sources[tid][1], box, dtype).reshape(-1) for tid, box in zip(t.tensors, t.boxes)]
-            sends[t.dst] = torch.cat(chunks) if chunks else torch.zeros(0, dtype=dtype)
+            chunks = [_cut(sources[tid][0], sources[tid][1], box, buf).reshape(-1) for tid, box in zip(t.tensors, t.boxes)]
+            sends[t.dst] = torch.cat(chunks) if chunks else buf.zeros((0,))
         elif t.dst == me:
-            recvs[t.src] = ((t.elements,), dtype)
+            recvs[t.src] = ((t.elements,), buf.dtype)
             incoming[t.src] = t
     if not sends and not recvs:
         return
@@ -183,25 +205,26 @@ def _keeps(transfers, me: int, tid: int, src: Piece | None, dst: Piece) -> bool:
 
 def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend: Backend, local):
     me = backend.rank
+    buf = Buffers.for_rank(dtype, backend, (local,))
     src, dst = _pieces(step.src, shape).get(me), _pieces(step.dst, shape).get(me)
     if me not in step.rebuilds:
         sending = [t for t in step.transfers if t.src == me]
         if sending:
-            _exchange(tuple(sending), backend, {0: (local, src.box)}, {}, dtype)
+            _exchange(tuple(sending), backend, {0: (local, src.box)}, {}, buf)
         return local if dst is not None else None
     if _keeps(step.transfers, me, 0, src, dst) and not any(me in c.devices for c in step.collectives):
         return local
     src_box = src.box if src is not None else None
     sole = _sole_collective(step, me)
     if sole is not None:
-        out = _collective_result(sole, backend, local, src_box, dst, dtype)
+        out = _collective_result(sole, backend, local, src_box, dst, buf)
         if out is not None:
             return out
-    out = torch.zeros(dst.shape, dtype=dtype)
+    out = buf.zeros(dst.shape)
     for c in step.collectives:
         if me in c.devices:
-            _run_collective(c, backend, local, src_box, out, dst.box, dtype)
-    _exchange(step.transfers, backend, {0: (local, src_box)}, {0: (out, dst.box)}, dtype)
+            _run_collective(c, backend, local, src_box, out, dst.box, buf)
+    _exchange(step.transfers, backend, {0: (local, src_box)}, {0: (out, dst.box)}, buf)
     return out
 
 
@@ -222,6 +245,7 @@ def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, 
     me, dtype = backend.rank, _torch_dtype(plan.dtype)
     if me in plan.failed:
         return {}
+    buf = Buffers.for_rank(dtype, backend, locals_.values())
     sources, targets, out = {}, {}, {}
     for tid, move in enumerate(plan.moves):
         src, dst = _pieces(move.src, move.shape).get(me), _pieces(move.dst, move.shape).get(me)
@@ -233,22 +257,31 @@ def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, 
         if _keeps(plan.transfers, me, tid, src, dst):
             out[tid] = locals_[tid]
         else:
-            out[tid] = torch.zeros(dst.shape, dtype=dtype)
+            out[tid] = buf.zeros(dst.shape)
             targets[tid] = (out[tid], dst.box)
-    _exchange(plan.transfers, backend, sources, targets, dtype)
+    _exchange(plan.transfers, backend, sources, targets, buf)
     return out
 
 
 def run_plan(plan: Plan | FusedPlan, locals_: Mapping[int, object], timeout: float = 60.0) -> dict[int, object]:
     """Run `plan` in this process, one thread per device (hspmd.backends.local), and return the
-    destination pieces: {device: tensor} for a Plan, {device: {tensor index: tensor}} for a FusedPlan."""
-    from hspmd.backends.local import run_on_devices
-
+    destination pieces: {device: tensor} for a Plan, {device: {tensor index: tensor}} for a FusedPlan.
+    Buffers live on the device of the given pieces (e.g. `meta` to check a plan without data)."""
+    device = _device_of(locals_)
     if isinstance(plan, FusedPlan):
-        results = run_on_devices(lambda b: execute_fused_plan(plan, b, locals_.get(b.rank, {})), plan.devices, timeout)
+        results = run_on_devices(lambda b: execute_fused_plan(plan, b, locals_.get(b.rank, {})), plan.devices, timeout,
+                                 device)
         return {d: r for d, r in results.items() if r}
-    results = run_on_devices(lambda b: execute_plan(plan, b, locals_.get(b.rank)), plan.devices, timeout)
+    results = run_on_devices(lambda b: execute_plan(plan, b, locals_.get(b.rank)), plan.devices, timeout, device)
     return {d: r for d, r in results.items() if r is not None}
+
+
+def _device_of(locals_: Mapping[int, object]) -> torch.device:
+    for value in locals_.values():
+        for t in value.values() if isinstance(value, Mapping) else (value,):
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return torch.device("cpu")
 
 
 def reshard_tensor(plan: Plan, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
