@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hspmd.ir import Binding, initial_value
-from hspmd.models.llama import LlamaConfig, build_llama
+from hspmd.models.llama import LlamaConfig, RopeScaling, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
 from hspmd.runtime.inprocess import InProcessTrainer
@@ -24,9 +24,9 @@ def _primitives(spec, phase):
     return found
 
 
-def _check(text, sequence_parallel=False, expect=None):
+def _check(text, sequence_parallel=False, expect=None, **options):
     strategy = parse_strategy(text)
-    config = LlamaConfig(layers=strategy.num_layers)
+    config = LlamaConfig(layers=strategy.num_layers, **options)
     model = build_llama(config, [strategy], optimizer=AdamW(lr=LR, zero=strategy.zero),
                         sequence_parallel=sequence_parallel)
     sizes = strategy.micro_batch_ratios
@@ -51,7 +51,10 @@ def _check(text, sequence_parallel=False, expect=None):
         return torch.cat(rows["tokens"]), torch.cat(rows["labels"])
 
     initial = {n.name: initial_value(n) for n in model.graph.parameters}
-    history, final = reference_training(initial, whole_batch, config.layers, config.heads, STEPS, lr=LR)
+    scaling = config.rope_scaling
+    history, final = reference_training(initial, whole_batch, config.layers, config.heads, STEPS, lr=LR, rope_scaling=scaling and {
+        "rope_type": scaling.kind, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor, "original_max_position_embeddings": scaling.original_max_position})
     for step in range(STEPS):
         loss = trainer.step(feeds[step])
         ref_loss, ref_grads = history[step]
@@ -114,3 +117,34 @@ def test_heterogeneous_pipelines():
 def test_zero1_with_different_tp_degrees():
     _check("layers=2 ; 2x2: R0,1 L0-1 ; 2x2: R2 L0-1 ; zero",
            expect={"update": ["SplitReduceScatter", "SplitAllGather"]})
+
+
+# Grouped-query attention (2 K/V heads for 4 Q heads), an explicit head_dim (12, not 32 / 4),
+# tied embeddings and Llama 3.1 RoPE scaling (original context 32: head_dim 12 has a wavelength in every band).
+GQA_TIED = dict(kv_heads=2, head_dim=12, tie_embeddings=True, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 32))
+
+
+def test_gqa_tied_data_parallel():
+    _check("layers=2 ; 2x1: R0 L0-1 ; 2x1: R1 L0-1", expect={"update": ["SplitAllReduce"]}, **GQA_TIED)
+
+
+def test_gqa_tied_tensor_parallel_shards_kv_heads():
+    spec = _check("layers=2 ; 2x2: R0,1 L0-1", **GQA_TIED)
+    assert str(spec.deduced[spec.graph.node("layers.0.wk").output]) == "S1:2@[0,1]"
+
+
+def test_gqa_tensor_parallel_above_kv_heads_replicates_them():
+    """TP4 over 2 K/V heads: wk/wv replicated, K/V sliced to Q's heads, their gradient gathered back."""
+    spec = _check("layers=2 ; 2x4: R0,1,2,3 L0-1", expect={"backward": ["AllGather"]}, **GQA_TIED)
+    assert str(spec.deduced[spec.graph.node("layers.0.wv").output]) == "D:4@[0-3]"
+
+
+def test_gqa_tied_pipeline_parallel():
+    """The tied head lives on the last stage: the table goes there and its gradient comes back."""
+    _check("layers=2 ; 3x1: R0 L0 | R1 L1", expect={"forward": ["SendRecv"], "backward": ["SendRecv"]}, **GQA_TIED)
+
+
+def test_gqa_tied_heterogeneous():
+    """TP4 (replicated K/V) next to a 2-stage pipeline, batch split 2:1, linear RoPE scaling."""
+    _check("layers=2 ; 2x2: R0,1,2,3 L0-1 ; 2x1: R4 L0 | R5 L1", expect={"update": ["SplitAllReduce"]},
+           **{**GQA_TIED, "rope_scaling": RopeScaling("linear", 2.0)})

@@ -216,3 +216,24 @@ def test_zero_annotation_shards_replicas():
     assert str(O.zero_annotation(parse("D:2,S1:2@[0-3]"))) == "S0:2,S1:2@[0-3]"
     het = O.zero_annotation(parse("HD{S1:2@[0,1] | @[2]}"))
     assert str(het) == "H0(1:1){S1:2@[0,1] | @[2]}"
+
+
+@pytest.mark.parametrize(
+    "ann, heads, expected",
+    [
+        ("S2:2@[0,1]", 4, "S2:2@[0,1]"),  # 4 K/V heads split 2 ways: each half serves its Q heads
+        ("D:2@[0,1]", 4, "D:2@[0,1]"),
+        ("S0:2@[0,1]", 3, "S0:2@[0,1]"),
+        ("P:2@[0,1]", 3, "P:2@[0,1]"),  # linear
+        ("S2:2@[0,1]", 3, None),  # 3 K/V heads do not split 2 ways into whole groups
+    ],
+)
+def test_repeat_interleave_keeps_layouts_of_whole_groups(ann, heads, expected):
+    def build(g):
+        return O.repeat_interleave(placeholder(g, "k", (B, S, heads, 8), annotation=ann), 2, 2)
+
+    if expected is None:
+        with pytest.raises(DeductionError, match="repeat_interleave"):
+            _deduce(build)
+    else:
+        assert _deduce(build) == expected

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import hspmd.ops as O
 from hspmd.ir import Binding, Graph, placeholder, symbols
+from hspmd.ops.nn import RopeScaling, rope_inverse_frequencies
 from hspmd.backends.local import run_on_devices
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
@@ -27,9 +28,9 @@ def _run_single(graph, feeds, fetch, binding=Binding()):
     return run_on_devices(body, [0])[0]
 
 
-def _rope_ref(x, seq_dim):
+def _rope_ref(x, seq_dim, factor=1.0):
     s, d = x.shape[seq_dim], x.shape[-1]
-    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d) / factor
     ang = torch.arange(s, dtype=torch.float64)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], -1)
     shape = [1] * x.dim()
@@ -62,6 +63,11 @@ CASES = {
     "rmsnorm": ([(2, 3, 8), (8,)], lambda a, w: O.rmsnorm(a, w), lambda a, w: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * w),
     "layernorm": ([(2, 3, 8), (8,), (8,)], lambda a, w, b: O.layernorm(a, w, b), lambda a, w, b: F.layer_norm(a, (8,), w, b)),
     "rotary": ([(2, 5, 3, 8)], lambda a: O.rotary(a, 1), lambda a: _rope_ref(a, 1)),
+    "rotary_linear_scaling": ([(2, 5, 3, 8)], lambda a: O.rotary(a, 1, scaling=RopeScaling("linear", 4.0)),
+                              lambda a: _rope_ref(a, 1, factor=4.0)),
+    "repeat_interleave_group_sum": ([(2, 3, 4), (2, 6, 4)],
+                                    lambda a, b: O.repeat_interleave(a, 2, 1) * O.repeat_interleave(O.group_sum(b, 2, 1), 2, 1),
+                                    lambda a, b: a.repeat_interleave(2, 1) * b.unflatten(1, (3, 2)).sum(2).repeat_interleave(2, 1)),
     "attention": ([(2, 2, 5, 4)] * 3, lambda q, k, v: O.causal_attention(q, k, v), _attn_ref),
     "swiglu": ([(3, 4), (3, 4)], lambda a, b: O.swiglu(a, b), lambda a, b: F.silu(a) * b),
 }
@@ -110,3 +116,17 @@ def test_embedding_and_cross_entropy_gradients_match_torch():
     torch.testing.assert_close(got[loss.name], ref.detach())
     torch.testing.assert_close(got[g_tab.name], tab.grad)
     torch.testing.assert_close(got[g_head.name], hd.grad)
+
+
+def test_llama3_rope_scaling_keeps_short_divides_long_and_blends_between():
+    """Llama 3.1's rule on the inverse frequencies, band by band (original context 32 positions,
+    low/high frequency factors 1 and 4: wavelengths below 8 kept, above 32 divided by 8)."""
+    base = rope_inverse_frequencies(16, 10000.0)
+    scaled = rope_inverse_frequencies(16, 10000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 32))
+    wavelength = 2 * torch.pi / base
+    short, long = wavelength < 8, wavelength > 32
+    assert short.any() and long.any() and (~short & ~long).any()
+    torch.testing.assert_close(scaled[short], base[short])
+    torch.testing.assert_close(scaled[long], base[long] / 8)
+    middle = ~short & ~long
+    assert ((scaled[middle] < base[middle]) & (scaled[middle] > base[middle] / 8)).all()

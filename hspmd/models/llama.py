@@ -8,11 +8,19 @@ Megatron layout per layer: q/k/v, gate and up weights column-parallel (split on 
 o and down row-parallel (split on in_features), so the block output is Partial and its CommOp is an
 AllReduce, or a ReduceScatter to a sequence-split layout with sequence parallelism (then the
 block input's CommOp is an AllGather). Weights are stored [in_features, out_features].
+
+Grouped-query attention (kv_heads < heads): wk and wv are column-parallel where the stage's TP
+degree divides kv_heads, and replicated (each TP rank computes every K/V head) where it does not;
+K/V heads are then repeated to one per Q head and pass a CommOp to Q's head-split layout, which is
+identity in the first case and a local slice (its gradient an AllGather) in the second. Tied
+embeddings: the LM head is the embedding table moved by a CommOp to the last stage's vocab-split
+layout (a SendRecv between pipeline stages, identity without pipelining) and transposed, so the
+table's gradient sums the lookup's and the head's contributions on the first stage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import sympy
@@ -28,6 +36,7 @@ from hspmd.ops import (
     cross_entropy,
     embedding,
     matmul,
+    repeat_interleave,
     reshape,
     rmsnorm,
     rotary,
@@ -35,6 +44,7 @@ from hspmd.ops import (
     swiglu,
     transpose,
 )
+from hspmd.ops.nn import RopeScaling
 
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
 ROW = ("wo", "w_down")
@@ -43,6 +53,10 @@ NORMS = ("attn_norm", "mlp_norm")
 
 @dataclass(frozen=True)
 class LlamaConfig:
+    """kv_heads (default heads) < heads is grouped-query attention; head_dim defaults to
+    hidden / heads; tie_embeddings makes the LM head the transposed embedding table (no lm_head
+    parameter); rope_scaling rescales RoPE's frequencies (e.g. Llama 3.1's rule)."""
+
     vocab: int = 64
     hidden: int = 32
     layers: int = 2
@@ -51,30 +65,71 @@ class LlamaConfig:
     rope_base: float = 10000.0
     eps: float = 1e-6
     init_std: float = 0.1
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = field(default=None)
 
     def __post_init__(self):
-        if self.hidden % self.heads or self.head_dim % 2:
-            raise HSPMDError(f"LlamaConfig: hidden {self.hidden} must split into {self.heads} heads of even size")
+        for name in ("vocab", "hidden", "layers", "heads", "ffn"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise HSPMDError(f"LlamaConfig: {name} must be a positive integer, got {value!r}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise HSPMDError(f"LlamaConfig: hidden {self.hidden} does not split into {self.heads} heads; "
+                             f"give head_dim explicitly")
+        object.__setattr__(self, "head_dim", self.hidden // self.heads if self.head_dim is None else self.head_dim)
+        object.__setattr__(self, "kv_heads", self.heads if self.kv_heads is None else self.kv_heads)
+        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+            raise HSPMDError(f"LlamaConfig: head_dim must be a positive even integer (RoPE rotates pairs), got {self.head_dim!r}")
+        if not isinstance(self.kv_heads, int) or self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise HSPMDError(f"LlamaConfig: kv_heads {self.kv_heads!r} must be a positive divisor of heads {self.heads} "
+                             f"(each K/V head serves an equal group of Q heads)")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise HSPMDError(f"LlamaConfig: rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        h, f = self.hidden, self.ffn
+        h, f, q, kv = self.hidden, self.ffn, self.q_width, self.kv_width
         shapes = {"embed": (self.vocab, h)}
         for l in range(self.layers):
             p = f"layers.{l}."
-            shapes.update({p + "attn_norm": (h,), p + "wq": (h, h), p + "wk": (h, h), p + "wv": (h, h),
-                           p + "wo": (h, h), p + "mlp_norm": (h,), p + "w_gate": (h, f), p + "w_up": (h, f),
+            shapes.update({p + "attn_norm": (h,), p + "wq": (h, q), p + "wk": (h, kv), p + "wv": (h, kv),
+                           p + "wo": (q, h), p + "mlp_norm": (h,), p + "w_gate": (h, f), p + "w_up": (h, f),
                            p + "w_down": (f, h)})
-        shapes.update({"final_norm": (h,), "lm_head": (h, self.vocab)})
+        shapes["final_norm"] = (h,)
+        if not self.tie_embeddings:
+            shapes["lm_head"] = (h, self.vocab)
         return shapes
 
 
-def _sequence_split(ann: Annotation, dim: int = 1) -> Annotation:
-    """A per-stage duplicated activation with each TP group splitting the sequence instead."""
+def _split_replicas(ann: Annotation, dim: int) -> Annotation:
+    """The same union with each subgroup's replica (Duplicate) axes splitting `dim` instead."""
     subs = tuple(Subgroup(s.dg, DistributedStates(tuple(Split(dim, a.n) if isinstance(a, Duplicate) else a
+                                                        for a in s.ds.axes))) for s in ann.subgroups)
+    return Annotation(subs, ann.hdim, ann.ratios)
+
+
+def _replicate_unless_divides(ann: Annotation, dim: int, size: int) -> Annotation:
+    """Splits of `dim` into a number of parts that does not divide `size` become replicas (GQA's
+    K/V heads under a TP degree above, or not dividing, kv_heads)."""
+    def axis(a):
+        return Duplicate(a.n) if isinstance(a, Split) and a.dim == dim and size % a.n else a
+
+    subs = tuple(Subgroup(s.dg, DistributedStates(tuple(map(axis, s.ds.axes)))) for s in ann.subgroups)
+    return Annotation(subs, ann.hdim, ann.ratios)
+
+
+def _moved_split(ann: Annotation, src: int, dst: int) -> Annotation:
+    """The same union with splits of dim `src` splitting dim `dst` (a transposed weight's layout)."""
+    subs = tuple(Subgroup(s.dg, DistributedStates(tuple(Split(dst, a.n) if isinstance(a, Split) and a.dim == src else a
                                                         for a in s.ds.axes))) for s in ann.subgroups)
     return Annotation(subs, ann.hdim, ann.ratios)
 
@@ -87,15 +142,22 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
         raise HSPMDError(f"strategy covers {strategy.num_layers} layers but the model has {config.layers}")
     last = config.layers - 1
     act = [strategy.activation_annotation(l) for l in range(config.layers)]
-    resid = [_sequence_split(a) if sequence_parallel else a for a in act]
+    resid = [_split_replicas(a, 1) if sequence_parallel else a for a in act]
     kind = "vocab" if vocab_parallel else "replicated"
     out = {"tokens": act[0], "labels": act[last], "embed": strategy.embedding_annotation(kind),
-           "embed.out": resid[0], "lm_head": strategy.lm_head_annotation(kind),
-           "final_norm": strategy.lm_head_annotation("replicated"), "final.in": act[last], "logits.out": act[last]}
+           "embed.out": resid[0], "final_norm": strategy.lm_head_annotation("replicated"), "final.in": act[last],
+           "logits.out": act[last]}
+    head = strategy.lm_head_annotation(kind)
+    if config.tie_embeddings:
+        out["lm_head.tied"] = _moved_split(head, 1, 0)
+    else:
+        out["lm_head"] = head
     for l in range(config.layers):
         p = f"layers.{l}."
         for name in COLUMN:
             out[p + name] = strategy.param_annotation(l, "column")
+        for name in ("wk", "wv"):
+            out[p + name] = _replicate_unless_divides(out[p + name], 1, config.kv_heads)
         for name in ROW:
             out[p + name] = strategy.param_annotation(l, "row")
         for name in NORMS:
@@ -104,6 +166,8 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
         out[p + "mlp.in"] = act[l]
         out[p + "attn.out"] = resid[l]
         out[p + "mlp.out"] = resid[l]
+        if config.kv_heads != config.heads:
+            out[p + "k.heads"] = out[p + "v.heads"] = _split_replicas(act[l], 2)
         if l < last:
             out[p + "out"] = resid[l + 1]
     return out
@@ -146,7 +210,7 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
 
     g = Graph("llama")
     B, S, T = symbols("B S T")
-    h, nh, hd = config.hidden, config.heads, config.head_dim
+    h, nh, kvh, hd = config.hidden, config.heads, config.kv_heads, config.head_dim
     init = normal(config.init_std)
 
     def param(name, shape, initializer=init):
@@ -154,32 +218,42 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
 
     tokens = placeholder(g, "tokens", (B, S), torch.int64, annotation=ann("tokens"))
     labels = placeholder(g, "labels", (B, S), torch.int64, annotation=ann("labels"))
-    x = comm(embedding(tokens, param("embed", (config.vocab, h))), ann("embed.out"), name="embed.out")
+    table = param("embed", (config.vocab, h))
+    x = comm(embedding(tokens, table), ann("embed.out"), name="embed.out")
     for l in range(config.layers):
         p = f"layers.{l}."
         with g.scope(f"layers.{l}"):
             a = comm(rmsnorm(x, param(p + "attn_norm", (h,), ones()), config.eps), ann(p + "attn.in"), name=p + "attn.in")
 
-            def heads(w):
-                t = reshape(matmul(a, param(p + w, (h, h))), (B, S, nh, hd))
-                return t
+            def heads(w, count):
+                return reshape(matmul(a, param(p + w, (h, count * hd))), (B, S, count, hd))
 
-            q = transpose(rotary(heads("wq"), 1, config.rope_base), 1, 2)
-            k = transpose(rotary(heads("wk"), 1, config.rope_base), 1, 2)
-            v = transpose(heads("wv"), 1, 2)
-            o = reshape(transpose(causal_attention(q, k, v), 1, 2), (B, S, h))
-            x = x + comm(matmul(o, param(p + "wo", (h, h))), ann(p + "attn.out"), name=p + "attn.out")
+            def shared(t, name):
+                """K/V heads repeated to one per Q head, laid out like Q's heads."""
+                if kvh == nh:
+                    return t
+                return comm(repeat_interleave(t, nh // kvh, 2), ann(p + name), name=p + name)
+
+            q = transpose(rotary(heads("wq", nh), 1, config.rope_base, config.rope_scaling), 1, 2)
+            k = transpose(shared(rotary(heads("wk", kvh), 1, config.rope_base, config.rope_scaling), "k.heads"), 1, 2)
+            v = transpose(shared(heads("wv", kvh), "v.heads"), 1, 2)
+            o = reshape(transpose(causal_attention(q, k, v), 1, 2), (B, S, nh * hd))
+            x = x + comm(matmul(o, param(p + "wo", (nh * hd, h))), ann(p + "attn.out"), name=p + "attn.out")
             m = comm(rmsnorm(x, param(p + "mlp_norm", (h,), ones()), config.eps), ann(p + "mlp.in"), name=p + "mlp.in")
             ff = swiglu(matmul(m, param(p + "w_gate", (h, config.ffn))), matmul(m, param(p + "w_up", (h, config.ffn))))
             x = x + comm(matmul(ff, param(p + "w_down", (config.ffn, h))), ann(p + "mlp.out"), name=p + "mlp.out")
             if l < config.layers - 1:
                 x = comm(x, ann(p + "out"), name=p + "out")
     f = comm(rmsnorm(x, param("final_norm", (h,), ones()), config.eps), ann("final.in"), name="final.in")
-    logits = comm(matmul(f, param("lm_head", (h, config.vocab))), ann("logits.out"), name="logits.out")
+    if config.tie_embeddings:
+        head = transpose(comm(table, ann("lm_head.tied"), name="lm_head.tied"), 0, 1)
+    else:
+        head = param("lm_head", (h, config.vocab))
+    logits = comm(matmul(f, head), ann("logits.out"), name="logits.out")
     loss = scale(cross_entropy(logits, labels, reduction="sum"), sympy.Integer(1) / T)
     zero = any(getattr(s, "zero", False) for s in strategies)
     (optimizer or AdamW(lr=1e-3, zero=zero)).minimize(loss)
     return LlamaGraph(g, tokens, labels, loss, config, B, S, T)
 
 
-__all__ = ["LlamaConfig", "LlamaGraph", "build_llama", "llama_annotations"]
+__all__ = ["LlamaConfig", "LlamaGraph", "RopeScaling", "build_llama", "llama_annotations"]

@@ -16,7 +16,9 @@ from hspmd.ops.nn import (
 )
 from hspmd.ops.optim import SGD, AdamW, Optimizer, zero_annotation
 from hspmd.ops.rules import Mismatch
-from hspmd.ops.shape_ops import expand_as, fill_like, mean, reduce_sum, reshape, transpose, unbroadcast
+from hspmd.ops.shape_ops import (
+    expand_as, fill_like, group_sum, mean, reduce_sum, repeat_interleave, reshape, transpose, unbroadcast,
+)
 from hspmd.ops.unary import neg, relu, scale, silu
 
 TENSOR_METHODS.update(
@@ -26,7 +28,7 @@ TENSOR_METHODS.update(
 
 __all__ = [
     "AdamW", "Mismatch", "Optimizer", "SGD", "add", "causal_attention", "cross_entropy", "div", "embedding", "exp",
-    "expand_as", "fill_like", "gradients", "layernorm", "linear", "matmul", "mean", "mul", "neg", "reduce_sum", "relu",
-    "reshape", "rmsnorm", "rotary", "scale", "silu", "softmax", "sub", "swiglu", "transpose", "unbroadcast",
-    "zero_annotation",
+    "expand_as", "fill_like", "gradients", "group_sum", "layernorm", "linear", "matmul", "mean", "mul", "neg",
+    "reduce_sum", "relu", "repeat_interleave", "reshape", "rmsnorm", "rotary", "scale", "silu", "softmax", "sub",
+    "swiglu", "transpose", "unbroadcast", "zero_annotation",
 ]

@@ -5,12 +5,13 @@ gradient with torch autograd on the local pieces; their deduction rules say wher
 from __future__ import annotations
 
 import math
+from dataclasses import astuple, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from hspmd.annotations import Duplicate, Partial, Split
-from hspmd.errors import ShapeError
+from hspmd.errors import HSPMDError, ShapeError
 from hspmd.ir.graph import Node, Tensor
 from hspmd.ir.shapes import format_shape, same_dim
 from hspmd.ops.base import RuleOp, make, normalize_dim
@@ -178,8 +179,50 @@ def _layer_normalize(inputs, attrs, ctx):
     return (x - mu) * torch.rsqrt(var + attrs["eps"])
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, base: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+ROPE_SCALING_KINDS = ("linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's inverse frequencies are rescaled for a longer context than pretraining saw.
+    linear: every frequency / factor. llama3 (Llama 3.1): wavelengths shorter than
+    original_max_position / high_freq_factor are kept, longer than original_max_position /
+    low_freq_factor divided by factor, and those between interpolated smoothly."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ROPE_SCALING_KINDS:
+            raise HSPMDError(f"RoPE scaling {self.kind!r} is not supported; supported: {', '.join(ROPE_SCALING_KINDS)}")
+        if not self.factor > 0 or (self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0):
+            raise HSPMDError(f"RoPE scaling {self}: needs factor > 0 and high_freq_factor > low_freq_factor > 0")
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        wavelength = 2 * math.pi / inv_freq
+        long_limit = self.original_max_position / self.low_freq_factor
+        short_limit = self.original_max_position / self.high_freq_factor
+        smooth = (self.original_max_position / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        between = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        scaled = torch.where(wavelength > long_limit, inv_freq / self.factor, between)
+        return torch.where(wavelength < short_limit, inv_freq, scaled)
+
+
+def rope_inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """base^(-2i/head_dim) for i < head_dim/2, in float64, rescaled by `scaling`."""
     inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return scaling.scale(inv) if scaling is not None else inv
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, base: float, dtype,
+                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = rope_inverse_frequencies(head_dim, base, scaling)
     angles = positions.to(torch.float64)[:, None] * inv[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -189,7 +232,9 @@ def _rotary(inputs, attrs, ctx):
     x = inputs[0]
     seq_dim = attrs["seq_dim"]
     start = ctx.in_box(0)[seq_dim][0]
-    cos, sin = rotary_tables(torch.arange(start, start + x.shape[seq_dim]), x.shape[-1], attrs["base"], x.dtype)
+    scaling = RopeScaling(*attrs["scaling"]) if attrs.get("scaling") else None
+    cos, sin = rotary_tables(torch.arange(start, start + x.shape[seq_dim]), x.shape[-1], attrs["base"], x.dtype,
+                             scaling)
     view = [1] * x.dim()
     view[seq_dim], view[-1] = x.shape[seq_dim], x.shape[-1]
     cos, sin = cos.reshape(view), sin.reshape(view)
@@ -229,13 +274,14 @@ def layernorm(x: Tensor, weight: Tensor, bias: Tensor | None = None, eps: float 
     return add(y, bias) if bias is not None else y
 
 
-def rotary(x: Tensor, seq_dim: int = 1, base: float = 10000.0) -> Tensor:
+def rotary(x: Tensor, seq_dim: int = 1, base: float = 10000.0, scaling: RopeScaling | None = None) -> Tensor:
     """Rotary position embedding (rotate-half form) of x[..., head_dim]; positions are global,
-    so a sequence split along `seq_dim` stays exact."""
+    so a sequence split along `seq_dim` stays exact. `scaling` rescales the frequencies."""
     seq_dim = normalize_dim(seq_dim, x.ndim, "rotary")
     if isinstance(x.shape[-1], int) and x.shape[-1] % 2:
         raise ShapeError(f"rotary: head dim {x.shape[-1]} of {x.name} must be even")
-    return make(ROTARY, [x], [(x.shape, x.dtype)], attrs={"seq_dim": seq_dim, "base": base}).output
+    return make(ROTARY, [x], [(x.shape, x.dtype)], attrs={"seq_dim": seq_dim, "base": base,
+                                                                  "scaling": astuple(scaling) if scaling else None}).output
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -328,6 +374,6 @@ def cross_entropy(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Te
 
 
 __all__ = [
-    "causal_attention", "cross_entropy", "embedding", "layernorm", "rmsnorm", "rotary", "rotary_tables", "softmax",
-    "swiglu",
+    "RopeScaling", "causal_attention", "cross_entropy", "embedding", "layernorm", "rmsnorm", "rope_inverse_frequencies",
+    "rotary", "rotary_tables", "softmax", "swiglu",
 ]

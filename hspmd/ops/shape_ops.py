@@ -1,5 +1,6 @@
 """Reductions and layout ops: sum / mean (a split reduced dim becomes Partial), reshape / view
-(splits follow the leading dim of each merged or split group), transpose, expand, fill_like."""
+(splits follow the leading dim of each merged or split group), transpose, expand, fill_like,
+repeat_interleave / group_sum (grouped-query attention's K/V heads shared by groups of Q heads)."""
 
 from __future__ import annotations
 
@@ -304,4 +305,78 @@ def unbroadcast(g: Tensor | None, shape) -> Tensor | None:
     return reshape(out, shape) if out.ndim != len(shape) else out
 
 
-__all__ = ["expand_as", "fill_like", "mean", "reduce_sum", "reshape", "reshape_groups", "transpose", "unbroadcast"]
+class Regroup(RuleOp):
+    """repeat_interleave (each slice along `dim` repeated `repeats` times in place) and its
+    adjoint group_sum (each run of `repeats` slices summed). Both are linear and keep every layout:
+    a split of `dim` into whole groups maps piece i to piece i (K/V head j serves Q heads
+    j*r..j*r+r-1), which compute checks against the boxes the executor gives."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def rule(self, node: Node):
+        dim, repeats = node.attrs["dim"], node.attrs["repeats"]
+        groups = node.inputs[0].shape[dim] if self.kind == "repeat_interleave" else node.output.shape[dim]
+
+        def rule(axes):
+            (a,) = axes
+            if isinstance(a, Split) and a.dim == dim and isinstance(groups, int) and groups % a.n:
+                raise Mismatch(f"dim {dim} has {groups} groups of {repeats}, which do not split {a.n} ways")
+            return a, (0 if isinstance(a, Split) else None)
+
+        return rule
+
+    def compute(self, node, ctx, inputs):
+        (x,) = inputs
+        dim, r = node.attrs["dim"], node.attrs["repeats"]
+        (i0, i1), (o0, o1) = ctx.in_box(0)[dim], ctx.out_box(0)[dim]
+        up = self.kind == "repeat_interleave"
+        if ((i0 * r, i1 * r) if up else (i0, i1)) != ((o0, o1) if up else (o0 * r, o1 * r)):
+            raise ShapeError(f"{self.kind} {node.name}: this device holds [{i0}, {i1}) of dim {dim} in and "
+                             f"[{o0}, {o1}) out, which are not the same groups of {r}")
+        if up:
+            return [x.repeat_interleave(r, dim=dim)]
+        return [x.unflatten(dim, (x.shape[dim] // r, r)).sum(dim + 1)]
+
+    def gradient(self, node, grads):
+        other = group_sum if self.kind == "repeat_interleave" else repeat_interleave
+        return [other(grads[0], node.attrs["repeats"], node.attrs["dim"])]
+
+    def describe(self, node):
+        return f"dim={node.attrs['dim']}, repeats={node.attrs['repeats']}"
+
+
+REPEAT_INTERLEAVE, GROUP_SUM = Regroup("repeat_interleave"), Regroup("group_sum")
+
+
+def repeat_interleave(x: Tensor, repeats: int, dim: int) -> Tensor:
+    """Each slice of x along `dim` repeated `repeats` times in a row (torch.repeat_interleave)."""
+    dim = normalize_dim(dim, x.ndim, "repeat_interleave")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ShapeError(f"repeat_interleave: repeats must be a positive integer, got {repeats!r}")
+    if repeats == 1:
+        return x
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * repeats
+    return make(REPEAT_INTERLEAVE, [x], [(tuple(shape), x.dtype)], attrs={"dim": dim, "repeats": repeats}).output
+
+
+def group_sum(x: Tensor, repeats: int, dim: int) -> Tensor:
+    """Sum of each run of `repeats` consecutive slices along `dim` (the adjoint of repeat_interleave)."""
+    dim = normalize_dim(dim, x.ndim, "group_sum")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ShapeError(f"group_sum: repeats must be a positive integer, got {repeats!r}")
+    if repeats == 1:
+        return x
+    size = x.shape[dim]
+    if isinstance(size, int) and size % repeats:
+        raise ShapeError(f"group_sum: dim {dim} of {x.name} has size {size}, not a multiple of {repeats}")
+    shape = list(x.shape)
+    shape[dim] = size // repeats if isinstance(size, int) else size / repeats
+    return make(GROUP_SUM, [x], [(tuple(shape), x.dtype)], attrs={"dim": dim, "repeats": repeats}).output
+
+
+__all__ = [
+    "expand_as", "fill_like", "group_sum", "mean", "reduce_sum", "repeat_interleave", "reshape", "reshape_groups",
+    "transpose", "unbroadcast",
+]
