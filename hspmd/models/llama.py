@@ -156,8 +156,9 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
         p = f"layers.{l}."
         for name in COLUMN:
             out[p + name] = strategy.param_annotation(l, "column")
-        for name in ("wk", "wv"):
-            out[p + name] = _replicate_unless_divides(out[p + name], 1, config.kv_heads)
+        if config.kv_heads != config.heads:
+            for name in ("wk", "wv"):
+                out[p + name] = _replicate_unless_divides(out[p + name], 1, config.kv_heads)
         for name in ROW:
             out[p + name] = strategy.param_annotation(l, "row")
         for name in NORMS:
