@@ -10,7 +10,7 @@ from hspmd.ir.init import uniform_bits
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ir import Binding
 from hspmd.runtime.run import DeviceState
-from hspmd.specialize.specialized import specialize
+from hspmd.specialize.specialized import specialize_graph
 from hspmd.specialize.strategy_text import parse_strategy
 
 
@@ -61,7 +61,7 @@ def test_the_generator_is_uniform_and_normal_is_normal():
 def test_every_rank_of_a_heterogeneous_strategy_starts_with_its_box_of_the_single_device_weights():
     strategy = parse_strategy("2x1: R0,1 L0-1 | R2 L2-3 ; 1x2: R3 L0-3")
     model = build_llama(LlamaConfig(layers=strategy.num_layers), [strategy])
-    spec = specialize(model.graph, 0, Binding.of({"B": 3, "S": 4, "T": 12 * 4}, ratios=strategy.micro_batch_ratios))
+    spec = specialize_graph(model.graph, 0, Binding.of({"B": 3, "S": 4, "T": 12 * 4}, ratios=strategy.micro_batch_ratios))
     seen = 0
     for device, exe in spec.executables.items():
         state = DeviceState.initial(exe, seed=5)
