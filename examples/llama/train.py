@@ -45,6 +45,8 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.backends.torch_dist import init_from_env
+from hspmd.runtime.elastic import ElasticTrainer, KillPoint
+from hspmd.runtime.membership import Membership, is_elastic
 from hspmd.runtime.trainer import DistributedTrainer
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import recover_strategy
@@ -63,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fail", action="append", default=[], metavar="STEP=RANK[,RANK]",
                    help="after STEP, these ranks' GPUs fail: the others recover (recover_strategy) and "
                         "keep training, the failed ranks stay idle; may repeat")
+    p.add_argument("--kill", action="append", default=[], metavar="STEP=RANK[:CALL]",
+                   help="under `hspmd run --elastic`: that rank SIGKILLs itself inside step STEP (at its CALL-th "
+                        "communication of the step, default 1); the others recover and finish; may repeat")
     p.add_argument("--seq", type=int, default=32, help="sequence length in characters")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -139,6 +144,10 @@ class StepReport:
 def main(argv=None) -> int:
     args = parse_args(argv)
     limit_threads()
+    if is_elastic():
+        return main_elastic(args)
+    if args.kill:
+        raise HSPMDError("--kill needs an elastic job: start it with `hspmd run -n N --elastic examples/llama/train.py`")
     backend = init_from_env()
     rank = backend.rank
     console = Console(width=100, highlight=False, soft_wrap=True)
@@ -205,6 +214,69 @@ def main(argv=None) -> int:
                        "world_size": backend.world_size, "strategy": args.strategy}, f, indent=1)
     backend.shutdown()
     return 0
+
+
+def main_elastic(args) -> int:
+    """Under `hspmd run --elastic`: ranks may die (for real, e.g. --kill); the survivors recover
+    (hspmd.runtime.elastic) and finish the run. The lowest surviving rank reports and writes the summary."""
+    if args.fail or args.resume:
+        raise HSPMDError("--fail and --resume are for plain jobs; an elastic job survives real deaths (--kill)")
+    membership = Membership.from_env()
+    corpus = CharCorpus()
+    strategy = parse_strategy(args.strategy)
+    rows = MicroBatchLayout.of(strategy).global_batch_size
+    config = LlamaConfig(vocab=corpus.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads, ffn=args.ffn)
+    switches = []
+    for text in args.switch:
+        step, sep, value = text.partition("=")
+        if not sep or not step.strip().isdigit():
+            raise HSPMDError(f"--switch {text!r}: write STEP=STRATEGY")
+        switches.append((int(step), parse_strategy(value)))
+    console = Console(width=100, highlight=False, soft_wrap=True)
+
+    def say(*a):
+        if membership.rank == min(membership.alive):
+            console.print(*a)
+
+    trainer = ElasticTrainer(lambda ss: build_llama(config, list(ss), optimizer=AdamW(lr=args.lr)).graph, strategy,
+                             membership, schedule=args.schedule, symbols={"S": args.seq, "T": rows * args.seq},
+                             seed=args.seed, kills=[KillPoint.parse(k) for k in args.kill], describe=format_strategy)
+    say(strategy.describe().rstrip())
+    say(f"elastic job: {membership.world_size} ranks; a rank that dies is left out and the others continue")
+    began = time.monotonic()
+    tick = [time.monotonic()]
+
+    def on_step(step, loss):
+        if loss is not None and (step % max(1, args.log_every) == 0 or step == args.steps):
+            say(f"step {step:>4}/{args.steps}  loss {loss:.4f}  {time.monotonic() - tick[0]:.2f}s")
+        tick[0] = time.monotonic()
+
+    def on_failure(failure):
+        say(f"rank(s) {list(failure.ranks)} died in step {failure.step}; survivors {list(membership.alive)} recovered in "
+            f"{failure.recovery_seconds:.2f}s, redo step {failure.step} under {failure.strategy}")
+        plan = trainer.trainer.last_switch
+        say(f"  one fused BSR moved {len(plan.names)} tensors in {plan.fused.messages} messages, "
+            f"{sum(plan.fused.bytes_sent.values()) / 2**20:.2f} MiB")
+
+    losses = trainer.train(args.steps, lambda k: corpus.batch(k, rows, args.seq, args.seed), switches,
+                           args.save_every, args.checkpoint, on_step, on_failure)
+    trainer.save(args.checkpoint)
+    seconds = time.monotonic() - began
+    say(f"finished {args.steps} steps on ranks {list(membership.alive)} in {seconds:.1f}s; "
+        f"checkpoint {os.path.abspath(args.checkpoint)}")
+    if membership.rank == min(membership.alive) and args.summary:
+        with open(args.summary, "w", encoding="utf-8") as f:
+            json.dump({"losses": [losses[k] for k in sorted(losses)], "start_step": 0, "steps": args.steps,
+                       "seconds": seconds, "checkpoint": os.path.abspath(args.checkpoint), "schedule": args.schedule,
+                       "world_size": membership.world_size, "strategy": args.strategy,
+                       "final_strategy": format_strategy(trainer.strategy), "survivors": list(membership.alive),
+                       "failures": [f.as_json() for f in trainer.failures]}, f, indent=1)
+    membership.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # gloo operations abandoned at a failure stay pending; exiting without running their
+    # destructors keeps them from holding the process until their timeout
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="torch.distributed backend (HSPMD_BACKEND)")
     parser.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--elastic", action="store_true",
+                        help="a rank that dies does not end the job: the launcher hosts the store and announces "
+                             "each death to the survivors, which recover without it (hspmd.runtime.elastic)")
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -46,7 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isfile(args.script):
         parser.error(f"script {args.script!r} does not exist")
     command = [sys.executable, args.script, *args.script_args]
-    return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace)
+    if args.elastic and args.backend != "gloo":
+        parser.error("--elastic runs over gloo (the per-generation groups are gloo groups)")
+    return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace, elastic=args.elastic)
 
 
 def launch(
@@ -57,13 +62,17 @@ def launch(
     grace: float = DEFAULT_GRACE_S,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    elastic: bool = False,
 ) -> int:
     """Run `command` as ranks 0..nprocs-1 and return the job's exit code (0 when all succeed).
 
     Output lines are forwarded prefixed with `[rank k]`. The first rank to exit non-zero decides
-    the exit code; the others are stopped and the failing rank's last stderr lines are repeated."""
+    the exit code; the others are stopped and the failing rank's last stderr lines are repeated.
+    `elastic`: the launcher hosts the rendezvous store and announces each rank's death there (a
+    new generation) instead of stopping the others; the job succeeds when a rank finishes."""
     out, err = stdout or sys.stdout, stderr or sys.stderr
-    port = port or free_port()
+    store = _host_store(port) if elastic else None
+    port = store.port if store is not None else port or free_port()
     stop = _StopRequest()
     previous_handlers = _install_stop_handlers(stop)
     ranks: list[_Rank] = []
@@ -73,11 +82,11 @@ def launch(
         for rank in range(nprocs):
             if stop.signal:
                 break
-            ranks.append(_start_rank(rank, command, nprocs, backend, port))
+            ranks.append(_start_rank(rank, command, nprocs, backend, port, elastic))
         # Pumps (threads) start only after every Popen: preexec_fn is not safe once threads run.
         pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
         if not stop.signal:
-            failed = _wait_for_end(ranks, stop)
+            failed = _wait_elastic(ranks, stop, store, err) if store is not None else _wait_for_end(ranks, stop)
     except KeyboardInterrupt:
         stop.signal = "SIGINT"
     finally:
@@ -101,7 +110,14 @@ class _Rank:
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
 
 
-def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int) -> _Rank:
+def _host_store(port: int | None):
+    """The elastic job's store lives in the launcher, so it outlives any rank."""
+    from torch.distributed import TCPStore  # torch only for elastic jobs: plain launches stay light
+
+    return TCPStore(LOOPBACK, port or 0, is_master=True, wait_for_workers=False)
+
+
+def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int, elastic: bool = False) -> _Rank:
     env = dict(os.environ)
     # Like torchrun: one intra-op thread per rank unless the user says otherwise, so N ranks on
     # few cores do not oversubscribe them (4 ranks on 2 cores were ~25x slower without it).
@@ -109,7 +125,7 @@ def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, po
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
-        HSPMD_BACKEND=backend, PYTHONUNBUFFERED="1",
+        HSPMD_BACKEND=backend, PYTHONUNBUFFERED="1", HSPMD_ELASTIC="1" if elastic else "0",
     )
     process = subprocess.Popen(
         list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -169,6 +185,27 @@ def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest") -> list[_Rank]:
         failed = [r for r, code in zip(ranks, codes) if code not in (None, 0)]
         if failed or all(code == 0 for code in codes):
             return failed
+        time.sleep(_POLL_S)
+    return []
+
+
+def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str]) -> list[_Rank]:
+    """Announce every rank that exits non-zero as dead (hspmd.runtime.elastic.announce_death) and
+    keep going while any rank runs. Returns [] if some rank finished, else the failed ranks."""
+    from hspmd.runtime.membership import announce_death  # torch only for elastic jobs, like _host_store
+
+    dead: list[_Rank] = []
+    while not stop.signal:
+        codes = [r.process.poll() for r in ranks]
+        newly = [r for r, code in zip(ranks, codes) if code not in (None, 0) and r not in dead]
+        if newly:
+            dead += newly
+            generation = announce_death(store, [r.rank for r in dead])
+            err.write(f"hspmd run: rank(s) {[r.rank for r in newly]} died ({_describe(newly[0].process.returncode)}); "
+                      f"survivors continue as generation {generation}\n")
+            err.flush()
+        if all(code is not None for code in codes):
+            return [] if any(code == 0 for code in codes) else dead
         time.sleep(_POLL_S)
     return []
 

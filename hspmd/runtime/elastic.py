@@ -1,0 +1,317 @@
+"""Elastic training: a rank whose process dies does not end the job.
+
+`ElasticTrainer` (over a hspmd.runtime.membership.Membership) runs steps as transactions. Each
+rank keeps the last few committed versions (step count, switches done) of its state; a failure
+anywhere (forward, backward, gradient sync, optimizer update, switch, checkpoint save) raises
+PeerLost on every survivor, which then
+  1. joins the next generation (the launcher's announcement names the dead ranks),
+  2. agrees through the store on the newest version every survivor has committed (the minimum of
+     the survivors' versions: a rank that finished the step's update while another did not rolls
+     back, so survivors never mix old and new weights),
+  3. derives the new strategy (`recover_strategy`; a cost-model replan can take its place) and moves
+     every lost piece from surviving replicas in one fused BSR (`plan_switch(..., failed=dead)`),
+  4. redoes the interrupted step from its start: no sample is lost or counted twice.
+
+Versions can differ by at most a few between survivors because every step ends with a loss
+all-reduce over all ranks of the strategy: nobody finishes step k+1 before everyone has entered the
+end of step k. Keeping `HISTORY` versions covers a step, a switch and a save in between.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.backends.generation import PeerLost
+from hspmd.errors import HSPMDError
+from hspmd.ir.graph import Graph
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.membership import Membership
+from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.specialize.strategy import Strategy
+from hspmd.switching import execute_switch, plan_switch, recover_strategy
+
+HISTORY = 4
+
+
+# ---- fault injection --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KillPoint:
+    """Rank `rank` SIGKILLs itself at its `call`-th backend call (0-based) counted from the start of
+    step `step` (1-based; the calls of a switch or save right after the step count with it)."""
+
+    step: int
+    rank: int
+    call: int = 1
+
+    @staticmethod
+    def parse(text: str) -> "KillPoint":
+        """STEP=RANK or STEP=RANK:CALL, as `--kill` takes it."""
+        step, sep, rest = text.partition("=")
+        rank, _, call = rest.partition(":")
+        try:
+            return KillPoint(int(step), int(rank), int(call) if call else 1)
+        except ValueError:
+            raise HSPMDError(f"--kill {text!r}: write STEP=RANK or STEP=RANK:CALL, e.g. --kill 20=3") from None
+
+
+class FaultInjector(Backend):
+    """Forwards to a backend and SIGKILLs this process at a KillPoint: a real, unannounced death
+    in the middle of whatever the step is doing. Before dying it notes where in the store."""
+
+    def __init__(self, inner: Backend, kills: Sequence[KillPoint], store: dist.Store | None = None):
+        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+        self.kills = [k for k in kills if k.rank == inner.rank]
+        self.store, self.step, self.calls, self.phase = store, 0, 0, "step"
+        if hasattr(inner, "post_sends"):
+            self.post_sends = self._post_sends
+
+    def begin(self, step: int, phase: str = "step") -> None:
+        if step != self.step:
+            self.step, self.calls = step, 0
+        self.phase = phase
+
+    def _tick(self, op: str) -> None:
+        for k in self.kills:
+            if k.step == self.step and k.call == self.calls:
+                if self.store is not None:
+                    self.store.set(f"elastic/killed/{self.rank}", f"step {self.step} call {self.calls}: {op} ({self.phase})")
+                os.kill(os.getpid(), signal.SIGKILL)
+        self.calls += 1
+
+    def prepare_groups(self, groups) -> None:
+        self.inner.prepare_groups(groups)
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        self._tick("all_reduce")
+        return self.inner.all_reduce(tensor, group)
+
+    def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
+        self._tick("all_gather")
+        return self.inner.all_gather(tensor, group, shapes)
+
+    def all_gather_joined(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> torch.Tensor:
+        self._tick("all_gather")
+        return self.inner.all_gather_joined(tensor, group, shapes)
+
+    def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
+        self._tick("reduce_scatter")
+        return self.inner.reduce_scatter(parts, group)
+
+    def exchange(self, sends, recvs) -> dict[int, torch.Tensor]:
+        self._tick("exchange")
+        return self.inner.exchange(sends, recvs)
+
+    def _post_sends(self, sends):
+        self._tick("send")
+        return self.inner.post_sends(sends)
+
+    def barrier(self, group: Group) -> None:
+        self._tick("barrier")
+        self.inner.barrier(group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+        self._tick("broadcast")
+        return self.inner.broadcast(tensor, src, group)
+
+
+# ---- the trainer --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Failure:
+    """Ranks lost at once, the step that was interrupted (1-based, redone after recovery), and the
+    seconds from noticing the failure to being ready to redo it."""
+
+    ranks: tuple[int, ...]
+    step: int
+    recovery_seconds: float
+    strategy: str = ""
+
+    def as_json(self) -> dict:
+        return {"ranks": list(self.ranks), "step": self.step, "recovery_seconds": self.recovery_seconds,
+                "strategy": self.strategy}
+
+
+@dataclass
+class _Version:
+    """A committed state: steps done, boundary actions done since, the trainer and its leaves."""
+
+    key: tuple[int, int]
+    trainer: DistributedTrainer
+    strategy: int
+    leaves: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class ElasticTrainer:
+    """DistributedTrainer over a Membership that survives the death of ranks.
+
+    build_graph(strategies) builds the model's graph annotated with each strategy of the list (the
+    same nodes every time; a recovery appends the recovered strategy). `describe(strategy)` names a
+    strategy in logs and the failure record."""
+
+    def __init__(self, build_graph: Callable[[Sequence[Strategy]], Graph], strategy: Strategy,
+                 membership: Membership, schedule: str = "1f1b", symbols: Mapping[str, int] | None = None,
+                 seed: int = 0, kills: Sequence[KillPoint] = (), describe: Callable[[Strategy], str] = str):
+        self.build_graph, self.membership = build_graph, membership
+        self.schedule, self.symbols, self.seed, self.describe = schedule, dict(symbols or {}), seed, describe
+        self.kills = tuple(kills)
+        self.strategies: list[Strategy] = [strategy]
+        self.graph = build_graph(self.strategies)
+        self.failures: list[Failure] = []
+        self.switches_done = 0
+        self.trainer = self._trainer(0)
+        self._history: list[_Version] = []
+        self._commit()
+
+    # ---- pieces -----------------------------------------------------------------------------------
+
+    def _backend(self) -> Backend:
+        return FaultInjector(self.membership.backend, self.kills, self.membership.store) if self.kills else self.membership.backend
+
+    def _trainer(self, index: int) -> DistributedTrainer:
+        strategy = self.strategies[index]
+        return DistributedTrainer(self.graph, index, self._backend(), MicroBatchLayout.of(strategy), self.schedule,
+                                  self.symbols, self.seed)
+
+    def _begin(self, phase: str) -> None:
+        if isinstance(self.trainer.backend, FaultInjector):
+            self.trainer.backend.begin(self.trainer.steps_done + (phase == "step"), phase)
+
+    def _commit(self) -> None:
+        version = _Version((self.trainer.steps_done, self.switches_done), self.trainer,
+                           self.trainer.spec.deduced.strategy, dict(self.trainer.state.leaves))
+        self._history = (self._history + [version])[-HISTORY:]
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.strategies[self.trainer.spec.deduced.strategy]
+
+    @property
+    def steps_done(self) -> int:
+        return self.trainer.steps_done
+
+    @property
+    def rank(self) -> int:
+        return self.membership.rank
+
+    # ---- transactions -------------------------------------------------------------------------------
+
+    def step(self, batch: Mapping[str, torch.Tensor]) -> float | None:
+        """One step; raises PeerLost (after which call recover()) if a rank died during it."""
+        self._begin("step")
+        loss = self.trainer.step(batch)
+        self._commit()
+        return loss
+
+    def switch(self, strategy: Strategy) -> None:
+        """A planned switch at a step boundary (collective). Targets naming dead ranks are first
+        recovered without them."""
+        lost = set(strategy.all_ranks) & self.membership.dead
+        target = recover_strategy(strategy, lost) if lost else strategy
+        self._begin("switch")
+        self._move_to(target, failed=())
+        self.switches_done += 1
+        self._commit()
+
+    def save(self, path) -> None:
+        """Collective checkpoint save at a step boundary (atomic file replace: a failure half-way
+        leaves the previous file)."""
+        self._begin("save")
+        self.trainer.save_checkpoint(path)
+
+    def _move_to(self, target: Strategy, failed: Sequence[int], leaves: Mapping[str, torch.Tensor] | None = None,
+                 source: int | None = None) -> None:
+        source = self.trainer.spec.deduced.strategy if source is None else source
+        leaves = self.trainer.state.leaves if leaves is None else leaves
+        steps = self.trainer.steps_done
+        self.strategies.append(target)
+        self.graph = self.build_graph(self.strategies)
+        index = len(self.strategies) - 1
+        plan = plan_switch(self.graph, source, index, failed=failed)
+        moved = execute_switch(plan, self._backend(), leaves)
+        nxt = self._trainer(index)
+        missing = set(nxt.state.leaves) - set(moved)
+        if missing:
+            raise HSPMDError(f"rank {self.rank}: the move to {self.describe(target)} delivered no piece of {sorted(missing)[:3]}")
+        nxt.state.leaves = {name: moved[name] for name in nxt.state.leaves}
+        nxt.state.step = steps
+        nxt.last_switch = plan
+        self.trainer = nxt
+
+    def train(self, steps: int, batch: Callable[[int], Mapping[str, torch.Tensor]],
+              switches: Sequence[tuple[int, Strategy]] = (), save_every: int = 0, save_path=None,
+              on_step: Callable[[int, float | None], None] | None = None,
+              on_failure: Callable[[Failure], None] | None = None) -> dict[int, float | None]:
+        """Train until `steps` steps are done, surviving deaths: {step (1-based): loss}.
+
+        batch(k) is the global batch of step k+1 (the same on every rank); `switches` are planned
+        switches (after step, to strategy), `save_every` saves to `save_path` every N steps. A
+        step, switch or save interrupted by a death is redone after recovery."""
+        planned = sorted(switches, key=lambda s: s[0])
+        losses: dict[int, float | None] = {}
+        saved = self.steps_done
+        while self.steps_done < steps:
+            try:
+                done = self.steps_done
+                pending = [(at, s) for i, (at, s) in enumerate(planned) if i >= self.switches_done and at == done]
+                if pending:
+                    self.switch(pending[0][1])
+                    continue
+                if save_every and save_path is not None and done % save_every == 0 and done != saved:
+                    self.save(save_path)
+                    saved = done
+                loss = self.step(batch(done))
+                losses[done + 1] = loss
+                if on_step is not None:
+                    on_step(done + 1, loss)
+            except PeerLost:
+                failure = self.recover(time.monotonic())
+                for k in [k for k in losses if k >= failure.step]:
+                    del losses[k]
+                if on_failure is not None:
+                    on_failure(failure)
+        return losses
+
+    def recover(self, noticed: float | None = None) -> Failure:
+        """After PeerLost: join the next generation, roll back to the newest version every survivor
+        committed, move to a strategy without the dead ranks, and return the Failure record.
+        Retries if another rank dies meanwhile."""
+        noticed = time.monotonic() if noticed is None else noticed
+        before = set(self.membership.dead)
+        while True:
+            try:
+                self.membership.next_generation()
+                versions = self.membership.agree("version", self._history[-1].key[0] * 1_000_000 + self._history[-1].key[1])
+                agreed = min(versions)
+                version = next((v for v in self._history if v.key[0] * 1_000_000 + v.key[1] == agreed), None)
+                if version is None:
+                    raise HSPMDError(f"rank {self.rank}: survivors agreed on version {divmod(agreed, 1_000_000)} but this "
+                                     f"rank only kept {[v.key for v in self._history]}")
+                self.trainer, self.switches_done = version.trainer, version.key[1]
+                self.trainer.state.step = version.key[0]
+                self.trainer.state.accum.clear()
+                dead = set(self.membership.dead)
+                old = self.strategies[version.strategy]
+                target = recover_strategy(old, dead & set(old.all_ranks)) if dead & set(old.all_ranks) else old
+                self._move_to(target, failed=sorted(dead & set(old.all_ranks)), leaves=dict(version.leaves),
+                              source=version.strategy)
+                self._history = []
+                self._commit()
+                break
+            except PeerLost:
+                continue
+        failure = Failure(tuple(sorted(set(self.membership.dead) - before)), self.trainer.steps_done + 1,
+                          time.monotonic() - noticed, self.describe(self.strategy))
+        self.failures.append(failure)
+        return failure
+
+
+__all__ = ["ElasticTrainer", "Failure", "FaultInjector", "KillPoint"]

@@ -1,0 +1,126 @@
+"""Membership of an elastic job: which ranks are alive, and a backend over them.
+
+The *authority* (the launcher of `hspmd run --elastic`, which hosts the rendezvous store and sees
+every rank's process exit) announces each death as a new *generation*: it writes the cumulative set
+of dead ranks under ``elastic/dead/{g}`` and then bumps the counter ``elastic/generation``. It plays
+the part of torchft's Lighthouse (a quorum service), but from process exits rather than
+heartbeats, so a death is known within one poll of the launcher (50 ms). Every rank has a
+`Membership`: the store client, the current generation's backend (fresh gloo groups among the
+living ranks, hspmd.backends.generation) and a watcher thread that aborts that backend the moment
+a newer generation is announced, so no survivor stays blocked on a peer that gave up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import torch.distributed as dist
+
+from hspmd.backends.generation import GenerationBackend, PeerLost
+from hspmd.errors import HSPMDError
+
+GENERATION_KEY = "elastic/generation"
+ELASTIC_ENV = "HSPMD_ELASTIC"
+HISTORY = 4
+_POLL_S = 0.02
+
+
+def dead_key(generation: int) -> str:
+    return f"elastic/dead/{generation}"
+
+
+def announce_death(store: dist.Store, dead: Sequence[int]) -> int:
+    """The authority's side: start the next generation without `dead` (all ranks dead so far)."""
+    generation = int(store.add(GENERATION_KEY, 0)) + 1
+    store.set(dead_key(generation), json.dumps(sorted(set(dead))))
+    store.add(GENERATION_KEY, 1)
+    return generation
+
+
+def is_elastic() -> bool:
+    """True in the ranks of `hspmd run --elastic`."""
+    return os.environ.get(ELASTIC_ENV) == "1"
+
+
+class Membership:
+    """One rank's view of the living ranks of an elastic job, and a backend over them."""
+
+    def __init__(self, rank: int, world_size: int, host: str, port: int, timeout: float = 300.0,
+                 rendezvous_timeout: float = 60.0):
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        connect = dict(is_master=False, timeout=timedelta(seconds=rendezvous_timeout))
+        self.store = dist.TCPStore(host, port, **connect)
+        self._watch_store = dist.TCPStore(host, port, **connect)  # the watcher's own connection
+        self.generation, self.dead = 0, frozenset()
+        self.backend = GenerationBackend(self.store, 0, range(world_size), rank, world_size, timeout)
+        self._closed = False
+        threading.Thread(target=self._watch, daemon=True, name="hspmd-membership").start()
+
+    @staticmethod
+    def from_env(timeout: float = 300.0) -> "Membership":
+        """Join the elastic job described by the torchrun-style variables `hspmd run --elastic` sets."""
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing or not is_elastic():
+            raise HSPMDError("Membership.from_env(): start the script with `hspmd run -n N --elastic script.py` "
+                             f"(missing: {', '.join(missing) or ELASTIC_ENV + '=1'})")
+        return Membership(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
+                          int(os.environ["MASTER_PORT"]), timeout)
+
+    @property
+    def alive(self) -> tuple[int, ...]:
+        return tuple(r for r in range(self.world_size) if r not in self.dead)
+
+    def _watch(self) -> None:
+        while not self._closed:
+            try:
+                announced = int(self._watch_store.add(GENERATION_KEY, 0))
+            except Exception:  # noqa: BLE001 - the store is gone: the launcher ended the job
+                self.backend.abort()
+                return
+            if announced > self.backend.generation:
+                self.backend.abort()
+            time.sleep(_POLL_S)
+
+    def next_generation(self, deadline_s: float = 60.0) -> GenerationBackend:
+        """After a failure: wait for the authority to announce the next generation (a death is
+        announced within a poll of the launcher), then form its groups among the living ranks."""
+        end = time.monotonic() + deadline_s
+        while True:
+            announced = int(self.store.add(GENERATION_KEY, 0))
+            if announced > self.generation:
+                break
+            if time.monotonic() > end:
+                raise HSPMDError(f"rank {self.rank}: a collective failed but no rank death was announced within "
+                                 f"{deadline_s:g}s; is the job running under `hspmd run --elastic`?")
+            time.sleep(_POLL_S)
+        self.backend.abort()
+        self.generation = announced
+        self.dead = frozenset(json.loads(self.store.get(dead_key(announced))))
+        if self.rank in self.dead:
+            raise HSPMDError(f"rank {self.rank} was declared dead by the launcher (generation {announced})")
+        self.backend = GenerationBackend(self.store, announced, self.alive, self.rank, self.world_size, self.timeout)
+        return self.backend
+
+    def agree(self, name: str, value: int) -> list[int]:
+        """Every living rank's `value` of `name` in this generation (a store round, no collective,
+        so it works before any group exists); raises PeerLost if a newer generation starts."""
+        prefix = f"g{self.generation}/agree/{name}/"
+        self.store.set(prefix + str(self.rank), str(value))
+        keys = [prefix + str(r) for r in self.alive]
+        while True:
+            if int(self.store.add(GENERATION_KEY, 0)) > self.generation:
+                raise PeerLost(f"rank {self.rank}: another rank failed while agreeing on {name}")
+            if self.store.check(keys):
+                return [int(self.store.get(k)) for k in keys]
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+__all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "dead_key", "is_elastic"]
