@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast equivalence multiprocess bench clean
+.PHONY: demo test test-fast equivalence multiprocess elastic bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ equivalence: $(STAMP)
 
 multiprocess: $(STAMP)
 	$(PY) -m pytest -q -m multiprocess
+
+elastic: $(STAMP)
+	$(PY) -m pytest -q -m elastic_full tests/test_elastic.py
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done

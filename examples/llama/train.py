@@ -207,7 +207,7 @@ def main(argv=None) -> int:
         say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps} "
             f"({seconds:.1f}s, {seconds / len(losses):.2f}s/step)")
     say(f"checkpoint: {os.path.abspath(args.checkpoint)} (step {trainer.steps_done})")
-    if rank == 0 and args.summary:
+    if rank == trainer.devices[0] and args.summary:  # the lowest rank still training
         with open(args.summary, "w", encoding="utf-8") as f:
             json.dump({"losses": losses, "start_step": start, "steps": args.steps, "seconds": seconds,
                        "checkpoint": os.path.abspath(args.checkpoint), "schedule": args.schedule,

@@ -33,7 +33,7 @@ from hspmd.backends.generation import PeerLost
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.membership import Membership
+from hspmd.runtime.membership import Membership, killed_key
 from hspmd.runtime.trainer import DistributedTrainer
 from hspmd.specialize.strategy import Strategy
 from hspmd.switching import execute_switch, plan_switch, recover_strategy
@@ -43,24 +43,35 @@ HISTORY = 4
 
 # ---- fault injection --------------------------------------------------------------------------------
 
+PHASES = ("step", "switch", "save")
+
+
 @dataclass(frozen=True)
 class KillPoint:
-    """Rank `rank` SIGKILLs itself at its `call`-th backend call (0-based) counted from the start of
-    step `step` (1-based; the calls of a switch or save right after the step count with it)."""
+    """Rank `rank` SIGKILLs itself at its `call`-th backend call (0-based) of `phase` around step
+    `step` (1-based): phase "step" counts from the start of the step (forward and backward
+    transfers and collectives, gradient synchronisation, the loss all-reduce), "switch" and
+    "save" count within a planned switch or checkpoint save right after step `step`."""
 
     step: int
     rank: int
     call: int = 1
+    phase: str = "step"
 
     @staticmethod
     def parse(text: str) -> "KillPoint":
-        """STEP=RANK or STEP=RANK:CALL, as `--kill` takes it."""
-        step, sep, rest = text.partition("=")
+        """STEP=RANK[:CALL][@PHASE], as `--kill` takes it (e.g. 20=3, 20=3:7, 20=3:0@save)."""
+        step, _, rest = text.partition("=")
+        rest, _, phase = rest.partition("@")
         rank, _, call = rest.partition(":")
         try:
-            return KillPoint(int(step), int(rank), int(call) if call else 1)
+            point = KillPoint(int(step), int(rank), int(call) if call else 1, phase or "step")
         except ValueError:
-            raise HSPMDError(f"--kill {text!r}: write STEP=RANK or STEP=RANK:CALL, e.g. --kill 20=3") from None
+            point = None
+        if point is None or point.phase not in PHASES:
+            raise HSPMDError(f"--kill {text!r}: write STEP=RANK[:CALL][@PHASE] with PHASE one of {', '.join(PHASES)}, "
+                             f"e.g. --kill 20=3")
+        return point
 
 
 class FaultInjector(Backend):
@@ -75,15 +86,13 @@ class FaultInjector(Backend):
             self.post_sends = self._post_sends
 
     def begin(self, step: int, phase: str = "step") -> None:
-        if step != self.step:
-            self.step, self.calls = step, 0
-        self.phase = phase
+        self.step, self.phase, self.calls = step, phase, 0
 
     def _tick(self, op: str) -> None:
         for k in self.kills:
-            if k.step == self.step and k.call == self.calls:
+            if (k.step, k.phase, k.call) == (self.step, self.phase, self.calls):
                 if self.store is not None:
-                    self.store.set(f"elastic/killed/{self.rank}", f"step {self.step} call {self.calls}: {op} ({self.phase})")
+                    self.store.set(killed_key(self.rank), f"step {self.step} {self.phase} call {self.calls}: {op}")
                 os.kill(os.getpid(), signal.SIGKILL)
         self.calls += 1
 
@@ -163,6 +172,7 @@ class ElasticTrainer:
         self.build_graph, self.membership = build_graph, membership
         self.schedule, self.symbols, self.seed, self.describe = schedule, dict(symbols or {}), seed, describe
         self.kills = tuple(kills)
+        self._injector: FaultInjector | None = None
         self.strategies: list[Strategy] = [strategy]
         self.graph = build_graph(self.strategies)
         self.failures: list[Failure] = []
@@ -174,7 +184,13 @@ class ElasticTrainer:
     # ---- pieces -----------------------------------------------------------------------------------
 
     def _backend(self) -> Backend:
-        return FaultInjector(self.membership.backend, self.kills, self.membership.store) if self.kills else self.membership.backend
+        """The current generation's backend (behind one FaultInjector per generation if kills are planned)."""
+        inner = self.membership.backend
+        if not self.kills:
+            return inner
+        if self._injector is None or self._injector.inner is not inner:
+            self._injector = FaultInjector(inner, self.kills, self.membership.store)
+        return self._injector
 
     def _trainer(self, index: int) -> DistributedTrainer:
         strategy = self.strategies[index]
@@ -182,8 +198,9 @@ class ElasticTrainer:
                                   self.symbols, self.seed)
 
     def _begin(self, phase: str) -> None:
-        if isinstance(self.trainer.backend, FaultInjector):
-            self.trainer.backend.begin(self.trainer.steps_done + (phase == "step"), phase)
+        backend = self._backend()
+        if isinstance(backend, FaultInjector):
+            backend.begin(self.trainer.steps_done + (phase == "step"), phase)
 
     def _commit(self) -> None:
         version = _Version((self.trainer.steps_done, self.switches_done), self.trainer,

@@ -192,7 +192,7 @@ def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest") -> list[_Rank]:
 def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str]) -> list[_Rank]:
     """Announce every rank that exits non-zero as dead (hspmd.runtime.elastic.announce_death) and
     keep going while any rank runs. Returns [] if some rank finished, else the failed ranks."""
-    from hspmd.runtime.membership import announce_death  # torch only for elastic jobs, like _host_store
+    from hspmd.runtime.membership import announce_death, killed_note  # torch only for elastic jobs, like _host_store
 
     dead: list[_Rank] = []
     while not stop.signal:
@@ -201,7 +201,8 @@ def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str])
         if newly:
             dead += newly
             generation = announce_death(store, [r.rank for r in dead])
-            err.write(f"hspmd run: rank(s) {[r.rank for r in newly]} died ({_describe(newly[0].process.returncode)}); "
+            where = "".join(f"; rank {r.rank} killed itself at {note}" for r in newly if (note := killed_note(store, r.rank)))
+            err.write(f"hspmd run: rank(s) {[r.rank for r in newly]} died ({_describe(newly[0].process.returncode)}{where}); "
                       f"survivors continue as generation {generation}\n")
             err.flush()
         if all(code is not None for code in codes):

@@ -42,6 +42,15 @@ def announce_death(store: dist.Store, dead: Sequence[int]) -> int:
     return generation
 
 
+def killed_key(rank: int) -> str:
+    return f"elastic/killed/{rank}"
+
+
+def killed_note(store: dist.Store, rank: int) -> str:
+    """Where an injected fault killed `rank` (hspmd.runtime.elastic.FaultInjector), or ''."""
+    return store.get(killed_key(rank)).decode() if store.check([killed_key(rank)]) else ""
+
+
 def is_elastic() -> bool:
     """True in the ranks of `hspmd run --elastic`."""
     return os.environ.get(ELASTIC_ENV) == "1"
@@ -123,4 +132,4 @@ class Membership:
         self._closed = True
 
 
-__all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "dead_key", "is_elastic"]
+__all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "dead_key", "is_elastic", "killed_key", "killed_note"]
