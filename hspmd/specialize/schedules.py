@@ -7,16 +7,27 @@ Backend. Every pipeline follows its own schedule: its own stage count and micro-
 
     gpipe   every forward, then every backward: simple, but a stage keeps all M micro-batches'
             activations alive at once.
-    1f1b    warm-up of (stages - stage - 1) forwards, then one forward / one backward in turn,
-            then the remaining backwards: a stage keeps at most min(stages - stage, M) alive.
+    1f1b    N forwards before the first backward, then one backward / one forward in turn, then
+            the remaining backwards: a stage keeps at most min(N, M) alive. Classic 1F1B has
+            N = stages - stage; a warm-up vector (one N per stage) gives the variants below.
 
-Both are deadlock-free when stage-to-stage sends do not wait for their receiver (the executor
-posts sends without waiting); `simulate` checks that for any set of per-stage orders and gives
-the unit-time timeline that `render_timeline` prints.
+Warm-up vectors (HAPT eq. 2/10, HetAuto section 5.1): N_last = 1 and N_i = N_{i+1} + delta_i for
+the link after stage i, where delta is the number of extra micro-batches in flight that hide that
+link's transfer: `1f1b` delta = 1 (no hiding), `eager` delta = 2 (hides c <= (f+b)/2 on every
+link), `h1f1b` delta = 1, 2 or 3 by the link's cost (hides up to f+b, only where needed),
+`virtual` delta = 2 at slow (cross-cluster) links and 1 elsewhere (Virtual-1F1B). Schedule names
+take an explicit vector too: "1f1b:5,2,1".
+
+Any vector that never increases along the pipeline (N_i >= N_{i+1} >= 1) is deadlock-free when
+stage-to-stage sends do not wait for their receiver (the executor posts sends without waiting):
+before stage i waits for B(j), it has sent F(j + N_i - 1), which covers what stage i+1 needs
+before its own B(j). `simulate` checks any set of per-stage orders and gives the unit-time
+timeline that `render_timeline` prints.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -60,26 +71,106 @@ def gpipe(stages: int, stage: int, micro_batches: int) -> Schedule:
     )
 
 
-def one_f_one_b(stages: int, stage: int, micro_batches: int) -> Schedule:
-    """PipeDream-flush 1F1B: warm-up forwards, steady forward/backward pairs, cool-down backwards."""
+def one_f_one_b(stages: int, stage: int, micro_batches: int, warmup: int | None = None) -> Schedule:
+    """1F1B with `warmup` forwards launched before the first backward (HAPT's N_i; default
+    stages - stage, PipeDream-flush), then backward/forward pairs, then the remaining backwards."""
     _check_shape(stages, stage, micro_batches)
-    warmup = min(stages - stage - 1, micro_batches)
-    order = [Action(FORWARD, m) for m in range(warmup)]
-    for i in range(micro_batches - warmup):
-        order += [Action(FORWARD, warmup + i), Action(BACKWARD, i)]
-    order += [Action(BACKWARD, m) for m in range(micro_batches - warmup, micro_batches)]
+    n = stages - stage if warmup is None else warmup
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise HSPMDError(f"schedule: stage {stage}'s warm-up must be an integer >= 1 (forwards before the first backward), got {n!r}")
+    n = min(n, micro_batches)
+    order = [Action(FORWARD, m) for m in range(n)]
+    for i in range(micro_batches - n):
+        order += [Action(BACKWARD, i), Action(FORWARD, n + i)]
+    order += [Action(BACKWARD, m) for m in range(micro_batches - n, micro_batches)]
     return tuple(order)
+
+
+WARMUP_POLICIES = ("1f1b", "eager", "h1f1b", "virtual")
+
+
+def link_delta(policy: str, link_time: float, t_max: float, eps: float = 0.05) -> int:
+    """Extra micro-batches in flight across one link under `policy` (module docstring). For h1f1b,
+    HAPT eq. 2: 1 if c <= eps t_max, 2 if c <= t_max / 2, 3 if c <= t_max; beyond t_max (where
+    no warm-up hides the link) eq. 10's ceil(1 + 2c / t_max)."""
+    if policy == "1f1b":
+        return 1
+    if policy == "eager":
+        return 2
+    slow = link_time > eps * t_max
+    if policy == "virtual":
+        return 2 if slow else 1
+    if not slow:
+        return 1
+    if link_time <= t_max / 2:
+        return 2
+    if link_time <= t_max:
+        return 3
+    return math.ceil(1 + 2 * link_time / t_max)
+
+
+def warmup_vector(policy: str, stage_times: Sequence[float], link_times: Sequence[float] = (),
+                  eps: float = 0.05) -> tuple[int, ...]:
+    """Forwards each stage launches before its first backward: N_last = 1, N_i = N_{i+1} + delta_i.
+    stage_times: forward + backward per micro-batch of each stage; link_times: the transfer time
+    between stage i and i+1 (len = stages - 1; all 0 if omitted)."""
+    key = str(policy).lower()
+    if key not in WARMUP_POLICIES:
+        raise HSPMDError(f"unknown warm-up policy {policy!r}: {closest_hint(str(policy), WARMUP_POLICIES)}")
+    times = [float(t) for t in stage_times]
+    if not times or any(not t >= 0 for t in times):
+        raise HSPMDError(f"warmup_vector: stage_times must be one non-negative time per stage, got {list(stage_times)}")
+    links = [float(c) for c in link_times] or [0.0] * (len(times) - 1)
+    if len(links) != len(times) - 1 or any(not c >= 0 for c in links):
+        raise HSPMDError(f"warmup_vector: give {len(times) - 1} non-negative link time(s) for {len(times)} stages, "
+                         f"got {list(link_times)}")
+    t_max = max(times)
+    vector = [1]
+    for c in reversed(links):
+        vector.append(vector[-1] + link_delta(key, c, t_max, eps))
+    return tuple(reversed(vector))
+
+
+def check_warmup(vector: Sequence[int], stages: int) -> tuple[int, ...]:
+    """A warm-up vector that is deadlock-free: one integer >= 1 per stage, never increasing."""
+    vector = tuple(vector)
+    if len(vector) != stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in vector):
+        raise HSPMDError(f"warm-up vector {list(vector)}: give one integer >= 1 per stage ({stages} stage(s))")
+    rising = [i for i in range(stages - 1) if vector[i] < vector[i + 1]]
+    if rising:
+        raise HSPMDError(f"warm-up vector {list(vector)} increases after stage {rising[0]}: a stage must launch at least "
+                         f"as many forwards before its first backward as the next one, or the pipeline deadlocks")
+    return vector
 
 
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
+def _parse_vector(name: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise HSPMDError(f"schedule {name!r}: the warm-up vector after ':' must be integers separated by commas") from None
+
+
 def schedule_for(name: str, stages: int, stage: int, micro_batches: int) -> Schedule:
-    """The order of schedule `name` ("gpipe" or "1f1b") for one stage."""
-    key = str(name).lower()
-    if key not in SCHEDULES:
-        raise HSPMDError(f"unknown pipeline schedule {name!r}: {closest_hint(str(name), tuple(SCHEDULES))}")
-    return SCHEDULES[key](stages, stage, micro_batches)
+    """The order of schedule `name` for one stage: "gpipe", "1f1b", "eager" (delta 2 on every
+    link), or a 1F1B policy with an explicit warm-up vector, "1f1b:5,2,1" / "h1f1b:5,2,1"."""
+    text = str(name).lower().strip()
+    key, _, vector_text = text.partition(":")
+    if key == "gpipe" and not vector_text:
+        return gpipe(stages, stage, micro_batches)
+    if key not in WARMUP_POLICIES:
+        raise HSPMDError(f"unknown pipeline schedule {name!r}: {closest_hint(key, tuple(SCHEDULES) + WARMUP_POLICIES[1:])}")
+    if vector_text:
+        vector = check_warmup(_parse_vector(name, vector_text), stages)
+    elif key in ("h1f1b", "virtual"):
+        raise HSPMDError(f"schedule {name!r} depends on stage and link times: compute its warm-up vector with "
+                         f"warmup_vector({key!r}, stage_times, link_times) and pass it as '{key}:N1,N2,...'")
+    else:
+        vector = warmup_vector(key, [1.0] * stages)
+    _check_shape(stages, stage, micro_batches)
+    return one_f_one_b(stages, stage, micro_batches, vector[stage])
 
 
 def pipeline_schedule(name: str, stages: int, micro_batches: int) -> tuple[Schedule, ...]:
@@ -193,6 +284,7 @@ def describe_schedule(name: str, stages: int, micro_batches: int) -> str:
 
 
 __all__ = [
-    "Action", "BACKWARD", "FORWARD", "SCHEDULES", "Schedule", "Timeline", "check_order", "describe_schedule",
-    "gpipe", "one_f_one_b", "peak_in_flight", "pipeline_schedule", "render_timeline", "schedule_for", "simulate",
+    "Action", "BACKWARD", "FORWARD", "SCHEDULES", "Schedule", "Timeline", "WARMUP_POLICIES", "check_order",
+    "check_warmup", "describe_schedule", "gpipe", "link_delta", "one_f_one_b", "peak_in_flight", "pipeline_schedule",
+    "render_timeline", "schedule_for", "simulate", "warmup_vector",
 ]
