@@ -233,7 +233,7 @@ class CostModel:
         """AdamW over `parameters` fp32 values on one device: memory-bound, reads parameter, gradient
         and two moments and writes three of them (7 x 4 bytes per parameter), `tensors` launches."""
         dev = self.device(device)
-        return self.kernel_time(Kernel("elementwise", 0.0, 28.0 * parameters, tensors), dev)
+        return self.kernel_time(Kernel("elementwise", 0.0, 28.0 * parameters / max(1, tensors), max(1, tensors)), dev)
 
     # ---- memory ---------------------------------------------------------------------------------
 

@@ -1,0 +1,156 @@
+"""A Strategy on a cluster, priced by a CostModel, as simulator input (levels 0 and 1).
+
+Per stage: forward/backward of its layers on its first device's type at its TP degree, with the
+TP all-reduces on its own ranks; the embedding on the first stage, the LM head and loss on the
+last. Between stages: one activation (forward) or gradient (backward) message of micro-batch x
+sequence x hidden elements on the link between the two stages' first ranks (BSR spreads the
+senders, so a TP group sends no more than that at once). Gradient sync: stages that hold the
+same layers in different pipelines form one group; its time is, per set of holders, a ring
+all-reduce of those layers' gradients (the smallest TP shard) over the holders' first ranks (an
+approximation of SplitAllReduce). Update: AdamW over the stage's parameters (divided by the
+number of pipelines with ZeRO-1). Memory: the CostModel's per-stage memory with the schedule's
+peak in-flight micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from hspmd.errors import HSPMDError
+from hspmd.planning.cost import CostModel, StageShape
+from hspmd.planning.simulator import SimLink, SimPipeline, SimResult, SimStage, closed_form, simulate_pipelines
+from hspmd.specialize.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """What the simulator needs besides the strategy: sequence length, schedule and shapes."""
+
+    pipelines: tuple[SimPipeline, ...]
+    sync_groups: tuple[tuple[tuple[int, int], ...], ...]
+
+
+def _shape(strategy: Strategy, p: int, s: int) -> StageShape:
+    pipe = strategy.pipelines[p]
+    stage = pipe.stages[s]
+    return StageShape(len(stage.layers), stage.tp, s == 0, s == len(pipe.stages) - 1,
+                      strategy.num_pipelines, strategy.zero, bool(getattr(stage, "recompute", False)))
+
+
+def _sync_groups(strategy: Strategy) -> list[list[tuple[int, int]]]:
+    """Connected components of stages that share a layer across pipelines."""
+    parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def find(k):
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    for layer in range(strategy.num_layers):
+        holders = [(p, strategy.stage_of(layer, p)) for p in range(strategy.num_pipelines)]
+        for h in holders[1:]:
+            parent[find(h)] = find(holders[0])
+    for p, pipe in enumerate(strategy.pipelines):
+        for s in range(len(pipe.stages)):
+            find((p, s))
+        # embedding and head are shared by every pipeline's first and last stages
+        parent[find((p, 0))] = find((0, 0))
+        parent[find((p, len(pipe.stages) - 1))] = find((0, len(strategy.pipelines[0].stages) - 1))
+    groups: dict = {}
+    for k in sorted(parent):
+        groups.setdefault(find(k), []).append(k)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _sync_seconds(strategy: Strategy, cost: CostModel, group: Sequence[tuple[int, int]]) -> float:
+    if strategy.num_pipelines < 2:
+        return 0.0
+    m = cost.model
+    by_holders: dict[tuple[int, ...], float] = {}
+    for layer in range(strategy.num_layers):
+        stages = [strategy.stage_holding(layer, p) for p in range(strategy.num_pipelines)]
+        if (0, strategy.stage_of(layer, 0)) not in group:
+            continue
+        holders = tuple(st.ranks[0] for st in stages)
+        by_holders[holders] = by_holders.get(holders, 0.0) + m.layer_parameters() * m.itemsize / min(st.tp for st in stages)
+    for first in (True, False):
+        stages = [p.stages[0] if first else p.stages[-1] for p in strategy.pipelines]
+        key = (0, 0) if first else (0, len(strategy.pipelines[0].stages) - 1)
+        if key in group:
+            holders = tuple(st.ranks[0] for st in stages)
+            size = m.embedding_parameters() if first else m.head_parameters()
+            by_holders[holders] = by_holders.get(holders, 0.0) + size * m.itemsize / min(st.tp for st in stages)
+    return sum(cost.collective("all_reduce", nbytes, holders) for holders, nbytes in by_holders.items())
+
+
+def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: int | None = None,
+             micro_batch_size: int | None = None) -> PlannedRun:
+    """The simulator's pipelines for `strategy` (module docstring). A pipeline's own `schedule`
+    attribute, where the strategy has one, wins over `schedule`."""
+    seq = seq or cost.model.seq_len
+    groups = _sync_groups(strategy)
+    group_of = {k: g for g in groups for k in g}
+    sync_cache: dict[int, float] = {}
+    pipelines = []
+    for p, pipe in enumerate(strategy.pipelines):
+        mbs = pipe.micro_batch_size or micro_batch_size or 1
+        m = pipe.micro_batches or 1
+        stages, links = [], []
+        for s, stage in enumerate(pipe.stages):
+            shape = _shape(strategy, p, s)
+            device = stage.ranks[0]
+            f, b = cost.stage_time(device, shape, mbs, seq, tp_group=stage.ranks)
+            f0, b0 = cost.stage_time(device, shape, mbs, seq)
+            group = group_of.get((p, s))
+            sync = 0.0
+            if group is not None:
+                gid = id(group)
+                if gid not in sync_cache:
+                    sync_cache[gid] = _sync_seconds(strategy, cost, group)
+                sync = sync_cache[gid]
+            params = cost.stage_parameters(shape)
+            update = cost.update_time(device, params / (shape.dp if shape.zero else 1), tensors=9 * shape.layers + 1)
+            one = cost.memory(shape, 1, mbs, seq)
+            stages.append(SimStage(tuple(stage.ranks), f, b, f - f0, b - b0, sync, update,
+                                   one.weights + one.gradients + one.optimizer, one.activations))
+            if s + 1 < len(pipe.stages):
+                nbytes = mbs * seq * cost.model.hidden * cost.model.itemsize
+                t = cost.p2p(nbytes, (stage.ranks[0], pipe.stages[s + 1].ranks[0]))
+                links.append(SimLink(t, t))
+        policy = getattr(pipe, "schedule", None) or schedule
+        pipelines.append(SimPipeline(tuple(stages), tuple(links), m, policy))
+    return PlannedRun(tuple(pipelines), tuple(tuple(g) for g in groups))
+
+
+def simulate_strategy(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: int | None = None,
+                      micro_batch_size: int | None = None) -> SimResult:
+    """Level 1 simulation of one training step of `strategy`."""
+    run = plan_run(strategy, cost, schedule, seq, micro_batch_size)
+    return simulate_pipelines(run.pipelines, run.sync_groups)
+
+
+def estimate_strategy(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: int | None = None,
+                      micro_batch_size: int | None = None) -> float:
+    """Level 0: the closed form per pipeline (slowest pipeline), plus sync and update."""
+    run = plan_run(strategy, cost, schedule, seq, micro_batch_size)
+    worst = 0.0
+    for pipe in run.pipelines:
+        if pipe.warmup() is None and len(pipe.stages) > 1:
+            # GPipe: all forwards then all backwards
+            f = [s.forward for s in pipe.stages]
+            b = [s.backward for s in pipe.stages]
+            t = sum(f) + (pipe.micro_batches - 1) * max(f) + sum(b) + (pipe.micro_batches - 1) * max(b)
+            t += 2 * sum(l.forward + l.backward for l in pipe.links) / 2
+            t += max(s.sync + s.update for s in pipe.stages)
+        else:
+            t = closed_form([s.forward + s.backward for s in pipe.stages], pipe.micro_batches,
+                            [l.forward for l in pipe.links], max(s.sync for s in pipe.stages),
+                            max(s.update for s in pipe.stages))
+        worst = max(worst, t)
+    if not run.pipelines:
+        raise HSPMDError("estimate_strategy: the strategy has no pipelines")
+    return worst
+
+
+__all__ = ["PlannedRun", "estimate_strategy", "plan_run", "simulate_strategy"]
