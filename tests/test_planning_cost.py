@@ -50,7 +50,7 @@ def test_roofline_layer_time_scales_with_peak_and_gamma():
     cluster = parse_cluster("hetu-h800-h20")
     m = MODELS["llama-32b-hetu"]
     fast, slow = CostModel(cluster, m).layer_time(0, 4), CostModel(cluster, m).layer_time(16, 4)
-    assert fast[1] == pytest.approx(2 * fast[0]) and slow[0] > 4 * fast[0]
+    assert fast[1] == pytest.approx(2 * fast[0], rel=0.05) and slow[0] > 4 * fast[0]  # matmuls dominate: B ~ 2F
     gemm_bound = sum(k.flops for k in m.layer_kernels(1, m.seq_len, 4) if k.cls in ("gemm", "attn")) / 990e12
     assert fast[0] >= gemm_bound
     slowed = CostModel(cluster, m, {"*": Efficiency(gamma={"gemm": 2.0, "attn": 2.0})}).layer_time(0, 4)
@@ -58,7 +58,7 @@ def test_roofline_layer_time_scales_with_peak_and_gamma():
     recomputed = CostModel(cluster, m).layer_time(0, 4, recompute=True)
     assert recomputed == pytest.approx((fast[0], fast[1] + fast[0]))
     delta = CostModel(cluster, m, {"*": Efficiency(delta={"misc": 1e-3})}).layer_time(0, 4)
-    assert delta[0] == pytest.approx(fast[0] + 6e-3)
+    assert delta[0] == pytest.approx(fast[0] + 8e-3)  # 8 views per layer
 
 
 @settings(max_examples=60)

@@ -136,3 +136,4 @@ def test_uniform_strategy_level1_matches_closed_form_without_sync():
     t = [s.forward + s.backward for s in run.pipelines[0].stages]
     links = [l.forward for l in run.pipelines[0].links]
     assert result.iteration <= closed_form(t, 8, links, 0, max(s.update for s in run.pipelines[0].stages)) + 1e-12
+

@@ -4,8 +4,8 @@ memory per stage, and communication on the cluster's links.
 Compute (HeteroSim Table 1, a roofline per kernel class): gemm/attn kernels take
 gamma * FLOPs / peak + delta, elementwise/norm/misc kernels gamma * bytes / HBM bandwidth + delta,
 with gamma (>= 1: achieved fraction of peak, inverted) and delta (launch overhead, s) per device type
-and class. Backward = `backward_ratio` x forward (2 for matrix products), plus one forward with
-recompute. A ProfileTable of measured (forward, backward) per layer overrides the roofline where it
+and class. Backward runs the model's backward kernels (x `backward_ratio`, 1 unless fitted), plus
+one forward with recompute. A ProfileTable of measured (forward, backward) per layer overrides the roofline where it
 has an entry (HAPT and H2 plan from profiles).
 
 Communication is alpha-beta on the ClusterSpec's links: a message costs alpha + B/beta; a ring
@@ -36,7 +36,7 @@ class Efficiency:
 
     gamma: tuple[tuple[str, float], ...] = tuple((k, 1.0) for k in KERNEL_CLASSES)
     delta: tuple[tuple[str, float], ...] = tuple((k, 0.0) for k in KERNEL_CLASSES)
-    backward_ratio: float = 2.0
+    backward_ratio: float = 1.0
 
     def __post_init__(self):
         for name, table in (("gamma", self.gamma), ("delta", self.delta)):
@@ -64,7 +64,7 @@ class Efficiency:
     @classmethod
     def from_dict(cls, data: Mapping) -> "Efficiency":
         return cls(tuple(dict(data.get("gamma", {})).items()), tuple(dict(data.get("delta", {})).items()),
-                   float(data.get("backward_ratio", 2.0)))
+                   float(data.get("backward_ratio", 1.0)))
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,9 @@ class CostModel:
     def kernels_time(self, kernels: Sequence[Kernel], device) -> float:
         return sum(self.kernel_time(k, device) for k in kernels)
 
-    def _fwd_bwd(self, forward: float, device: DeviceType, recompute: bool) -> tuple[float, float]:
-        backward = self.efficiency_of(device).backward_ratio * forward
+    def _fwd_bwd(self, kernels_of, device: DeviceType, recompute: bool) -> tuple[float, float]:
+        forward = self.kernels_time(kernels_of(False), device)
+        backward = self.efficiency_of(device).backward_ratio * self.kernels_time(kernels_of(True), device)
         return forward, backward + (forward if recompute else 0.0)
 
     def layer_time(self, device, tp: int = 1, mbs: int = 1, seq: int | None = None, recompute: bool = False,
@@ -189,7 +190,7 @@ class CostModel:
             f, b = measured
             b = b + (f if recompute else 0.0)
         else:
-            f, b = self._fwd_bwd(self.kernels_time(self.model.layer_kernels(mbs, seq, tp), dev), dev, recompute)
+            f, b = self._fwd_bwd(lambda bwd: self.model.layer_kernels(mbs, seq, tp, bwd), dev, recompute)
         if tp_group is not None and len(tp_group) > 1:
             ar = self.collective("all_reduce", mbs * seq * self.model.hidden * self.model.itemsize, tp_group)
             f, b = f + 2 * ar, b + 2 * ar
@@ -197,12 +198,12 @@ class CostModel:
 
     def head_time(self, device, tp: int = 1, mbs: int = 1, seq: int | None = None) -> tuple[float, float]:
         """(forward, backward) of the final norm, LM head and loss."""
-        dev = self.device(device)
-        return self._fwd_bwd(self.kernels_time(self.model.head_kernels(mbs, seq or self.model.seq_len, tp), dev), dev, False)
+        seq = seq or self.model.seq_len
+        return self._fwd_bwd(lambda bwd: self.model.head_kernels(mbs, seq, tp, bwd), self.device(device), False)
 
     def embedding_time(self, device, tp: int = 1, mbs: int = 1, seq: int | None = None) -> tuple[float, float]:
-        dev = self.device(device)
-        return self._fwd_bwd(self.kernels_time(self.model.embedding_kernels(mbs, seq or self.model.seq_len, tp), dev), dev, False)
+        seq = seq or self.model.seq_len
+        return self._fwd_bwd(lambda bwd: self.model.embedding_kernels(mbs, seq, tp, bwd), self.device(device), False)
 
     def stage_time(self, device, stage: StageShape, mbs: int = 1, seq: int | None = None,
                    tp_group: Sequence[int] | None = None) -> tuple[float, float]:

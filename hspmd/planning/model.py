@@ -2,10 +2,12 @@
 activation memory of a Llama-family transformer, per layer and per micro-batch.
 
 A layer is listed as kernels of five classes (HeteroSim Table 1): "gemm" and "attn" are priced
-by FLOPs, "elementwise" and "norm" by bytes through HBM, "misc" (views, embedding look-ups) by a
-fixed overhead. FLOPs are exact for the matrix products (2 per multiply-add; the attention core
-counts the full s x s score matrix, as the project's causal_attention computes it); bytes are
-the tensors each kernel reads and writes once (an approximation of the real traffic). Activation
+by FLOPs, "elementwise", "norm" and "misc" (views, embedding look-ups) by bytes through HBM, each
+plus a per-launch overhead. The lists mirror the ops of hspmd's DSL Llama, forward and backward
+(so level 1 and level 2 of the simulator price the same work). FLOPs are exact for the matrix
+products (2 per multiply-add; the attention core counts the full s x s score matrix, as the
+project's causal_attention computes it); bytes are the tensors each op reads and writes once (an
+approximation of the real traffic). Activation
 memory counts the tensors autograd keeps for the backward pass (an estimate, not a measurement).
 
 Presets: llama-32b-hetu (the Hetu authors' scripts, PLANNING A3), llama-30b and gpt-13b (004's
@@ -108,39 +110,65 @@ class ModelSpec:
 
     # ---- kernels --------------------------------------------------------------------------------
 
-    def layer_kernels(self, mbs: int, seq: int, tp: int = 1) -> tuple[Kernel, ...]:
-        """One layer's forward kernels on one of `tp` tensor-parallel devices."""
-        b, s, h, f, e = mbs, seq, self.hidden, self.ffn, self.itemsize
-        q, kv, heads = self.q_dim / tp, self.kv_dim / tp, self.heads / tp
+    def layer_kernels(self, mbs: int, seq: int, tp: int = 1, backward: bool = False) -> tuple[Kernel, ...]:
+        """One layer's kernels (forward, or backward) on one of `tp` tensor-parallel devices, one
+        per op of hspmd's DSL Llama (hspmd.models.llama) with its bytes read + written."""
+        b, s, h, e = mbs, seq, self.hidden, self.itemsize
+        q, kv, f, heads = self.q_dim / tp, self.kv_dim / tp, self.ffn / tp, self.heads / tp
         t = b * s
-        gemm = lambda n_in, n_out: Kernel("gemm", 2 * t * n_in * n_out, e * (t * n_in + n_in * n_out + t * n_out))  # noqa: E731
-        scores = b * heads * s * s
-        kernels = [
-            Kernel("norm", 4 * t * h, 2 * t * h * e),
-            gemm(h, q), gemm(h, kv), gemm(h, kv),
-            Kernel("elementwise", 6 * t * (q + kv), 2 * t * (q + kv) * e, 2),  # rotary on q and k (two launches)
-            Kernel("attn", 4 * b * heads * s * s * self.head_dim, e * (2 * t * (q + kv) + 2 * scores)),
-            gemm(q, h),
-            Kernel("elementwise", t * h, 3 * t * h * e),  # residual add
-            Kernel("norm", 4 * t * h, 2 * t * h * e),
+        scores = 4.0 * b * heads * s * s * self.head_dim
+        projections = [(h, q), (h, kv), (h, kv), (q, h)]
+        projections += [(h, f), (h, f), (f, h)] if self.mlp == "swiglu" else [(h, f), (f, h)]
+        if not backward:
+            gemms = [Kernel("gemm", 2 * t * i * o, e * (t * i + i * o + t * o)) for i, o in projections]
+            kernels = gemms + [
+                Kernel("norm", 0, 2 * t * h * e, 2),                  # rms_normalize (attention, MLP)
+                Kernel("elementwise", 0, (2 * t * h + h) * e, 2),     # times the norm weights
+                Kernel("elementwise", 0, 2 * t * q * e), Kernel("elementwise", 0, 2 * t * kv * e),  # rotary
+                Kernel("attn", scores, e * t * (2 * q + 2 * kv)),
+                Kernel("elementwise", 0, 3 * t * h * e, 2),           # residual adds
+                Kernel("misc", 0, 0, 8),                              # reshapes and transposes
+            ]
+            if self.mlp == "swiglu":
+                kernels += [Kernel("elementwise", 0, 2 * t * f * e), Kernel("elementwise", 0, 3 * t * f * e)]
+            else:
+                kernels += [Kernel("elementwise", 0, 2 * t * f * e)]
+            return tuple(kernels)
+        gemms = [Kernel("gemm", 2 * t * i * o, e * (t * o + i * o + t * i), 1) for i, o in projections]
+        gemms += [Kernel("gemm", 2 * t * i * o, e * (t * i + t * o + i * o), 1) for i, o in projections]
+        kernels = gemms + [
+            Kernel("attn", 2 * scores, e * t * (3 * q + 4 * kv)),
+            Kernel("norm", 0, 3 * t * h * e, 2),                      # rms_normalize_grad
+            Kernel("elementwise", 0, (2 * t * h + h) * e, 2),         # gradient through the norm weights
+            Kernel("elementwise", 0, 3 * t * h * e, 2),               # gradient of the norm weights
+            Kernel("elementwise", 0, (t * h + h) * e, 2),             # ... summed over tokens
+            Kernel("elementwise", 0, 3 * t * q * e), Kernel("elementwise", 0, 3 * t * kv * e),  # rotary_grad
+            Kernel("elementwise", 0, 3 * t * h * e, 5 if self.mlp == "swiglu" else 4),  # residual + fan-in adds
+            Kernel("misc", 0, 0, 38),                                 # reshapes and transposes
         ]
         if self.mlp == "swiglu":
-            kernels += [gemm(h, f / tp), gemm(h, f / tp), Kernel("elementwise", 5 * t * f / tp, 3 * t * f / tp * e), gemm(f / tp, h)]
+            kernels += [Kernel("elementwise", 0, 3 * t * f * e, 3)]   # silu_grad, two products
         else:
-            kernels += [gemm(h, f / tp), Kernel("elementwise", 8 * t * f / tp, 2 * t * f / tp * e), gemm(f / tp, h)]
-        kernels += [Kernel("elementwise", t * h, 3 * t * h * e), Kernel("misc", count=6)]
+            kernels += [Kernel("elementwise", 0, 3 * t * f * e)]
         return tuple(kernels)
 
-    def head_kernels(self, mbs: int, seq: int, tp: int = 1) -> tuple[Kernel, ...]:
+    def head_kernels(self, mbs: int, seq: int, tp: int = 1, backward: bool = False) -> tuple[Kernel, ...]:
         """Final norm, LM head (vocabulary split over TP) and the loss."""
         t, h, e, v = mbs * seq, self.hidden, self.itemsize, self.vocab / tp
-        return (Kernel("norm", 4 * t * h, 2 * t * h * e),
-                Kernel("gemm", 2 * t * h * v, e * (t * h + h * v + t * v)),
-                Kernel("elementwise", 5 * t * v, 3 * t * v * e, 2))
+        head = Kernel("gemm", 2 * t * h * v, e * (t * h + h * v + t * v), 2 if backward else 1)
+        if not backward:
+            return (Kernel("norm", 0, 2 * t * h * e), Kernel("elementwise", 0, (2 * t * h + h) * e), head,
+                    Kernel("elementwise", 0, t * v * e + 8 * t), Kernel("elementwise", 0, 2 * e))
+        return (head, Kernel("elementwise", 0, 2 * t * v * e + 8 * t), Kernel("norm", 0, 3 * t * h * e),
+                Kernel("elementwise", 0, (5 * t * h + h) * e), Kernel("elementwise", 0, (t * h + h) * e),
+                Kernel("elementwise", 0, 2 * e), Kernel("misc", 0, 0, 6))
 
-    def embedding_kernels(self, mbs: int, seq: int, tp: int = 1) -> tuple[Kernel, ...]:
-        t, h, e = mbs * seq, self.hidden, self.itemsize
-        return (Kernel("misc", 0, 2 * t * h * e, 1),)
+    def embedding_kernels(self, mbs: int, seq: int, tp: int = 1, backward: bool = False) -> tuple[Kernel, ...]:
+        """The look-up (rows read and written) or its gradient (a scatter-add into the table)."""
+        t, h, e, v = mbs * seq, self.hidden, self.itemsize, self.vocab / tp
+        if not backward:
+            return (Kernel("misc", 0, 2 * t * h * e + 8 * t),)
+        return (Kernel("misc", 0, (t * h + 2 * v * h) * e + 8 * t),)
 
     def layer_flops(self, mbs: int, seq: int) -> float:
         """Forward FLOPs of one layer for a micro-batch (all TP shards together)."""

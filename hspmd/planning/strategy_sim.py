@@ -85,9 +85,10 @@ def _sync_seconds(strategy: Strategy, cost: CostModel, group: Sequence[tuple[int
 
 
 def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: int | None = None,
-             micro_batch_size: int | None = None) -> PlannedRun:
+             micro_batch_size: int | None = None, comm: bool = True) -> PlannedRun:
     """The simulator's pipelines for `strategy` (module docstring). A pipeline's own `schedule`
-    attribute, where the strategy has one, wins over `schedule`."""
+    attribute, where the strategy has one, wins over `schedule`. comm=False zeroes every
+    communication (transfers, TP collectives, gradient sync)."""
     seq = seq or cost.model.seq_len
     groups = _sync_groups(strategy)
     group_of = {k: g for g in groups for k in g}
@@ -100,23 +101,23 @@ def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: i
         for s, stage in enumerate(pipe.stages):
             shape = _shape(strategy, p, s)
             device = stage.ranks[0]
-            f, b = cost.stage_time(device, shape, mbs, seq, tp_group=stage.ranks)
             f0, b0 = cost.stage_time(device, shape, mbs, seq)
+            f, b = cost.stage_time(device, shape, mbs, seq, tp_group=stage.ranks) if comm else (f0, b0)
             group = group_of.get((p, s))
             sync = 0.0
-            if group is not None:
+            if group is not None and comm:
                 gid = id(group)
                 if gid not in sync_cache:
                     sync_cache[gid] = _sync_seconds(strategy, cost, group)
                 sync = sync_cache[gid]
             params = cost.stage_parameters(shape)
-            update = cost.update_time(device, params / (shape.dp if shape.zero else 1), tensors=9 * shape.layers + 1)
+            update = cost.update_time(device, params / (shape.dp if shape.zero else 1), tensors=9 * shape.layers + int(shape.first) + 2 * int(shape.last))
             one = cost.memory(shape, 1, mbs, seq)
             stages.append(SimStage(tuple(stage.ranks), f, b, f - f0, b - b0, sync, update,
                                    one.weights + one.gradients + one.optimizer, one.activations))
             if s + 1 < len(pipe.stages):
                 nbytes = mbs * seq * cost.model.hidden * cost.model.itemsize
-                t = cost.p2p(nbytes, (stage.ranks[0], pipe.stages[s + 1].ranks[0]))
+                t = cost.p2p(nbytes, (stage.ranks[0], pipe.stages[s + 1].ranks[0])) if comm else 0.0
                 links.append(SimLink(t, t))
         policy = getattr(pipe, "schedule", None) or schedule
         pipelines.append(SimPipeline(tuple(stages), tuple(links), m, policy))
@@ -124,9 +125,9 @@ def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: i
 
 
 def simulate_strategy(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: int | None = None,
-                      micro_batch_size: int | None = None) -> SimResult:
+                      micro_batch_size: int | None = None, comm: bool = True) -> SimResult:
     """Level 1 simulation of one training step of `strategy`."""
-    run = plan_run(strategy, cost, schedule, seq, micro_batch_size)
+    run = plan_run(strategy, cost, schedule, seq, micro_batch_size, comm)
     return simulate_pipelines(run.pipelines, run.sync_groups)
 
 

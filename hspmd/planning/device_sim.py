@@ -1,0 +1,154 @@
+"""Simulator level 2: specialize()'s per-device programs, op by op, with their resolved plans
+(HeteroSim's segment graph; in hspmd the specialized per-device graph already is that IR).
+
+Every compute instruction becomes a kernel from the local shapes of its tensors on that device:
+matmul -> gemm (2 x output x inner FLOPs), causal attention -> attn (4 b h s^2 d forward, twice that
+backward), RMS normalisation -> norm, views (reshape, transpose, expand) -> misc (launch overhead
+only), every other op -> elementwise (bytes read + written). A CommOp costs this device's busy time
+in its plan on the cluster's links (comm_resolve.cost's ring model): collectives and local
+rebuilds inside the phase, stage-to-stage transfers as the link between stages. Per micro-batch
+forward and backward times per device, the update phase (gradient sync + optimizer), and the
+transfer times then run through the level-1 event simulation on the discovered pipelines; a
+stage's time is its slowest device's (TP devices meet in collectives).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
+from hspmd.errors import HSPMDError
+from hspmd.ir.shapes import Binding
+from hspmd.planning.cost import CostModel
+from hspmd.planning.model import Kernel
+from hspmd.planning.simulator import SimLink, SimPipeline, SimResult, SimStage, simulate_pipelines
+from hspmd.specialize.executable import ExecutableGraph, Instruction
+from hspmd.specialize.specialized import Specialized
+
+VIEWS = ("reshape", "transpose", "expand_as", "expand", "view", "squeeze", "unsqueeze", "fill_like", "zeros_like")
+
+
+def _shape(exe: ExecutableGraph, tensor, binding: Binding) -> tuple[int, ...] | None:
+    box = exe.box(tensor, binding)
+    return None if box is None else tuple(hi - lo for lo, hi in box)
+
+
+def _bytes(exe: ExecutableGraph, tensors, binding: Binding) -> float:
+    total = 0.0
+    for t in tensors:
+        shape = _shape(exe, t, binding)
+        if shape is not None:
+            total += math.prod(shape) * DTYPE_SIZES[dtype_name(t.dtype)]
+    return total
+
+
+def op_kernel(exe: ExecutableGraph, ins: Instruction, binding: Binding) -> Kernel | None:
+    """The kernel one compute instruction runs on this device (None for leaves and comms)."""
+    node = ins.node
+    if ins.role != "compute":
+        return None
+    kind = node.kind
+    moved = _bytes(exe, node.inputs, binding) + _bytes(exe, node.outputs, binding)
+    if kind == "matmul":
+        out, a = _shape(exe, node.output, binding), _shape(exe, node.inputs[0], binding)
+        return Kernel("gemm", 2.0 * math.prod(out) * a[-1], moved)
+    if kind.startswith("causal_attention"):
+        q = _shape(exe, node.inputs[0], binding)  # (b, heads, s, d)
+        b, h, s, d = q
+        return Kernel("attn", (8.0 if kind.endswith("_grad") else 4.0) * b * h * s * s * d, moved)
+    if kind.startswith("rms_normalize"):
+        return Kernel("norm", 0.0, moved)
+    if kind in VIEWS:
+        return Kernel("misc", 0.0, 0.0)
+    if kind == "embedding":  # reads only the looked-up rows
+        return Kernel("misc", 0.0, 2 * _bytes(exe, node.outputs, binding) + _bytes(exe, node.inputs[:1], binding))
+    if kind.startswith("embedding"):
+        return Kernel("misc", 0.0, moved)
+    return Kernel("elementwise", 0.0, moved)
+
+
+@dataclass(frozen=True)
+class DeviceCost:
+    """One device's seconds per micro-batch (forward, backward; of which communication), its
+    update phase, and its outgoing stage-to-stage transfer seconds per direction."""
+
+    forward: float
+    backward: float
+    forward_comm: float
+    backward_comm: float
+    update: float
+    update_comm: float
+    send_forward: float
+    send_backward: float
+    kernels: int
+
+
+def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: bool = True) -> DeviceCost:
+    """Price one device's program (module docstring); comm=False zeroes every communication."""
+    cluster = cost.cluster
+    d = exe.device
+    totals = {}
+    kernels = 0
+    for phase in ("forward", "backward", "update"):
+        compute = comm_time = send = 0.0
+        for ins in getattr(exe, phase):
+            kernel = op_kernel(exe, ins, binding)
+            if kernel is not None:
+                compute += cost.kernel_time(kernel, d)
+                kernels += 1
+                continue
+            if not comm or not ins.node.opdef.is_comm or ins.role in ("identity", "leaf"):
+                continue
+            plan = exe.plan(ins.node, binding)
+            itemsize = plan.itemsize
+            for step in plan.steps:
+                if ins.is_p2p:
+                    own = sum(cluster.seconds(t.src, t.dst, t.elements * itemsize) for t in step.transfers
+                              if t.src == d and t.src != t.dst)
+                    send += own
+                else:
+                    comm_time += step.traffic(cluster, itemsize).busy.get(d, 0.0)
+        totals[phase] = (compute + comm_time, comm_time, send)
+    (f, fc, fs), (b, bc, bs), (u, uc, _) = totals["forward"], totals["backward"], totals["update"]
+    return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels)
+
+
+def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,
+                    schedule: str = "1f1b", comm: bool = True) -> tuple[tuple[SimPipeline, ...], tuple, dict[int, DeviceCost]]:
+    """Level-2 simulator input: per-device costs aggregated into the discovered pipelines' stages.
+    `micro_batches`: per discovered pipeline index (or one count for all)."""
+    binding = spec.binding
+    costs = {d: device_cost(exe, cost, binding, comm) for d, exe in spec.executables.items()}
+    pipelines = []
+    for p, layout in enumerate(spec.pipelines):
+        stages, links = [], []
+        for s, devices in enumerate(layout.stages):
+            cs = [costs[d] for d in devices]
+            update = max(c.update for c in cs)
+            update_comm = max(c.update_comm for c in cs)
+            stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
+                                   max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),
+                                   sync=update_comm, update=update - update_comm))
+            if s + 1 < len(layout.stages):
+                nxt = [costs[d] for d in layout.stages[s + 1]]
+                links.append(SimLink(max(c.send_forward for c in cs), max(c.send_backward for c in nxt)))
+        m = micro_batches if isinstance(micro_batches, int) else micro_batches[p]
+        pipelines.append(SimPipeline(tuple(stages), tuple(links), m, schedule))
+    # the update phase's collectives span pipelines: one group of every stage's first device
+    keys = tuple((p, s) for p, layout in enumerate(spec.pipelines) for s in range(len(layout.stages)))
+    groups = (keys,) if len(spec.pipelines) > 1 else ()
+    return tuple(pipelines), groups, costs
+
+
+def simulate_specialized(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,
+                         schedule: str = "1f1b", comm: bool = True) -> SimResult:
+    """Level 2 simulation of one step of a specialized graph."""
+    if not spec.pipelines:
+        raise HSPMDError("simulate_specialized: the specialization has no pipelines")
+    pipelines, groups, _ = plan_device_run(spec, cost, micro_batches, schedule, comm)
+    return simulate_pipelines(pipelines, groups)
+
+
+__all__ = ["DeviceCost", "VIEWS", "device_cost", "op_kernel", "plan_device_run", "simulate_specialized"]
