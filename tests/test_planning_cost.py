@@ -1,6 +1,8 @@
 """ModelSpec counts and the roofline CostModel: exact parameter counts, FLOP formulas, the ring
 alpha-beta identities, ZeRO-1 memory, profile overrides."""
 
+import math
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -23,10 +25,11 @@ def test_llama_32b_hetu_layer_shard_is_table2s_unit():
     assert round(m.vocab * h / 4 * 6 / MB_HETU, 2) == 284.45   # h = a quarter of the LM head
 
 
-def test_parameter_count_matches_the_dsl_llama():
-    config = LlamaConfig(vocab=50, hidden=32, layers=3, heads=4, ffn=48)
+@pytest.mark.parametrize("extra", [{}, {"kv_heads": 2, "tie_embeddings": True}, {"head_dim": 16, "kv_heads": 1}])
+def test_parameter_count_matches_the_dsl_llama(extra):
+    config = LlamaConfig(vocab=50, hidden=32, layers=3, heads=4, ffn=48, **extra)
     spec = from_llama_config(config)
-    assert spec.parameters() == sum(int(__import__("math").prod(s)) for s in config.parameter_shapes().values())
+    assert spec.parameters() == sum(math.prod(s) for s in config.parameter_shapes().values())
 
 
 def test_gqa_and_tied_embeddings_shrink_the_count():
