@@ -1,4 +1,10 @@
-"""`hspmd explain SRC DST --shape 8,6 [--topology 2x4] [--json]`: the plan between two annotations.
+"""`hspmd explain SRC DST --shape 8,6 [--topology 2x4] [--via ROUTE] [--compare] [--json]`: the plan
+between two annotations.
+
+With --compare it prints every route the resolver knows (resolver.VIAS) with its steps, messages,
+bytes per link class and estimated time, marking the one `resolve` picks by default; a route that
+does not apply says why. JSON of --compare: {"schema": "hspmd.plan-alternatives/1", "chosen": ROUTE,
+"alternatives": {ROUTE: plan JSON as below, or {"unsupported": reason}}}.
 
 Without --json it prints the steps (primitive, device groups, bytes, estimated time), the bytes
 each device sends and receives, the bytes per link class and the estimated time. Errors print
@@ -70,6 +76,8 @@ def _parser() -> _Parser:
     p.add_argument("--src-ratios", type=_ints, default=None, help="run-time top-tier ratios of SRC, e.g. 2,1")
     p.add_argument("--dst-ratios", type=_ints, default=None, help="run-time top-tier ratios of DST")
     p.add_argument("--strict", action="store_true", help="follow the paper: refuse Partial sources that need BSR")
+    p.add_argument("--via", default=None, help="force a route: hierarchical, merged-allgather, direct, root, representatives")
+    p.add_argument("--compare", action="store_true", help="print every route with bytes per link and estimated time")
     p.add_argument("--details", action="store_true", help="list every sub-collective and message")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema in the module docstring)")
     return p
@@ -108,21 +116,56 @@ def _print_rich(plan, details: bool) -> None:
                   markup=False)
 
 
+def _print_compare(alts, chosen: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hspmd.comm_resolve.plan import Plan
+    from hspmd.comm_resolve.render import bytes_text, seconds_text
+
+    console = Console(highlight=False)
+    table = Table(title="routes (* = what resolve() picks by default)")
+    for col in ("route", "steps", "messages", "bytes", "bytes per link", "est. time"):
+        table.add_column(col)
+    skipped = []
+    for via, plan in alts.items():
+        if not isinstance(plan, Plan):
+            skipped.append(f"{via}: not applicable: {plan}")
+            continue
+        links = "\n".join(f"{k} {bytes_text(n)}" for k, n in plan.bytes_by_link.items()) or "none"
+        table.add_row(via + (" *" if via == chosen else ""), str(len(plan.steps)), str(plan.messages),
+                      bytes_text(plan.total_bytes), links, seconds_text(plan.estimated_seconds))
+    console.print(table)
+    for line in skipped:
+        console.print(line, markup=False)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from hspmd.comm_resolve.compare import alternatives, chosen_route
     from hspmd.comm_resolve.resolver import resolve
 
     try:
         args = _parser().parse_args(argv)
-        plan = resolve(
-            args.src, args.dst, args.shape, args.topology, dtype=args.dtype, src_ratios=args.src_ratios,
-            dst_ratios=args.dst_ratios, reduce_partial=not args.strict,
-        )
+        options = dict(dtype=args.dtype, src_ratios=args.src_ratios, dst_ratios=args.dst_ratios,
+                       reduce_partial=not args.strict)
+        plan = resolve(args.src, args.dst, args.shape, args.topology, via=args.via, **options)
+        if args.compare:
+            alts = alternatives(args.src, args.dst, args.shape, args.topology, **options)
+            chosen = chosen_route(alts, resolve(args.src, args.dst, args.shape, args.topology, **options))
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except (_UsageError, HSPMDError) as exc:
         print(f"hspmd explain: error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
+    if args.compare and args.json:
+        import json
+
+        print(json.dumps({"schema": "hspmd.plan-alternatives/1", "chosen": chosen, "alternatives": {
+            via: p.to_dict() if not isinstance(p, HSPMDError) else {"unsupported": str(p)} for via, p in alts.items()
+        }}, indent=2))
+    elif args.compare:
+        _print_compare(alts, chosen)
+    elif args.json:
         print(plan.to_json(indent=2))
     else:
         _print_rich(plan, args.details)

@@ -19,6 +19,19 @@ each slice to one summand and zeros to the others (no reduction needed).
 
 Steps of different subgroups in one phase run side by side (the time estimate overlaps them);
 the plan lists them subgroup by subgroup so that each step's src is the previous step's dst.
+
+Where several correct plans exist the resolver picks by estimated time (cost.py): a source whose
+pieces tile the tensor once, gathered whole onto the same devices, may go in one AllGather over
+the union instead of AllGathers per subgroup followed by a SplitAllGather ("merged AllGather").
+`via` asks for one route: "hierarchical" (the decision order above), "merged-allgather", or one of
+HetAuto's resharding routes (002 section 5.2, App. E):
+
+* "direct": one BatchedSendRecv over all devices (S1: every overlapping pair exchanges);
+* "root": gather onto the source's first device, one message to the destination's first device,
+  scatter from there (S2);
+* "representatives": gather along dim 0 (the batch, inner DP) onto the source devices at batch
+  index 0, exchange between them and the destination's batch-index-0 devices, scatter along dim 0
+  inside the destination (S3: bottom-tier gather, top-tier send, bottom-tier split).
 """
 
 from __future__ import annotations
@@ -26,11 +39,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from hspmd.annotations import Annotation, Subgroup, device_pieces, parse, subgroup_regions
+from hspmd.annotations import Annotation, Split, Subgroup, device_pieces, parse, subgroup_regions
 from hspmd.comm_resolve.bsr import Family, destination_needs, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
-from hspmd.comm_resolve.plan import Plan, Step, Transfer
+from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
+from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.split_collectives import split_step
 from hspmd.comm_resolve.topology import Topology, default_topology
 from hspmd.errors import CommunicationError, ShapeError, UnsupportedReshard
@@ -88,6 +102,7 @@ def resolve(
     src_ratios: Sequence[int] | None = None,
     dst_ratios: Sequence[int] | None = None,
     reduce_partial: bool = True,
+    via: str | None = None,
 ) -> Plan:
     """The communication plan turning a tensor of `shape` laid out as `src` into `dst`.
 
@@ -95,7 +110,8 @@ def resolve(
     node holding every device; `dtype` sets the element size for byte counts and time estimates;
     `src_ratios` / `dst_ratios` bind top-tier ratios left to run time (`H0{...}`). A Partial
     source with no collective path is reduced in place first; `reduce_partial=False` raises
-    UnsupportedReshard instead (the paper's rule). Raises AnnotationError / ShapeError when the
+    UnsupportedReshard instead (the paper's rule). `via` (one of VIAS) forces one route, None picks
+    the cheapest (module docstring). Raises AnnotationError / ShapeError when the
     annotations do not fit the shape or the topology."""
     src = bind_ratios(parse(src), src_ratios, "source", "src_ratios")
     dst = bind_ratios(parse(dst), dst_ratios, "destination", "dst_ratios")
@@ -105,7 +121,86 @@ def resolve(
     topology.check_devices(sorted(devices), f"reshard {src} -> {dst}")
     name = dtype_name(dtype)
     ctx = _Context(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial)
-    return Plan(src, dst, shape, tuple(_route(src, dst, ctx)), topology, name)
+    if via is not None:
+        return Plan(src, dst, shape, tuple(_via(via, src, dst, ctx)), topology, name)
+    plan = Plan(src, dst, shape, tuple(_route(src, dst, ctx)), topology, name)
+    merged = _merged_all_gather(src, dst, ctx)
+    if merged is not None and len(plan.steps) > 1:
+        other = Plan(src, dst, shape, (merged,), topology, name)
+        if other.estimated_seconds < plan.estimated_seconds:
+            return other
+    return plan
+
+
+VIAS = ("hierarchical", "merged-allgather", "direct", "root", "representatives")
+
+
+def _via(via: str, src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
+    if via not in VIAS:
+        raise UnsupportedReshard(f"unknown route via={via!r}; use one of {', '.join(VIAS)} (or None: the cheapest)")
+    if via == "hierarchical":
+        return _route(src, dst, ctx)
+    if via == "merged-allgather":
+        step = _merged_all_gather(src, dst, ctx)
+        if step is None:
+            raise UnsupportedReshard(
+                f"via='merged-allgather' needs a source whose pieces tile the tensor once (no replicas, no partial "
+                f"sums) and a destination holding the whole tensor on the same devices; {src} -> {dst} is not"
+            )
+        return [step]
+    if src.has_partial:
+        raise ctx.refuse(f"via={via!r} moves values and the source holds partial sums")
+    if via == "direct":
+        return [_transfer_step(src, dst, ctx)]
+    if via == "root":
+        first, last = _on_device(src.devices[0]), _on_device(dst.devices[0])
+    else:
+        first, last = _representatives(src, "source"), _representatives(dst, "destination")
+    hops = (src, first, last, dst)
+    steps = [_transfer_step(a, b, ctx) for a, b in zip(hops, hops[1:]) if a != b]
+    return _in_sequence(steps) if steps else _route(src, dst, ctx)
+
+
+def _on_device(device: int) -> Annotation:
+    return Annotation((Subgroup((device,)),))
+
+
+def _representatives(ann: Annotation, role: str, dim: int = 0) -> Annotation:
+    """`ann` gathered along `dim` onto the devices at index 0 of every Split of `dim` (HetAuto's
+    inner-DP-rank-0 devices); the other axes keep their devices' order and pieces."""
+    if ann.hsize != 1:
+        raise UnsupportedReshard(
+            f"via='representatives' needs a single-subgroup {role} layout (one stage); {ann} has HSize {ann.hsize}"
+        )
+    sub = ann.subgroups[0]
+    axes = sub.ds.axes
+    gathered = [isinstance(a, Split) and a.dim == dim for a in axes]
+    reps = []
+    for i, device in enumerate(sub.dg):
+        digits, rest = [], i
+        for a in reversed(axes):
+            digits.append(rest % a.n)
+            rest //= a.n
+        if all(d == 0 for d, g in zip(reversed(digits), gathered) if g):
+            reps.append(device)
+    kept = tuple(a for a, g in zip(axes, gathered) if not g)
+    return Annotation((Subgroup(tuple(reps), kept),))
+
+
+def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Context) -> Step | None:
+    """One AllGather over the whole union, when every source device holds a disjoint piece, the
+    pieces tile the tensor and every destination device (the same devices) wants all of it."""
+    if src.has_partial or set(src.devices) != set(dst.devices):
+        return None
+    whole = tuple((0, n) for n in ctx.shape)
+    if any(p.box != whole or p.is_partial for p in device_pieces(dst, ctx.shape).values()):
+        return None
+    pieces = device_pieces(src, ctx.shape)
+    if sum(box_volume(p.box) for p in pieces.values()) != box_volume(whole) or box_volume(whole) == 0:
+        return None
+    devices = tuple(src.devices)
+    gather = Collective("all_gather", devices, whole, tuple(pieces[d].box for d in devices))
+    return Step("AllGather", src, dst, (gather,), (), devices)
 
 
 # routing ------------------------------------------------------------------------------------------
@@ -287,4 +382,4 @@ def _transfer_step(src: Annotation, dst: Annotation, ctx: _Context, restrict: in
     return Step("BatchedSendRecv" if remote else "LocalSplit", src, dst, (), transfers, rebuilds, restrict)
 
 
-__all__ = ["bind_ratios", "check_shape", "resolve"]
+__all__ = ["VIAS", "bind_ratios", "check_shape", "resolve"]

@@ -1,0 +1,34 @@
+"""Every correct plan the resolver knows for one reshard, side by side with its cost.
+
+`alternatives` resolves the reshard by each route of resolver.VIAS (a route that does not apply
+carries the reason instead of a plan) and `chosen_route` names the one `resolve` returns by
+default. `hspmd explain --compare` prints them with bytes per link class and estimated time.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hspmd.comm_resolve.plan import Plan
+from hspmd.comm_resolve.resolver import VIAS, resolve
+from hspmd.errors import UnsupportedReshard
+
+
+def alternatives(src, dst, shape: Sequence[int], topology=None, **options) -> dict[str, Plan | UnsupportedReshard]:
+    """{route: its plan, or the UnsupportedReshard saying why it does not apply}; `options` are
+    resolve's keywords (dtype, src_ratios, dst_ratios, reduce_partial)."""
+    out: dict[str, Plan | UnsupportedReshard] = {}
+    for via in VIAS:
+        try:
+            out[via] = resolve(src, dst, shape, topology, via=via, **options)
+        except UnsupportedReshard as exc:
+            out[via] = exc
+    return out
+
+
+def chosen_route(alts: dict[str, Plan | UnsupportedReshard], chosen: Plan) -> str:
+    """The route whose plan equals `chosen` (the default resolve's pick)."""
+    return next(via for via, plan in alts.items() if isinstance(plan, Plan) and plan.steps == chosen.steps)
+
+
+__all__ = ["alternatives", "chosen_route"]
