@@ -1,8 +1,10 @@
 """`hspmd demo` (`make demo`): heterogeneous training of a small Llama on 4 local gloo processes.
 
 Training changes strategy mid-run without a restart: a planned hot switch to a long-sequence
-strategy and back (each one fused BSR of every weight and optimizer state), then rank 3's GPU
-fails and the other three ranks recover and keep training. Before training it shows what hspmd works from: a few of the model's annotations under the
+strategy and back (each one fused BSR of every weight and optimizer state), then rank 3's process
+really dies (SIGKILL inside a step, as a failing GPU takes its process with it) and the other three
+ranks notice, re-form their groups without it, recover its pieces from replicas and finish the run
+(`hspmd run --elastic`). Before training it shows what hspmd works from: a few of the model's annotations under the
 strategy (asymmetric unions across the two pipelines), the plan of the once-per-step gradient
 synchronisation between the pipelines (as `hspmd explain` prints it) and the 1F1B schedule of the
 two-stage pipeline. Then it runs `hspmd run -n 4 examples/llama/train.py` through the launcher
@@ -87,8 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     parser.add_argument("--switch-at", type=int, default=20,
                         help="hot-switch to a long-sequence strategy after this step, back 20 steps later (0: never)")
-    parser.add_argument("--fail-at", type=int, default=50,
-                        help="rank 3's GPU fails after this step; the others recover and continue (0: never)")
+    parser.add_argument("--kill-at", type=int, default=50,
+                        help="rank 3's process SIGKILLs itself inside this step; the others recover and finish (0: never)")
     parser.add_argument("--out", default=os.path.join("runs", "demo"), help="where the checkpoint and summary go")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     from hspmd.runtime.launcher import launch
@@ -113,11 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         command += ["--switch", f"{args.switch_at}={LONG_SEQUENCE_STRATEGY}"]
         if args.switch_at + 20 < args.steps:
             command += ["--switch", f"{args.switch_at + 20}={STRATEGY}"]
-    if 0 < args.fail_at < args.steps:
-        command += ["--fail", f"{args.fail_at}=3"]
-    _rule(f"training: hspmd run -n 4 {script.relative_to(script.parents[2])} --steps {args.steps}")
+    if 0 < args.kill_at <= args.steps:
+        command += ["--kill", f"{args.kill_at}=3"]
+    _rule(f"training: hspmd run -n 4 --elastic {script.relative_to(script.parents[2])} --steps {args.steps}")
     sys.stdout.flush()
-    code = launch(command, 4, backend="gloo")
+    code = launch(command, 4, backend="gloo", elastic=True)
     if code != 0:
         print(f"hspmd demo: training failed (exit code {code}); the failing rank's error is above", file=sys.stderr)
         return code
@@ -127,11 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _rule("summary")
     print(f"  loss went from {losses[0]:.4f} (step 1) to {losses[-1]:.4f} (step {summary['steps']}) "
           f"with {summary['schedule']} on {summary['world_size']} gloo processes")
+    for failure in summary.get("failures", []):
+        print(f"  rank(s) {failure['ranks']} died in step {failure['step']}; ranks {summary['survivors']} recovered in "
+              f"{failure['recovery_seconds']:.2f}s without a restart and redid that step under {failure['strategy']}")
     print(f"  training {summary['seconds']:.1f}s, demo total {time.monotonic() - began:.1f}s")
     print(f"  checkpoint: {summary['checkpoint']}")
     shown = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else str(script)
-    print(f"  continue it: hspmd run -n 4 {shown} --strategy '{STRATEGY}' --checkpoint {checkpoint} "
-          f"--resume --steps {args.steps + 20}")
+    print(f"  continue it: hspmd run -n 4 {shown} --strategy '{summary.get('final_strategy', STRATEGY)}' "
+          f"--checkpoint {checkpoint} --resume --steps {args.steps + 20}")
     return 0
 
 

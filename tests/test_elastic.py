@@ -72,7 +72,7 @@ def check_survives(tmp: Path, kill: str, extra: tuple[str, ...] = ()) -> str:
     assert point.rank not in summary["survivors"] and len(summary["survivors"]) == 3
     assert len(summary["losses"]) == STEPS
     # the reference switches (with every process alive) at the boundary the survivors agreed on
-    planned = [s for s in extra[1::2]] if extra[:1] == ("--switch",) else []
+    planned = [value for flag, value in zip(extra[::2], extra[1::2]) if flag == "--switch"]
     boundary = redone - 1
     switches = tuple(s for s in planned if int(s.split("=", 1)[0]) < boundary) + (f"{boundary}={summary['final_strategy']}",)
     ref_summary, ref_weights = reference(tmp, switches)
@@ -91,6 +91,20 @@ def check_survives(tmp: Path, kill: str, extra: tuple[str, ...] = ()) -> str:
 ], ids=["pipeline", "update", "save", "switch"])
 def test_a_killed_rank_does_not_end_the_job_and_the_result_equals_the_reference(tmp_path, kill, extra):
     check_survives(tmp_path, kill, extra)
+
+
+def test_a_lost_piece_without_replica_comes_back_from_the_last_checkpoint_in_place(tmp_path):
+    """After a switch to a pure pipeline nothing is replicated: when rank 1 dies, the survivors
+    load their pieces of the recovered strategy from the checkpoint saved after step 2 (no
+    restart) and redo step 3; the result still equals the reference."""
+    log = check_survives(tmp_path, "3=1:1", ("--save-every", "1", "--switch", f"2={PP4}"))
+    assert "loaded its pieces from" in log
+
+
+def test_a_lost_piece_without_replica_or_checkpoint_stops_the_job_naming_the_tensors(tmp_path):
+    code, _, _, log = run_job(tmp_path, "lost", ["--kill", "3=1:1", "--switch", f"2={PP4}"], elastic=True)
+    assert code != 0
+    assert "layers.1.wq" in log and "no checkpoint" in log, log
 
 
 def random_points(count: int, seed: int = 12) -> list[str]:

@@ -19,10 +19,11 @@ bar with the loss, and saves a safetensors checkpoint (whole tensors, loadable u
 --resume continues from it. --summary FILE writes a JSON summary (used by `hspmd demo`).
 
 Strategies change while training, without a restart: --switch 20=STRATEGY hot-switches every
-weight and optimizer state after step 20 (one fused batched send-receive); --fail 50=3 simulates
-the loss of rank 3's GPU after step 50: the other ranks derive a strategy without it
-(hspmd.switching.recover_strategy), take its pieces from replicas in the other pipeline and keep
-training, and rank 3 stays in the job idle.
+weight and optimizer state after step 20 (one fused batched send-receive). Under
+`hspmd run -n 4 --elastic`, a rank whose process dies does not end the job: --kill 50=3 makes rank 3
+SIGKILL itself inside step 50; the others notice, re-form their groups without it, derive a
+strategy without it (hspmd.switching.recover_strategy), take its pieces from replicas in the other
+pipeline, redo step 50 and finish (hspmd.runtime.elastic). The summary lists the failures.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from hspmd.runtime.elastic import ElasticTrainer, KillPoint
 from hspmd.runtime.membership import Membership, is_elastic
 from hspmd.runtime.trainer import DistributedTrainer
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
-from hspmd.switching import recover_strategy
 
 DEFAULT_STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
 DEFAULT_CHECKPOINT = os.path.join("runs", "llama", "checkpoint.safetensors")
@@ -62,9 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help="strategy in hspmd's compact syntax")
     p.add_argument("--switch", action="append", default=[], metavar="STEP=STRATEGY",
                    help="after STEP, hot-switch to STRATEGY (same global batch); may repeat")
-    p.add_argument("--fail", action="append", default=[], metavar="STEP=RANK[,RANK]",
-                   help="after STEP, these ranks' GPUs fail: the others recover (recover_strategy) and "
-                        "keep training, the failed ranks stay idle; may repeat")
     p.add_argument("--kill", action="append", default=[], metavar="STEP=RANK[:CALL]",
                    help="under `hspmd run --elastic`: that rank SIGKILLs itself inside step STEP (at its CALL-th "
                         "communication of the step, default 1); the others recover and finish; may repeat")
@@ -82,26 +79,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def plan_events(strategy, switches, failures):
-    """The strategies the run goes through and {step: (strategy index, failed ranks, why)}.
-    A failure recovers from the strategy in use at that step; failed ranks stay failed."""
+def parse_switches(switches):
+    """[(step, Strategy)] from --switch STEP=STRATEGY texts, in step order."""
     parsed = []
-    for text, kind in [(t, "switch") for t in switches] + [(t, "fail") for t in failures]:
+    for text in switches:
         step, sep, value = text.partition("=")
         if not sep or not step.strip().isdigit():
-            raise HSPMDError(f"--{kind} {text!r}: write STEP=..., e.g. --{kind} 20={'0,1' if kind == 'fail' else 'STRATEGY'}")
-        parsed.append((int(step), kind, value))
-    strategies, events, current, failed = [strategy], {}, strategy, ()
-    for step, kind, value in sorted(parsed, key=lambda e: e[0]):
-        if kind == "fail":
-            lost = tuple(int(r) for r in value.split(","))
-            failed = tuple(sorted(set(failed) | set(lost)))
-            current, why = recover_strategy(current, lost), f"GPU(s) of rank(s) {list(lost)} failed"
-        else:
-            current, why = parse_strategy(value), "planned switch"
-        strategies.append(current)
-        events[step] = (len(strategies) - 1, failed, why)
-    return strategies, events
+            raise HSPMDError(f"--switch {text!r}: write STEP=STRATEGY, e.g. --switch 20='layers=4 ; 6x2: R0 L0-3 ; ...'")
+        parsed.append((int(step), parse_strategy(value)))
+    return sorted(parsed, key=lambda e: e[0])
 
 
 def limit_threads() -> None:
@@ -157,7 +143,9 @@ def main(argv=None) -> int:
     strategy = parse_strategy(args.strategy)
     layout = MicroBatchLayout.of(strategy)
     config = LlamaConfig(vocab=corpus.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads, ffn=args.ffn)
-    strategies, events = plan_events(strategy, args.switch, args.fail)
+    switches = parse_switches(args.switch)
+    strategies = [strategy] + [s for _, s in switches]
+    events = {step: (i + 1, "planned switch") for i, (step, _) in enumerate(switches)}
     model = build_llama(config, strategies, optimizer=AdamW(lr=args.lr))
     rows = layout.global_batch_size
     trainer = DistributedTrainer(model.graph, 0, backend, layout, schedule=args.schedule,
@@ -187,9 +175,9 @@ def main(argv=None) -> int:
         if step + 1 in events:
             if report is not None:
                 report.close()
-            index, failed, why = events[step + 1]
+            index, why = events[step + 1]
             tick = time.monotonic()
-            trainer = trainer.switch(index, strategies[index], failed=failed)
+            trainer = trainer.switch(index, strategies[index])
             plan = trainer.last_switch
             say(f"after step {step + 1}: {why}; now {format_strategy(strategies[index])}")
             say(f"  one fused BSR moved {len(plan.names)} parameters and optimizer states in {plan.fused.messages} "
@@ -218,20 +206,29 @@ def main(argv=None) -> int:
 
 def main_elastic(args) -> int:
     """Under `hspmd run --elastic`: ranks may die (for real, e.g. --kill); the survivors recover
-    (hspmd.runtime.elastic) and finish the run. The lowest surviving rank reports and writes the summary."""
-    if args.fail or args.resume:
-        raise HSPMDError("--fail and --resume are for plain jobs; an elastic job survives real deaths (--kill)")
+    (hspmd.runtime.elastic) and finish the run. The lowest surviving rank reports and writes the summary.
+    The process ends with os._exit: gloo operations abandoned at a failure stay pending, and their
+    destructors would hold (or abort) the process at interpreter exit."""
+    code = 1
+    try:
+        code = train_elastic(args)
+    except HSPMDError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def train_elastic(args) -> int:
+    if args.resume:
+        raise HSPMDError("--resume is for plain jobs (an elastic job survives deaths without a restart)")
     membership = Membership.from_env()
     corpus = CharCorpus()
     strategy = parse_strategy(args.strategy)
     rows = MicroBatchLayout.of(strategy).global_batch_size
     config = LlamaConfig(vocab=corpus.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads, ffn=args.ffn)
-    switches = []
-    for text in args.switch:
-        step, sep, value = text.partition("=")
-        if not sep or not step.strip().isdigit():
-            raise HSPMDError(f"--switch {text!r}: write STEP=STRATEGY")
-        switches.append((int(step), parse_strategy(value)))
+    switches = parse_switches(args.switch)
     console = Console(width=100, highlight=False, soft_wrap=True)
 
     def say(*a):
@@ -255,11 +252,21 @@ def main_elastic(args) -> int:
         say(f"rank(s) {list(failure.ranks)} died in step {failure.step}; survivors {list(membership.alive)} recovered in "
             f"{failure.recovery_seconds:.2f}s, redo step {failure.step} under {failure.strategy}")
         plan = trainer.trainer.last_switch
-        say(f"  one fused BSR moved {len(plan.names)} tensors in {plan.fused.messages} messages, "
-            f"{sum(plan.fused.bytes_sent.values()) / 2**20:.2f} MiB")
+        if failure.restored_from:
+            say(f"  no living replica held some pieces: every rank loaded its pieces from {failure.restored_from} "
+                f"(no restart); training goes back to step {failure.step - 1}")
+        else:
+            say(f"  one fused BSR moved {len(plan.names)} tensors in {plan.fused.messages} messages, "
+                f"{sum(plan.fused.bytes_sent.values()) / 2**20:.2f} MiB")
+
+    def on_switch(step, strategy):
+        plan = trainer.trainer.last_switch
+        say(f"after step {step}: planned switch; now {format_strategy(strategy)}")
+        say(f"  one fused BSR moved {len(plan.names)} parameters and optimizer states in {plan.fused.messages} "
+            f"messages, {sum(plan.fused.bytes_sent.values()) / 2**20:.2f} MiB (no restart, no checkpoint)")
 
     losses = trainer.train(args.steps, lambda k: corpus.batch(k, rows, args.seq, args.seed), switches,
-                           args.save_every, args.checkpoint, on_step, on_failure)
+                           args.save_every, args.checkpoint, on_step, on_failure, on_switch)
     trainer.save(args.checkpoint)
     seconds = time.monotonic() - began
     say(f"finished {args.steps} steps on ranks {list(membership.alive)} in {seconds:.1f}s; "
@@ -272,11 +279,7 @@ def main_elastic(args) -> int:
                        "final_strategy": format_strategy(trainer.strategy), "survivors": list(membership.alive),
                        "failures": [f.as_json() for f in trainer.failures]}, f, indent=1)
     membership.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # gloo operations abandoned at a failure stay pending; exiting without running their
-    # destructors keeps them from holding the process until their timeout
-    os._exit(0)
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@ PeerLost on every survivor, which then
      the survivors' versions: a rank that finished the step's update while another did not rolls
      back, so survivors never mix old and new weights),
   3. derives the new strategy (`recover_strategy`; a cost-model replan can take its place) and moves
-     every lost piece from surviving replicas in one fused BSR (`plan_switch(..., failed=dead)`),
+     every lost piece from surviving replicas in one fused BSR (`plan_switch(..., failed=dead)`);
+     when no living device holds some piece (no replica, e.g. a pure pipeline), every rank loads
+     its pieces under the new strategy from the last checkpoint the job saved, in place (no
+     restart), and training goes back to that step; with no checkpoint the job stops with an
+     error naming the lost tensors,
   4. redoes the interrupted step from its start: no sample is lost or counted twice.
 
 Versions can differ by at most a few between survivors because every step ends with a loss
@@ -30,7 +34,7 @@ import torch.distributed as dist
 
 from hspmd.backends.backend import Backend, Group, Shape
 from hspmd.backends.generation import PeerLost
-from hspmd.errors import HSPMDError
+from hspmd.errors import HSPMDError, WeightLost
 from hspmd.ir.graph import Graph
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.membership import Membership, killed_key
@@ -136,17 +140,19 @@ class FaultInjector(Backend):
 
 @dataclass(frozen=True)
 class Failure:
-    """Ranks lost at once, the step that was interrupted (1-based, redone after recovery), and the
-    seconds from noticing the failure to being ready to redo it."""
+    """Ranks lost at once, the step to redo (1-based: the interrupted one, or the one after the
+    checkpoint `restored_from` when no living replica held a lost piece), and the seconds from
+    noticing the failure to being ready to redo it."""
 
     ranks: tuple[int, ...]
     step: int
     recovery_seconds: float
     strategy: str = ""
+    restored_from: str | None = None
 
     def as_json(self) -> dict:
         return {"ranks": list(self.ranks), "step": self.step, "recovery_seconds": self.recovery_seconds,
-                "strategy": self.strategy}
+                "strategy": self.strategy, "restored_from": self.restored_from}
 
 
 @dataclass
@@ -173,6 +179,8 @@ class ElasticTrainer:
         self.schedule, self.symbols, self.seed, self.describe = schedule, dict(symbols or {}), seed, describe
         self.kills = tuple(kills)
         self._injector: FaultInjector | None = None
+        self.checkpoint_path: str | None = None
+        self.restored_from: str | None = None
         self.strategies: list[Strategy] = [strategy]
         self.graph = build_graph(self.strategies)
         self.failures: list[Failure] = []
@@ -243,15 +251,20 @@ class ElasticTrainer:
         leaves the previous file)."""
         self._begin("save")
         self.trainer.save_checkpoint(path)
+        self.checkpoint_path = os.fspath(path)
+
+    def _adopt(self, target: Strategy) -> int:
+        """Append `target` to the graph's strategies (the graph is rebuilt); its index."""
+        self.strategies.append(target)
+        self.graph = self.build_graph(self.strategies)
+        return len(self.strategies) - 1
 
     def _move_to(self, target: Strategy, failed: Sequence[int], leaves: Mapping[str, torch.Tensor] | None = None,
                  source: int | None = None) -> None:
         source = self.trainer.spec.deduced.strategy if source is None else source
         leaves = self.trainer.state.leaves if leaves is None else leaves
         steps = self.trainer.steps_done
-        self.strategies.append(target)
-        self.graph = self.build_graph(self.strategies)
-        index = len(self.strategies) - 1
+        index = self._adopt(target)
         plan = plan_switch(self.graph, source, index, failed=failed)
         moved = execute_switch(plan, self._backend(), leaves)
         nxt = self._trainer(index)
@@ -263,10 +276,25 @@ class ElasticTrainer:
         nxt.last_switch = plan
         self.trainer = nxt
 
+    def _restore(self, target: Strategy, lost: WeightLost) -> None:
+        """No living replica holds some piece: load every rank's pieces under `target` from the
+        last checkpoint this job saved (each rank reads only its own boxes; the survivors keep
+        running), going back to its step. Without one, the job cannot continue."""
+        if self.checkpoint_path is None or not os.path.exists(self.checkpoint_path):
+            raise HSPMDError(f"rank {self.rank}: cannot recover: {lost} (and this job saved no checkpoint to restore "
+                             f"from; train with --save-every N)") from lost
+        index = self.strategies.index(target) if target in self.strategies else self._adopt(target)
+        nxt = self._trainer(index)
+        nxt.load_checkpoint(self.checkpoint_path)
+        nxt.last_switch = None
+        self.trainer = nxt
+        self.restored_from = self.checkpoint_path
+
     def train(self, steps: int, batch: Callable[[int], Mapping[str, torch.Tensor]],
               switches: Sequence[tuple[int, Strategy]] = (), save_every: int = 0, save_path=None,
               on_step: Callable[[int, float | None], None] | None = None,
-              on_failure: Callable[[Failure], None] | None = None) -> dict[int, float | None]:
+              on_failure: Callable[[Failure], None] | None = None,
+              on_switch: Callable[[int, Strategy], None] | None = None) -> dict[int, float | None]:
         """Train until `steps` steps are done, surviving deaths: {step (1-based): loss}.
 
         batch(k) is the global batch of step k+1 (the same on every rank); `switches` are planned
@@ -281,6 +309,8 @@ class ElasticTrainer:
                 pending = [(at, s) for i, (at, s) in enumerate(planned) if i >= self.switches_done and at == done]
                 if pending:
                     self.switch(pending[0][1])
+                    if on_switch is not None:
+                        on_switch(done, self.strategy)
                     continue
                 if save_every and save_path is not None and done % save_every == 0 and done != saved:
                     self.save(save_path)
@@ -318,15 +348,19 @@ class ElasticTrainer:
                 dead = set(self.membership.dead)
                 old = self.strategies[version.strategy]
                 target = recover_strategy(old, dead & set(old.all_ranks)) if dead & set(old.all_ranks) else old
-                self._move_to(target, failed=sorted(dead & set(old.all_ranks)), leaves=dict(version.leaves),
-                              source=version.strategy)
+                self.restored_from = None
+                try:
+                    self._move_to(target, failed=sorted(dead & set(old.all_ranks)), leaves=dict(version.leaves),
+                                  source=version.strategy)
+                except WeightLost as lost:
+                    self._restore(target, lost)
                 self._history = []
                 self._commit()
                 break
             except PeerLost:
                 continue
         failure = Failure(tuple(sorted(set(self.membership.dead) - before)), self.trainer.steps_done + 1,
-                          time.monotonic() - noticed, self.describe(self.strategy))
+                          time.monotonic() - noticed, self.describe(self.strategy), self.restored_from)
         self.failures.append(failure)
         return failure
 

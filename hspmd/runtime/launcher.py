@@ -191,7 +191,8 @@ def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest") -> list[_Rank]:
 
 def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str]) -> list[_Rank]:
     """Announce every rank that exits non-zero as dead (hspmd.runtime.elastic.announce_death) and
-    keep going while any rank runs. Returns [] if some rank finished, else the failed ranks."""
+    keep going while any rank runs. Returns [] if some rank finished, else the failed ranks, the last
+    to fail first (the survivors' own error, e.g. a weight that no living rank holds)."""
     from hspmd.runtime.membership import announce_death, killed_note  # torch only for elastic jobs, like _host_store
 
     dead: list[_Rank] = []
@@ -206,7 +207,7 @@ def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str])
                       f"survivors continue as generation {generation}\n")
             err.flush()
         if all(code is not None for code in codes):
-            return [] if any(code == 0 for code in codes) else dead
+            return [] if any(code == 0 for code in codes) else dead[::-1]
         time.sleep(_POLL_S)
     return []
 
