@@ -27,8 +27,7 @@ from hspmd.ir import Binding, Graph, comm, initial_value, parameter, placeholder
 from hspmd.ops import SGD, relu
 from hspmd.backends.backend import Backend
 from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.inprocess import local_feeds
-from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
+from hspmd.runtime.run import DeviceState, device_feeds, run_backward, run_forward, run_update
 from hspmd.specialize.specialized import specialize_graph
 
 try:
@@ -168,7 +167,7 @@ def rank_main(backend: Backend, c: Config, warmup: int, steps: int) -> dict:
     out = {"hspmd": [], "torch": [], "hspmd_loss": [], "torch_loss": []}
     for i in range(warmup + steps):
         whole = batch(c, i)
-        mine = local_feeds(hspmd.exe, whole, hspmd.spec.binding)
+        mine = device_feeds(hspmd.exe, whole, hspmd.spec.binding)
         runs = [("hspmd", lambda: hspmd.step(mine)), ("torch", lambda: baseline.step(whole))]
         for name, run in runs if i % 2 == 0 else runs[::-1]:
             seconds, loss = timed_on_world(backend, run)

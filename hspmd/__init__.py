@@ -27,12 +27,12 @@ from hspmd import ops
 from hspmd.ir import Binding, Derived, Graph, comm, parameter, placeholder, state, symbols
 from hspmd.ops import SGD, AdamW, gradients
 from hspmd.specialize.deduce import deduce
-from hspmd.runtime.inprocess import InProcessTrainer
+from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
 from hspmd.specialize.specialized import specialize_graph
 
 __all__ += [
-    "AdamW", "Binding", "Derived", "DeviceState", "Graph", "InProcessTrainer", "SGD", "comm", "deduce", "gradients",
+    "AdamW", "Binding", "Derived", "DeviceState", "Graph", "InProcessJob", "SGD", "comm", "deduce", "gradients",
     "ops", "parameter", "placeholder", "run_backward", "run_forward", "run_update", "specialize_graph", "state", "symbols",
 ]
 
@@ -43,7 +43,8 @@ from hspmd.backends.plan_executor import run_plan
 __all__ += ["FusedPlan", "Plan", "Topology", "resolve", "resolve_many", "run_plan"]
 
 # Distributed runtime (issue 5) and strategy switching.
-from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.trainer import Trainer
 from hspmd.switching import execute_switch, plan_switch, recover_strategy
 
-__all__ += ["DistributedTrainer", "execute_switch", "plan_switch", "recover_strategy"]
+__all__ += ["MicroBatchLayout", "Trainer", "execute_switch", "plan_switch", "recover_strategy"]

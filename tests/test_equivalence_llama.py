@@ -4,12 +4,12 @@ loss and every synchronised gradient on each of 3 AdamW steps, and the weights a
 import pytest
 import torch
 
-from hspmd.ir import Binding, initial_value
+from hspmd.ir import initial_value
 from hspmd.models.llama import LlamaConfig, RopeScaling, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
-from hspmd.runtime.inprocess import InProcessTrainer
-from hspmd.specialize.specialized import specialize_graph
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.inprocess import InProcessJob
 from hspmd.specialize.strategy_text import parse_strategy
 
 SEQ, STEPS, LR = 8, 3, 1e-3
@@ -29,42 +29,32 @@ def _check(text, sequence_parallel=False, expect=None, **options):
     config = LlamaConfig(layers=strategy.num_layers, **options)
     model = build_llama(config, [strategy], optimizer=AdamW(lr=LR, zero=strategy.zero),
                         sequence_parallel=sequence_parallel)
-    sizes = strategy.micro_batch_ratios
-    counts = [p.micro_batches for p in strategy.pipelines]
-    binding = Binding.of({"B": sum(sizes), "S": SEQ, "T": strategy.global_batch_size * SEQ}, ratios=sizes)
-    spec = specialize_graph(model.graph, 0, binding)
-    trainer = InProcessTrainer(spec, micro_batches=counts)
+    layout = MicroBatchLayout.of(strategy)
+    rows = layout.global_batch_size
+    job = InProcessJob(model.graph, 0, layout, symbols={"S": SEQ, "T": rows * SEQ})
+    spec = job.spec
 
     gen = torch.Generator().manual_seed(7)
-    feeds = [[{"tokens": torch.randint(0, config.vocab, (sum(sizes), SEQ), generator=gen),
-               "labels": torch.randint(0, config.vocab, (sum(sizes), SEQ), generator=gen)}
-              for _ in range(max(counts))] for _ in range(STEPS)]
-
-    def whole_batch(step):
-        """The rows each pipeline consumes, concatenated: what one device would train on."""
-        rows = {"tokens": [], "labels": []}
-        for p, (n, b) in enumerate(zip(counts, sizes)):
-            start = sum(sizes[:p])
-            for m in range(n):
-                for key in rows:
-                    rows[key].append(feeds[step][m][key][start:start + b])
-        return torch.cat(rows["tokens"]), torch.cat(rows["labels"])
+    batches = [(torch.randint(0, config.vocab, (rows, SEQ), generator=gen),
+                torch.randint(0, config.vocab, (rows, SEQ), generator=gen)) for _ in range(STEPS)]
 
     initial = {n.name: initial_value(n) for n in model.graph.parameters}
     scaling = config.rope_scaling
-    history, final = reference_training(initial, whole_batch, config.layers, config.heads, STEPS, lr=LR, rope_scaling=scaling and {
+    history, final = reference_training(initial, lambda step: batches[step], config.layers, config.heads, STEPS, lr=LR, rope_scaling=scaling and {
         "rope_type": scaling.kind, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
         "high_freq_factor": scaling.high_freq_factor, "original_max_position_embeddings": scaling.original_max_position})
     for step in range(STEPS):
-        loss = trainer.step(feeds[step])
+        tokens, labels = batches[step]
+        loss = job.step({"tokens": tokens, "labels": labels})
         ref_loss, ref_grads = history[step]
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
-        assert set(trainer.gradients) == set(ref_grads)
+        gradients = job.gradients()
+        assert set(gradients) == set(ref_grads)
         for name, grad in ref_grads.items():
             # float32 summation order differs: allow 1e-4 of the gradient's own scale
             scale = float(grad.abs().max())
-            torch.testing.assert_close(trainer.gradients[name], grad, rtol=1e-4, atol=1e-4 * scale, msg=name)
-    params = trainer.parameters()
+            torch.testing.assert_close(gradients[name], grad, rtol=1e-4, atol=1e-4 * scale, msg=name)
+    params = job.parameters()
     for name, value in final.items():
         # AdamW normalises each element's step to about LR, so a near-zero gradient's rounding can move
         # one element by a fraction of LR; a wrong gradient moves many elements by about LR

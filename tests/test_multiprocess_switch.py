@@ -10,7 +10,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 from hspmd.switching import recover_strategy
 from test_multiprocess_training import CONFIG, HETERO, LR, SEQ, assert_matches_reference, batches
@@ -27,7 +27,7 @@ def switch_rank(backend, steps_before: int, steps_after: int):
     layout = MicroBatchLayout.of(first)
     assert MicroBatchLayout.of(second).global_batch_size == layout.global_batch_size
     data = batches(HETERO, steps_before + steps_after, seed=5)
-    trainer = DistributedTrainer(model.graph, 0, backend, layout, symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
+    trainer = Trainer(model.graph, 0, backend, layout, symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
     losses = [trainer.step({"tokens": x, "labels": y}) for x, y in data[:steps_before]]
     trainer = trainer.switch(1, second)
     losses += [trainer.step({"tokens": x, "labels": y}) for x, y in data[steps_before:]]
@@ -50,7 +50,7 @@ def failure_rank(backend, steps_before: int, steps_after: int):
     model = build_llama(LlamaConfig(layers=first.num_layers, **CONFIG), [first, second], optimizer=AdamW(lr=LR))
     layout = MicroBatchLayout.of(first)
     data = batches(HETERO, steps_before + steps_after, seed=6)
-    trainer = DistributedTrainer(model.graph, 0, backend, layout, symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
+    trainer = Trainer(model.graph, 0, backend, layout, symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
     losses = [trainer.step({"tokens": x, "labels": y}) for x, y in data[:steps_before]]
     trainer = trainer.switch(1, second, failed=(3,))
     losses += [trainer.step({"tokens": x, "labels": y}) for x, y in data[steps_before:]]

@@ -21,7 +21,7 @@ from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.executor import NonBlockingSends
 from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
 pytestmark = pytest.mark.multiprocess
@@ -40,15 +40,15 @@ def batches(strategy_text: str, steps: int, seed: int) -> list[tuple[torch.Tenso
              torch.randint(0, CONFIG["vocab"], (rows, SEQ), generator=gen)) for _ in range(steps)]
 
 
-def make_trainer(backend: Backend, text: str, schedule: str) -> DistributedTrainer:
+def make_trainer(backend: Backend, text: str, schedule: str) -> Trainer:
     strategy = parse_strategy(text)
     model = build_llama(LlamaConfig(layers=strategy.num_layers, **CONFIG), [strategy], optimizer=AdamW(lr=LR))
     layout = MicroBatchLayout.of(strategy)
-    return DistributedTrainer(model.graph, 0, backend, layout, schedule=schedule,
+    return Trainer(model.graph, 0, backend, layout, schedule=schedule,
                               symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
 
 
-def train(trainer: DistributedTrainer, data) -> list[float]:
+def train(trainer: Trainer, data) -> list[float]:
     return [trainer.step({"tokens": x, "labels": y}) for x, y in data]
 
 

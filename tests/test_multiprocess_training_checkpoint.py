@@ -14,7 +14,7 @@ from hspmd.ops import AdamW
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.checkpoint import CheckpointReader
 from hspmd.backends.local import run_on_devices
-from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
 CONFIG = LlamaConfig(vocab=16, hidden=16, heads=2, ffn=32, layers=2)
@@ -26,7 +26,7 @@ def _trainer(backend, text):
     strategy = parse_strategy(text)
     model = build_llama(CONFIG, [strategy], optimizer=AdamW(lr=1e-2, zero=strategy.zero))
     layout = MicroBatchLayout.of(strategy)
-    return DistributedTrainer(model.graph, 0, backend, layout, symbols={"S": 4, "T": 4 * layout.global_batch_size})
+    return Trainer(model.graph, 0, backend, layout, symbols={"S": 4, "T": 4 * layout.global_batch_size})
 
 
 def _step(trainer):

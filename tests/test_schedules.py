@@ -25,7 +25,7 @@ from hspmd.specialize.schedules import (
     schedule_for,
     simulate,
 )
-from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
 shapes = st.integers(1, 6).flatmap(lambda s: st.tuples(st.just(s), st.integers(0, s - 1), st.integers(1, 9)))
@@ -123,7 +123,7 @@ def _peaks_on_threads(backend, text, schedule):
     strategy = parse_strategy(text)
     layout = MicroBatchLayout.of(strategy)
     model = build_llama(LlamaConfig(layers=strategy.num_layers, hidden=16, ffn=32, vocab=16), [strategy], optimizer=SGD(lr=0.1))
-    trainer = DistributedTrainer(model.graph, 0, backend, strategy, schedule=schedule, symbols={"S": 4, "T": 4 * layout.global_batch_size})
+    trainer = Trainer(model.graph, 0, backend, strategy, schedule=schedule, symbols={"S": 4, "T": 4 * layout.global_batch_size})
     tokens = torch.arange(4 * layout.global_batch_size).reshape(-1, 4) % 16
     loss = trainer.step({"tokens": tokens, "labels": tokens.flip(1)})
     return trainer.stage, trainer.last_run.peak_in_flight, loss

@@ -6,47 +6,17 @@ import pytest
 import torch
 
 from hspmd.errors import HSPMDError
-from hspmd.ir import Binding, initial_value
+from hspmd.ir import initial_value
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
-from hspmd.runtime.inprocess import InProcessTrainer
+from hspmd.runtime.inprocess import InProcessJob
 from hspmd.specialize.paper_strategies import paper_strategy
-from hspmd.specialize.specialized import specialize_graph
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import WeightLost, plan_switch, recover_strategy, surviving_layout
 from hspmd.annotations import parse
-from hspmd.backends.local import run_on_devices
-from hspmd.switching import execute_switch
 
 SEQ, LR = 6, 1e-3
-
-
-def _binding(strategy):
-    sizes = strategy.micro_batch_ratios
-    return Binding.of({"B": sum(sizes), "S": SEQ, "T": strategy.global_batch_size * SEQ}, ratios=sizes)
-
-
-def _feeds(strategy, rows, vocab):
-    """Per micro-batch feeds that give pipeline p the rows it consumes, in pipeline order."""
-    sizes = strategy.micro_batch_ratios
-    counts = [p.micro_batches for p in strategy.pipelines]
-    starts = [sum(n * b for n, b in zip(counts[:p], sizes[:p])) for p in range(len(sizes))]
-    feeds = []
-    for m in range(max(counts)):
-        mb = {"tokens": [], "labels": []}
-        for p, (n, b) in enumerate(zip(counts, sizes)):
-            m_p = min(m, n - 1)
-            for key, value in zip(mb, rows):
-                mb[key].append(value[starts[p] + m_p * b: starts[p] + (m_p + 1) * b])
-        feeds.append({k: torch.cat(v) for k, v in mb.items()})
-    return feeds
-
-
-def _switch_states(trainer, plan, failed=()):
-    """Run the fused switch over the trainer's device states (failed devices contribute nothing)."""
-    leaves = {d: s.leaves for d, s in trainer.states.items() if d not in failed}
-    return run_on_devices(lambda b: execute_switch(plan, b, leaves.get(b.rank, {})), plan.devices)
 
 
 def _train_with_switch(first, second, failed=()):
@@ -60,20 +30,14 @@ def _train_with_switch(first, second, failed=()):
     initial = {n.name: initial_value(n) for n in model.graph.parameters}
     _, final = reference_training(initial, lambda s: data[s], config.layers, config.heads, 3, lr=LR)
 
-    trainer = InProcessTrainer(specialize_graph(model.graph, 0, _binding(first)),
-                               micro_batches=[p.micro_batches for p in first.pipelines])
+    job = InProcessJob(model.graph, 0, first, symbols={"S": SEQ, "T": total * SEQ})
     for step in range(2):
-        trainer.step(_feeds(first, data[step], config.vocab))
-    plan = plan_switch(model.graph, 0, 1, failed=failed)
-    moved = _switch_states(trainer, plan, failed)
-    after = InProcessTrainer(specialize_graph(model.graph, 1, _binding(second)),
-                             micro_batches=[p.micro_batches for p in second.pipelines])
-    for device, state in after.states.items():
-        state.leaves = moved.get(device, {}) | {n: v for n, v in trainer.states.get(device, state).leaves.items()
-                                                if n not in plan.names and n in state.leaves}
-        state.step = 2
-    after.step(_feeds(second, data[2], config.vocab))
-    params = after.parameters()
+        job.step({"tokens": data[step][0], "labels": data[step][1]})
+    job.switch(1, second, failed=failed)
+    plan = job.trainers[0].last_switch
+    assert all(t.steps_done == 2 for t in job.trainers.values())
+    job.step({"tokens": data[2][0], "labels": data[2][1]})
+    params = job.parameters()
     for name, value in final.items():
         torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=name)
     return plan

@@ -48,7 +48,7 @@ from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.backends.torch_dist import init_from_env
 from hspmd.runtime.elastic import ElasticTrainer, KillPoint
 from hspmd.runtime.membership import Membership, is_elastic
-from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 
 DEFAULT_STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     events = {step: (i + 1, "planned switch") for i, (step, _) in enumerate(switches)}
     model = build_llama(config, strategies, optimizer=AdamW(lr=args.lr))
     rows = layout.global_batch_size
-    trainer = DistributedTrainer(model.graph, 0, backend, layout, schedule=args.schedule,
+    trainer = Trainer(model.graph, 0, backend, layout, schedule=args.schedule,
                                  symbols={"S": args.seq, "T": rows * args.seq}, seed=args.seed)
 
     say(strategy.describe().rstrip())

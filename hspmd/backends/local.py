@@ -29,9 +29,36 @@ class LocalWorld:
         self._reads: dict[tuple, int] = {}
         self._mail: dict[tuple[int, int, int], torch.Tensor] = {}
         self.failed: str | None = None
+        self.backends = {rank: LocalBackend(self, rank) for rank in self.devices}
 
-    def backend(self, rank: int) -> "LocalBackend":
-        return LocalBackend(self, rank)
+    def run(self, fn: Callable[[Backend], T]) -> dict[int, T]:
+        """Run fn(backend) on one thread per device, each with its own rank's backend (the same
+        backend on every call, so a job may call run() once per step); return {device: result}.
+
+        If any device raises, the others are released (they see CommunicationError), the world
+        stays failed, and the first original error is re-raised: a bug in one device's program
+        never hangs the caller."""
+        results: dict[int, T] = {}
+        errors: dict[int, BaseException] = {}
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(self.backends[rank])
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the caller below
+                errors[rank] = exc
+                self.fail(f"device {rank} raised {type(exc).__name__}: {exc}")
+
+        if self.failed is not None:
+            raise CommunicationError(f"this in-process job failed earlier: {self.failed}")
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in self.devices]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            primary = [e for e in errors.values() if not isinstance(e, CommunicationError)]
+            raise (primary or list(errors.values()))[0]
+        return results
 
     def fail(self, reason: str) -> None:
         with self._cond:
@@ -127,30 +154,9 @@ class LocalBackend(Backend):
 
 def run_on_devices(fn: Callable[[Backend], T], devices: Iterable[int], timeout: float = 60.0,
                    device: torch.device | str = "cpu") -> dict[int, T]:
-    """Run fn(backend) on one thread per device, buffers on `device`; return {device: result}.
-
-    If any device raises, the others are released (they see CommunicationError) and the first
-    original error is re-raised, so a bug in one device's program never hangs the caller."""
-    world = LocalWorld(devices, timeout, device)
-    results: dict[int, T] = {}
-    errors: dict[int, BaseException] = {}
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(world.backend(rank))
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the caller below
-            errors[rank] = exc
-            world.fail(f"device {rank} raised {type(exc).__name__}: {exc}")
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in world.devices]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        primary = [e for e in errors.values() if not isinstance(e, CommunicationError)]
-        raise (primary or list(errors.values()))[0]
-    return results
+    """Run fn(backend) once on one thread per device of a fresh in-process world, buffers on
+    `device` (LocalWorld.run)."""
+    return LocalWorld(devices, timeout, device).run(fn)
 
 
 __all__ = ["LocalWorld", "LocalBackend", "run_on_devices"]

@@ -1,10 +1,10 @@
 """hspmd.runtime: everything that runs specialized programs.
 
 run          one device's forward / backward / update over its executable graph, on any Backend
-inprocess    InProcessTrainer: every device of a strategy as a thread over the in-process backend
+inprocess    InProcessJob: the Trainer with every rank as a thread, over the in-process backend
 executor     runs a stage's schedule on a backend (non-blocking sends, measured in-flight peak)
 batches      how a global batch is laid out over pipelines and micro-batches
-trainer      DistributedTrainer: one rank's specialized graph, schedule, gradient sync, checkpoints
+trainer      Trainer: one rank's specialized graph, schedule, gradient sync, checkpoints
 checkpoint   safetensors checkpoints that load under any strategy
 multiprocess run_multiprocess(): one function on N real gloo/NCCL processes, results per rank
 launcher     `hspmd run -n N script.py`: N local ranks with torchrun-style variables

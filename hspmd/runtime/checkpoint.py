@@ -14,7 +14,7 @@ replica once: fine for small models; a large model would write per-rank shard fi
 from __future__ import annotations
 
 import os
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from hspmd.annotations import box_shape, device_pieces, unshard
 from hspmd.errors import HSPMDError, ShapeError
-from hspmd.ir.graph import Graph, Node
+from hspmd.ir.graph import Graph, Node, Tensor
 from hspmd.backends.backend import Backend
 from hspmd.specialize.executable import ExecutableGraph, live_nodes, run_time_ratios
 
@@ -36,27 +36,33 @@ def checkpoint_leaves(graph: Graph) -> list[Node]:
     return [n for n in graph.nodes if n.kind in ("parameter", "state") and n.id in live]
 
 
-def gather_leaves(exe: ExecutableGraph, backend: Backend, leaves: Mapping[str, torch.Tensor],
-                  dst: int) -> dict[str, torch.Tensor] | None:
-    """Collective over every rank of the strategy: rank `dst` gets {name: whole tensor} of every
-    checkpoint leaf (from this device's `leaves` pieces and its peers'); other ranks get None."""
+def gather_whole(exe: ExecutableGraph, backend: Backend, tensors: Sequence[Tensor], values: Mapping[str, torch.Tensor],
+                 dst: int) -> dict[str, torch.Tensor] | None:
+    """Collective over every rank of the strategy: rank `dst` gets {name: whole value} of each of
+    `tensors` (this device's pieces are values[name], its peers' come by point-to-point); other
+    ranks get None. Replicas are checked to agree, as hspmd.unshard does."""
     me = backend.rank
     out: dict[str, torch.Tensor] | None = {} if me == dst else None
-    for node in checkpoint_leaves(exe.graph):
-        t = node.output
+    for t in tensors:
         ann = exe.deduced[t]
-        shape = exe.binding.shape(t.shape, node.name)
+        shape = exe.binding.shape(t.shape, t.name)
         ratios = run_time_ratios(ann, exe.binding)
         pieces = device_pieces(ann, shape, ratios)
         if me == dst:
             recvs = {d: (box_shape(p.box), t.dtype) for d, p in pieces.items() if d != me}
             got = dict(backend.exchange({}, recvs)) if recvs else {}
             if me in pieces:
-                got[me] = leaves[node.name]
-            out[node.name] = unshard(got, ann, shape=shape, ratios=ratios)
+                got[me] = values[t.name]
+            out[t.name] = unshard(got, ann, shape=shape, ratios=ratios)
         elif me in pieces:
-            backend.exchange({dst: leaves[node.name].contiguous()}, {})
+            backend.exchange({dst: values[t.name].contiguous()}, {})
     return out
+
+
+def gather_leaves(exe: ExecutableGraph, backend: Backend, leaves: Mapping[str, torch.Tensor],
+                  dst: int) -> dict[str, torch.Tensor] | None:
+    """gather_whole of every checkpoint leaf (parameters and optimizer states) to rank `dst`."""
+    return gather_whole(exe, backend, [n.output for n in checkpoint_leaves(exe.graph)], leaves, dst)
 
 
 def cut_leaves(exe: ExecutableGraph, read: Callable[[str, tuple, tuple[int, ...]], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -125,4 +131,5 @@ class CheckpointReader:
         return view[tuple(slice(a, b) for a, b in box)]
 
 
-__all__ = ["CheckpointReader", "checkpoint_leaves", "cut_from_tensors", "cut_leaves", "gather_leaves", "save_checkpoint"]
+__all__ = ["CheckpointReader", "checkpoint_leaves", "cut_from_tensors", "cut_leaves", "gather_leaves", "gather_whole",
+           "save_checkpoint"]

@@ -38,7 +38,7 @@ from hspmd.errors import HSPMDError, WeightLost
 from hspmd.ir.graph import Graph
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.membership import Membership, killed_key
-from hspmd.runtime.trainer import DistributedTrainer
+from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy import Strategy
 from hspmd.switching import execute_switch, plan_switch, recover_strategy
 
@@ -160,13 +160,13 @@ class _Version:
     """A committed state: steps done, boundary actions done since, the trainer and its leaves."""
 
     key: tuple[int, int]
-    trainer: DistributedTrainer
+    trainer: Trainer
     strategy: int
     leaves: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ElasticTrainer:
-    """DistributedTrainer over a Membership that survives the death of ranks.
+    """Trainer over a Membership that survives the death of ranks.
 
     build_graph(strategies) builds the model's graph annotated with each strategy of the list (the
     same nodes every time; a recovery appends the recovered strategy). `describe(strategy)` names a
@@ -200,9 +200,9 @@ class ElasticTrainer:
             self._injector = FaultInjector(inner, self.kills, self.membership.store)
         return self._injector
 
-    def _trainer(self, index: int) -> DistributedTrainer:
+    def _trainer(self, index: int) -> Trainer:
         strategy = self.strategies[index]
-        return DistributedTrainer(self.graph, index, self._backend(), MicroBatchLayout.of(strategy), self.schedule,
+        return Trainer(self.graph, index, self._backend(), MicroBatchLayout.of(strategy), self.schedule,
                                   self.symbols, self.seed)
 
     def _begin(self, phase: str) -> None:

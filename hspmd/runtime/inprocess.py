@@ -1,95 +1,89 @@
-"""Training a specialized graph in one process: one thread per device over the in-process
-backend, in the simplest correct order (each device: every micro-batch's forward, then every
-backward, then the update). Real schedules (GPipe, 1F1B) drive the same run_* calls."""
+"""The Trainer with every rank as a thread of this process, over the in-process backend: for fast
+tests and checks (equivalence with single-device torch, switches), never for speed.
+
+    job = InProcessJob(graph, 0, MicroBatchLayout((2, 1), (2, 2)), symbols={"S": 8, "T": 48})
+    loss = job.step({"tokens": x, "labels": y})    # the same global batch a Trainer.step takes
+    job.gradients(), job.parameters()             # whole values, gathered as a rank-0 caller would
+    job = job.switch(1, other_layout)             # hot switch of every rank (fused BSR)
+
+Each call runs the same method of every rank's Trainer at once, one thread per rank; the graph is
+specialized once for all ranks (each thread would otherwise deduce the same graph again).
+"""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping
 
 import torch
 
-from hspmd.annotations import unshard
-from hspmd.errors import HSPMDError, ShapeError
-from hspmd.ir.shapes import Binding
-from hspmd.backends.backend import Backend
-from hspmd.backends.local import run_on_devices
-from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
-from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
-from hspmd.specialize.specialized import Specialized
-
-Feeds = Mapping[str, torch.Tensor]
+from hspmd.backends.local import LocalWorld
+from hspmd.errors import HSPMDError
+from hspmd.ir.graph import Graph
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.trainer import Trainer, as_layout, trainer_binding
+from hspmd.specialize.deduce import deduce
+from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
+from hspmd.specialize.strategy import Strategy
 
 
-def local_feeds(exe: ExecutableGraph, feeds: Feeds, binding: Binding) -> dict[str, torch.Tensor]:
-    """This device's pieces of one micro-batch's whole placeholder values."""
-    out = {}
-    for node in exe.placeholders:
-        if node.name not in feeds:
-            raise HSPMDError(f"no value fed for placeholder {node.name}")
-        value = feeds[node.name]
-        expected = binding.shape(node.output.shape, node.name)
-        if tuple(value.shape) != expected:
-            raise ShapeError(f"placeholder {node.name}: fed shape {tuple(value.shape)}, the binding gives {expected}")
-        box = exe.box(node.output, binding)
-        out[node.name] = value[tuple(slice(a, b) for a, b in box)]
-    return out
+class InProcessJob:
+    """One Trainer per rank (ranks 0 .. the strategies' highest device), all in this process.
 
+    `ranks`: how many ranks the job has (default: enough for `strategy`; give more to leave room
+    for a later switch to a strategy on more devices). The other arguments are the Trainer's."""
 
-class InProcessTrainer:
-    """Holds every device's state; step() runs one training step on all devices.
-
-    micro_batches: per pipeline (in spec.pipelines order), how many of the fed micro-batches it
-    runs (default: all). Micro-batch m's feeds are whole tensors under the binding; each pipeline
-    takes its region (the top-tier split) of them."""
-
-    def __init__(self, spec: Specialized, micro_batches: Sequence[int] | None = None, seed: int = 0,
+    def __init__(self, graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
+                 symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None, ranks: int | None = None,
                  timeout: float = 120.0):
-        self.spec, self.seed, self.timeout = spec, seed, timeout
-        if micro_batches is not None and len(micro_batches) != len(spec.pipelines):
-            raise HSPMDError(f"micro_batches has {len(micro_batches)} entries for {len(spec.pipelines)} pipelines")
-        self.micro_batches = micro_batches
-        self.states = {d: DeviceState.initial(exe, seed) for d, exe in spec.executables.items()}
-        self.synced = dict(spec.graph.gradients)
-        self.loss: float | None = None
-        self.gradients: dict[str, torch.Tensor] = {}
+        self.graph, self.symbols, self.seed, self.topology = graph, dict(symbols or {}), seed, topology
+        spec = self._specialize(strategy, as_layout(layout))
+        ranks = max(spec.devices) + 1 if ranks is None else ranks
+        if ranks <= max(spec.devices):
+            raise HSPMDError(f"strategy {strategy} uses devices up to {max(spec.devices)}, the job has {ranks} ranks")
+        self.world = LocalWorld(range(ranks), timeout)
+        self.trainers: dict[int, Trainer] = self.world.run(
+            lambda b: Trainer(graph, strategy, b, layout, schedule, self.symbols, seed, topology,
+                              spec if b.rank in spec.executables else None))
 
-    def _device_step(self, backend: Backend, feeds: Sequence[Feeds], bindings: Sequence[Binding]) -> None:
-        exe = self.spec.executables[backend.rank]
-        state = self.states[backend.rank]
-        state.fetched.clear()
-        pipeline, _ = self.spec.locate(backend.rank)
-        count = len(feeds) if self.micro_batches is None else self.micro_batches[pipeline]
-        if count > len(feeds):
-            raise HSPMDError(f"pipeline {pipeline} runs {count} micro-batches but {len(feeds)} were fed")
-        mbs = [run_forward(exe, backend, state, local_feeds(exe, feeds[m], bindings[m]), bindings[m])
-               for m in range(count)]
-        for mb in mbs:
-            run_backward(exe, backend, state, mb)
-        run_update(exe, backend, state, fetch=list(self.synced.values()))
+    def _specialize(self, strategy: int, layout: MicroBatchLayout) -> Specialized:
+        deduced = deduce(self.graph, strategy)
+        binding = trainer_binding(self.graph, layout, self.symbols)
+        return specialize_graph(self.graph, strategy, binding, all_devices(deduced), self.topology, deduced=deduced)
 
-    def step(self, feeds: Sequence[Feeds], bindings: Binding | Sequence[Binding] | None = None) -> float:
-        """One step over the fed micro-batches; returns the loss (summed over micro-batches)."""
-        if isinstance(bindings, Binding) or bindings is None:
-            bindings = [bindings or self.spec.binding] * len(feeds)
-        run_on_devices(lambda b: self._device_step(b, feeds, bindings), self.spec.devices, self.timeout)
-        graph, deduced = self.spec.graph, self.spec.deduced
-        if graph.losses:
-            loss = graph.losses[0]
-            self.loss = float(self._gather(loss.name, deduced[loss], (), bindings[0], fetched=True))
-        self.gradients = {name: self._gather(t.name, deduced[t], None, bindings[0], True)
-                          for name, t in self.synced.items()}
-        return self.loss
+    @property
+    def spec(self) -> Specialized:
+        """The specialization every rank of the current strategy runs (one value, shared)."""
+        return self._lead().spec
 
-    def _gather(self, name, ann, shape, binding, fetched: bool) -> torch.Tensor:
-        locals_ = {d: (s.fetched if fetched else s.leaves)[name] for d, s in self.states.items()
-                   if d in ann.devices}
-        return unshard(locals_, ann, shape=shape, ratios=run_time_ratios(ann, binding))
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.world.devices
+
+    def _lead(self) -> Trainer:
+        return next(t for t in self.trainers.values() if not t.idle)
+
+    def step(self, batch: Mapping[str, torch.Tensor]) -> float | None:
+        """Trainer.step on every rank; returns the step loss."""
+        losses = self.world.run(lambda b: self.trainers[b.rank].step(batch))
+        return losses[self._lead().devices[0]]
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last step's synchronised gradients, whole (Trainer.gradients on every rank)."""
+        return self.world.run(lambda b: self.trainers[b.rank].gradients())[self._lead().devices[0]]
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """Whole values of every parameter (checks that replicas agree)."""
-        deduced = self.spec.deduced
-        return {n.name: self._gather(n.name, deduced[n.output], n.output.shape, self.spec.binding, False)
-                for n in self.spec.graph.parameters}
+        """Whole values of every parameter (replicas checked to agree)."""
+        tensors = self.world.run(lambda b: self.trainers[b.rank].state_dict())[self._lead().devices[0]]
+        return {n.name: tensors[n.name] for n in self.graph.parameters if n.name in tensors}
+
+    def switch(self, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
+               failed: Iterable[int] = ()) -> "InProcessJob":
+        """Trainer.switch on every rank: this job, now training `strategy` (its trainers replaced)."""
+        spec = self._specialize(strategy, as_layout(layout))
+        failed = tuple(failed)
+        self.trainers = self.world.run(lambda b: self.trainers[b.rank].switch(
+            strategy, layout, schedule, failed, spec if b.rank in spec.executables else None))
+        return self
 
 
-__all__ = ["InProcessTrainer", "local_feeds"]
+__all__ = ["InProcessJob"]

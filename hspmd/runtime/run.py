@@ -122,6 +122,20 @@ def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Back
                 env[t.id] = v
 
 
+def device_feeds(exe: ExecutableGraph, feeds: Mapping[str, torch.Tensor], binding: Binding) -> dict[str, torch.Tensor]:
+    """This device's pieces of one micro-batch's whole placeholder values (shapes under `binding`)."""
+    out = {}
+    for node in exe.placeholders:
+        if node.name not in feeds:
+            raise HSPMDError(f"no value fed for placeholder {node.name}")
+        value = feeds[node.name]
+        expected = binding.shape(node.output.shape, node.name)
+        if tuple(value.shape) != expected:
+            raise ShapeError(f"placeholder {node.name}: fed shape {tuple(value.shape)}, the binding gives {expected}")
+        out[node.name] = value[tuple(slice(a, b) for a, b in exe.box(node.output, binding))]
+    return out
+
+
 def run_forward(exe: ExecutableGraph, backend: Backend, state: DeviceState, feeds: Mapping[str, torch.Tensor],
                 binding: Binding | None = None, fetch: Sequence[Tensor] = ()) -> MicroBatch:
     """One micro-batch's forward pass on this device; fetched tensors (and losses) held here are
@@ -159,4 +173,4 @@ def run_update(exe: ExecutableGraph, backend: Backend, state: DeviceState, fetch
     state.accum.clear()
 
 
-__all__ = ["DeviceState", "MicroBatch", "run_backward", "run_forward", "run_update"]
+__all__ = ["DeviceState", "MicroBatch", "device_feeds", "run_backward", "run_forward", "run_update"]

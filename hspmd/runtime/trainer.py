@@ -1,11 +1,16 @@
-"""Distributed training of one strategy: every rank builds the same graph, constructs a
-DistributedTrainer and calls step(batch) with the same global batch.
+"""Training one strategy, one rank's part: every rank builds the same graph, constructs a Trainer
+over its Backend and calls step(batch) with the same global batch.
 
     backend = init_from_env()                       # under `hspmd run -n 4` or torchrun
-    trainer = DistributedTrainer(graph, 0, backend, MicroBatchLayout.of(strategy),
-                                 schedule="1f1b", symbols={"S": 16, "T": 96})
+    trainer = Trainer(graph, 0, backend, MicroBatchLayout.of(strategy),
+                      schedule="1f1b", symbols={"S": 16, "T": 96})
     loss = trainer.step({"tokens": x, "labels": y})  # the same value on every rank
     trainer.save_checkpoint("ckpt.safetensors")     # collective; rank-independent file
+
+The backend decides where the ranks are: torch.distributed (gloo / NCCL) for one process per
+rank, the in-process backend for every rank as a thread of one process (hspmd.runtime.inprocess
+runs the same Trainer that way). The batch is always the global batch, laid out pipeline by
+pipeline as hspmd.runtime.batches.MicroBatchLayout says.
 
 Each rank specializes the graph for itself, finds its pipeline and stage among the discovered
 pipelines, and runs its stage's schedule over its pipeline's own micro-batches (pipelines may
@@ -31,12 +36,14 @@ from hspmd.ir.graph import Graph, Node
 from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.checkpoint import CheckpointReader, cut_from_tensors, cut_leaves, gather_leaves, save_checkpoint
+from hspmd.runtime.checkpoint import (
+    CheckpointReader, cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
+)
 from hspmd.runtime.executor import ScheduleRun, run_schedule
 from hspmd.specialize.schedules import Schedule, schedule_for
 from hspmd.specialize.executable import run_time_ratios
 from hspmd.runtime.run import DeviceState, run_update
-from hspmd.specialize.specialized import all_devices, specialize_graph
+from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
 from hspmd.specialize.strategy import Strategy
 from hspmd.switching import execute_switch, plan_switch
 
@@ -68,25 +75,44 @@ def summing_devices(ann: Annotation, shape: tuple[int, ...], ratios=None) -> tup
     return tuple(chosen)
 
 
-class DistributedTrainer:
-    """One rank's part of training `graph` under strategy index `strategy`.
+def as_layout(layout: MicroBatchLayout | Strategy) -> MicroBatchLayout:
+    return layout if isinstance(layout, MicroBatchLayout) else MicroBatchLayout.of(layout)
+
+
+def trainer_binding(graph: Graph, layout: MicroBatchLayout, symbols: Mapping[str, int] | None) -> Binding:
+    """The binding a trainer runs under: `symbols`, plus the batch symbol bound to one micro-batch
+    of every pipeline (the sum of the sizes), split across pipelines in the sizes' ratios."""
+    return Binding.of({**dict(symbols or {}), batch_symbol(graph).name: sum(layout.sizes)}, ratios=layout.sizes)
+
+
+class Trainer:
+    """One rank's part of training `graph` under strategy index `strategy`, over `backend`.
 
     layout: how a step's global batch splits across pipelines (a MicroBatchLayout, or a Strategy
     whose micro-batch counts and sizes are bound). schedule: "1f1b" or "gpipe". symbols: values of
     the graph's other run-time symbols (e.g. sequence length, tokens per step); the batch symbol
-    (dim 0 of the placeholders) is bound to the sum of the micro-batch sizes. Construction is
-    collective: every rank of the job constructs its trainer at the same point."""
+    (dim 0 of the placeholders) is bound to the sum of the micro-batch sizes. specialized: a
+    specialization of `graph` under `strategy` and trainer_binding(...) holding this rank's program
+    (an in-process job specializes once for all of its ranks); by default the trainer specializes
+    for its own rank. Construction is collective: every rank of the job constructs its trainer at
+    the same point."""
 
     def __init__(self, graph: Graph, strategy: int, backend: Backend, layout: MicroBatchLayout | Strategy,
-                 schedule: str = "1f1b", symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None):
+                 schedule: str = "1f1b", symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
+                 specialized: Specialized | None = None):
         self.graph, self.backend = graph, backend
         self.symbols, self.seed, self.topology = dict(symbols or {}), seed, topology
-        self.layout = layout if isinstance(layout, MicroBatchLayout) else MicroBatchLayout.of(layout)
+        self.layout = as_layout(layout)
         self.schedule_name = schedule
-        self.binding = Binding.of({**dict(symbols or {}), batch_symbol(graph).name: sum(self.layout.sizes)},
-                                  ratios=self.layout.sizes)
+        self.binding = trainer_binding(graph, self.layout, symbols)
         rank = backend.rank
-        self.spec = specialize_graph(graph, strategy, self.binding, devices=[rank], topology=topology)
+        if specialized is None:
+            specialized = specialize_graph(graph, strategy, self.binding, devices=[rank], topology=topology)
+        elif (specialized.graph is not graph or specialized.deduced.strategy != strategy
+              or specialized.binding != self.binding or rank not in specialized.executables):
+            raise HSPMDError(f"rank {rank}: the given specialization is not of graph {graph.name} under strategy "
+                             f"{strategy} and binding {self.binding} with this rank's program")
+        self.spec = specialized
         self.devices = all_devices(self.spec.deduced)
         if not set(self.devices) <= set(range(backend.world_size)):
             raise HSPMDError(
@@ -175,8 +201,15 @@ class DistributedTrainer:
 
         self.state.fetched.clear()
         self.last_run = run_schedule(self.exe, self.backend, self.state, self.order, feeds, self.binding)
-        run_update(self.exe, self.backend, self.state)
+        run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()))
         return self._reduce_loss()
+
+    def gradients(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the last step's synchronised gradients (what the optimizer applied), whole,
+        by parameter name, on the lowest rank of the strategy; the other ranks get None."""
+        named = [(name, t) for name, t in self.graph.gradients.items()]
+        whole = gather_whole(self.exe, self.backend, [t for _, t in named], self.state.fetched, dst=self.devices[0])
+        return None if whole is None else {name: whole[t.name] for name, t in named}
 
     def _reduce_loss(self) -> float | None:
         if not self.graph.losses:
@@ -196,18 +229,18 @@ class DistributedTrainer:
     # ---- switching ------------------------------------------------------------------------------
 
     def switch(self, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
-               failed: tuple[int, ...] = ()) -> "DistributedTrainer":
+               failed: tuple[int, ...] = (), specialized: Specialized | None = None) -> "Trainer":
         """Collective: the trainer of another strategy of the same graph, holding this one's
         parameters and optimizer states, moved by one fused batched send-receive (paper section 6).
         No restart and no checkpoint: training continues at the same step.
 
         `failed`: ranks whose devices were lost (e.g. a dead GPU whose host process still runs).
         Their pieces are taken from replicas elsewhere, the new strategy must leave them out, and
-        they stay in the job as idle ranks."""
+        they stay in the job as idle ranks. `specialized`: as for the constructor, for the new strategy."""
         plan = plan_switch(self.graph, self.spec.deduced.strategy, strategy, failed=failed, topology=self.topology)
         leaves = execute_switch(plan, self.backend, {} if self.backend.rank in failed else self.state.leaves)
-        nxt = DistributedTrainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
-                                 self.symbols, self.seed, self.topology)
+        nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
+                      self.symbols, self.seed, self.topology, specialized)
         missing = set(nxt.state.leaves) - set(leaves)
         if missing:
             raise HSPMDError(f"rank {self.backend.rank}: the switch to strategy {strategy} delivered no piece of "
@@ -259,4 +292,4 @@ class DistributedTrainer:
                 f"{self.schedule_name}: {' '.join(map(str, self.order))}")
 
 
-__all__ = ["DistributedTrainer", "batch_symbol", "summing_devices"]
+__all__ = ["Trainer", "as_layout", "batch_symbol", "summing_devices", "trainer_binding"]
