@@ -163,11 +163,13 @@ def main(argv=None) -> int:
     if args.resume:
         say(f"resumed from {args.checkpoint} at step {start}")
     losses: list[float] = []
+    step_end_times: list[float] = []
     began = time.monotonic()
     report = StepReport(console, start, args.steps, args.log_every) if rank == 0 else None
     for step in range(start, args.steps):
         tick = time.monotonic()
         loss = trainer.step(corpus.batch(step, rows, args.seq, args.seed))
+        step_end_times.append(time.time())
         if loss is not None:
             losses.append(loss)
         if report is not None and loss is not None:
@@ -199,7 +201,8 @@ def main(argv=None) -> int:
         with open(args.summary, "w", encoding="utf-8") as f:
             json.dump({"losses": losses, "start_step": start, "steps": args.steps, "seconds": seconds,
                        "checkpoint": os.path.abspath(args.checkpoint), "schedule": args.schedule,
-                       "world_size": backend.world_size, "strategy": args.strategy}, f, indent=1)
+                       "world_size": backend.world_size, "strategy": args.strategy,
+                       "step_end_times": step_end_times}, f, indent=1)
     backend.shutdown()
     return 0
 
@@ -242,8 +245,10 @@ def train_elastic(args) -> int:
     say(f"elastic job: {membership.world_size} ranks; a rank that dies is left out and the others continue")
     began = time.monotonic()
     tick = [time.monotonic()]
+    step_end_times = {}
 
     def on_step(step, loss):
+        step_end_times[step] = time.time()
         if loss is not None and (step % max(1, args.log_every) == 0 or step == args.steps):
             say(f"step {step:>4}/{args.steps}  loss {loss:.4f}  {time.monotonic() - tick[0]:.2f}s")
         tick[0] = time.monotonic()
@@ -277,6 +282,7 @@ def train_elastic(args) -> int:
                        "seconds": seconds, "checkpoint": os.path.abspath(args.checkpoint), "schedule": args.schedule,
                        "world_size": membership.world_size, "strategy": args.strategy,
                        "final_strategy": format_strategy(trainer.strategy), "survivors": list(membership.alive),
+                       "step_end_times": [step_end_times[k] for k in sorted(step_end_times)],
                        "failures": [f.as_json() for f in trainer.failures]}, f, indent=1)
     membership.close()
     return 0

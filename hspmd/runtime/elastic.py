@@ -37,7 +37,7 @@ from hspmd.backends.generation import PeerLost
 from hspmd.errors import HSPMDError, WeightLost
 from hspmd.ir.graph import Graph
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.membership import Membership, killed_key
+from hspmd.runtime.membership import Membership, killed_at, killed_key
 from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy import Strategy
 from hspmd.switching import execute_switch, plan_switch, recover_strategy
@@ -96,6 +96,7 @@ class FaultInjector(Backend):
         for k in self.kills:
             if (k.step, k.phase, k.call) == (self.step, self.phase, self.calls):
                 if self.store is not None:
+                    self.store.set(killed_key(self.rank) + "/time", repr(time.time()))
                     self.store.set(killed_key(self.rank), f"step {self.step} {self.phase} call {self.calls}: {op}")
                 os.kill(os.getpid(), signal.SIGKILL)
         self.calls += 1
@@ -149,10 +150,11 @@ class Failure:
     recovery_seconds: float
     strategy: str = ""
     restored_from: str | None = None
+    killed_at: float | None = None  # time.time() of an injected kill, for measuring kill-to-step
 
     def as_json(self) -> dict:
         return {"ranks": list(self.ranks), "step": self.step, "recovery_seconds": self.recovery_seconds,
-                "strategy": self.strategy, "restored_from": self.restored_from}
+                "strategy": self.strategy, "restored_from": self.restored_from, "killed_at": self.killed_at}
 
 
 @dataclass
@@ -359,8 +361,10 @@ class ElasticTrainer:
                 break
             except PeerLost:
                 continue
-        failure = Failure(tuple(sorted(set(self.membership.dead) - before)), self.trainer.steps_done + 1,
-                          time.monotonic() - noticed, self.describe(self.strategy), self.restored_from)
+        ranks = tuple(sorted(set(self.membership.dead) - before))
+        kills = [t for t in (killed_at(self.membership.store, r) for r in ranks) if t is not None]
+        failure = Failure(ranks, self.trainer.steps_done + 1, time.monotonic() - noticed, self.describe(self.strategy),
+                          self.restored_from, min(kills) if kills else None)
         self.failures.append(failure)
         return failure
 

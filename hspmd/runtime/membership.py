@@ -51,6 +51,12 @@ def killed_note(store: dist.Store, rank: int) -> str:
     return store.get(killed_key(rank)).decode() if store.check([killed_key(rank)]) else ""
 
 
+def killed_at(store: dist.Store, rank: int) -> float | None:
+    """The wall-clock time (time.time()) an injected fault killed `rank`, if one did."""
+    key = killed_key(rank) + "/time"
+    return float(store.get(key)) if store.check([key]) else None
+
+
 def is_elastic() -> bool:
     """True in the ranks of `hspmd run --elastic`."""
     return os.environ.get(ELASTIC_ENV) == "1"
@@ -132,4 +138,4 @@ class Membership:
         self._closed = True
 
 
-__all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "dead_key", "is_elastic", "killed_key", "killed_note"]
+__all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "dead_key", "is_elastic", "killed_at", "killed_key", "killed_note"]
