@@ -184,6 +184,7 @@ class LlamaGraph:
     batch: sympy.Symbol
     seq: sympy.Symbol
     tokens_per_step: sympy.Symbol
+    logits: Tensor | None = None
 
 
 def _annotations_per_strategy(strategies: Sequence[object], config: LlamaConfig, sequence_parallel, vocab_parallel):
@@ -254,7 +255,7 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
     loss = scale(cross_entropy(logits, labels, reduction="sum"), sympy.Integer(1) / T)
     zero = any(getattr(s, "zero", False) for s in strategies)
     (optimizer or AdamW(lr=1e-3, zero=zero)).minimize(loss)
-    return LlamaGraph(g, tokens, labels, loss, config, B, S, T)
+    return LlamaGraph(g, tokens, labels, loss, config, B, S, T, logits)
 
 
 __all__ = ["LlamaConfig", "LlamaGraph", "RopeScaling", "build_llama", "llama_annotations"]
