@@ -10,6 +10,7 @@ commands:
   explain SRC DST --shape 8,6 [--topology 2x4] [--json]   the communication plan between two annotations
   run -n N [--backend gloo|nccl] script.py [args ...]    launch N local processes (rendezvous on 127.0.0.1)
   demo                                                  the main job (heterogeneous multi-process training)
+  checkpoint export-hf CHECKPOINT DIR [--config PATH]   a Llama checkpoint as a Hugging Face directory
 """
 
 
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from hspmd.runtime.launcher import main as run_main
 
         return run_main(rest)
+    if command == "checkpoint":
+        from hspmd.runtime.checkpoint_tool import main as checkpoint_main
+
+        return checkpoint_main(rest)
     if command == "demo":
         from hspmd.demo import main as demo_main
 

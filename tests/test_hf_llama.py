@@ -42,8 +42,9 @@ CONFIGS = {
 
 def make_hf_model(directory, seed: int = 0, **options):
     """A random tiny LlamaForCausalLM saved in `directory` (sharded: several safetensors files)."""
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, rms_norm_eps=1e-5, rope_theta=500.0, **options)
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                rms_norm_eps=1e-5, rope_theta=500.0)
+    config = transformers.LlamaConfig(**{**base, **options})
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).float()
     with torch.no_grad():  # larger than the default init, so logits and gradients are far from trivial

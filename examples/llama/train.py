@@ -17,6 +17,14 @@ its annotations come from the strategy.
 Rank 0 prints the strategy, the pipelines hspmd discovers from the specialized graphs, a progress
 bar with the loss, and saves a safetensors checkpoint (whole tensors, loadable under any strategy);
 --resume continues from it. --summary FILE writes a JSON summary (used by `hspmd demo`).
+A config.json beside the checkpoint describes the model, so `hspmd checkpoint export-hf CHECKPOINT DIR`
+turns it into a directory that transformers' LlamaForCausalLM.from_pretrained loads.
+
+--init-from-hf DIR continues training a local Hugging Face Llama (config.json + safetensors shards,
+never downloaded): the model takes DIR's configuration, every rank reads only its own slices of
+the weights, and the optimizer starts fresh. The strategy must have the model's layer count, and
+the model's vocabulary must cover the corpus's characters (ids are the example's own, not DIR's
+tokenizer's: this continues training on the example corpus, it does not use DIR's tokenizer).
 
 Strategies change while training, without a restart: --switch 20=STRATEGY hot-switches every
 weight and optimizer state after step 20 (one fused batched send-receive). Under
@@ -42,9 +50,11 @@ from rich.table import Table
 
 from chardata import CharCorpus
 from hspmd.errors import HSPMDError
+from hspmd.models.hf_llama import hf_config, read_hf_config
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.hf_checkpoint import HFCheckpoint
 from hspmd.backends.torch_dist import init_from_env
 from hspmd.runtime.elastic import ElasticTrainer, KillPoint
 from hspmd.runtime.membership import Membership, is_elastic
@@ -74,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="safetensors file written at the end")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--init-from-hf", default=None, metavar="DIR",
+                   help="start from a local Hugging Face Llama directory (its config and weights)")
     p.add_argument("--summary", default=None, help="rank 0 writes a JSON summary of the run here")
     p.add_argument("--log-every", type=int, default=1, help="without a terminal, print every N-th step (default 1)")
     return p.parse_args(argv)
@@ -88,6 +100,29 @@ def parse_switches(switches):
             raise HSPMDError(f"--switch {text!r}: write STEP=STRATEGY, e.g. --switch 20='layers=4 ; 6x2: R0 L0-3 ; ...'")
         parsed.append((int(step), parse_strategy(value)))
     return sorted(parsed, key=lambda e: e[0])
+
+
+def model_config(args, corpus: CharCorpus, strategy) -> LlamaConfig:
+    """The command line's model, or the Hugging Face directory's (checked against the strategy and corpus)."""
+    if not args.init_from_hf:
+        return LlamaConfig(vocab=corpus.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads,
+                           ffn=args.ffn)
+    config = read_hf_config(args.init_from_hf)
+    if config.layers != strategy.num_layers:
+        raise HSPMDError(f"--init-from-hf {args.init_from_hf}: the model has {config.layers} layers but the strategy "
+                         f"covers {strategy.num_layers}; give a --strategy with layers={config.layers}")
+    if config.vocab < len(corpus.chars):
+        raise HSPMDError(f"--init-from-hf {args.init_from_hf}: the model's vocabulary of {config.vocab} is smaller than "
+                         f"the corpus's {len(corpus.chars)} characters")
+    return config
+
+
+def write_model_config(checkpoint: str, config: LlamaConfig) -> None:
+    """config.json beside the checkpoint, for `hspmd checkpoint export-hf`."""
+    directory = os.path.dirname(os.path.abspath(checkpoint))
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config(config), f, indent=2, sort_keys=True)
 
 
 def limit_threads() -> None:
@@ -142,7 +177,7 @@ def main(argv=None) -> int:
     corpus = CharCorpus()
     strategy = parse_strategy(args.strategy)
     layout = MicroBatchLayout.of(strategy)
-    config = LlamaConfig(vocab=corpus.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads, ffn=args.ffn)
+    config = model_config(args, corpus, strategy)
     switches = parse_switches(args.switch)
     strategies = [strategy] + [s for _, s in switches]
     events = {step: (i + 1, "planned switch") for i, (step, _) in enumerate(switches)}
@@ -159,9 +194,16 @@ def main(argv=None) -> int:
         say(f"  {i}: {p}")
     print(trainer.describe(), flush=True)
 
+    if args.resume and args.init_from_hf:
+        raise HSPMDError("--resume and --init-from-hf both say where the weights come from; give one")
     start = trainer.load_checkpoint(args.checkpoint) if args.resume else 0
     if args.resume:
         say(f"resumed from {args.checkpoint} at step {start}")
+    if args.init_from_hf:
+        trainer.load_checkpoint(HFCheckpoint(args.init_from_hf, config))
+        say(f"initialised from the Hugging Face model in {args.init_from_hf}")
+    if rank == 0:
+        write_model_config(args.checkpoint, config)
     losses: list[float] = []
     step_end_times: list[float] = []
     began = time.monotonic()
@@ -226,11 +268,15 @@ def main_elastic(args) -> int:
 def train_elastic(args) -> int:
     if args.resume:
         raise HSPMDError("--resume is for plain jobs (an elastic job survives deaths without a restart)")
+    if args.init_from_hf:
+        raise HSPMDError("--init-from-hf is for plain jobs; start without --elastic")
     membership = Membership.from_env()
     corpus = CharCorpus()
     strategy = parse_strategy(args.strategy)
     rows = MicroBatchLayout.of(strategy).global_batch_size
-    config = LlamaConfig(vocab=corpus.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads, ffn=args.ffn)
+    config = model_config(args, corpus, strategy)
+    if membership.rank == min(membership.alive):
+        write_model_config(args.checkpoint, config)
     switches = parse_switches(args.switch)
     console = Console(width=100, highlight=False, soft_wrap=True)
 

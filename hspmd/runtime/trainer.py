@@ -272,10 +272,11 @@ class Trainer:
         if not self.idle:
             self.backend.barrier(self.devices)
 
-    def load_checkpoint(self, path) -> int:
-        """Each rank reads only its own pieces from `path` (any strategy's checkpoint of this model);
-        returns the step count it was saved at."""
-        reader = CheckpointReader(path)
+    def load_checkpoint(self, source) -> int:
+        """Each rank reads only its own pieces from `source`: a checkpoint path (any strategy's
+        checkpoint of this model) or a reader with a `step` (e.g. hspmd.runtime.hf_checkpoint.
+        HFCheckpoint over a Hugging Face directory); returns the step count it was saved at."""
+        reader = source if callable(source) else CheckpointReader(source)
         self.state.leaves.update(cut_leaves(self.exe, reader))
         self.state.accum.clear()
         self.state.step = reader.step
