@@ -25,6 +25,7 @@ CASES = [
     ("P:2@[2,3]", "S0:3@[0,1,3]", (7,)),
 ]
 FUSED = [("S0:2@[0,1]", "S1:2@[2,3]", (4, 6)), ("D:2@[1,2]", "S0:3@[0,1,3]", (5,)), ("@[3]", "P:2@[0,1]", (3, 2))]
+FUSED_DTYPES = (torch.float64, torch.bfloat16, torch.float32)  # one switch, messages mixing dtypes
 
 
 def tensor(i: int, shape) -> torch.Tensor:
@@ -40,14 +41,15 @@ def rank_program(backend, plan_texts: list[str], fused_text: str):
     for i, plan in enumerate(plans):
         local = shard(tensor(i, plan.shape), plan.src, seed=i).get(backend.rank)
         outs.append(execute_plan(plan, backend, local))
-    locals_ = {i: shard(tensor(50 + i, m.shape), m.src).get(backend.rank) for i, m in enumerate(fused.moves)}
+    locals_ = {i: shard(tensor(50 + i, m.shape).to(FUSED_DTYPES[i]), m.src).get(backend.rank)
+               for i, m in enumerate(fused.moves)}
     return outs, execute_fused_plan(fused, backend, {i: t for i, t in locals_.items() if t is not None})
 
 
 @pytest.mark.multiprocess
 def test_plans_run_on_gloo_processes_reassemble_the_tensor():
     plans = [resolve(src, dst, shape, "2x2", dtype="float64") for src, dst, shape in CASES]
-    fused = resolve_many(FUSED, "2x2", dtype="float64")
+    fused = resolve_many([m + (d,) for m, d in zip(FUSED, FUSED_DTYPES)], "2x2")
     results = run_multiprocess(rank_program, WORLD, [p.to_json() for p in plans], fused.to_json(), timeout=120)
     for i, plan in enumerate(plans):
         pieces = {rank: outs[i] for rank, (outs, _) in enumerate(results) if outs[i] is not None}
@@ -56,4 +58,6 @@ def test_plans_run_on_gloo_processes_reassemble_the_tensor():
     for i, (_, dst, shape) in enumerate(FUSED):
         pieces = {rank: got[i] for rank, (_, got) in enumerate(results) if i in got}
         assert set(pieces) == set(parse(dst).devices)
-        torch.testing.assert_close(unshard(pieces, dst, shape=shape), tensor(50 + i, shape))
+        expected = tensor(50 + i, shape).to(FUSED_DTYPES[i])
+        assert all(p.dtype == FUSED_DTYPES[i] for p in pieces.values())
+        torch.testing.assert_close(unshard(pieces, dst, shape=shape), expected, rtol=0, atol=0)

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from hspmd import parse, resolve_many, run_plan, shard, unshard
 from hspmd.comm_resolve import Topology
+from hspmd.comm_resolve.slices import box_volume
 from hspmd.errors import HSPMDError, WeightLost
 from hspmd.models.llama import LlamaConfig, llama_annotations
 from hspmd.specialize.paper_strategies import paper_strategy
@@ -93,3 +94,34 @@ def test_any_failure_that_leaves_a_copy_is_survived(data):
     pieces = {d: {0: p} for d, p in shard(x, src).items() if d not in failed}
     out = run_plan(plan, pieces)
     torch.testing.assert_close(unshard({d: r[0] for d, r in out.items()}, dst, shape=shape), x)
+
+
+def test_one_switch_moves_bf16_weights_and_fp32_states_together():
+    """A fused plan carries each tensor's dtype: bf16 weights and fp32 Adam states in one message
+    per device pair, every value arriving bit-exact in its own dtype."""
+    layouts = {}
+    for name, (src, dst, shape) in _c1_to_c2_layouts(LlamaConfig(layers=60, hidden=8, ffn=16, vocab=8, heads=2)).items():
+        if name.startswith(("layers.4", "lm_head")):
+            layouts[name] = (src, dst, shape, "bfloat16")
+            layouts[name + ".adam_m"] = (src, dst, shape, "float32")
+    plan = plan_layout_switch(layouts, failed=[31], topology=NVLINK_IB)
+    assert plan.fused.dtype == "mixed"
+    assert {m.dtype for m in plan.fused.moves} == {"bfloat16", "float32"}
+    assert any(len({plan.fused.moves[i].dtype for i in t.tensors}) == 2 for t in plan.fused.transfers if t.src != t.dst)
+    gen = torch.Generator().manual_seed(5)
+    index = {n: i for i, n in enumerate(plan.names)}
+    full = {n: torch.randn(layouts[n][2], generator=gen).to(getattr(torch, layouts[n][3])) for n in index}
+    locals_: dict[int, dict[int, torch.Tensor]] = {}
+    for name, i in index.items():
+        for device, piece in shard(full[name], layouts[name][0]).items():
+            if device != 31:
+                locals_.setdefault(device, {})[i] = piece
+    out = run_plan(plan.fused, locals_)
+    for name, i in index.items():
+        got = unshard({d: r[i] for d, r in out.items() if i in r}, layouts[name][1], shape=full[name].shape)
+        assert got.dtype == full[name].dtype and torch.equal(got, full[name]), name
+    # bytes count each tensor at its own size
+    sizes = [2 if m.dtype == "bfloat16" else 4 for m in plan.fused.moves]
+    expected = sum(box_volume(b) * sizes[k] for t in plan.fused.transfers if t.src != t.dst
+                   for b, k in zip(t.boxes, t.tensors))
+    assert sum(plan.fused.bytes_sent.values()) == expected

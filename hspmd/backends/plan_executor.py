@@ -167,31 +167,63 @@ def _exchange(
     backend: Backend,
     sources: Mapping[int, tuple[torch.Tensor, Box]],
     targets: Mapping[int, tuple[torch.Tensor, Box]],
-    buf: Buffers,
+    bufs: Mapping[int, Buffers],
 ) -> None:
-    """Local copies and one batched exchange; `sources`/`targets` map tensor id -> (tensor, box)."""
+    """Local copies and one batched exchange; `sources`/`targets` map tensor id -> (tensor, box),
+    `bufs` tensor id -> its buffers (dtype). A message mixing dtypes travels as bytes."""
     me = backend.rank
     sends, recvs, incoming = {}, {}, {}
     for t in transfers:
         if t.src == me and t.dst == me:
             for tid, box in zip(t.tensors, t.boxes):
                 if tid in targets:
-                    _write(targets[tid][0], targets[tid][1], box, _cut(sources[tid][0], sources[tid][1], box, buf))
+                    value = _cut(sources[tid][0], sources[tid][1], box, bufs[tid])
+                    _write(targets[tid][0], targets[tid][1], box, value)
         elif t.src == me:
-            chunks = [_cut(sources[tid][0], sources[tid][1], box, buf).reshape(-1) for tid, box in zip(t.tensors, t.boxes)]
-            sends[t.dst] = torch.cat(chunks) if chunks else buf.zeros((0,))
+            wire = _wire_dtype(t, bufs)
+            chunks = [_flat(_cut(sources[tid][0], sources[tid][1], box, bufs[tid]), wire)
+                      for tid, box in zip(t.tensors, t.boxes)]
+            device = next(iter(bufs.values())).device
+            sends[t.dst] = torch.cat(chunks) if chunks else torch.zeros(0, dtype=wire, device=device)
         elif t.dst == me:
-            recvs[t.src] = ((t.elements,), buf.dtype)
+            n = t.elements if _single_dtype(t, bufs) else _nbytes(t, bufs)
+            recvs[t.src] = ((n,), _wire_dtype(t, bufs))
             incoming[t.src] = t
     if not sends and not recvs:
         return
     got = backend.exchange(sends, recvs)
     for peer, t in incoming.items():
-        offset = 0
+        offset, mixed = 0, not _single_dtype(t, bufs)
         for tid, box in zip(t.tensors, t.boxes):
-            n = box_volume(box)
-            _write(targets[tid][0], targets[tid][1], box, got[peer][offset : offset + n].reshape(box_shape(box)))
+            dtype = bufs[tid].dtype
+            n = box_volume(box) * (_itemsize(dtype) if mixed else 1)
+            chunk = got[peer][offset : offset + n]
+            if mixed:
+                chunk = chunk.clone().view(dtype)
+            _write(targets[tid][0], targets[tid][1], box, chunk.reshape(box_shape(box)))
             offset += n
+
+
+def _single_dtype(t: Transfer, bufs: Mapping[int, Buffers]) -> bool:
+    return len({bufs[tid].dtype for tid in t.tensors}) <= 1
+
+
+def _wire_dtype(t: Transfer, bufs: Mapping[int, Buffers]) -> torch.dtype:
+    """The message's element type: its tensors' dtype, or bytes when they differ."""
+    return bufs[t.tensors[0]].dtype if t.tensors and _single_dtype(t, bufs) else torch.uint8
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _nbytes(t: Transfer, bufs: Mapping[int, Buffers]) -> int:
+    return sum(box_volume(box) * _itemsize(bufs[tid].dtype) for tid, box in zip(t.tensors, t.boxes))
+
+
+def _flat(value: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    flat = value.reshape(-1)
+    return flat if flat.dtype == wire else flat.contiguous().view(wire)
 
 
 def _keeps(transfers, me: int, tid: int, src: Piece | None, dst: Piece) -> bool:
@@ -210,7 +242,7 @@ def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend
     if me not in step.rebuilds:
         sending = [t for t in step.transfers if t.src == me]
         if sending:
-            _exchange(tuple(sending), backend, {0: (local, src.box)}, {}, buf)
+            _exchange(tuple(sending), backend, {0: (local, src.box)}, {}, {0: buf})
         return local if dst is not None else None
     if _keeps(step.transfers, me, 0, src, dst) and not any(me in c.devices for c in step.collectives):
         return local
@@ -224,7 +256,7 @@ def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend
     for c in step.collectives:
         if me in c.devices:
             _run_collective(c, backend, local, src_box, out, dst.box, buf)
-    _exchange(step.transfers, backend, {0: (local, src_box)}, {0: (out, dst.box)}, buf)
+    _exchange(step.transfers, backend, {0: (local, src_box)}, {0: (out, dst.box)}, {0: buf})
     return out
 
 
@@ -240,16 +272,17 @@ def execute_plan(plan: Plan, backend: Backend, local: torch.Tensor | None) -> to
 
 def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """This rank's part of a fused multi-tensor plan: {tensor index: source piece} in,
-    {tensor index: destination piece} out. A failed device of the plan takes no part (its pieces
-    are not read, it receives nothing)."""
-    me, dtype = backend.rank, _torch_dtype(plan.dtype)
+    {tensor index: destination piece} out, each tensor in its own dtype. A failed device of the
+    plan takes no part (its pieces are not read, it receives nothing)."""
+    me = backend.rank
     if me in plan.failed:
         return {}
-    buf = Buffers.for_rank(dtype, backend, locals_.values())
+    device = Buffers.for_rank(torch.float32, backend, locals_.values()).device
+    bufs = {tid: Buffers(_torch_dtype(m.dtype), device) for tid, m in enumerate(plan.moves)}
     sources, targets, out = {}, {}, {}
     for tid, move in enumerate(plan.moves):
         src, dst = _pieces(move.src, move.shape).get(me), _pieces(move.dst, move.shape).get(me)
-        _check_local(locals_.get(tid), src, dtype, me, f"tensor {tid} ({move.src})")
+        _check_local(locals_.get(tid), src, bufs[tid].dtype, me, f"tensor {tid} ({move.src})")
         if src is not None:
             sources[tid] = (locals_[tid], src.box)
         if dst is None:
@@ -257,9 +290,9 @@ def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, 
         if _keeps(plan.transfers, me, tid, src, dst):
             out[tid] = locals_[tid]
         else:
-            out[tid] = buf.zeros(dst.shape)
+            out[tid] = bufs[tid].zeros(dst.shape)
             targets[tid] = (out[tid], dst.box)
-    _exchange(plan.transfers, backend, sources, targets, buf)
+    _exchange(plan.transfers, backend, sources, targets, bufs)
     return out
 
 

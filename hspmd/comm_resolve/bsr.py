@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from hspmd.annotations import Annotation, Box, device_pieces
+from hspmd.comm_resolve.cost import itemsize_of
 from hspmd.comm_resolve.plan import Transfer
 from hspmd.comm_resolve.slices import Cell, Grid, box_contains, box_volume
 from hspmd.comm_resolve.topology import Topology
@@ -94,10 +95,12 @@ def unowned_boxes(fam: Family) -> list[Box]:
 
 
 def plan_transfers(
-    families: Sequence[Family], topology: Topology, itemsize: int, *, heuristics: bool = True
+    families: Sequence[Family], topology: Topology, itemsize: int | Sequence[int], *, heuristics: bool = True
 ) -> tuple[Transfer, ...]:
     """The fused messages (and local copies) that deliver every family's needs, families scanned
-    in the order given (the load balance of rule 3 depends on it)."""
+    in the order given (the load balance of rule 3 depends on it); `itemsize` is one size or one
+    per tensor number (mixed dtypes: loads count bytes)."""
+    size_of = itemsize_of(itemsize)
     load: dict[int, int] = defaultdict(int)
     per_pair: dict[tuple[int, int], list[tuple[int, Box]]] = defaultdict(list)
     for fam in families:
@@ -122,7 +125,7 @@ def plan_transfers(
             owners = owners_of.get(cell, [])
             if not owners:
                 raise CommunicationError(f"tensor {fam.tensor}: no source device holds slice {grid.cell_box(cell)}")
-            nbytes = grid.cell_volume(cell) * itemsize
+            nbytes = grid.cell_volume(cell) * size_of(fam.tensor)
             for e in table[cell]:
                 if e in owners:
                     sender = e
@@ -142,10 +145,11 @@ def plan_transfers(
 
 
 def demand_by_owner_set(
-    families: Sequence[Family], itemsize: int, topology: Topology | None = None
+    families: Sequence[Family], itemsize: int | Sequence[int], topology: Topology | None = None
 ) -> dict[frozenset, int]:
     """Bytes that must cross a link, grouped by the set of devices able to send them (with a
     topology: only the owners on the fastest link to the receiver, the ones rule 2 keeps)."""
+    size_of = itemsize_of(itemsize)
     demand: dict[frozenset, int] = defaultdict(int)
     for fam in families:
         needs = [(e, b) for e in fam.needs for b in fam.needs[e]]
@@ -159,11 +163,13 @@ def demand_by_owner_set(
                 if topology is not None:
                     fastest = max(topology.bandwidth(d, e) for d in owners)
                     owners = frozenset(d for d in owners if topology.bandwidth(d, e) == fastest)
-                demand[owners] += grid.cell_volume(cell) * itemsize
+                demand[owners] += grid.cell_volume(cell) * size_of(fam.tensor)
     return dict(demand)
 
 
-def max_send_lower_bound(families: Sequence[Family], itemsize: int, topology: Topology | None = None) -> int:
+def max_send_lower_bound(
+    families: Sequence[Family], itemsize: int | Sequence[int], topology: Topology | None = None
+) -> int:
     """The least possible maximum of per-device send bytes, even splitting slices freely among
     their owners (with a topology: among their fastest owners): the smallest cap T for which a
     flow (demand -> owner sets -> owners, each owner capped at T) carries every byte. Binary

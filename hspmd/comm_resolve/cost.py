@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.topology import Topology
@@ -88,14 +88,24 @@ def collective_traffic(traffic: Traffic, topology: Topology, itemsize: int, kind
         traffic.busy[d] += seconds
 
 
-def transfer_traffic(traffic: Traffic, topology: Topology, itemsize: int, transfers: Iterable) -> None:
-    """Add messages; each device is busy for the larger of its send and its receive time."""
+def itemsize_of(itemsize: "int | Sequence[int]") -> Callable[[int], int]:
+    """tensor number -> bytes per element, from one size for all or a sequence indexed by tensor."""
+    if isinstance(itemsize, int):
+        return lambda tensor: itemsize
+    sizes = tuple(itemsize)
+    return lambda tensor: sizes[tensor]
+
+
+def transfer_traffic(traffic: Traffic, topology: Topology, itemsize, transfers: Iterable) -> None:
+    """Add messages; each device is busy for the larger of its send and its receive time.
+    `itemsize`: bytes per element, or a sequence of them indexed by a box's tensor number."""
+    sizes = itemsize_of(itemsize)
     send_time: dict[int, float] = defaultdict(float)
     recv_time: dict[int, float] = defaultdict(float)
     for t in transfers:
         if t.src == t.dst:
             continue
-        nbytes = sum(box_volume(b) for b in t.boxes) * itemsize
+        nbytes = sum(box_volume(b) * sizes(k) for b, k in zip(t.boxes, t.tensors))
         traffic.edge(topology, t.src, t.dst, nbytes)
         seconds = topology.link(t.src, t.dst).seconds(nbytes)
         send_time[t.src] += seconds
@@ -104,4 +114,4 @@ def transfer_traffic(traffic: Traffic, topology: Topology, itemsize: int, transf
         traffic.busy[d] += max(send_time[d], recv_time[d])
 
 
-__all__ = ["DTYPE_SIZES", "Traffic", "collective_traffic", "dtype_name", "transfer_traffic"]
+__all__ = ["DTYPE_SIZES", "Traffic", "collective_traffic", "dtype_name", "itemsize_of", "transfer_traffic"]

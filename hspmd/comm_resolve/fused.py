@@ -9,11 +9,12 @@ lost one member still serves its other members' pieces. Only what no living devi
 (WeightLost names those tensors). Failed devices take no part in the plan.
 
 Where several owners could send a slice, the plan depends on the choices made: `order` is the
-order the merged table is scanned in ("largest_first", the default, or "given"), which decides
+order the merged table is scanned in ("largest_first" by bytes, the default, or "given"), which decides
 how load balancing spreads senders; `heuristics=False` is the paper's baseline (smallest-rank
 owner, no bandwidth or load rule).
 
-JSON ("schema": "hspmd.fused-plan/1"): "tensors": [{"src", "dst", "shape"}, ...]; one step
+JSON ("schema": "hspmd.fused-plan/1"): "dtype" (the common one, or "mixed"), "tensors": [{"src", "dst",
+"shape", "dtype"}, ...]; one step
 {"primitive": "BatchedSendRecv", "groups": [[sender, receiver], ...], "transfers": [{"src", "dst",
 "boxes", "tensors"}]} where tensors[i] is the index of the tensor boxes[i] belongs to; then
 "messages", "bytes_sent", "bytes_received", "bytes_by_link", "estimated_seconds" as for plans;
@@ -26,7 +27,7 @@ from typing import Iterable, Sequence
 
 from hspmd.annotations import box_intersection, device_pieces, parse
 from hspmd.comm_resolve.bsr import Family, destination_needs, max_send_lower_bound, plan_transfers, unowned_boxes
-from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
+from hspmd.comm_resolve.cost import dtype_name
 from hspmd.comm_resolve.plan import FusedPlan, TensorMove
 from hspmd.comm_resolve.resolver import bind_ratios, check_shape
 from hspmd.comm_resolve.slices import box_volume
@@ -36,17 +37,21 @@ from hspmd.errors import HSPMDError, ShapeError, UnsupportedReshard, WeightLost
 
 SCAN_ORDERS = ("largest_first", "given")
 
-def tensor_moves(moves: Iterable) -> tuple[TensorMove, ...]:
-    """Validated TensorMove values from (src, dst, shape) triples (or TensorMoves)."""
+def tensor_moves(moves: Iterable, dtype: object = "float32") -> tuple[TensorMove, ...]:
+    """Validated TensorMove values from (src, dst, shape[, dtype]) tuples (or TensorMoves);
+    `dtype` is the dtype of tuples that do not name one."""
     out = []
     for i, move in enumerate(moves):
         if isinstance(move, TensorMove):
-            src, dst, shape = move.src, move.dst, move.shape
+            src, dst, shape, its_dtype = move.src, move.dst, move.shape, move.dtype
         else:
             try:
-                src, dst, shape = move
+                src, dst, shape, *rest = move
             except (TypeError, ValueError):
-                raise ShapeError(f"tensor {i}: expected a (src, dst, shape) triple, got {move!r}") from None
+                raise ShapeError(f"tensor {i}: expected a (src, dst, shape[, dtype]) tuple, got {move!r}") from None
+            if len(rest) > 1:
+                raise ShapeError(f"tensor {i}: expected a (src, dst, shape[, dtype]) tuple, got {move!r}")
+            its_dtype = rest[0] if rest else dtype
         src = bind_ratios(parse(src), None, f"source of tensor {i}")
         dst = bind_ratios(parse(dst), None, f"destination of tensor {i}")
         shape = check_shape(shape, src, dst)
@@ -55,7 +60,11 @@ def tensor_moves(moves: Iterable) -> tuple[TensorMove, ...]:
                 f"tensor {i}: cannot move {src} -> {dst} in a fused BatchedSendRecv: the source holds partial "
                 f"sums, which BSR cannot carry; reduce it first (resolve() does) or pass a non-partial layout"
             )
-        out.append(TensorMove(src, dst, shape))
+        try:
+            name = dtype_name(its_dtype)
+        except ShapeError as exc:
+            raise ShapeError(f"tensor {i}: {exc}") from None
+        out.append(TensorMove(src, dst, shape, name))
     return tuple(out)
 
 
@@ -95,7 +104,10 @@ def scan_order(moves: Sequence[TensorMove], order: str) -> list[int]:
     if order == "given":
         return list(range(len(moves)))
     if order == "largest_first":
-        return sorted(range(len(moves)), key=lambda i: -box_volume(tuple((0, n) for n in moves[i].shape)))
+        def nbytes(i: int) -> int:
+            return box_volume(tuple((0, n) for n in moves[i].shape)) * moves[i].itemsize
+
+        return sorted(range(len(moves)), key=lambda i: -nbytes(i))
     raise HSPMDError(f"unknown scan order {order!r}; use one of {', '.join(SCAN_ORDERS)}")
 
 
@@ -108,29 +120,29 @@ def resolve_many(
     order: str = "largest_first",
     heuristics: bool = True,
 ) -> FusedPlan:
-    """One fused BSR plan moving every (src, dst, shape) tensor; run-time ratios must be bound.
+    """One fused BSR plan moving every (src, dst, shape[, dtype]) tensor (`dtype` for those that
+    name none); run-time ratios must be bound.
 
     `failed` devices send nothing and receive nothing: every piece a living device holds is a
     source. `order` and `heuristics` choose among correct plans (see the module docstring)."""
-    moves = tensor_moves(moves)
+    moves = tensor_moves(moves, dtype)
     failed = frozenset(failed)
     devices = {d for m in moves for d in m.src.devices + m.dst.devices}
     topology = default_topology(devices) if topology is None else Topology.parse(topology)
     topology.check_devices(sorted(devices), "fused reshard")
-    name = dtype_name(dtype)
     fams = families(moves, failed)
     if failed:
         _check_failed(moves, fams, failed)
     scanned = [fams[i] for i in scan_order(moves, order)]
-    transfers = plan_transfers(scanned, topology, DTYPE_SIZES[name], heuristics=heuristics)
-    return FusedPlan(moves, transfers, topology, name, tuple(sorted(failed & devices)))
+    transfers = plan_transfers(scanned, topology, [m.itemsize for m in moves], heuristics=heuristics)
+    return FusedPlan(moves, transfers, topology, tuple(sorted(failed & devices)))
 
 
 def send_lower_bound(plan: FusedPlan, fastest_links_only: bool = False) -> int:
     """The least possible maximum per-device send bytes for the plan's tensors, splitting slices
     freely among their owners; with `fastest_links_only`, among the owners the bandwidth rule
     allows (the bound the load-balancing rule can be held to)."""
-    return max_send_lower_bound(families(plan.moves, plan.failed), plan.itemsize, plan.topology if fastest_links_only else None)
+    return max_send_lower_bound(families(plan.moves, plan.failed), plan.itemsizes, plan.topology if fastest_links_only else None)
 
 
 def required_bytes(plan: FusedPlan) -> dict[int, int]:
@@ -142,7 +154,7 @@ def required_bytes(plan: FusedPlan) -> dict[int, int]:
             for box in boxes:
                 held = box_intersection(box, own) if own is not None else None
                 lacking = box_volume(box) - (box_volume(held) if held is not None else 0)
-                needed[e] = needed.get(e, 0) + lacking * plan.itemsize
+                needed[e] = needed.get(e, 0) + lacking * plan.itemsizes[fam.tensor]
     return needed
 
 

@@ -31,6 +31,7 @@ from hspmd.comm_resolve.cost import DTYPE_SIZES, Traffic, collective_traffic, tr
 from hspmd.comm_resolve.render import fused_plan_text, plan_text
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.topology import Topology
+from hspmd.errors import ShapeError
 
 PRIMITIVES = (
     "Identity", "LocalSplit", "SendRecv", "AllReduce", "ReduceScatter", "AllGather",
@@ -279,27 +280,50 @@ class Plan(_Stats):
 
 @dataclass(frozen=True)
 class TensorMove:
-    """One tensor of a fused reshard: its layouts before and after, and its global shape."""
+    """One tensor of a fused reshard: its layouts before and after, its global shape and dtype."""
 
     src: Annotation
     dst: Annotation
     shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
 
 
 @dataclass(frozen=True, eq=True)
 class FusedPlan(_Stats):
-    """One batched send-receive moving many tensors at once: one message per device pair."""
+    """One batched send-receive moving many tensors at once: one message per device pair. Each
+    tensor keeps its own dtype (bf16 weights and fp32 optimizer states in one switch)."""
 
     moves: tuple[TensorMove, ...]
     transfers: tuple[Transfer, ...]
     topology: Topology
-    dtype: str = "float32"
     failed: tuple[int, ...] = ()
+
+    @property
+    def dtype(self) -> str:
+        """The tensors' common dtype, or "mixed"."""
+        names = {m.dtype for m in self.moves}
+        return names.pop() if len(names) == 1 else ("float32" if not names else "mixed")
+
+    @property
+    def itemsizes(self) -> tuple[int, ...]:
+        """Bytes per element of each tensor."""
+        return tuple(m.itemsize for m in self.moves)
+
+    @property
+    def itemsize(self) -> int:
+        sizes = set(self.itemsizes)
+        if len(sizes) > 1:
+            raise ShapeError(f"the plan moves tensors of several dtypes ({self.dtype}); use itemsizes per tensor")
+        return sizes.pop() if sizes else DTYPE_SIZES["float32"]
 
     @cached_property
     def _traffics(self) -> list[Traffic]:
         traffic = Traffic()
-        transfer_traffic(traffic, self.topology, self.itemsize, self.transfers)
+        transfer_traffic(traffic, self.topology, self.itemsizes, self.transfers)
         return [traffic]
 
     @property
@@ -323,9 +347,9 @@ class FusedPlan(_Stats):
 
     def to_dict(self) -> dict:
         return {
-            "schema": FUSED_SCHEMA, "dtype": self.dtype, "itemsize": self.itemsize,
-            "topology": self.topology.to_dict(),
-            "tensors": [{"src": str(m.src), "dst": str(m.dst), "shape": list(m.shape)} for m in self.moves],
+            "schema": FUSED_SCHEMA, "dtype": self.dtype, "topology": self.topology.to_dict(),
+            "tensors": [{"src": str(m.src), "dst": str(m.dst), "shape": list(m.shape), "dtype": m.dtype}
+                        for m in self.moves],
             "steps": [{"primitive": "BatchedSendRecv", "groups": [[t.src, t.dst] for t in self.transfers if t.src != t.dst],
                        "transfers": [t.to_dict() for t in self.transfers]}],
             "messages": self.messages,
@@ -335,10 +359,11 @@ class FusedPlan(_Stats):
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "FusedPlan":
-        moves = tuple(TensorMove(parse(m["src"]), parse(m["dst"]), tuple(m["shape"])) for m in d["tensors"])
+        default = d.get("dtype", "float32")
+        moves = tuple(TensorMove(parse(m["src"]), parse(m["dst"]), tuple(m["shape"]), m.get("dtype", default))
+                      for m in d["tensors"])
         transfers = tuple(Transfer.from_dict(t) for t in d["steps"][0]["transfers"])
-        return cls(moves, transfers, Topology.from_dict(d["topology"]), d.get("dtype", "float32"),
-                   tuple(d.get("failed", ())))
+        return cls(moves, transfers, Topology.from_dict(d["topology"]), tuple(d.get("failed", ())))
 
     @classmethod
     def from_json(cls, text: str) -> "FusedPlan":

@@ -57,9 +57,12 @@ def plan_switch(
     failed: Iterable[int] = (),
     topology=None,
     kinds: tuple[str, ...] = LEAF_KINDS,
+    dtypes: Mapping[str, object] | None = None,
     **choices,
 ) -> SwitchPlan:
-    """The fused plan moving every leaf of `kinds` from `src_strategy` to `dst_strategy`.
+    """The fused plan moving every leaf of `kinds` from `src_strategy` to `dst_strategy`, each in
+    its graph dtype or the one `dtypes` names for it (leaves stored in another dtype, e.g. bf16
+    weights next to fp32 optimizer states).
 
     `failed` devices are never used as senders (their pieces come from whatever living devices
     hold them, down to single devices) and must not appear in the destination strategy; WeightLost
@@ -72,12 +75,13 @@ def plan_switch(
         shape = tuple(t.shape)
         if src[t] != dst[t] and not all(isinstance(s, int) for s in shape):
             raise HSPMDError(f"{node.kind} {node.name} has a symbolic shape {shape}; switching needs concrete shapes")
-        leaves[f"{node.kind} {node.name}"] = (node.name, src[t], dst[t], shape)
+        dtype = (dtypes or {}).get(node.name, t.dtype)
+        leaves[f"{node.kind} {node.name}"] = (node.name, src[t], dst[t], shape, dtype)
     return _plan(leaves, src_strategy, dst_strategy, frozenset(failed), topology, choices)
 
 
 def plan_layout_switch(
-    layouts: Mapping[str, tuple[object, object, tuple[int, ...]]],
+    layouts: Mapping[str, tuple],
     *,
     failed: Iterable[int] = (),
     topology=None,
@@ -85,15 +89,18 @@ def plan_layout_switch(
     dst_strategy: int = 1,
     **choices,
 ) -> SwitchPlan:
-    """plan_switch for leaves given directly as {name: (src annotation, dst annotation, shape)}
-    (e.g. hspmd.models.llama.llama_annotations of two strategies), without building a graph."""
-    leaves = {name: (name, parse(a), parse(b), tuple(shape)) for name, (a, b, shape) in layouts.items()}
+    """plan_switch for leaves given directly as {name: (src annotation, dst annotation, shape[,
+    dtype])} (e.g. hspmd.models.llama.llama_annotations of two strategies), without building a
+    graph; dtype defaults to float32."""
+    leaves = {}
+    for name, (a, b, shape, *dtype) in layouts.items():
+        leaves[name] = (name, parse(a), parse(b), tuple(shape), dtype[0] if dtype else "float32")
     return _plan(leaves, src_strategy, dst_strategy, frozenset(failed), topology, choices)
 
 
 def _plan(leaves, src_strategy: int, dst_strategy: int, failed: frozenset, topology, choices) -> SwitchPlan:
     names, moves = [], []
-    for what, (name, before, after, shape) in leaves.items():
+    for what, (name, before, after, shape, dtype) in leaves.items():
         lost = failed & set(after.devices)
         if lost:
             raise HSPMDError(
@@ -103,7 +110,7 @@ def _plan(leaves, src_strategy: int, dst_strategy: int, failed: frozenset, topol
         if before == after:
             continue
         names.append(name)
-        moves.append((before, after, shape))
+        moves.append((before, after, shape, dtype))
     try:
         fused = resolve_many(moves, topology, failed=failed, **choices)
     except WeightLost as exc:
