@@ -86,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--init-from-hf", default=None, metavar="DIR",
                    help="start from a local Hugging Face Llama directory (its config and weights)")
+    p.add_argument("--sharded", action="store_true",
+                   help="--checkpoint is a directory: every rank writes its own pieces in the background "
+                        "(hspmd checkpoint inspect/consolidate read it); --resume loads either kind")
     p.add_argument("--summary", default=None, help="rank 0 writes a JSON summary of the run here")
     p.add_argument("--log-every", type=int, default=1, help="without a terminal, print every N-th step (default 1)")
     return p.parse_args(argv)
@@ -205,6 +208,7 @@ def main(argv=None) -> int:
     if rank == 0:
         write_model_config(args.checkpoint, config)
     losses: list[float] = []
+    pending = []
     step_end_times: list[float] = []
     began = time.monotonic()
     report = StepReport(console, start, args.steps, args.log_every) if rank == 0 else None
@@ -230,10 +234,18 @@ def main(argv=None) -> int:
             print(trainer.describe(), flush=True)
             report = StepReport(console, step + 1, args.steps, args.log_every) if rank == 0 else None
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            trainer.save_checkpoint(args.checkpoint)
+            if args.sharded:
+                pending.append(trainer.save_sharded(args.checkpoint))  # training goes on meanwhile
+            else:
+                trainer.save_checkpoint(args.checkpoint)
     if report is not None:
         report.close()
-    trainer.save_checkpoint(args.checkpoint)
+    if args.sharded:
+        for save in pending + [trainer.save_sharded(args.checkpoint)]:
+            if save is not None:
+                save.wait()
+    else:
+        trainer.save_checkpoint(args.checkpoint)
     seconds = time.monotonic() - began
     if losses:
         say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps} "
@@ -286,7 +298,8 @@ def train_elastic(args) -> int:
 
     trainer = ElasticTrainer(lambda ss: build_llama(config, list(ss), optimizer=AdamW(lr=args.lr)).graph, strategy,
                              membership, schedule=args.schedule, symbols={"S": args.seq, "T": rows * args.seq},
-                             seed=args.seed, kills=[KillPoint.parse(k) for k in args.kill], describe=format_strategy)
+                             seed=args.seed, kills=[KillPoint.parse(k) for k in args.kill], describe=format_strategy,
+                             sharded=args.sharded)
     say(strategy.describe().rstrip())
     say(f"elastic job: {membership.world_size} ranks; a rank that dies is left out and the others continue")
     began = time.monotonic()

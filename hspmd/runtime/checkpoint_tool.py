@@ -1,4 +1,5 @@
-"""`hspmd checkpoint ...`: tools over checkpoint files (export-hf writes a Hugging Face directory)."""
+"""`hspmd checkpoint ...`: tools over checkpoint files (export-hf writes a Hugging Face directory;
+inspect and consolidate read sharded checkpoints)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from hspmd.errors import HSPMDError
 from hspmd.runtime.hf_checkpoint import export_checkpoint
+from hspmd.runtime.sharded_checkpoint import consolidate, inspect
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,13 +25,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="the model's config.json or a directory with one (default: beside the checkpoint)")
     export.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="store the weights in this dtype (default: the checkpoint's)")
+    sub.add_parser("inspect", help="what a sharded checkpoint holds: step, files, tensors and their boxes").add_argument(
+        "path", help="a sharded checkpoint directory (its latest step) or one step directory")
+    merge = sub.add_parser("consolidate", help="a sharded checkpoint as one plain safetensors file of whole tensors")
+    merge.add_argument("path", help="a sharded checkpoint directory (its latest step) or one step directory")
+    merge.add_argument("out", help="the .safetensors file to write (an hspmd single-file checkpoint too)")
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.directory, args.config, DTYPES.get(args.dtype))
+        if args.tool == "inspect":
+            print(inspect(args.path))
+        elif args.tool == "consolidate":
+            print(f"wrote {args.out} (step {consolidate(args.path, args.out)})")
+        else:
+            out = export_checkpoint(args.checkpoint, args.directory, args.config, DTYPES.get(args.dtype))
+            print(f"wrote {out} (load it with transformers.LlamaForCausalLM.from_pretrained)")
     except HSPMDError as exc:
         print(f"hspmd checkpoint: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {out} (load it with transformers.LlamaForCausalLM.from_pretrained)")
     return 0
 
 

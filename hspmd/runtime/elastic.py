@@ -38,6 +38,7 @@ from hspmd.errors import HSPMDError, WeightLost
 from hspmd.ir.graph import Graph
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.membership import Membership, killed_at, killed_key
+from hspmd.runtime.sharded_checkpoint import ShardedReader, step_dir
 from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy import Strategy
 from hspmd.switching import execute_switch, plan_switch, recover_strategy
@@ -172,16 +173,19 @@ class ElasticTrainer:
 
     build_graph(strategies) builds the model's graph annotated with each strategy of the list (the
     same nodes every time; a recovery appends the recovered strategy). `describe(strategy)` names a
-    strategy in logs and the failure record."""
+    strategy in logs and the failure record. `sharded`: checkpoints are directories of per-rank
+    files written in the background (hspmd.runtime.sharded_checkpoint), else single files."""
 
     def __init__(self, build_graph: Callable[[Sequence[Strategy]], Graph], strategy: Strategy,
                  membership: Membership, schedule: str = "1f1b", symbols: Mapping[str, int] | None = None,
-                 seed: int = 0, kills: Sequence[KillPoint] = (), describe: Callable[[Strategy], str] = str):
+                 seed: int = 0, kills: Sequence[KillPoint] = (), describe: Callable[[Strategy], str] = str,
+                 sharded: bool = False):
         self.build_graph, self.membership = build_graph, membership
         self.schedule, self.symbols, self.seed, self.describe = schedule, dict(symbols or {}), seed, describe
         self.kills = tuple(kills)
         self._injector: FaultInjector | None = None
         self.checkpoint_path: str | None = None
+        self.sharded = sharded
         self.restored_from: str | None = None
         self.strategies: list[Strategy] = [strategy]
         self.graph = build_graph(self.strategies)
@@ -248,11 +252,19 @@ class ElasticTrainer:
         self.switches_done += 1
         self._commit()
 
-    def save(self, path) -> None:
-        """Collective checkpoint save at a step boundary (atomic file replace: a failure half-way
-        leaves the previous file)."""
+    def save(self, path, wait: bool = True) -> None:
+        """Checkpoint save at a step boundary. A single file (`sharded` off) is a collective
+        gather and an atomic replace: a failure half-way leaves the previous file. Sharded (a
+        directory, hspmd.runtime.sharded_checkpoint): every rank writes its own pieces in the
+        background (`wait` or not); a death before the index is written leaves the previous
+        step the latest."""
         self._begin("save")
-        self.trainer.save_checkpoint(path)
+        if self.sharded:
+            pending = self.trainer.save_sharded(path)
+            if pending is not None and wait:
+                pending.wait()
+        else:
+            self.trainer.save_checkpoint(path)
         self.checkpoint_path = os.fspath(path)
 
     def _adopt(self, target: Strategy) -> int:
@@ -285,9 +297,15 @@ class ElasticTrainer:
         if self.checkpoint_path is None or not os.path.exists(self.checkpoint_path):
             raise HSPMDError(f"rank {self.rank}: cannot recover: {lost} (and this job saved no checkpoint to restore "
                              f"from; train with --save-every N)") from lost
+        path = self.checkpoint_path
+        if self.sharded:
+            # a background save may commit a newer step while the survivors open the checkpoint:
+            # all of them load the oldest step any of them saw as the latest (complete on disk)
+            seen = ShardedReader.open(path).step
+            path = step_dir(path, min(self.membership.agree("restore", seen)))
         index = self.strategies.index(target) if target in self.strategies else self._adopt(target)
         nxt = self._trainer(index)
-        nxt.load_checkpoint(self.checkpoint_path)
+        nxt.load_checkpoint(path)
         nxt.last_switch = None
         self.trainer = nxt
         self.restored_from = self.checkpoint_path
@@ -315,7 +333,7 @@ class ElasticTrainer:
                         on_switch(done, self.strategy)
                     continue
                 if save_every and save_path is not None and done % save_every == 0 and done != saved:
-                    self.save(save_path)
+                    self.save(save_path, wait=False)
                     saved = done
                 loss = self.step(batch(done))
                 losses[done + 1] = loss

@@ -37,9 +37,10 @@ from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.checkpoint import (
-    CheckpointReader, cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
+    cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
 )
 from hspmd.runtime.executor import ScheduleRun, run_schedule
+from hspmd.runtime.sharded_checkpoint import PendingSave, open_checkpoint, save_sharded
 from hspmd.specialize.schedules import Schedule, schedule_for
 from hspmd.specialize.executable import run_time_ratios
 from hspmd.runtime.run import DeviceState, run_update
@@ -272,11 +273,20 @@ class Trainer:
         if not self.idle:
             self.backend.barrier(self.devices)
 
+    def save_sharded(self, directory, background: bool = True) -> PendingSave | None:
+        """This rank writes its own pieces to a sharded checkpoint under `directory` (not
+        collective, nothing gathered; in the background unless told otherwise: wait() on the
+        result before relying on the files). hspmd.runtime.sharded_checkpoint."""
+        if self.idle:
+            return None
+        return save_sharded(self.exe, dict(self.state.leaves), self.state.step, directory, self.devices, background)
+
     def load_checkpoint(self, source) -> int:
         """Each rank reads only its own pieces from `source`: a checkpoint path (any strategy's
-        checkpoint of this model) or a reader with a `step` (e.g. hspmd.runtime.hf_checkpoint.
-        HFCheckpoint over a Hugging Face directory); returns the step count it was saved at."""
-        reader = source if callable(source) else CheckpointReader(source)
+        checkpoint of this model, a single file or a sharded checkpoint directory) or a reader with a
+        `step` (e.g. hspmd.runtime.hf_checkpoint.HFCheckpoint over a Hugging Face directory);
+        returns the step count it was saved at."""
+        reader = source if callable(source) else open_checkpoint(source)
         self.state.leaves.update(cut_leaves(self.exe, reader))
         self.state.accum.clear()
         self.state.step = reader.step

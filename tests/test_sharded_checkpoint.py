@@ -1,0 +1,109 @@
+"""Sharded checkpoints: every rank writes only the pieces it is the first holder of (replicas once),
+in the background; a job under another strategy loads them reading only the boxes each rank needs;
+`hspmd checkpoint inspect / consolidate`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from hspmd.cli import main as cli_main
+from hspmd.errors import HSPMDError
+from hspmd.models.llama import LlamaConfig, build_llama
+from hspmd.ops import AdamW
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.checkpoint import STEP_KEY
+from hspmd.runtime.inprocess import InProcessJob
+from hspmd.runtime.sharded_checkpoint import ShardedReader
+from hspmd.specialize.strategy_text import parse_strategy
+
+CONFIG = dict(vocab=32, hidden=16, heads=2, ffn=32)
+SEQ = 8
+HETERO = "layers=4 ; 2x2: R0,1 L0-3 ; 3x1: R2 L0-1 | R3 L2-3"
+PP3 = "layers=4 ; 7x1: R0 L0-1 | R1 L2 | R2 L3"  # same 7 rows per step, other devices and cuts
+
+
+def _job(strategies, index):
+    model = build_llama(LlamaConfig(layers=4, **CONFIG), strategies, optimizer=AdamW(lr=1e-2))
+    rows = MicroBatchLayout.of(strategies[index]).global_batch_size
+    return InProcessJob(model.graph, index, strategies[index], symbols={"S": SEQ, "T": rows * SEQ}, ranks=4)
+
+
+def _train(job, steps):
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x, y = (torch.randint(0, CONFIG["vocab"], (7, SEQ), generator=gen) for _ in range(2))
+        job.step({"tokens": x, "labels": y})
+
+
+def _save(job, directory):
+    pending = job.world.run(lambda b: job.trainers[b.rank].save_sharded(directory))
+    for p in pending.values():
+        if p is not None:
+            p.wait(60)
+
+
+def _state(job):
+    return job.world.run(lambda b: job.trainers[b.rank].state_dict())[0]
+
+
+def test_each_rank_writes_its_own_pieces_once_and_any_strategy_loads_reading_only_what_it_needs(tmp_path):
+    strategies = [parse_strategy(HETERO), parse_strategy(PP3)]
+    job = _job(strategies, 0)
+    _train(job, 2)
+    _save(job, tmp_path)
+    saved = _state(job)
+    folder = tmp_path / "step-00000002"
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    assert files == [f"rank-{r}.safetensors" for r in range(4)]
+    # replicas are written once: the files together hold every tensor exactly once
+    total = sum(v.numel() for f in files for v in load_file(str(folder / f)).values())
+    assert total == sum(v.numel() for v in saved.values())
+    # rank 2 holds layers 0-1 only (pipeline 1, stage 1) and TP rank 1 only halves it is first to hold
+    assert not any(k.startswith("layers.3.") for k in load_file(str(folder / "rank-2.safetensors")))
+
+    other = _job(strategies, 1)
+    steps = other.world.run(lambda b: 0 if other.trainers[b.rank].idle else other.trainers[b.rank].load_checkpoint(tmp_path))
+    assert set(steps.values()) <= {0, 2} and steps[0] == 2
+    loaded = _state(other)
+    assert set(loaded) == set(saved)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
+
+
+def test_a_reader_reads_only_the_intersecting_boxes(tmp_path):
+    job = _job([parse_strategy(HETERO)], 0)
+    _save(job, tmp_path)
+    reader = ShardedReader.open(tmp_path)
+    shape = tuple(reader.index["tensors"]["layers.0.wq"]["shape"])
+    part = reader("layers.0.wq", ((0, shape[0]), (0, shape[1] // 4)), shape)
+    assert tuple(part.shape) == (shape[0], shape[1] // 4)
+    assert reader.bytes_read == part.numel() * part.element_size()
+    whole = reader("layers.0.wq", (), shape)
+    assert torch.equal(whole[:, : shape[1] // 4], part)
+
+
+def test_inspect_and_consolidate(tmp_path, capsys):
+    job = _job([parse_strategy(HETERO)], 0)
+    _train(job, 1)
+    _save(job, tmp_path / "ckpt")
+    saved = _state(job)
+    assert cli_main(["checkpoint", "inspect", str(tmp_path / "ckpt")]) == 0
+    text = capsys.readouterr().out
+    assert "step 1" in text and "rank-3.safetensors" in text and "layers.0.wq" in text
+    out = tmp_path / "whole.safetensors"
+    assert cli_main(["checkpoint", "consolidate", str(tmp_path / "ckpt"), str(out)]) == 0
+    whole = load_file(str(out))
+    assert set(whole) == set(saved) and all(torch.equal(whole[k], saved[k]) for k in saved)
+    with safe_open(str(out), framework="pt") as f:
+        assert f.metadata()[STEP_KEY] == "1"
+
+
+def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(HSPMDError, match="not a sharded hspmd checkpoint"):
+        ShardedReader.open(tmp_path)
+    assert cli_main(["checkpoint", "inspect", str(tmp_path)]) == 2
