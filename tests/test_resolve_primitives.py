@@ -123,7 +123,7 @@ def test_figure7_reduce_scatter_and_identity_then_split_allreduce():
     rs, identity, split = plan.steps
     assert (rs.subgroup, identity.subgroup) == (0, 1)
     assert groups_of(rs) == [[0, 1]] and groups_of(split) == [[0, 2], [1, 3]]
-    assert (rs.phase, identity.phase, split.phase) == (0, 0, 1)
+    assert (rs.round, identity.round, split.round) == (0, 0, 1)
     assert str(rs.dst) == "HP{S0:2@[0,1] | S0:2@[2,3]}"
 
 

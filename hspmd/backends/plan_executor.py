@@ -1,6 +1,6 @@
 """Run a communication plan (hspmd.comm_resolve) on one rank, over any Backend.
 
-The same per-rank code serves every primitive: for each step a device that rebuilds its piece
+The same per-rank code serves every primitive: for each step a device that assembled_on its piece
 allocates its destination piece (zeros), runs the sub-collectives it is a member of in the plan's
 global order, then does its local copies and one batched exchange for its messages. Results are
 clipped to the destination piece, so a device never allocates more than the boxes it touches.
@@ -85,9 +85,9 @@ def _write(out: torch.Tensor, held: Box, region: Box, value: torch.Tensor) -> No
 
 def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out, dst: Box, buf: Buffers) -> None:
     me = backend.rank
-    silent = me in c.zero_inputs or src is None
+    gives_zeros = me in c.zero_inputs or src is None
     if c.kind == "all_reduce":
-        value = buf.zeros(box_shape(c.box)) if silent else _cut(local, src, c.box, buf)
+        value = buf.zeros(box_shape(c.box)) if gives_zeros else _cut(local, src, c.box, buf)
         _write(out, dst, c.box, backend.all_reduce(value.contiguous(), c.devices))
     elif c.kind == "all_gather":
         mine = c.parts[c.devices.index(me)]
@@ -97,7 +97,7 @@ def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out
             _write(out, dst, part, got)
     else:
         parts = [
-            buf.zeros(box_shape(p)) if silent else _cut(local, src, p, buf).contiguous()
+            buf.zeros(box_shape(p)) if gives_zeros else _cut(local, src, p, buf).contiguous()
             for p in c.parts
         ]
         _write(out, dst, c.parts[c.devices.index(me)], backend.reduce_scatter(parts, c.devices))
@@ -141,12 +141,12 @@ def _collective_result(c: Collective, backend: Backend, local, src: Box | None, 
     """The destination piece straight from the backend, when the collective's result is exactly
     that piece (no zeros to fill and no copy into them); None when it is not."""
     me = backend.rank
-    silent = me in c.zero_inputs or src is None
+    gives_zeros = me in c.zero_inputs or src is None
     if c.kind == "all_reduce" and c.box == dst.box:
-        value = buf.zeros(box_shape(c.box)) if silent else _cut(local, src, c.box, buf)
+        value = buf.zeros(box_shape(c.box)) if gives_zeros else _cut(local, src, c.box, buf)
         return backend.all_reduce(value, c.devices)
     if c.kind == "reduce_scatter" and c.parts[c.devices.index(me)] == dst.box:
-        parts = [buf.zeros(box_shape(p)) if silent else _cut(local, src, p, buf) for p in c.parts]
+        parts = [buf.zeros(box_shape(p)) if gives_zeros else _cut(local, src, p, buf) for p in c.parts]
         return backend.reduce_scatter(parts, c.devices)
     if c.kind != "all_gather" or not _fills(c.parts, dst.box):
         return None
@@ -226,7 +226,7 @@ def _flat(value: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
     return flat if flat.dtype == wire else flat.contiguous().view(wire)
 
 
-def _keeps(transfers, me: int, tid: int, src: Piece | None, dst: Piece) -> bool:
+def _only_copies_own_piece(transfers, me: int, tid: int, src: Piece | None, dst: Piece) -> bool:
     """True when the device's only part in tensor `tid` is copying its whole piece to itself."""
     mine = [(t, b) for t in transfers if me in (t.src, t.dst) for x, b in zip(t.tensors, t.boxes) if x == tid]
     return (
@@ -239,12 +239,12 @@ def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend
     me = backend.rank
     buf = Buffers.for_rank(dtype, backend, (local,))
     src, dst = _pieces(step.src, shape).get(me), _pieces(step.dst, shape).get(me)
-    if me not in step.rebuilds:
+    if me not in step.assembled_on:
         sending = [t for t in step.transfers if t.src == me]
         if sending:
             _exchange(tuple(sending), backend, {0: (local, src.box)}, {}, {0: buf})
         return local if dst is not None else None
-    if _keeps(step.transfers, me, 0, src, dst) and not any(me in c.devices for c in step.collectives):
+    if _only_copies_own_piece(step.transfers, me, 0, src, dst) and not any(me in c.devices for c in step.collectives):
         return local
     src_box = src.box if src is not None else None
     sole = _sole_collective(step, me)
@@ -287,7 +287,7 @@ def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, 
             sources[tid] = (locals_[tid], src.box)
         if dst is None:
             continue
-        if _keeps(plan.transfers, me, tid, src, dst):
+        if _only_copies_own_piece(plan.transfers, me, tid, src, dst):
             out[tid] = locals_[tid]
         else:
             out[tid] = bufs[tid].zeros(dst.shape)

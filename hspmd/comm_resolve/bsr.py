@@ -36,7 +36,7 @@ from hspmd.errors import CommunicationError
 
 
 @dataclass
-class Family:
+class TensorSlices:
     """One tensor's slices that may serve each other: owners hold values, needers must get them."""
 
     tensor: int
@@ -84,7 +84,7 @@ def destination_needs(
     return {d: grid.merge(cells) for d, cells in needs.items()}
 
 
-def unowned_boxes(fam: Family) -> list[Box]:
+def unowned_boxes(fam: TensorSlices) -> list[Box]:
     """The parts of `fam`'s needs that no owner holds (empty when every need can be served)."""
     needs = [b for boxes in fam.needs.values() for b in boxes if box_volume(b) > 0]
     if not needs:
@@ -95,7 +95,7 @@ def unowned_boxes(fam: Family) -> list[Box]:
 
 
 def plan_transfers(
-    families: Sequence[Family], topology: Topology, itemsize: int | Sequence[int], *, heuristics: bool = True
+    families: Sequence[TensorSlices], topology: Topology, itemsize: int | Sequence[int], *, heuristics: bool = True
 ) -> tuple[Transfer, ...]:
     """The fused messages (and local copies) that deliver every family's needs, families scanned
     in the order given (the load balance of rule 3 depends on it); `itemsize` is one size or one
@@ -145,7 +145,7 @@ def plan_transfers(
 
 
 def demand_by_owner_set(
-    families: Sequence[Family], itemsize: int | Sequence[int], topology: Topology | None = None
+    families: Sequence[TensorSlices], itemsize: int | Sequence[int], topology: Topology | None = None
 ) -> dict[frozenset, int]:
     """Bytes that must cross a link, grouped by the set of devices able to send them (with a
     topology: only the owners on the fastest link to the receiver, the ones rule 2 keeps)."""
@@ -168,7 +168,7 @@ def demand_by_owner_set(
 
 
 def max_send_lower_bound(
-    families: Sequence[Family], itemsize: int | Sequence[int], topology: Topology | None = None
+    families: Sequence[TensorSlices], itemsize: int | Sequence[int], topology: Topology | None = None
 ) -> int:
     """The least possible maximum of per-device send bytes, even splitting slices freely among
     their owners (with a topology: among their fastest owners): the smallest cap T for which a
@@ -199,5 +199,5 @@ def max_send_lower_bound(
     return hi
 
 
-__all__ = ["Family", "demand_by_owner_set", "destination_needs", "max_send_lower_bound", "plan_transfers",
+__all__ = ["TensorSlices", "demand_by_owner_set", "destination_needs", "max_send_lower_bound", "plan_transfers",
            "unowned_boxes"]

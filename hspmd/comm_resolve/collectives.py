@@ -163,7 +163,7 @@ def _merge_local(first: Step, second: Step) -> Step:
                         if common is not None:
                             boxes.setdefault(t1.src, []).append(common)
     transfers = tuple(Transfer(d, d, tuple(bs), (0,) * len(bs)) for d, bs in sorted(boxes.items()))
-    return Step("LocalSplit", first.src, second.dst, (), transfers, first.rebuilds, first.subgroup)
+    return Step("LocalSplit", first.src, second.dst, (), transfers, first.assembled_on, first.subgroup)
 
 
 def _same_layout(union: Annotation, k: int, ds: DistributedStates, axes: list[Axis], shape) -> bool:
@@ -214,9 +214,9 @@ def collective_steps(union: Annotation, k: int, target: DistributedStates, shape
             merged.append(step)
     exact = _replace(union, k, target)
     last = merged[-1]
-    merged[-1] = Step(last.primitive, last.src, exact, last.collectives, last.transfers, last.rebuilds, k)
+    merged[-1] = Step(last.primitive, last.src, exact, last.collectives, last.transfers, last.assembled_on, k)
     first = merged[0]
-    merged[0] = Step(first.primitive, union, first.dst, first.collectives, first.transfers, first.rebuilds, k)
+    merged[0] = Step(first.primitive, union, first.dst, first.collectives, first.transfers, first.assembled_on, k)
     return merged
 
 

@@ -7,7 +7,7 @@ even chunks followed by an all-gather. Time of a ring = (ring steps) x (worst ed
 (worst edge bytes / its bandwidth). A batched send-receive costs, per device, the sum over its
 messages of latency + bytes / bandwidth, and the step lasts as long as its busiest sender or
 receiver. Collectives a device joins run one after another; a step lasts as long as its busiest
-device; steps of one phase (disjoint subgroups) overlap, phases add up. This is a planning
+device; steps of one round (disjoint subgroups) overlap, rounds add up. This is a planning
 estimate (no congestion, no overlap of compute), not a measurement.
 """
 

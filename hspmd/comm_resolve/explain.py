@@ -23,7 +23,7 @@ JSON schema ("schema": "hspmd.plan/1"; device ids as JSON object keys are string
         {"primitive": "SplitAllReduce",        one of Identity, LocalSplit, SendRecv, AllReduce,
                                                 ReduceScatter, AllGather, SplitAllReduce,
                                                 SplitReduceScatter, SplitAllGather, BatchedSendRecv
-         "phase": 0,                            steps of one phase run side by side
+         "round": 0,                            steps of one round run side by side
          "subgroup": null,                      the subgroup a bottom-tier step acts on, else null
          "src": "...", "dst": "...",            layouts before and after the step
          "groups": [[0, 4], [1, 4], ...],       collective groups, then [sender, receiver] pairs
@@ -31,7 +31,7 @@ JSON schema ("schema": "hspmd.plan/1"; device ids as JSON object keys are string
                           "devices": [...], "box": [[start, stop], ...],
                           "parts": [box, ...], "zero_inputs": [...]}],
          "transfers": [{"src": d, "dst": e, "boxes": [box, ...], "tensors": [0, ...]}],
-         "rebuilds": [...],                     devices that rebuild their piece in this step
+         "assembled_on": [...],                 devices that rebuild their piece in this step
          "bytes": n, "estimated_seconds": t}
       ],
       "bytes_sent": {"0": n, ...}, "bytes_received": {"0": n, ...},
@@ -93,10 +93,10 @@ def _print_rich(plan, details: bool) -> None:
     console.print(f"[bold]{plan.src}[/bold] -> [bold]{plan.dst}[/bold]   shape {plan.shape}, {plan.dtype}, "
                   f"topology {plan.topology}", markup=True)
     steps = Table(title="steps")
-    for col in ("#", "phase", "primitive", "subgroup", "groups", "bytes", "est. time"):
+    for col in ("#", "round", "primitive", "subgroup", "groups", "bytes", "est. time"):
         steps.add_column(col)
     for i, (s, b, t) in enumerate(zip(plan.steps, plan.step_bytes(), plan.step_seconds()), 1):
-        steps.add_row(str(i), str(s.phase), s.primitive, "" if s.subgroup is None else str(s.subgroup),
+        steps.add_row(str(i), str(s.round), s.primitive, "" if s.subgroup is None else str(s.subgroup),
                       groups_text(s), bytes_text(b), seconds_text(t))
     console.print(steps)
     if details:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from hspmd.annotations import box_intersection, device_pieces, parse
-from hspmd.comm_resolve.bsr import Family, destination_needs, max_send_lower_bound, plan_transfers, unowned_boxes
+from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, max_send_lower_bound, plan_transfers, unowned_boxes
 from hspmd.comm_resolve.cost import dtype_name
 from hspmd.comm_resolve.plan import FusedPlan, TensorMove
 from hspmd.comm_resolve.resolver import bind_ratios, check_shape
@@ -68,17 +68,17 @@ def tensor_moves(moves: Iterable, dtype: object = "float32") -> tuple[TensorMove
     return tuple(out)
 
 
-def families(moves: Sequence[TensorMove], failed: Iterable[int] = ()) -> list[Family]:
+def families(moves: Sequence[TensorMove], failed: Iterable[int] = ()) -> list[TensorSlices]:
     """One BSR table section per tensor: its living owners and what each destination device needs."""
     failed = frozenset(failed)
     out = []
     for i, m in enumerate(moves):
         owners = {d: p.box for d, p in device_pieces(m.src, m.shape).items() if d not in failed}
-        out.append(Family(i, len(m.shape), owners, destination_needs(m.dst, m.shape, owners)))
+        out.append(TensorSlices(i, len(m.shape), owners, destination_needs(m.dst, m.shape, owners)))
     return out
 
 
-def _check_failed(moves: Sequence[TensorMove], fams: Sequence[Family], failed: frozenset[int]) -> None:
+def _check_failed(moves: Sequence[TensorMove], fams: Sequence[TensorSlices], failed: frozenset[int]) -> None:
     """Raise WeightLost naming every tensor some of whose needed values only failed devices held."""
     for i, m in enumerate(moves):
         on_failed = failed & set(m.dst.devices)

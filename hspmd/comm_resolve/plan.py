@@ -11,7 +11,7 @@ One uniform step shape serves every primitive, so one executor runs them all:
   member already contributes, or a member that only receives).
 * `Step.transfers`: fused point-to-point messages `Transfer(src, dst, boxes, tensors)`: all boxes
   one device sends another in this step, in one message; src == dst is a local copy.
-* `Step.rebuilds`: the devices that build their destination piece afresh (zeros, then the local
+* `Step.assembled_on`: the devices that build their destination piece afresh (zeros, then the local
   copies, collective results and received boxes land in it). Any other device of the destination
   keeps its local tensor unchanged (an Identity for it).
 
@@ -92,14 +92,18 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Step:
+    """One primitive of a plan. `assembled_on`: see the module docstring. `round`: steps of one round
+    act on disjoint subgroups and may run side by side (the time estimate overlaps them); rounds
+    run one after another. (Not the IR's forward/backward/update phase of a node.)"""
+
     primitive: str
     src: Annotation
     dst: Annotation
     collectives: tuple[Collective, ...] = ()
     transfers: tuple[Transfer, ...] = ()
-    rebuilds: tuple[int, ...] = ()
+    assembled_on: tuple[int, ...] = ()
     subgroup: int | None = None
-    phase: int = 0
+    round: int = 0
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -109,8 +113,8 @@ class Step:
         groups += [(t.src, t.dst) for t in self.transfers if t.src != t.dst]
         if groups:
             return tuple(groups)
-        if self.rebuilds:
-            return (tuple(self.rebuilds),)
+        if self.assembled_on:
+            return (tuple(self.assembled_on),)
         sub = self.dst.subgroups[self.subgroup] if self.subgroup is not None else None
         return (tuple(sub.dg) if sub else self.dst.devices,)
 
@@ -127,12 +131,12 @@ class Step:
 
     def to_dict(self) -> dict:
         return {
-            "primitive": self.primitive, "phase": self.phase, "subgroup": self.subgroup,
+            "primitive": self.primitive, "round": self.round, "subgroup": self.subgroup,
             "src": str(self.src), "dst": str(self.dst),
             "groups": [list(g) for g in self.groups],
             "collectives": [c.to_dict() for c in self.collectives],
             "transfers": [t.to_dict() for t in self.transfers],
-            "rebuilds": list(self.rebuilds),
+            "assembled_on": list(self.assembled_on),
         }
 
     @classmethod
@@ -141,12 +145,12 @@ class Step:
             d["primitive"], parse(d["src"]), parse(d["dst"]),
             tuple(Collective.from_dict(c) for c in d["collectives"]),
             tuple(Transfer.from_dict(t) for t in d["transfers"]),
-            tuple(d["rebuilds"]), d.get("subgroup"), d.get("phase", 0),
+            tuple(d["assembled_on"]), d.get("subgroup"), d.get("round", 0),
         )
 
 
 class _Stats:
-    """Traffic summaries shared by single-tensor and fused plans (needs `_traffics` and `_phases`)."""
+    """Traffic summaries shared by single-tensor and fused plans (needs `_traffics` and `_rounds`)."""
 
     @property
     def itemsize(self) -> int:
@@ -191,10 +195,10 @@ class _Stats:
 
     @property
     def estimated_seconds(self) -> float:
-        per_phase: dict[int, float] = {}
-        for phase, traffic in zip(self._phases, self._traffics):
-            per_phase[phase] = max(per_phase.get(phase, 0.0), traffic.seconds)
-        return sum(per_phase.values())
+        per_round: dict[int, float] = {}
+        for round_, traffic in zip(self._rounds, self._traffics):
+            per_round[round_] = max(per_round.get(round_, 0.0), traffic.seconds)
+        return sum(per_round.values())
 
     def _stats_dict(self) -> dict:
         return {
@@ -224,8 +228,8 @@ class Plan(_Stats):
         return [s.traffic(self.topology, self.itemsize) for s in self.steps]
 
     @property
-    def _phases(self) -> list[int]:
-        return [s.phase for s in self.steps]
+    def _rounds(self) -> list[int]:
+        return [s.round for s in self.steps]
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -327,7 +331,7 @@ class FusedPlan(_Stats):
         return [traffic]
 
     @property
-    def _phases(self) -> list[int]:
+    def _rounds(self) -> list[int]:
         return [0]
 
     @property

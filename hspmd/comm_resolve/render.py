@@ -64,7 +64,7 @@ def plan_text(plan, details: bool = True) -> str:
     for i, (step, nbytes, t) in enumerate(zip(plan.steps, plan.step_bytes(), plan.step_seconds()), 1):
         where = f" subgroup {step.subgroup}" if step.subgroup is not None else ""
         lines.append(
-            f"  {i}. {step.primitive}{where} (phase {step.phase}) groups {groups_text(step)}"
+            f"  {i}. {step.primitive}{where} (round {step.round}) groups {groups_text(step)}"
             f"  {bytes_text(nbytes)}, {seconds_text(t)}"
         )
         lines.append(f"       {step.src} -> {step.dst}")

@@ -17,7 +17,7 @@ them) and move the reduced pieces; with `reduce_partial=False` the resolver foll
 to the letter and raises UnsupportedReshard instead. A Partial destination is reached by giving
 each slice to one summand and zeros to the others (no reduction needed).
 
-Steps of different subgroups in one phase run side by side (the time estimate overlaps them);
+Steps of different subgroups in one round run side by side (the time estimate overlaps them);
 the plan lists them subgroup by subgroup so that each step's src is the previous step's dst.
 
 Where several correct plans exist the resolver picks by estimated time (cost.py): a source whose
@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from hspmd.annotations import Annotation, Split, Subgroup, device_pieces, parse, subgroup_regions
-from hspmd.comm_resolve.bsr import Family, destination_needs, plan_transfers
+from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
@@ -225,15 +225,15 @@ def _identity(union: Annotation, k: int) -> Step:
 
 
 def _shift(steps: list[Step], by: int) -> list[Step]:
-    return [replace(s, phase=s.phase + by) for s in steps]
+    return [replace(s, round=s.round + by) for s in steps]
 
 
 def _in_sequence(steps: list[Step]) -> list[Step]:
-    return [replace(s, phase=i) for i, s in enumerate(steps)]
+    return [replace(s, round=i) for i, s in enumerate(steps)]
 
 
-def _next_phase(steps: list[Step]) -> int:
-    return max((s.phase + 1 for s in steps if s.primitive != "Identity"), default=0)
+def _next_round(steps: list[Step]) -> int:
+    return max((s.round + 1 for s in steps if s.primitive != "Identity"), default=0)
 
 
 def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Context) -> tuple[list[Step], Annotation]:
@@ -252,7 +252,7 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Context) -> tup
         steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} changes {current.ds} -> {target.ds}")
     done = with_subgroup(union, k, target)
     step = _transfer_step(union, done, ctx, restrict=k)
-    return steps + [replace(step, phase=len(steps))], done
+    return steps + [replace(step, round=len(steps))], done
 
 
 def _reduce_subgroup(union: Annotation, k: int, ctx: _Context, why: str) -> tuple[list[Step], Annotation]:
@@ -280,7 +280,7 @@ def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
         steps += sub_steps
     if moving:
         before = [s for s in steps if s.subgroup in moving]  # the move overlaps the other subgroups' steps
-        steps.append(replace(_move_step(union, dst, moving, ctx), phase=_next_phase(before)))
+        steps.append(replace(_move_step(union, dst, moving, ctx), round=_next_round(before)))
     elif steps[-1].dst != dst:
         steps[-1] = replace(steps[-1], dst=dst)  # equal regions written with other ratios: the same layout
     return steps
@@ -300,10 +300,10 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Cont
         else:
             reshaped |= s.ds != t.ds
             owners = {d: sp[d].box for d in s.dg}
-            families.append(Family(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg)))
+            families.append(TensorSlices(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg)))
     transfers = _fuse(pairs + list(plan_transfers(families, ctx.topology, ctx.itemsize)))
-    rebuilds = tuple(sorted(d for k in moving for d in dst.subgroups[k].dg))
-    return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), transfers, rebuilds)
+    assembled_on = tuple(sorted(d for k in moving for d in dst.subgroups[k].dg))
+    return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), transfers, assembled_on)
 
 
 def _fuse(transfers: list[Transfer]) -> tuple[Transfer, ...]:
@@ -332,7 +332,7 @@ def _top_tier(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step] | N
     step = split_step(primitive, union, dst, ctx.shape)
     if step is None:
         return None
-    return steps + [replace(step, phase=_next_phase(steps))]
+    return steps + [replace(step, round=_next_round(steps))]
 
 
 def _general(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
@@ -341,7 +341,7 @@ def _general(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
     if not ctx.reduce_partial:
         raise ctx.refuse("the destination has another HSize or device group union and the source holds partial sums")
     steps, union = _reduce_union(src, dst, ctx)
-    return steps + _shift(_route(union, dst, ctx), _next_phase(steps))
+    return steps + _shift(_route(union, dst, ctx), _next_round(steps))
 
 
 def _reduce_union(union: Annotation, goal: Annotation, ctx: _Context) -> tuple[list[Step], Annotation]:
@@ -355,7 +355,7 @@ def _reduce_union(union: Annotation, goal: Annotation, ctx: _Context) -> tuple[l
             steps += sub_steps
     if union.hdim != "P":
         return steps, union
-    phase = _next_phase(steps)
+    next_round = _next_round(steps)
     split = {d for s in union.subgroups for d in s.ds.split_dims}
     dims = sorted(range(len(ctx.shape)), key=lambda d: (d != goal.hdim, d in split, -ctx.shape[d], d))
     sizes = tuple(len(s.dg) for s in union.subgroups)
@@ -364,9 +364,9 @@ def _reduce_union(union: Annotation, goal: Annotation, ctx: _Context) -> tuple[l
         target = Annotation(union.subgroups, d, ratios)
         step = split_step("SplitReduceScatter", union, target, ctx.shape)
         if step is not None:
-            return steps + [replace(step, phase=phase)], target
+            return steps + [replace(step, round=next_round)], target
     target = Annotation(union.subgroups, "D")
-    return steps + [replace(split_step("SplitAllReduce", union, target, ctx.shape), phase=phase)], target
+    return steps + [replace(split_step("SplitAllReduce", union, target, ctx.shape), round=next_round)], target
 
 
 def _transfer_step(src: Annotation, dst: Annotation, ctx: _Context, restrict: int | None = None) -> Step:
@@ -376,10 +376,10 @@ def _transfer_step(src: Annotation, dst: Annotation, ctx: _Context, restrict: in
     devices = None if restrict is None else dst.subgroups[restrict].dg.devices
     owners = {d: p.box for d, p in sp.items() if restrict is None or d in src.subgroups[restrict].dg.devices}
     needs = destination_needs(dst, ctx.shape, owners, devices)
-    transfers = plan_transfers([Family(0, len(ctx.shape), owners, needs)], ctx.topology, ctx.itemsize)
-    rebuilds = tuple(sorted(dst.devices if devices is None else devices))
+    transfers = plan_transfers([TensorSlices(0, len(ctx.shape), owners, needs)], ctx.topology, ctx.itemsize)
+    assembled_on = tuple(sorted(dst.devices if devices is None else devices))
     remote = any(t.src != t.dst for t in transfers)
-    return Step("BatchedSendRecv" if remote else "LocalSplit", src, dst, (), transfers, rebuilds, restrict)
+    return Step("BatchedSendRecv" if remote else "LocalSplit", src, dst, (), transfers, assembled_on, restrict)
 
 
 __all__ = ["VIAS", "bind_ratios", "check_shape", "resolve"]

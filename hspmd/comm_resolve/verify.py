@@ -43,11 +43,11 @@ def check_step(index: int, step: Step, shape) -> None:
     if step.primitive not in PRIMITIVES:
         raise _fail(index, step, f"unknown primitive {step.primitive!r}")
     sp, dp = device_pieces(step.src, shape), device_pieces(step.dst, shape)
-    rebuilds = set(step.rebuilds)
+    assembled_on = set(step.assembled_on)
     for c in step.collectives:
         if c.kind not in COLLECTIVE_KINDS:
             raise _fail(index, step, f"unknown collective kind {c.kind!r}")
-        if not set(c.devices) <= rebuilds:
+        if not set(c.devices) <= assembled_on:
             raise _fail(index, step, f"{c.kind} members {list(c.devices)} must all rebuild their piece")
         for i, m in enumerate(c.devices):
             limit = max(box_volume(sp[m].box) if m in sp else 0, box_volume(dp[m].box) if m in dp else 0)
@@ -60,7 +60,7 @@ def check_step(index: int, step: Step, shape) -> None:
                 if box_volume(r) and (m not in sp or not box_contains(sp[m].box, r)):
                     raise _fail(index, step, f"{c.kind} reads {r} on device {m}, outside its source piece")
     for t in step.transfers:
-        if t.dst not in rebuilds:
+        if t.dst not in assembled_on:
             raise _fail(index, step, f"device {t.dst} receives but does not rebuild its piece")
         for b in t.boxes:
             if box_volume(b) == 0:
@@ -70,7 +70,7 @@ def check_step(index: int, step: Step, shape) -> None:
             if not box_contains(dp[t.dst].box, b):
                 raise _fail(index, step, f"device {t.dst} receives {b}, outside its destination piece")
     for d, piece in dp.items():
-        if d not in rebuilds and (d not in sp or sp[d] != piece):
+        if d not in assembled_on and (d not in sp or sp[d] != piece):
             raise _fail(index, step, f"device {d} keeps its tensor but its piece changes")
     writes = _writes(step, shape)
     for d, boxes in writes.items():
@@ -80,9 +80,9 @@ def check_step(index: int, step: Step, shape) -> None:
         written = sum(box_volume(b) for b in boxes)
         if not dp[d].is_partial and written != box_volume(dp[d].box):
             raise _fail(index, step, f"device {d} writes {written} of the {box_volume(dp[d].box)} elements it needs")
-    for d in rebuilds:
+    for d in assembled_on:
         if d in dp and not dp[d].is_partial and box_volume(dp[d].box) and not writes.get(d):
-            raise _fail(index, step, f"device {d} rebuilds its piece but nothing is written to it")
+            raise _fail(index, step, f"device {d} assembled_on its piece but nothing is written to it")
 
 
 def check_plan(plan: Plan) -> None:

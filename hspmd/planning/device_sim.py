@@ -6,7 +6,7 @@ matmul -> gemm (2 x output x inner FLOPs), causal attention -> attn (4 b h s^2 d
 backward), RMS normalisation -> norm, views (reshape, transpose, expand) -> misc (launch overhead
 only), every other op -> elementwise (bytes read + written). A CommOp costs this device's busy time
 in its plan on the cluster's links (comm_resolve.cost's ring model): collectives and local
-rebuilds inside the phase, stage-to-stage transfers as the link between stages. Per micro-batch
+assembled_on inside the phase, stage-to-stage transfers as the link between stages. Per micro-batch
 forward and backward times per device, the update phase (gradient sync + optimizer), and the
 transfer times then run through the level-1 event simulation on the discovered pipelines; a
 stage's time is its slowest device's (TP devices meet in collectives).

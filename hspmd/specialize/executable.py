@@ -24,7 +24,7 @@ from hspmd.annotations import Annotation, device_pieces
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph, Node, Tensor
 from hspmd.ir.shapes import Binding, format_shape
-from hspmd.specialize import lowering
+from hspmd.specialize import comm_plans
 from hspmd.specialize.deduce import Deduced
 
 
@@ -68,7 +68,7 @@ def resolve_node(deduced: Deduced, node: Node, binding: Binding, topology=None, 
             run_time_ratios(dst, binding), topology, node.output.dtype)
     plan = None if cache is None else cache.get(args)
     if plan is None:
-        plan = lowering.resolve_comm(*args)
+        plan = comm_plans.resolve_comm(*args)
     if cache is not None:
         cache[node_key] = cache[args] = plan
     return plan
@@ -167,7 +167,7 @@ class ExecutableGraph:
                     line += f"  {self.deduced[n.inputs[0]]} -> {anns}"
                     if ins.role != "identity":
                         try:
-                            line += "  [" + lowering.describe_for(self.plan(n, self.binding), self.device) + "]"
+                            line += "  [" + comm_plans.describe_for(self.plan(n, self.binding), self.device) + "]"
                         except HSPMDError as exc:
                             line += f"  [unresolved: {exc}]"
                 elif anns:
@@ -189,7 +189,7 @@ def instantiate(deduced: Deduced, device: int, binding: Binding = Binding(), top
             continue
         if node.opdef.is_comm:
             src, dst = deduced[node.inputs[0]], deduced[node.output]
-            role = "identity" if src == dst else lowering.role_of(exe.plan(node, binding), device)
+            role = "identity" if src == dst else comm_plans.role_of(exe.plan(node, binding), device)
         elif node.kind == "assign":
             role = "assign"
         else:

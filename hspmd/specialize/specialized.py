@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph, Tensor
 from hspmd.ir.shapes import Binding
-from hspmd.specialize import lowering
+from hspmd.specialize import comm_plans
 from hspmd.specialize.deduce import Deduced, deduce
 from hspmd.specialize.executable import ExecutableGraph, instantiate, live_nodes, resolve_node
 from hspmd.specialize.pipelines import PipelineLayout, discover_pipelines
@@ -69,7 +69,7 @@ def per_micro_batch_pattern(deduced: Deduced, binding: Binding, live: set[int], 
         if src == dst:
             continue
         plan = resolve_node(deduced, node, binding, topology, cache)
-        g, e = lowering.pattern(plan)
+        g, e = comm_plans.pattern(plan)
         groups += g
         edges += e
     return groups, edges

@@ -1,6 +1,6 @@
-"""CommOp substitution: a CommOp becomes the resolver's plan (hspmd.comm_resolve). This module is the
-only place the specializer touches the resolver, and reads plans as plain data: which collectives and P2P
-transfers involve a device, and the communication pattern pipeline discovery needs."""
+"""CommOps and their resolved plans (hspmd.comm_resolve): the only place the specializer calls the
+resolver. Plans are read as plain data: how a device takes part in one, which collective groups and
+P2P edges it has (what pipeline discovery reads), and a one-line view per device."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def describe_for(plan, device: int) -> str:
                                                for c in dict.fromkeys(c for c in mine)))
         elif moves:
             parts.append(s.primitive + " " + ",".join(f"{t.src}->{t.dst}" for t in moves))
-        elif device in s.rebuilds or device in s.dst.devices:
+        elif device in s.assembled_on or device in s.dst.devices:
             parts.append(s.primitive + " (local)")
     return " ; ".join(parts) or "nothing on this device"
 
