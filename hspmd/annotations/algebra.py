@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from itertools import accumulate
+from typing import Sequence
+
 from hspmd.annotations.states import (
     Annotation,
+    Axis,
     DeviceGroup,
     DistributedStates,
     Partial,
@@ -50,4 +55,28 @@ def align_hsize(anns: list[Annotation]) -> list[Annotation]:
     return [expand_hsize(a, target) for a in anns]
 
 
-__all__ = ["expand_hsize", "align_hsize"]
+def common_refinement(axis_lists: Sequence[Sequence[Axis]]) -> tuple[tuple[tuple[Axis, int], ...], ...] | None:
+    """Every axis list cut at the union of all lists' cut points (the running products of their
+    counts), each refined axis paired with the index of the axis it came from: [S0:4] and [D:2, D:2]
+    give ((S0:2, 0), (S0:2, 0)) and ((D:2, 0), (D:2, 1)). None where the cut points do not nest
+    (one list's count does not divide the next cut of another), so no common refinement exists."""
+    cuts = {1}
+    for axes in axis_lists:
+        cuts.update(accumulate((a.n for a in axes), lambda x, y: x * y))
+    chain = sorted(cuts)
+    if any(hi % lo for lo, hi in zip(chain, chain[1:])):
+        return None
+    out = []
+    for axes in axis_lists:
+        refined, start = [], 1
+        for index, axis in enumerate(axes):
+            stop, prev = start * axis.n, start
+            for c in (c for c in chain if start < c <= stop):
+                refined.append((replace(axis, n=c // prev), index))
+                prev = c
+            start = stop
+        out.append(tuple(refined))
+    return tuple(out)
+
+
+__all__ = ["common_refinement", "expand_hsize", "align_hsize"]

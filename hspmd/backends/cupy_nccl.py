@@ -16,6 +16,8 @@ communicator, used for `exchange`, is created by the constructor: construction i
 
 from __future__ import annotations
 
+from math import prod
+
 import itertools
 import os
 import pickle
@@ -182,7 +184,7 @@ class CupyNcclBackend(Backend):
                 f"for group {list(group)}; pass one shape per member, this rank's equal to its tensor's"
             )
         src = self._on_device(tensor, "all_gather")
-        sizes = [_numel(s) for s in shapes]
+        sizes = [prod(s) for s in shapes]
         width = max(sizes)
         if width == 0 or len(group) == 1:
             return [src.clone()] if len(group) == 1 else [src.new_empty(s) for s in shapes]
@@ -287,12 +289,6 @@ class CupyNcclBackend(Backend):
             comm.destroy()
         self._comms.clear()
 
-
-def _numel(shape: Shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _reduce_dtype(dtype: torch.dtype, op: str) -> int:

@@ -19,6 +19,8 @@ again.
 
 from __future__ import annotations
 
+from math import prod
+
 import queue
 import threading
 import time
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hspmd.backends.backend import Backend, Group, Shape
-from hspmd.backends.torch_dist import _checked_self_message, _numel, _padded_flat
+from hspmd.backends.torch_dist import _checked_self_message, _padded_flat
 from hspmd.errors import CommunicationError
 
 _P2P_TAG = 0
@@ -140,7 +142,7 @@ class GenerationBackend(Backend):
                                      f"do not fit group {list(group)}")
         if len(key) == 1:
             return [tensor.detach().clone()]
-        sizes = [_numel(s) for s in shapes]
+        sizes = [prod(s) for s in shapes]
         width = max(sizes)
         if width == 0:
             return [torch.empty(s, dtype=tensor.dtype) for s in shapes]

@@ -19,6 +19,8 @@ Torch orders members by rank; results are put back into the caller's group order
 
 from __future__ import annotations
 
+from math import prod
+
 import atexit
 import contextlib
 import os
@@ -148,7 +150,7 @@ class TorchDistBackend(Backend):
             )
         if len(group) == 1:
             return [tensor.detach().clone()]
-        sizes = [_numel(s) for s in shapes]
+        sizes = [prod(s) for s in shapes]
         width = max(sizes)
         if width == 0:
             return [torch.empty(s, dtype=tensor.dtype, device=tensor.device) for s in shapes]
@@ -371,12 +373,6 @@ def _default_device(dist_backend: str) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
-
-def _numel(shape: Shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _padded_flat(tensor: torch.Tensor, width: int) -> torch.Tensor:

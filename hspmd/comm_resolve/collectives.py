@@ -34,6 +34,7 @@ from hspmd.annotations import (
     Subgroup,
     box_intersection,
 )
+from hspmd.annotations.algebra import common_refinement
 from hspmd.annotations.geometry import subgroup_device_pieces
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
 from hspmd.comm_resolve.slices import box_contains, box_volume
@@ -49,35 +50,10 @@ def _kind(axis: Axis) -> str:
     return "S" if isinstance(axis, Split) else "D" if isinstance(axis, Duplicate) else "P"
 
 
-def _with_n(axis: Axis, n: int) -> Axis:
-    return Split(axis.dim, n) if isinstance(axis, Split) else type(axis)(n)
-
-
 def refine(a: Sequence[Axis], b: Sequence[Axis]) -> tuple[list[Axis], list[Axis]] | None:
     """Both axis lists over the common refinement of their radices, or None if there is none."""
-    def prefixes(axes):
-        out, p = set(), 1
-        for ax in axes:
-            p *= ax.n
-            out.add(p)
-        return out
-
-    cuts = sorted(prefixes(a) | prefixes(b) | {1})
-    if any(hi % lo for lo, hi in zip(cuts, cuts[1:])):
-        return None
-    radix = [hi // lo for lo, hi in zip(cuts, cuts[1:])]
-
-    def spread(axes):
-        out, i = [], 0
-        for ax in axes:
-            left = ax.n
-            while left > 1:
-                out.append(_with_n(ax, radix[i]))
-                left //= radix[i]
-                i += 1
-        return out
-
-    return spread(a), spread(b)
+    refined = common_refinement([a, b])
+    return None if refined is None else tuple([axis for axis, _ in r] for r in refined)
 
 
 def _groups(devices: Sequence[int], radix: Sequence[int], position: int) -> list[tuple[int, ...]]:

@@ -29,7 +29,7 @@ from hspmd.annotations import box_intersection, device_pieces, parse
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, max_send_lower_bound, plan_transfers, unowned_boxes
 from hspmd.comm_resolve.cost import dtype_name
 from hspmd.comm_resolve.plan import FusedPlan, TensorMove
-from hspmd.comm_resolve.resolver import bind_ratios, check_shape
+from hspmd.comm_resolve.resolver import bind_ratios, concrete_shape
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.topology import Topology, default_topology
 from hspmd.comm_resolve.render import box_text
@@ -54,7 +54,7 @@ def tensor_moves(moves: Iterable, dtype: object = "float32") -> tuple[TensorMove
             its_dtype = rest[0] if rest else dtype
         src = bind_ratios(parse(src), None, f"source of tensor {i}")
         dst = bind_ratios(parse(dst), None, f"destination of tensor {i}")
-        shape = check_shape(shape, src, dst)
+        shape = concrete_shape(shape, src, dst)
         if src.has_partial:
             raise UnsupportedReshard(
                 f"tensor {i}: cannot move {src} -> {dst} in a fused BatchedSendRecv: the source holds partial "

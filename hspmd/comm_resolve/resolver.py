@@ -51,7 +51,9 @@ from hspmd.errors import CommunicationError, ShapeError, UnsupportedReshard
 
 
 @dataclass(frozen=True)
-class _Context:
+class _Reshard:
+    """The reshard being resolved: its two layouts, shape, topology and options, shared by every route."""
+
     src: Annotation
     dst: Annotation
     shape: tuple[int, ...]
@@ -80,7 +82,8 @@ def bind_ratios(ann: Annotation, ratios: Sequence[int] | None, role: str, argume
     return ann
 
 
-def check_shape(shape: Sequence[int], *anns: Annotation) -> tuple[int, ...]:
+def concrete_shape(shape: Sequence[int], *anns: Annotation) -> tuple[int, ...]:
+    """`shape` as a tuple of non-negative ints of the annotations' rank (resolving needs concrete sizes)."""
     try:
         shape = tuple(shape)
     except TypeError:
@@ -115,12 +118,12 @@ def resolve(
     annotations do not fit the shape or the topology."""
     src = bind_ratios(parse(src), src_ratios, "source", "src_ratios")
     dst = bind_ratios(parse(dst), dst_ratios, "destination", "dst_ratios")
-    shape = check_shape(shape, src, dst)
+    shape = concrete_shape(shape, src, dst)
     devices = set(src.devices) | set(dst.devices)
     topology = default_topology(devices) if topology is None else Topology.parse(topology)
     topology.check_devices(sorted(devices), f"reshard {src} -> {dst}")
     name = dtype_name(dtype)
-    ctx = _Context(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial)
+    ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial)
     if via is not None:
         return Plan(src, dst, shape, tuple(_via(via, src, dst, ctx)), topology, name)
     plan = Plan(src, dst, shape, tuple(_route(src, dst, ctx)), topology, name)
@@ -135,7 +138,7 @@ def resolve(
 VIAS = ("hierarchical", "merged-allgather", "direct", "root", "representatives")
 
 
-def _via(via: str, src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
+def _via(via: str, src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
     if via not in VIAS:
         raise UnsupportedReshard(f"unknown route via={via!r}; use one of {', '.join(VIAS)} (or None: the cheapest)")
     if via == "hierarchical":
@@ -187,7 +190,7 @@ def _representatives(ann: Annotation, role: str, dim: int = 0) -> Annotation:
     return Annotation((Subgroup(tuple(reps), kept),))
 
 
-def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Context) -> Step | None:
+def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Reshard) -> Step | None:
     """One AllGather over the whole union, when every source device holds a disjoint piece, the
     pieces tile the tensor and every destination device (the same devices) wants all of it."""
     if src.has_partial or set(src.devices) != set(dst.devices):
@@ -206,7 +209,7 @@ def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Context) -> Step 
 # routing ------------------------------------------------------------------------------------------
 
 
-def _route(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
+def _route(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
     if src.hsize == dst.hsize and src.hdim == dst.hdim and _regions(src, ctx) == _regions(dst, ctx):
         return _bottom_tier(src, dst, ctx)
     if src.hsize == dst.hsize and src.dg_union == dst.dg_union:
@@ -216,7 +219,7 @@ def _route(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
     return _general(src, dst, ctx)
 
 
-def _regions(ann: Annotation, ctx: _Context):
+def _regions(ann: Annotation, ctx: _Reshard):
     return subgroup_regions(ann, ctx.shape)
 
 
@@ -236,7 +239,7 @@ def _next_round(steps: list[Step]) -> int:
     return max((s.round + 1 for s in steps if s.primitive != "Identity"), default=0)
 
 
-def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Context) -> tuple[list[Step], Annotation]:
+def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tuple[list[Step], Annotation]:
     """Subgroup k (same device group) into `target`'s distributed states, inside `union`."""
     current = union.subgroups[k]
     if current == target:
@@ -255,7 +258,7 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Context) -> tup
     return steps + [replace(step, round=len(steps))], done
 
 
-def _reduce_subgroup(union: Annotation, k: int, ctx: _Context, why: str) -> tuple[list[Step], Annotation]:
+def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tuple[list[Step], Annotation]:
     """Reduce subgroup k's bottom-tier Partial in place (ReduceScatter, else AllReduce)."""
     if not ctx.reduce_partial:
         raise ctx.refuse(f"{why} with partial sums")
@@ -267,7 +270,7 @@ def _reduce_subgroup(union: Annotation, k: int, ctx: _Context, why: str) -> tupl
     raise CommunicationError(f"internal: no reduction of {sub} in {union}")
 
 
-def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
+def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
     union, steps, moving = src, [], []
     for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
         if s.dg != t.dg:
@@ -286,7 +289,7 @@ def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
     return steps
 
 
-def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Context) -> Step:
+def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Reshard) -> Step:
     """Subgroups whose device group changes, in one fused exchange. Same distributed states:
     SendRecv (partial summands go device to device by position; values go through the BSR table,
     so replicas already in place stay and each missing piece comes from the best owner).
@@ -319,7 +322,7 @@ def _fuse(transfers: list[Transfer]) -> tuple[Transfer, ...]:
 _SPLIT = {("P", "D"): "SplitAllReduce", ("P", "dim"): "SplitReduceScatter", ("dim", "D"): "SplitAllGather"}
 
 
-def _top_tier(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step] | None:
+def _top_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step] | None:
     kind = lambda h: "dim" if isinstance(h, int) else h  # noqa: E731
     primitive = _SPLIT.get((kind(src.hdim), kind(dst.hdim)))
     if primitive is None or any(s.ds.partial_count > 1 for s in dst.subgroups):
@@ -335,7 +338,7 @@ def _top_tier(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step] | N
     return steps + [replace(step, round=_next_round(steps))]
 
 
-def _general(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
+def _general(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
     if not src.has_partial:
         return [_transfer_step(src, dst, ctx)]
     if not ctx.reduce_partial:
@@ -344,7 +347,7 @@ def _general(src: Annotation, dst: Annotation, ctx: _Context) -> list[Step]:
     return steps + _shift(_route(union, dst, ctx), _next_round(steps))
 
 
-def _reduce_union(union: Annotation, goal: Annotation, ctx: _Context) -> tuple[list[Step], Annotation]:
+def _reduce_union(union: Annotation, goal: Annotation, ctx: _Reshard) -> tuple[list[Step], Annotation]:
     """Every Partial reduced where it lies: bottom tier per subgroup, then the top tier by a
     SplitReduceScatter (along the goal's HDim and ratios when it has one, else ratios = subgroup
     sizes) or, failing that, a SplitAllReduce."""
@@ -369,7 +372,7 @@ def _reduce_union(union: Annotation, goal: Annotation, ctx: _Context) -> tuple[l
     return steps + [replace(split_step("SplitAllReduce", union, target, ctx.shape), round=next_round)], target
 
 
-def _transfer_step(src: Annotation, dst: Annotation, ctx: _Context, restrict: int | None = None) -> Step:
+def _transfer_step(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: int | None = None) -> Step:
     """BatchedSendRecv of values from `src` to `dst` (whole union, or subgroup `restrict` only);
     LocalSplit when every device finds what it needs in its own piece."""
     sp = device_pieces(src, ctx.shape)
@@ -382,4 +385,4 @@ def _transfer_step(src: Annotation, dst: Annotation, ctx: _Context, restrict: in
     return Step("BatchedSendRecv" if remote else "LocalSplit", src, dst, (), transfers, assembled_on, restrict)
 
 
-__all__ = ["VIAS", "bind_ratios", "check_shape", "resolve"]
+__all__ = ["VIAS", "bind_ratios", "concrete_shape", "resolve"]

@@ -10,11 +10,12 @@ paper's "DS union, then HDim" deduction with one rule per op instead of two.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
-from itertools import accumulate
 from typing import Callable, Sequence
 
 from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Duplicate, Partial, Split, Subgroup
+from hspmd.annotations.algebra import common_refinement
 from hspmd.annotations.states import Axis
 
 
@@ -26,39 +27,19 @@ class Mismatch(Exception):
 PositionRule = Callable[[Sequence[Axis]], tuple[Axis, int | None]]
 
 
-def _rescale(axis: Axis, n: int) -> Axis:
-    if isinstance(axis, Split):
-        return Split(axis.dim, n)
-    return type(axis)(n)
-
-
 @lru_cache(maxsize=4096)
 def _refine(ds_list: tuple[DistributedStates, ...], size: int) -> tuple[tuple[tuple[Axis, int], ...], ...]:
     """Each input's axes refined to the common cut points: (axis factor, original axis index).
     Cached: a pure function of immutable values, and a model repeats few distinct input layouts."""
-    cuts = {1, size}
-    for ds in ds_list:
-        cuts.update(accumulate((a.n for a in ds.axes), lambda x, y: x * y))
-    chain = sorted(cuts)
-    for lo, hi in zip(chain, chain[1:]):
-        if hi % lo:
-            raise Mismatch(
-                "the inputs' distributed states nest their axes differently ("
-                + " vs ".join(str(ds) or "-" for ds in ds_list) + ")"
-            )
-    out = []
-    for ds in ds_list:
-        refined, start = [], 1
-        for index, axis in enumerate(ds.axes):
-            stop = start * axis.n
-            inner = [c for c in chain if start < c <= stop]
-            prev = start
-            for c in inner:
-                refined.append((_rescale(axis, c // prev), index))
-                prev = c
-            start = stop
-        out.append(tuple(refined))
-    for pos in range(len(chain) - 1):
+    # the whole group as one more axis list, so that the cut points reach the group size
+    refined = common_refinement([ds.axes for ds in ds_list] + [[Duplicate(size)]])
+    if refined is None:
+        raise Mismatch(
+            "the inputs' distributed states nest their axes differently ("
+            + " vs ".join(str(ds) or "-" for ds in ds_list) + ")"
+        )
+    out = refined[:-1]
+    for pos in range(len(refined[-1])):
         splits = [(i, r[pos][1]) for i, r in enumerate(out) if isinstance(r[pos][0], Split)]
         for i, orig in splits:
             pieces = sum(1 for a, o in out[i] if o == orig)
@@ -83,7 +64,7 @@ def _merge(axes: list[tuple[Axis, object]]) -> DistributedStates:
                     and origin is not None and origin == last_origin)
             )
             if same:
-                merged[-1] = (_rescale(last, last.n * axis.n), last_origin)
+                merged[-1] = (replace(last, n=last.n * axis.n), last_origin)
                 continue
         merged.append((axis, origin))
     return DistributedStates(tuple(a for a, _ in merged))

@@ -52,7 +52,7 @@ class MicroBatch:
     env: dict[int, torch.Tensor]
 
 
-class _Context:
+class _OpContext:
     """ComputeContext of one op on one device under one binding."""
 
     def __init__(self, exe: ExecutableGraph, node: Node, binding: Binding, step: int):
@@ -117,7 +117,7 @@ def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Back
         else:
             inputs = [_value(state, env, t) for t in node.inputs]
             with torch.no_grad():
-                outs = node.opdef.compute(node, _Context(exe, node, binding, state.step), inputs)
+                outs = node.opdef.compute(node, _OpContext(exe, node, binding, state.step), inputs)
             for t, v in zip(node.outputs, outs):
                 env[t.id] = v
 
