@@ -46,18 +46,20 @@ def show_plan() -> None:
     """The strategy, a few annotations, one communication plan and the schedule."""
     from hspmd.comm_resolve.explain import main as explain
     from hspmd.models.llama import LlamaConfig, llama_annotations
+    from hspmd.models.llama_annotations import gradient_annotation
     from hspmd.specialize.schedules import describe_schedule
+    from hspmd.specialize.strategy_render import describe_strategy
     from hspmd.specialize.strategy_text import parse_strategy
 
     strategy = parse_strategy(STRATEGY)
     _rule("strategy")
     print(f"  {STRATEGY}")
-    print(strategy.describe().rstrip())
+    print(describe_strategy(strategy).rstrip())
     _rule("annotations (the model is written once; these say how each tensor is laid out)")
     annotations = llama_annotations(LlamaConfig(layers=strategy.num_layers, hidden=HIDDEN), strategy)
     for name in SHOWN_ANNOTATIONS:
         print(f"  {name:14s} {annotations[name]}")
-    gradient = strategy.gradient_annotation(0, "column")
+    gradient = gradient_annotation(strategy, 0, "column")
     print(f"  {'grad wq':14s} {gradient}   (one summand per pipeline until the step's sync)")
     _rule("plan of the gradient sync of layers.0.wq (hspmd explain)")
     sys.stdout.flush()

@@ -1,5 +1,10 @@
 """The one error hierarchy of hspmd: every mistake a user can make raises an HSPMDError subclass."""
 
+from __future__ import annotations
+
+import difflib
+from typing import Sequence
+
 
 class HSPMDError(Exception):
     """Base of every error a user can cause; the message names what is wrong, where, and the fix."""
@@ -52,3 +57,11 @@ class WeightLost(HSPMDError):
     def __init__(self, message: str, lost: dict | None = None):
         self.lost = dict(lost or {})
         super().__init__(message)
+
+
+def closest_hint(word: str, options: Sequence[str]) -> str:
+    """'did you mean X?' for a typo, else the list of valid words."""
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    return "valid: " + ", ".join(repr(o) for o in options)

@@ -4,9 +4,15 @@ import pytest
 
 from hspmd.annotations import Annotation, device_pieces, parse
 from hspmd.errors import HSPMDError, StrategyError
-from hspmd.specialize.strategy import Pipeline, Stage, Strategy, StrategyFieldError, partial_over_pipelines
+from hspmd.models.llama_annotations import (
+    activation_annotation, embedding_annotation, gradient_annotation, lm_head_annotation, param_annotation,
+    partial_over_pipelines,
+)
+from hspmd.specialize.strategy import Pipeline, Stage, Strategy
+from hspmd.specialize.strategy_fields import StrategyFieldError
 from hspmd.specialize.strategy_build import balanced_layers, uniform_strategy, weighted_pipeline
 from hspmd.specialize.strategy_text import parse_strategy
+from hspmd.specialize.strategy_render import describe_strategy
 
 C2 = parse_strategy(
     "name=c2 ; 33x1: R0-3 L0-14 | R4-7 L15-29 | R8-11 L30-44 | R12-15 L45-59 ; "
@@ -95,65 +101,65 @@ def test_structure_queries():
 
 
 def test_describe_lists_every_stage():
-    text = C2.describe()
+    text = describe_strategy(C2)
     assert "c2: 60 layers, 31 devices, 2 pipeline(s), ZeRO off" in text
     for p in C2.pipelines:
         for s in p.stages:
             assert f"{s.layers.start}-{s.layers.stop - 1}" in text
     assert "33 x bs 1" in text and "31 x bs 1" in text and "28,29" in text
-    runtime = parse_strategy("?x?: R0 L0-3 ; 2x?: R1 L0-3").describe()
+    runtime = describe_strategy(parse_strategy("?x?: R0 L0-3 ; 2x?: R1 L0-3"))
     assert "run time x bs run time" in runtime and "2 x bs run time" in runtime
 
 
 # ---- annotations ------------------------------------------------------------------------------
 
 def test_param_annotations_of_c2():
-    assert str(C2.param_annotation(50, "column")) == "HD{S1:4@[12-15] | S1:2@[28,29]}"
-    assert str(C2.param_annotation(50, "row")) == "HD{S0:4@[12-15] | S0:2@[28,29]}"
-    assert str(C2.param_annotation(57, "replicated")) == "HD{D:4@[12-15] | @[30]}"
-    assert str(C2.param_annotation(15, "column")) == "HD{S1:4@[4-7] | S1:4@[16-19]}"
-    assert str(C2.gradient_annotation(50, "column")) == "HP{S1:4@[12-15] | S1:2@[28,29]}"
-    assert C2.param_annotation(50, "column") == parse("HD{S1:4@[12-15] | S1:2@[28,29]}")
+    assert str(param_annotation(C2, 50, "column")) == "HD{S1:4@[12-15] | S1:2@[28,29]}"
+    assert str(param_annotation(C2, 50, "row")) == "HD{S0:4@[12-15] | S0:2@[28,29]}"
+    assert str(param_annotation(C2, 57, "replicated")) == "HD{D:4@[12-15] | @[30]}"
+    assert str(param_annotation(C2, 15, "column")) == "HD{S1:4@[4-7] | S1:4@[16-19]}"
+    assert str(gradient_annotation(C2, 50, "column")) == "HP{S1:4@[12-15] | S1:2@[28,29]}"
+    assert param_annotation(C2, 50, "column") == parse("HD{S1:4@[12-15] | S1:2@[28,29]}")
 
 
 def test_param_annotation_shards_a_weight_as_the_convention_says():
     """(in, out) weight: column parallel gives each TP rank a slice of out_features (dim 1)."""
-    pieces = device_pieces(C2.param_annotation(50, "column"), (8, 12))
+    pieces = device_pieces(param_annotation(C2, 50, "column"), (8, 12))
     assert pieces[12].box == ((0, 8), (0, 3)) and pieces[15].box == ((0, 8), (9, 12))
     assert pieces[28].box == ((0, 8), (0, 6)) and pieces[29].box == ((0, 8), (6, 12))
-    rows = device_pieces(C2.param_annotation(50, "row"), (8, 12))
+    rows = device_pieces(param_annotation(C2, 50, "row"), (8, 12))
     assert rows[29].box == ((4, 8), (0, 12))
 
 
 def test_embedding_lm_head_and_activation_annotations():
-    assert str(C2.embedding_annotation("vocab")) == "HD{S0:4@[0-3] | S0:4@[16-19]}"
-    assert str(C2.embedding_annotation("replicated")) == "HD{D:4@[0-3] | D:4@[16-19]}"
-    assert str(C2.lm_head_annotation("vocab")) == "HD{S1:4@[12-15] | @[30]}"
-    act = C2.activation_annotation(50)
+    assert str(embedding_annotation(C2, "vocab")) == "HD{S0:4@[0-3] | S0:4@[16-19]}"
+    assert str(embedding_annotation(C2, "replicated")) == "HD{D:4@[0-3] | D:4@[16-19]}"
+    assert str(lm_head_annotation(C2, "vocab")) == "HD{S1:4@[12-15] | @[30]}"
+    act = activation_annotation(C2, 50)
     assert str(act) == "H0(1:1){D:4@[12-15] | D:2@[28,29]}"
-    assert C2.activation_annotation(20, pipeline_dim=1).hdim == 1
+    assert activation_annotation(C2, 20, pipeline_dim=1).hdim == 1
     uneven = parse_strategy("4x3: R0,1 L0-3 ; 4x1: R2 L0-1 | R3 L2-3")
-    assert str(uneven.activation_annotation(3)) == "H0(3:1){D:2@[0,1] | @[3]}"
-    pieces = device_pieces(uneven.activation_annotation(3), (8, 5))
+    assert str(activation_annotation(uneven, 3)) == "H0(3:1){D:2@[0,1] | @[3]}"
+    pieces = device_pieces(activation_annotation(uneven, 3), (8, 5))
     assert pieces[0].box == ((0, 6), (0, 5)) and pieces[3].box == ((6, 8), (0, 5))
     runtime = parse_strategy("?x?: R0-1 L0-3 ; ?x?: R2 L0-3")
-    assert runtime.activation_annotation(0).ratios is None and runtime.activation_annotation(0).hdim == 0
+    assert activation_annotation(runtime, 0).ratios is None and activation_annotation(runtime, 0).hdim == 0
 
 
 def test_single_pipeline_annotations_are_plain_spmd():
     s = uniform_strategy(8, dp=1, tp=2, pp=2, micro_batches=4)
-    assert str(s.param_annotation(5, "column")) == "S1:2@[2,3]"
-    assert str(s.gradient_annotation(5, "column")) == "S1:2@[2,3]"
-    assert str(s.activation_annotation(0)) == "D:2@[0,1]"
+    assert str(param_annotation(s, 5, "column")) == "S1:2@[2,3]"
+    assert str(gradient_annotation(s, 5, "column")) == "S1:2@[2,3]"
+    assert str(activation_annotation(s, 0)) == "D:2@[0,1]"
 
 
 @pytest.mark.parametrize("call, hint", [
-    (lambda: C2.param_annotation(3, "colum"), "'column'"),
-    (lambda: C2.param_annotation(3, "rows"), "'row'"),
-    (lambda: C2.embedding_annotation("vocabulary"), "'vocab'"),
-    (lambda: C2.lm_head_annotation("zzz"), "valid: 'vocab', 'replicated'"),
-    (lambda: C2.activation_annotation(3, pipeline_dim=-1), "tensor dim"),
-    (lambda: C2.param_annotation("3", "row"), "layer '3'"),
+    (lambda: param_annotation(C2, 3, "colum"), "'column'"),
+    (lambda: param_annotation(C2, 3, "rows"), "'row'"),
+    (lambda: embedding_annotation(C2, "vocabulary"), "'vocab'"),
+    (lambda: lm_head_annotation(C2, "zzz"), "valid: 'vocab', 'replicated'"),
+    (lambda: activation_annotation(C2, 3, pipeline_dim=-1), "tensor dim"),
+    (lambda: param_annotation(C2, "3", "row"), "layer '3'"),
 ])
 def test_annotation_argument_errors(call, hint):
     with pytest.raises(StrategyError) as info:
@@ -162,7 +168,7 @@ def test_annotation_argument_errors(call, hint):
 
 
 def test_partial_over_pipelines_keeps_subgroups():
-    ann = C2.param_annotation(10, "row")
+    ann = param_annotation(C2, 10, "row")
     grad = partial_over_pipelines(ann)
     assert grad.subgroups == ann.subgroups and grad.hdim == "P" and isinstance(grad, Annotation)
 

@@ -6,7 +6,8 @@ import pytest
 
 from hspmd.errors import StrategyError
 from hspmd.specialize.paper_strategies import PAPER_STRATEGIES
-from hspmd.specialize.strategy import Strategy, StrategyFieldError
+from hspmd.specialize.strategy import Strategy
+from hspmd.specialize.strategy_fields import StrategyFieldError
 from hspmd.specialize.strategy_files import load_strategies, load_strategy, save_strategy
 from hspmd.specialize.strategy_text import parse_strategy
 

@@ -5,6 +5,7 @@ import pytest
 from hspmd.errors import StrategyError
 from hspmd.specialize.paper_strategies import PAPER_STRATEGIES, paper_strategy
 from hspmd.specialize.strategy_build import uniform_strategy, weighted_pipeline
+from hspmd.models.llama_annotations import param_annotation
 
 
 def shape(key):
@@ -53,7 +54,7 @@ def test_c2_layer_split_and_weights():
     assert [(st.first_layer, st.last_layer) for st in c2.pipelines[1].stages] == [(0, 15), (16, 31), (32, 47), (48, 55), (56, 59)]
     assert c2.pipelines[1].stages[4].ranks == (30,)
     assert weighted_pipeline(60, ["16-19", "20-23", "24-27", "28-29", "30"], 31, 1) == c2.pipelines[1]
-    assert str(c2.param_annotation(50, "column")) == "HD{S1:4@[12-15] | S1:2@[28,29]}"
+    assert str(param_annotation(c2, 50, "column")) == "HD{S1:4@[12-15] | S1:2@[28,29]}"
 
 
 def test_c6_failed_gpu_is_unused():

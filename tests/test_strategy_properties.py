@@ -11,6 +11,7 @@ from hspmd.annotations import device_pieces
 from hspmd.specialize.pipelines import comm_pattern, discover_pipelines, expected_pipelines
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
+from hspmd.models.llama_annotations import activation_annotation, gradient_annotation, param_annotation
 
 SOME = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -50,16 +51,16 @@ def test_text_and_dict_round_trips(s):
 def test_annotations_follow_the_stage_holding_each_layer(s, data):
     layer = data.draw(st.integers(0, s.num_layers - 1))
     holders = [s.stage_holding(layer, i) for i in range(s.num_pipelines)]
-    column = s.param_annotation(layer, "column")
+    column = param_annotation(s, layer, "column")
     assert [g.devices for g in column.dg_union] == [h.ranks for h in holders]
     pieces = device_pieces(column, (3, 8))
     for h in holders:
         cols = sorted(pieces[r].box[1] for r in h.ranks)
         assert cols[0][0] == 0 and cols[-1][1] == 8 and all(a[1] == b[0] for a, b in zip(cols, cols[1:]))
-    act = s.activation_annotation(layer)
+    act = activation_annotation(s, layer)
     assert act.devices == column.devices and act.ratios == (s.micro_batch_ratios if s.num_pipelines > 1 else None)
-    grad = s.gradient_annotation(layer, "row")
-    assert grad.hdim == ("P" if s.num_pipelines > 1 else "D") and grad.subgroups == s.param_annotation(layer, "row").subgroups
+    grad = gradient_annotation(s, layer, "row")
+    assert grad.hdim == ("P" if s.num_pipelines > 1 else "D") and grad.subgroups == param_annotation(s, layer, "row").subgroups
 
 
 @SOME

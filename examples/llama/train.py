@@ -60,6 +60,7 @@ from hspmd.runtime.elastic import ElasticTrainer, KillPoint
 from hspmd.runtime.membership import Membership, is_elastic
 from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
+from hspmd.specialize.strategy_render import describe_strategy
 
 DEFAULT_STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
 DEFAULT_CHECKPOINT = os.path.join("runs", "llama", "checkpoint.safetensors")
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
     trainer = Trainer(model.graph, 0, backend, layout, schedule=args.schedule,
                                  symbols={"S": args.seq, "T": rows * args.seq}, seed=args.seed)
 
-    say(strategy.describe().rstrip())
+    say(describe_strategy(strategy).rstrip())
     say(f"{layout} sequences of {args.seq} characters")
     say(f"vocabulary: {len(corpus.chars)} characters (padded to {corpus.vocab}); model {config}")
     say("pipelines discovered from the specialized graphs:")
@@ -300,7 +301,7 @@ def train_elastic(args) -> int:
                              membership, schedule=args.schedule, symbols={"S": args.seq, "T": rows * args.seq},
                              seed=args.seed, kills=[KillPoint.parse(k) for k in args.kill], describe=format_strategy,
                              sharded=args.sharded)
-    say(strategy.describe().rstrip())
+    say(describe_strategy(strategy).rstrip())
     say(f"elastic job: {membership.world_size} ranks; a rank that dies is left out and the others continue")
     began = time.monotonic()
     tick = [time.monotonic()]

@@ -29,6 +29,7 @@ import torch
 from hspmd.annotations import Annotation, DistributedStates, Duplicate, Split, Subgroup
 from hspmd.errors import HSPMDError
 from hspmd.ir import Graph, Tensor, comm, normal, ones, parameter, placeholder, symbols
+from hspmd.models.llama_annotations import activation_annotation, embedding_annotation, lm_head_annotation, param_annotation
 from hspmd.ops import (
     AdamW,
     Optimizer,
@@ -141,13 +142,13 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
     if strategy.num_layers != config.layers:
         raise HSPMDError(f"strategy covers {strategy.num_layers} layers but the model has {config.layers}")
     last = config.layers - 1
-    act = [strategy.activation_annotation(l) for l in range(config.layers)]
+    act = [activation_annotation(strategy, l) for l in range(config.layers)]
     resid = [_split_replicas(a, 1) if sequence_parallel else a for a in act]
     kind = "vocab" if vocab_parallel else "replicated"
-    out = {"tokens": act[0], "labels": act[last], "embed": strategy.embedding_annotation(kind),
-           "embed.out": resid[0], "final_norm": strategy.lm_head_annotation("replicated"), "final.in": act[last],
+    out = {"tokens": act[0], "labels": act[last], "embed": embedding_annotation(strategy, kind),
+           "embed.out": resid[0], "final_norm": lm_head_annotation(strategy, "replicated"), "final.in": act[last],
            "logits.out": act[last]}
-    head = strategy.lm_head_annotation(kind)
+    head = lm_head_annotation(strategy, kind)
     if config.tie_embeddings:
         out["lm_head.tied"] = _moved_split(head, 1, 0)
     else:
@@ -155,14 +156,14 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
     for l in range(config.layers):
         p = f"layers.{l}."
         for name in COLUMN:
-            out[p + name] = strategy.param_annotation(l, "column")
+            out[p + name] = param_annotation(strategy, l, "column")
         if config.kv_heads != config.heads:
             for name in ("wk", "wv"):
                 out[p + name] = _replicate_unless_divides(out[p + name], 1, config.kv_heads)
         for name in ROW:
-            out[p + name] = strategy.param_annotation(l, "row")
+            out[p + name] = param_annotation(strategy, l, "row")
         for name in NORMS:
-            out[p + name] = strategy.param_annotation(l, "replicated")
+            out[p + name] = param_annotation(strategy, l, "replicated")
         out[p + "attn.in"] = act[l]
         out[p + "mlp.in"] = act[l]
         out[p + "attn.out"] = resid[l]

@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from hspmd.errors import StrategyError
-from hspmd.specialize.strategy import Strategy, closest_hint
+from hspmd.errors import StrategyError, closest_hint
+from hspmd.specialize.strategy import Strategy
 from hspmd.specialize.strategy_text import parse_strategy
 
 H800_SLOTS = range(0, 16)

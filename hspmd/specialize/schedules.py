@@ -31,8 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from hspmd.errors import HSPMDError
-from hspmd.specialize.strategy import closest_hint
+from hspmd.errors import HSPMDError, closest_hint
 
 FORWARD, BACKWARD = "F", "B"
 
@@ -55,7 +54,7 @@ class Action:
 Schedule = tuple[Action, ...]
 
 
-def _check_shape(stages: int, stage: int, micro_batches: int) -> None:
+def _check_stage_arguments(stages: int, stage: int, micro_batches: int) -> None:
     for name, value, low in (("stages", stages, 1), ("micro_batches", micro_batches, 1), ("stage", stage, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise HSPMDError(f"schedule: {name} must be an integer >= {low}, got {value!r}")
@@ -65,7 +64,7 @@ def _check_shape(stages: int, stage: int, micro_batches: int) -> None:
 
 def gpipe(stages: int, stage: int, micro_batches: int) -> Schedule:
     """All forwards, then all backwards (in micro-batch order, like the P2P messages)."""
-    _check_shape(stages, stage, micro_batches)
+    _check_stage_arguments(stages, stage, micro_batches)
     return tuple(Action(FORWARD, m) for m in range(micro_batches)) + tuple(
         Action(BACKWARD, m) for m in range(micro_batches)
     )
@@ -74,7 +73,7 @@ def gpipe(stages: int, stage: int, micro_batches: int) -> Schedule:
 def one_f_one_b(stages: int, stage: int, micro_batches: int, warmup: int | None = None) -> Schedule:
     """1F1B with `warmup` forwards launched before the first backward (HAPT's N_i; default
     stages - stage, PipeDream-flush), then backward/forward pairs, then the remaining backwards."""
-    _check_shape(stages, stage, micro_batches)
+    _check_stage_arguments(stages, stage, micro_batches)
     n = stages - stage if warmup is None else warmup
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise HSPMDError(f"schedule: stage {stage}'s warm-up must be an integer >= 1 (forwards before the first backward), got {n!r}")
@@ -169,7 +168,7 @@ def schedule_for(name: str, stages: int, stage: int, micro_batches: int) -> Sche
                          f"warmup_vector({key!r}, stage_times, link_times) and pass it as '{key}:N1,N2,...'")
     else:
         vector = warmup_vector(key, [1.0] * stages)
-    _check_shape(stages, stage, micro_batches)
+    _check_stage_arguments(stages, stage, micro_batches)
     return one_f_one_b(stages, stage, micro_batches, vector[stage])
 
 

@@ -8,15 +8,8 @@ from typing import Sequence
 
 from hspmd.annotations import split_bounds
 from hspmd.errors import StrategyError
-from hspmd.specialize.strategy import (
-    Pipeline,
-    Stage,
-    Strategy,
-    StrategyFieldError,
-    field_context,
-    is_int,
-    parse_index_list,
-)
+from hspmd.specialize.strategy import Pipeline, Stage, Strategy
+from hspmd.specialize.strategy_fields import StrategyFieldError, field_context, is_int, parse_index_list
 
 
 def balanced_layers(num_layers: int, weights: Sequence[int]) -> tuple[range, ...]:

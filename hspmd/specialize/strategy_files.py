@@ -23,7 +23,8 @@ from pathlib import Path as FilePath
 import yaml
 
 from hspmd.errors import StrategyError
-from hspmd.specialize.strategy import Strategy, StrategyFieldError, field_context
+from hspmd.specialize.strategy import Strategy
+from hspmd.specialize.strategy_fields import StrategyFieldError, field_context
 
 SUFFIXES = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
 

@@ -21,18 +21,9 @@ from __future__ import annotations
 
 import re
 
-from hspmd.errors import StrategyError
-from hspmd.specialize.strategy import (
-    Path,
-    Pipeline,
-    Stage,
-    Strategy,
-    StrategyFieldError,
-    closest_hint,
-    field_context,
-    parse_index_list,
-    parse_layer_range,
-)
+from hspmd.errors import StrategyError, closest_hint
+from hspmd.specialize.strategy import Pipeline, Stage, Strategy
+from hspmd.specialize.strategy_fields import Path, StrategyFieldError, field_context, parse_index_list, parse_layer_range
 
 OPTIONS = ("zero", "name", "layers")
 _BATCHES = re.compile(r"\s*(\d+|\?)\s*x\s*(\d+|\?)\s*:")

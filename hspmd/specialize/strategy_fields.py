@@ -1,0 +1,106 @@
+"""Strategy fields: validation errors that name the field (`pipelines[1].stages[2].layers`), and the
+compact rank / layer syntax ('0-3,8', '0-14') that strategy files and the text syntax share.
+
+Validation raises `StrategyFieldError` (a `StrategyError`) whose `path` names the field;
+loaders and the text parser add their own context to it with `field_context`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Sequence
+
+from hspmd.annotations import DeviceGroup
+from hspmd.errors import StrategyError, closest_hint
+
+Path = tuple[object, ...]
+
+
+def format_path(path: Path) -> str:
+    """("pipelines", 1, "stages", 2, "ranks") -> "pipelines[1].stages[2].ranks"."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+class StrategyFieldError(StrategyError):
+    """A strategy field is invalid; `path` locates it (relative to where the check ran)."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = tuple(path), reason
+        super().__init__(f"{format_path(self.path)}: {reason}" if self.path else reason)
+
+
+@contextmanager
+def field_context(*prefix: object) -> Iterator[None]:
+    """Re-raise a StrategyFieldError from a nested value with `prefix` prepended to its path."""
+    try:
+        yield
+    except StrategyFieldError as exc:
+        raise StrategyFieldError(prefix + exc.path, exc.reason) from None
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_count(value: object, path: Path, allow_none: bool) -> int | None:
+    if value is None and allow_none:
+        return None
+    if not is_int(value):
+        runtime = " or null (bound at run time)" if allow_none else ""
+        raise StrategyFieldError(path, f"must be a positive integer{runtime}, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise StrategyFieldError(path, f"must be positive, got {value}")
+    return value
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """Rank lists print like annotation device groups without brackets: 0-3,8,9."""
+    return str(DeviceGroup(tuple(ranks)))[1:-1]
+
+
+def format_layers(layers: range) -> str:
+    return f"{layers.start}-{layers.stop - 1}" if len(layers) > 1 else str(layers.start)
+
+
+def parse_index_list(text: str) -> tuple[int, ...]:
+    """'0-3,8' -> (0, 1, 2, 3, 8); raises StrategyFieldError(()) naming the bad item."""
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        first, dash, last = item.partition("-")
+        if not first.strip().isdigit() or (dash and not last.strip().isdigit()):
+            raise StrategyFieldError((), f"{item!r} in {text!r} is not a rank or a range like 0-3")
+        lo, hi = int(first), int(last) if dash else int(first)
+        if hi < lo:
+            raise StrategyFieldError((), f"range {item} runs backwards; write {hi}-{lo}")
+        out.extend(range(lo, hi + 1))
+    return tuple(out)
+
+
+def parse_layer_range(text: str) -> range:
+    """'0-14' -> range(0, 15); '7' -> range(7, 8)."""
+    first, dash, last = text.strip().partition("-")
+    if not first.strip().isdigit() or (dash and not last.strip().isdigit()):
+        raise StrategyFieldError((), f"{text!r} is not a layer range like 0-14 (first-last, inclusive)")
+    lo, hi = int(first), int(last) if dash else int(first)
+    if hi < lo:
+        raise StrategyFieldError((), f"layer range {text.strip()} runs backwards; write {hi}-{lo}")
+    return range(lo, hi + 1)
+
+
+def check_keys(data: object, valid: Sequence[str], path: Path, required: Sequence[str]) -> None:
+    if not isinstance(data, Mapping):
+        raise StrategyFieldError(path, f"must be a mapping with keys {', '.join(valid)}, got {data!r}")
+    for key in data:
+        if key not in valid:
+            raise StrategyFieldError(path + (str(key),), f"unknown key {key!r}; {closest_hint(str(key), valid)}")
+    for key in required:
+        if key not in data:
+            raise StrategyFieldError(path + (key,), f"missing required key {key!r}")
+
+
+__all__ = ["Path", "StrategyFieldError", "check_keys", "field_context", "format_layers", "format_path", "format_ranks",
+           "is_int", "parse_index_list", "parse_layer_range", "positive_count"]
