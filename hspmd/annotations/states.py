@@ -1,7 +1,7 @@
 """The annotation value types: device groups, distributed states, unions (HDim/HSize), hierarchies.
 
 All are frozen dataclasses: immutable, hashable, compared by meaning, printed in the text syntax
-of ARCHITECTURE.md (`str(a)` parses back to `a`). Construction validates and normalises, so two
+of docs/design.md and annotations/syntax.py (`str(a)` parses back to `a`). Construction validates and normalises, so two
 annotations that describe the same layout are equal: size-1 axes are dropped and an HSize-1 union
 is plain SPMD (HDim Duplicate, no ratios).
 """

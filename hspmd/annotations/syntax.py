@@ -1,4 +1,4 @@
-"""The annotation text syntax (ARCHITECTURE.md): a small recursive-descent parser.
+"""The annotation text syntax (docs/design.md, Concepts): a small recursive-descent parser.
 
     annotation := union | subgroup              hierarchy := annotation (';' annotation)*
     union      := 'H' hdim ratios? '{' subgroup ('|' subgroup)* '}'
