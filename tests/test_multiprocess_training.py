@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from hspmd.runtime.executor import NonBlockingSends
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
+from hspmd.testing import assert_weights_close
 
 pytestmark = pytest.mark.multiprocess
 
@@ -65,7 +65,7 @@ def assert_matches_reference(losses, params, data, layers):
     # training moved the weights, so equal final weights mean something
     assert max(float((ref_params[k] - initial[k]).abs().max()) for k in initial) > LR
     for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        assert_weights_close(params[name], value, LR, name)
 
 
 def _weights(state_dict):
@@ -171,10 +171,10 @@ def failing_rank(backend: Backend):
 
 
 def test_a_rank_failing_mid_step_fails_the_job_with_its_error_within_seconds():
-    start = time.monotonic()
+    # the job's own limit (60 s) is far below the collective timeout (300 s): had the survivors waited
+    # for their peers to time out, the job would end with a timeout error instead of rank 2's own
     with pytest.raises(HSPMDError) as info:
-        run_multiprocess(failing_rank, 4, timeout=60, comm_timeout=30)
-    assert time.monotonic() - start < 20  # far below comm_timeout: the job does not wait for peers to time out
+        run_multiprocess(failing_rank, 4, timeout=60, comm_timeout=300)
     message = str(info.value)
     assert message.startswith("rank 2 failed")
     assert "injected failure in rank 2's pipeline stage" in message and "Traceback" in message

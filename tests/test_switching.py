@@ -15,6 +15,7 @@ from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import WeightLost, plan_switch, recover_strategy, surviving_layout
 from hspmd.annotations import parse
+from hspmd.testing import assert_weights_close
 
 SEQ, LR = 6, 1e-3
 
@@ -39,7 +40,7 @@ def _train_with_switch(first, second, failed=()):
     job.step({"tokens": data[2][0], "labels": data[2][1]})
     params = job.parameters()
     for name, value in final.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        assert_weights_close(params[name], value, LR, name)
     return plan
 
 

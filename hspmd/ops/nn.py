@@ -52,7 +52,7 @@ class Embedding(RuleOp):
             return [F.embedding(ids, table)]
         inside = (ids >= v0) & (ids < v1)
         out = F.embedding((ids - v0).clamp(0, max(v1 - v0 - 1, 0)), table) if v1 > v0 else \
-            torch.zeros(tuple(ids.shape) + (table.shape[1],), dtype=table.dtype)
+            torch.zeros(tuple(ids.shape) + (table.shape[1],), dtype=table.dtype, device=table.device)
         return [out * inside.unsqueeze(-1).to(out.dtype)]
 
     def gradient(self, node, grads):
@@ -87,10 +87,13 @@ class EmbeddingGrad(RuleOp):
     def compute(self, node, ctx, inputs):
         ids, g, table = inputs
         v0, v1 = ctx.in_box(2)[0]
-        out = torch.zeros(tuple(table.shape), dtype=g.dtype)
+        out = torch.zeros(tuple(table.shape), dtype=g.dtype, device=g.device)
+        if v1 <= v0:
+            return [out]
         flat_ids, flat_g = ids.reshape(-1), g.reshape(-1, g.shape[-1])
-        inside = (flat_ids >= v0) & (flat_ids < v1)
-        out.index_add_(0, flat_ids[inside] - v0, flat_g[inside])
+        inside = ((flat_ids >= v0) & (flat_ids < v1)).unsqueeze(-1).to(g.dtype)
+        # rows outside this piece add zero at a clamped index: no data-dependent shapes (no host sync)
+        out.index_add_(0, (flat_ids - v0).clamp(0, v1 - v0 - 1), flat_g * inside)
         return [out]
 
 
@@ -222,7 +225,7 @@ def rope_inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float, dtype,
                   scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = rope_inverse_frequencies(head_dim, base, scaling)
+    inv = rope_inverse_frequencies(head_dim, base, scaling).to(positions.device)
     angles = positions.to(torch.float64)[:, None] * inv[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -233,7 +236,7 @@ def _rotary(inputs, attrs, ctx):
     seq_dim = attrs["seq_dim"]
     start = ctx.in_box(0)[seq_dim][0]
     scaling = RopeScaling(*attrs["scaling"]) if attrs.get("scaling") else None
-    cos, sin = rotary_tables(torch.arange(start, start + x.shape[seq_dim]), x.shape[-1], attrs["base"], x.dtype,
+    cos, sin = rotary_tables(torch.arange(start, start + x.shape[seq_dim], device=x.device), x.shape[-1], attrs["base"], x.dtype,
                              scaling)
     view = [1] * x.dim()
     view[seq_dim], view[-1] = x.shape[seq_dim], x.shape[-1]
@@ -247,7 +250,7 @@ def _causal_attention(inputs, attrs, ctx):
     q, k, v = inputs
     scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     s = q.shape[-2]
-    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     scores = scores.masked_fill(mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
@@ -340,11 +343,11 @@ class CrossEntropy(RuleOp):
         flat = logits.reshape(-1, logits.shape[-1])
         if len(inputs) == 2:
             loss = F.cross_entropy(flat, labels.reshape(-1), reduction="sum") if flat.shape[0] else \
-                torch.zeros((), dtype=logits.dtype)
+                torch.zeros((), dtype=logits.dtype, device=logits.device)
             return [loss / self._count(node, ctx)]
         g = inputs[2]
         probs = torch.softmax(flat, dim=-1)
-        probs[torch.arange(flat.shape[0]), labels.reshape(-1)] -= 1
+        probs[torch.arange(flat.shape[0], device=flat.device), labels.reshape(-1)] -= 1
         return [(probs * (g / self._count(node, ctx))).reshape(logits.shape)]
 
     def gradient(self, node, grads):

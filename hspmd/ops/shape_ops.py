@@ -285,7 +285,8 @@ class FillLike(RuleOp):
 
     def compute(self, node, ctx, inputs):
         box = ctx.out_box(0)
-        return [torch.full(tuple(b - a for a, b in box), float(node.attrs["value"]), dtype=inputs[0].dtype)]
+        return [torch.full(tuple(b - a for a, b in box), float(node.attrs["value"]), dtype=inputs[0].dtype,
+                           device=inputs[0].device)]
 
 
 FILL_LIKE = FillLike()

@@ -84,7 +84,7 @@ class FaultInjector(Backend):
     in the middle of whatever the step is doing. Before dying it notes where in the store."""
 
     def __init__(self, inner: Backend, kills: Sequence[KillPoint], store: dist.Store | None = None):
-        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+        self.inner, self.rank, self.world_size, self.device = inner, inner.rank, inner.world_size, inner.device
         self.kills = [k for k in kills if k.rank == inner.rank]
         self.store, self.step, self.calls, self.phase = store, 0, 0, "step"
         if hasattr(inner, "post_sends"):

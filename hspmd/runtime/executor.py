@@ -30,7 +30,7 @@ class NonBlockingSends(Backend):
     in-process backend posts into mailboxes). `wait_sends()` completes everything posted."""
 
     def __init__(self, inner: Backend):
-        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+        self.inner, self.rank, self.world_size, self.device = inner, inner.rank, inner.world_size, inner.device
         self._post = getattr(inner, "post_sends", None)
         self._pending: list = []
 

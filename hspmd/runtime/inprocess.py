@@ -30,17 +30,18 @@ class InProcessJob:
     """One Trainer per rank (ranks 0 .. the strategies' highest device), all in this process.
 
     `ranks`: how many ranks the job has (default: enough for `strategy`; give more to leave room
-    for a later switch to a strategy on more devices). The other arguments are the Trainer's."""
+    for a later switch to a strategy on more devices); `device`: where every rank's tensors live
+    (`meta` checks a job's device placement without data). The other arguments are the Trainer's."""
 
     def __init__(self, graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
                  symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None, ranks: int | None = None,
-                 timeout: float = 120.0):
+                 timeout: float = 120.0, device: torch.device | str = "cpu"):
         self.graph, self.symbols, self.seed, self.topology = graph, dict(symbols or {}), seed, topology
         spec = self._specialize(strategy, as_layout(layout))
         ranks = max(spec.devices) + 1 if ranks is None else ranks
         if ranks <= max(spec.devices):
             raise HSPMDError(f"strategy {strategy} uses devices up to {max(spec.devices)}, the job has {ranks} ranks")
-        self.world = LocalWorld(range(ranks), timeout)
+        self.world = LocalWorld(range(ranks), timeout, device)
         self.trainers: dict[int, Trainer] = self.world.run(
             lambda b: Trainer(graph, strategy, b, layout, schedule, self.symbols, seed, topology,
                               spec if b.rank in spec.executables else None))

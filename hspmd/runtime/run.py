@@ -37,10 +37,10 @@ class DeviceState:
     step: int = 0
 
     @staticmethod
-    def initial(exe: ExecutableGraph, seed: int = 0) -> "DeviceState":
+    def initial(exe: ExecutableGraph, seed: int = 0, device: torch.device | str = "cpu") -> "DeviceState":
         leaves = {}
         for node in exe.held_leaves:
-            leaves[node.name] = initial_value(node, seed, exe.box(node.output, exe.binding))
+            leaves[node.name] = initial_value(node, seed, exe.box(node.output, exe.binding)).to(device)
         return DeviceState(leaves)
 
 

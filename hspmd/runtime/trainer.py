@@ -134,7 +134,7 @@ class Trainer:
             self.pipeline = self._batch_subgroup(self.stages.devices)
             self.micro_batches = self.layout.counts[self.pipeline]
             self.order: Schedule = schedule_for(schedule, len(self.stages.stages), self.stage, self.micro_batches)
-        self.state = DeviceState.initial(self.exe, seed)
+        self.state = DeviceState.initial(self.exe, seed, backend.device)
         self.last_run: ScheduleRun | None = None
         self.last_switch = None
         backend.prepare_groups(self._groups())
@@ -185,7 +185,7 @@ class Trainer:
         if tuple(rows.shape) != tuple(box_shape(region)):
             raise ShapeError(f"step(): pipeline {self.pipeline}'s micro-batch of {node.name} has shape "
                              f"{tuple(rows.shape)}, its region under {ann} is {tuple(box_shape(region))}")
-        return rows[box_relative(self.exe.box(t, self.binding), region)]
+        return rows[box_relative(self.exe.box(t, self.binding), region)].to(self.backend.device, non_blocking=True)
 
     def step(self, batch: Mapping[str, torch.Tensor]) -> float | None:
         """One training step on the global batch (every rank passes the same one): this rank's
@@ -220,8 +220,11 @@ class Trainer:
         shape = self.binding.shape(loss.shape, loss.name)
         mine = self.backend.rank in summing_devices(ann, shape, run_time_ratios(ann, self.binding))
         local = self.state.fetched.get(loss.name)
-        value = local.detach().reshape(()).to(torch.float64) if mine and local is not None else torch.zeros((), dtype=torch.float64)
-        return float(self.backend.all_reduce(value, self.devices))
+        device = self.backend.device
+        value = local.detach().reshape(()).to(device, torch.float64) if mine and local is not None else \
+            torch.zeros((), dtype=torch.float64, device=device)
+        total = self.backend.all_reduce(value, self.devices)
+        return float("nan") if total.is_meta else float(total)  # a stand-in device holds no values
 
     @property
     def steps_done(self) -> int:
