@@ -1,12 +1,14 @@
-"""Property test: random elementwise/matmul graphs with random valid leaf annotations either fail
-deduction with an HSPMDError or run specialized (with comms to a common layout) to the reference."""
+"""Property tests over random elementwise/matmul graphs: graphs built to be deducible (both operands'
+rows split alike, the weight whole on their subgroups) must deduce to the expected layout and run
+specialized to the reference; graphs with arbitrary leaf annotations and comms either fail with an
+HSPMDError or do the same."""
 
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import hspmd.ops as O
-from hspmd.annotations import Annotation, DistributedStates, Duplicate, Subgroup, shard, unshard
+from hspmd.annotations import Annotation, DistributedStates, Duplicate, Subgroup, device_pieces, shard, unshard
 from hspmd.errors import HSPMDError
 from hspmd.ir import Binding, Graph, comm, placeholder
 from hspmd.backends.local import run_on_devices
@@ -16,6 +18,51 @@ from hspmd.testing import annotations
 
 DEVICES = (0, 1, 2, 3)
 OPS = {"add": (O.add, torch.add), "sub": (O.sub, torch.sub), "mul": (O.mul, torch.mul)}
+
+
+def _leaves(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen), torch.randn(6, 5, generator=gen)
+
+
+def _whole_on(ann):
+    """Every subgroup of `ann` holding the whole tensor."""
+    return Annotation(tuple(Subgroup(s.dg, DistributedStates((Duplicate(len(s.dg)),))) for s in ann.subgroups))
+
+
+def _run_and_compare(spec, out, values, anns, op, seed):
+    out_ann = spec.deduced[out]
+    locals_ = {name: shard(values[name], anns[name], seed=seed) for name in ("x", "y", "w")}
+
+    def body(backend):
+        exe = spec.executables[backend.rank]
+        feeds = {n: locals_[n][backend.rank] for n in ("x", "y", "w") if backend.rank in locals_[n]}
+        mb = run_forward(exe, backend, DeviceState({}), feeds, Binding())
+        return mb.env.get(out.id)
+
+    results = run_on_devices(body, spec.devices)
+    got = unshard({d: v for d, v in results.items() if d in out_ann.devices}, out_ann, shape=(4, 5))
+    torch.testing.assert_close(got, OPS[op][1](values["x"], values["y"]) @ values["w"], rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    x_ann=annotations(1, devices=DEVICES, max_hsize=2, allow_partial=False),  # rows only: K stays whole
+    op=st.sampled_from(sorted(OPS)),
+    seed=st.integers(0, 2**16),
+)
+def test_graphs_built_to_deduce_deduce_to_the_row_layout_and_match_the_reference(x_ann, op, seed):
+    """y laid out as x, w whole on x's subgroups: deduction must succeed, with x's layout."""
+    xv, yv, wv = _leaves(seed)
+    anns = {"x": x_ann, "y": x_ann, "w": _whole_on(x_ann)}
+    g = Graph()
+    x, y, w = (placeholder(g, n, tuple(v.shape), annotation=anns[n]) for n, v in (("x", xv), ("y", yv), ("w", wv)))
+    out = OPS[op][0](x, y) @ w
+    spec = specialize_graph(g, 0, Binding(), fetches=[out])
+    # rows keep x's layout and the whole weight adds no axis: every device holds x's rows of the output
+    assert device_pieces(spec.deduced[out], (4, 5)) == device_pieces(x_ann, (4, 5))
+    assert set(spec.devices) == set(x_ann.devices)
+    _run_and_compare(spec, out, {"x": xv, "y": yv, "w": wv}, anns, op, seed)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -30,8 +77,7 @@ OPS = {"add": (O.add, torch.add), "sub": (O.sub, torch.sub), "mul": (O.mul, torc
 )
 def test_random_graphs_deduce_or_fail_cleanly_and_match_the_reference(x_ann, y_ann, w_ann, op, reshard_y,
                                                                      replicate_w, seed):
-    gen = torch.Generator().manual_seed(seed)
-    xv, yv, wv = torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen), torch.randn(6, 5, generator=gen)
+    xv, yv, wv = _leaves(seed)
     g = Graph()
     x = placeholder(g, "x", (4, 6), annotation=x_ann)
     y = placeholder(g, "y", (4, 6), annotation=y_ann)
@@ -39,8 +85,7 @@ def test_random_graphs_deduce_or_fail_cleanly_and_match_the_reference(x_ann, y_a
     if reshard_y:
         y = comm(y, x_ann, name="y_like_x")
     if replicate_w:  # w whole on every subgroup of x's union: matmul then only needs x's K dim whole
-        whole = Annotation(tuple(Subgroup(s.dg, DistributedStates((Duplicate(len(s.dg)),))) for s in x_ann.subgroups))
-        w = comm(w, whole, name="w_on_x")
+        w = comm(w, _whole_on(x_ann), name="w_on_x")
     out = OPS[op][0](x, y) @ w
     try:
         spec = specialize_graph(g, 0, Binding(), fetches=[out])
@@ -48,15 +93,4 @@ def test_random_graphs_deduce_or_fail_cleanly_and_match_the_reference(x_ann, y_a
         event("rejected by deduction")
         return
     event("specialized and run")
-    out_ann = spec.deduced[out]
-    locals_ = {name: shard(v, a, seed=seed) for name, v, a in (("x", xv, x_ann), ("y", yv, y_ann), ("w", wv, w_ann))}
-
-    def body(backend):
-        exe = spec.executables[backend.rank]
-        feeds = {n: locals_[n][backend.rank] for n in ("x", "y", "w") if backend.rank in locals_[n]}
-        mb = run_forward(exe, backend, DeviceState({}), feeds, Binding())
-        return mb.env.get(out.id)
-
-    results = run_on_devices(body, spec.devices)
-    got = unshard({d: v for d, v in results.items() if d in out_ann.devices}, out_ann, shape=(4, 5))
-    torch.testing.assert_close(got, OPS[op][1](xv, yv) @ wv, rtol=1e-4, atol=1e-4)
+    _run_and_compare(spec, out, {"x": xv, "y": yv, "w": wv}, {"x": x_ann, "y": y_ann, "w": w_ann}, op, seed)
