@@ -23,7 +23,7 @@ from hspmd.annotations import (
     subgroup_regions,
     unshard,
 )
-from hspmd.errors import HSPMDError, ReplicaMismatch
+from hspmd.errors import AnnotationError, HSPMDError, ReplicaMismatch
 from hspmd.testing import annotations, shapes
 
 MANY = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -156,29 +156,52 @@ def test_random_text_parses_or_raises_hspmd_error(text):
 junk = st.one_of(st.integers(-3, 5), st.booleans(), st.text(max_size=2), st.none(), st.floats(allow_nan=True))
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @MANY
 @given(st.data())
-def test_random_constructor_arguments_raise_hspmd_error(data):
-    build = data.draw(
-        st.sampled_from(
-            [
-                lambda: Split(data.draw(junk), data.draw(junk)),
-                lambda: Duplicate(data.draw(junk)),
-                lambda: Partial(data.draw(junk)),
-                lambda: DeviceGroup(tuple(data.draw(st.lists(junk, max_size=4)))),
-                lambda: Subgroup(DeviceGroup((0, 1)), DistributedStates((Split(0, data.draw(st.integers(1, 4))),))),
-                lambda: Annotation(
-                    (Subgroup(DeviceGroup((0,))), Subgroup(DeviceGroup((data.draw(st.integers(0, 2)),)))),
-                    data.draw(st.one_of(junk, st.sampled_from(["D", "P"]))),
-                    data.draw(st.one_of(st.none(), st.lists(junk, max_size=3).map(tuple))),
-                ),
-            ]
-        )
-    )
+def test_random_constructor_arguments_raise_an_annotation_error_naming_the_bad_value(data):
+    """Junk arguments raise AnnotationError (never a TypeError or a bare assertion), and the message
+    names the type being built and the offending value (or the counts that disagree)."""
+    kind = data.draw(st.sampled_from(["split", "duplicate", "partial", "devices", "subgroup", "union"]))
+    if kind == "split":
+        dim, n = data.draw(junk), data.draw(junk)
+        dim_ok = isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0
+        build, words = (lambda: Split(dim, n)), ["Split", repr(dim) if not dim_ok else repr(n)]
+        valid = dim_ok and _is_count(n)
+    elif kind in ("duplicate", "partial"):
+        n = data.draw(junk)
+        cls = Duplicate if kind == "duplicate" else Partial
+        build, words, valid = (lambda: cls(n)), [cls.__name__, repr(n)], _is_count(n)
+    elif kind == "devices":
+        devices = tuple(data.draw(st.lists(junk, max_size=4)))
+        ok = all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+        valid = ok and bool(devices) and len(set(devices)) == len(devices)
+        build, words = (lambda: DeviceGroup(devices)), ["device"]
+    elif kind == "subgroup":
+        n = data.draw(st.integers(1, 4))
+        build, words, valid = (lambda: Subgroup(DeviceGroup((0, 1)), DistributedStates((Split(0, n),)))), [
+            f"describe {n} device(s)", "[0,1] has 2"], n == 2
+    else:
+        other = data.draw(st.integers(0, 2))
+        hdim = data.draw(st.one_of(junk, st.sampled_from(["D", "P"])))
+        ratios = data.draw(st.one_of(st.none(), st.lists(junk, max_size=3).map(tuple)))
+        build = lambda: Annotation((Subgroup(DeviceGroup((0,))), Subgroup(DeviceGroup((other,)))), hdim, ratios)
+        words, valid = [], None
     try:
         build()
-    except HSPMDError:
-        pass
+    except HSPMDError as error:
+        assert isinstance(error, AnnotationError), f"{type(error).__name__}: {error}"
+        message = str(error)
+        assert valid is not True, f"valid arguments were refused: {message}"
+        for word in words:
+            assert word in message, f"{word!r} not in {message!r}"
+        if kind == "union":
+            assert any(w in message for w in ("subgroup", "HDim", "ratio", "device")), message
+    else:
+        assert valid is not False, f"{kind}: invalid arguments were accepted"
 
 
 @settings(max_examples=300, deadline=None)

@@ -117,6 +117,11 @@ def test_parameter_initial_values_are_deterministic_per_name():
     g = Graph()
     w = parameter(g, "w", (3, 3), init=normal(1.0))
     v = parameter(g, "v", (3, 3), init=normal(1.0))
-    assert torch.equal(initial_value(w.node), initial_value(w.node))
+    # the same name in another graph, created in another order, starts from the same value
+    other = Graph("other")
+    parameter(other, "v", (3, 3), init=normal(1.0))
+    w_again = parameter(other, "w", (3, 3), init=normal(1.0))
+    assert torch.equal(initial_value(w.node), initial_value(w_again.node))
+    assert initial_value(w.node).std() > 0.5, "normal(1.0) draws, not zeros"
     assert not torch.equal(initial_value(w.node), initial_value(v.node))
     assert not torch.equal(initial_value(w.node, seed=1), initial_value(w.node))

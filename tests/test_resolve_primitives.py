@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -181,5 +187,11 @@ def test_devices_outside_the_topology_and_unknown_dtypes_are_errors():
 
 
 def test_plans_are_pure_functions_of_their_inputs():
+    """Another interpreter (other hash seed, nothing cached) plans the same reshard identically."""
     args = ("HP{P:2@[0,1] | S0:2@[2,3]}", "HD{S0:2@[0,1] | S0:2@[2,3]}", (8, 6))
-    assert resolve(*args, "2x2") == resolve(*args, "2x2")
+    here = resolve(*args, "2x2").to_json()
+    code = f"from hspmd.comm_resolve import resolve; print(resolve(*{args!r}, '2x2').to_json())"
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    there = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert json.loads(there) == json.loads(here)
+    assert [s["primitive"] for s in json.loads(here)["steps"]] == ["ReduceScatter", "Identity", "SplitAllReduce"]

@@ -75,7 +75,9 @@ def test_values_are_normalised_hashable_and_equal_by_meaning():
     a = Stage([3, 1, 2], (0, 4))
     b = Stage((3, 1, 2), range(0, 5), tp=3)
     assert a == b and hash(a) == hash(b) and a.tp == 3 and a.ranks == (3, 1, 2)
-    assert two_stage() == two_stage() and hash(two_stage()) == hash(two_stage())
+    written_apart = parse_strategy("layers=6 ; 4x2: R0,1 L0-3 | R2 L4-5")  # two_stage() in the text syntax
+    assert two_stage() == written_apart and hash(two_stage()) == hash(written_apart)
+    assert two_stage() != parse_strategy("layers=6 ; 4x2: R1,0 L0-3 | R2 L4-5"), "TP order is part of the value"
     assert Strategy(two_stage().pipelines, 6, name="  x ").name == "x"
     assert len({C2, C2, parse_strategy("1x1: R0 L0-59")}) == 2
 
