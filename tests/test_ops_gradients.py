@@ -63,6 +63,8 @@ CASES = {
     "rmsnorm": ([(2, 3, 8), (8,)], lambda a, w: O.rmsnorm(a, w), lambda a, w: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * w),
     "layernorm": ([(2, 3, 8), (8,), (8,)], lambda a, w, b: O.layernorm(a, w, b), lambda a, w, b: F.layer_norm(a, (8,), w, b)),
     "rotary": ([(2, 5, 3, 8)], lambda a: O.rotary(a, 1), lambda a: _rope_ref(a, 1)),
+    "cast_bf16_round_trip": ([(3, 4)], lambda a: O.cast(O.cast(a, torch.bfloat16) * 2.0, torch.float32),
+                             lambda a: (a.bfloat16() * 2.0).float()),
     "rotary_linear_scaling": ([(2, 5, 3, 8)], lambda a: O.rotary(a, 1, scaling=RopeScaling("linear", 4.0)),
                               lambda a: _rope_ref(a, 1, factor=4.0)),
     "repeat_interleave_group_sum": ([(2, 3, 4), (2, 6, 4)],

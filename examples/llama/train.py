@@ -85,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="safetensors file written at the end")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--bf16", action="store_true",
+                   help="mixed precision: bf16 compute, fp32 master weights and optimizer states")
     p.add_argument("--init-from-hf", default=None, metavar="DIR",
                    help="start from a local Hugging Face Llama directory (its config and weights)")
     p.add_argument("--sharded", action="store_true",
@@ -185,7 +187,8 @@ def main(argv=None) -> int:
     switches = parse_switches(args.switch)
     strategies = [strategy] + [s for _, s in switches]
     events = {step: (i + 1, "planned switch") for i, (step, _) in enumerate(switches)}
-    model = build_llama(config, strategies, optimizer=AdamW(lr=args.lr))
+    model = build_llama(config, strategies, optimizer=AdamW(lr=args.lr),
+                        compute_dtype=torch.bfloat16 if args.bf16 else torch.float32)
     rows = layout.global_batch_size
     trainer = Trainer(model.graph, 0, backend, layout, schedule=args.schedule,
                                  symbols={"S": args.seq, "T": rows * args.seq}, seed=args.seed)
@@ -297,7 +300,9 @@ def train_elastic(args) -> int:
         if membership.rank == min(membership.alive):
             console.print(*a)
 
-    trainer = ElasticTrainer(lambda ss: build_llama(config, list(ss), optimizer=AdamW(lr=args.lr)).graph, strategy,
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    trainer = ElasticTrainer(lambda ss: build_llama(config, list(ss), optimizer=AdamW(lr=args.lr),
+                                                    compute_dtype=dtype).graph, strategy,
                              membership, schedule=args.schedule, symbols={"S": args.seq, "T": rows * args.seq},
                              seed=args.seed, kills=[KillPoint.parse(k) for k in args.kill], describe=format_strategy,
                              sharded=args.sharded)

@@ -33,6 +33,7 @@ from hspmd.models.llama_annotations import activation_annotation, embedding_anno
 from hspmd.ops import (
     AdamW,
     Optimizer,
+    cast,
     causal_attention,
     cross_entropy,
     embedding,
@@ -197,12 +198,18 @@ def _annotations_per_strategy(strategies: Sequence[object], config: LlamaConfig,
 
 
 def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Optimizer | None = None,
-                sequence_parallel: bool = False, vocab_parallel: bool = True) -> LlamaGraph:
+                sequence_parallel: bool = False, vocab_parallel: bool = True,
+                compute_dtype: torch.dtype = torch.float32) -> LlamaGraph:
     """The training graph of the model: loss = sum of token cross-entropies / T (T = tokens per
     step, a run-time symbol, so micro-batches and pipelines of any sizes add up to the mean).
 
     strategies: one entry per strategy, a Strategy or an explicit {node name: annotation} map.
-    optimizer: default AdamW(lr=1e-3), with ZeRO-1 if a strategy asks for it."""
+    optimizer: default AdamW(lr=1e-3), with ZeRO-1 if a strategy asks for it.
+    compute_dtype: mixed precision (e.g. torch.bfloat16): parameters and optimizer states stay
+    float32 (master weights), each use casts its parameter to compute_dtype, so activations,
+    their gradients and the layers' communication are in compute_dtype; the logits return to
+    float32 for the loss, and each parameter's gradient returns to float32 at its cast, before
+    micro-batch accumulation, gradient synchronisation and the optimizer."""
     per = _annotations_per_strategy(strategies, config, sequence_parallel, vocab_parallel)
 
     def ann(name: str):
@@ -217,7 +224,7 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
     init = normal(config.init_std)
 
     def param(name, shape, initializer=init):
-        return parameter(g, name, shape, init=initializer, annotation=ann(name))
+        return cast(parameter(g, name, shape, init=initializer, annotation=ann(name)), compute_dtype)
 
     tokens = placeholder(g, "tokens", (B, S), torch.int64, annotation=ann("tokens"))
     labels = placeholder(g, "labels", (B, S), torch.int64, annotation=ann("labels"))
@@ -252,7 +259,7 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
         head = transpose(comm(table, ann("lm_head.tied"), name="lm_head.tied"), 0, 1)
     else:
         head = param("lm_head", (h, config.vocab))
-    logits = comm(matmul(f, head), ann("logits.out"), name="logits.out")
+    logits = cast(comm(matmul(f, head), ann("logits.out"), name="logits.out"), torch.float32)
     loss = scale(cross_entropy(logits, labels, reduction="sum"), sympy.Integer(1) / T)
     zero = any(getattr(s, "zero", False) for s in strategies)
     (optimizer or AdamW(lr=1e-3, zero=zero)).minimize(loss)

@@ -74,16 +74,18 @@ def reference_logits(params: dict[str, torch.Tensor], tokens: torch.Tensor, laye
 
 def reference_loss(params: dict[str, torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor, layers: int,
                    heads: int, eps: float = 1e-6, rope_base: float = 10000.0, tokens_per_step: int | None = None,
-                   rope_scaling: dict | None = None):
-    """Sum of token cross-entropies / tokens_per_step (default: the tokens given)."""
-    logits = reference_logits(params, tokens, layers, heads, eps, rope_base, rope_scaling)
+                   rope_scaling: dict | None = None, compute_dtype: torch.dtype = torch.float32):
+    """Sum of token cross-entropies / tokens_per_step (default: the tokens given). Mixed precision:
+    the parameters are used as compute_dtype copies, the logits return to float32 for the loss."""
+    compute = {k: v.to(compute_dtype) for k, v in params.items()}
+    logits = reference_logits(compute, tokens, layers, heads, eps, rope_base, rope_scaling).float()
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
     return loss / (tokens_per_step or tokens.numel())
 
 
 def reference_training(params: dict[str, torch.Tensor], batches, layers: int, heads: int, steps: int,
                        lr: float, betas=(0.9, 0.999), eps_adam: float = 1e-8, weight_decay: float = 0.0,
-                       rope_scaling: dict | None = None):
+                       rope_scaling: dict | None = None, compute_dtype: torch.dtype = torch.float32):
     """Train with torch.optim.AdamW; `batches(step)` gives (tokens, labels) of the whole step.
     Returns per step (loss, {name: grad}) and the final parameters."""
     ps = {k: v.clone().requires_grad_(True) for k, v in params.items()}
@@ -92,7 +94,7 @@ def reference_training(params: dict[str, torch.Tensor], batches, layers: int, he
     for step in range(steps):
         tokens, labels = batches(step)
         opt.zero_grad()
-        loss = reference_loss(ps, tokens, labels, layers, heads, rope_scaling=rope_scaling)
+        loss = reference_loss(ps, tokens, labels, layers, heads, rope_scaling=rope_scaling, compute_dtype=compute_dtype)
         loss.backward()
         history.append((loss.item(), {k: v.grad.clone() for k, v in ps.items()}))
         opt.step()

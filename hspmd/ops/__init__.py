@@ -19,7 +19,7 @@ from hspmd.ops.rules import Mismatch
 from hspmd.ops.shape_ops import (
     expand_as, fill_like, group_sum, mean, reduce_sum, repeat_interleave, reshape, transpose, unbroadcast,
 )
-from hspmd.ops.unary import neg, relu, scale, silu
+from hspmd.ops.unary import cast, neg, relu, scale, silu
 
 TENSOR_METHODS.update(
     add=add, sub=sub, mul=mul, div=div, neg=neg, matmul=matmul, sum=reduce_sum, mean=mean, reshape=reshape,
@@ -27,7 +27,8 @@ TENSOR_METHODS.update(
 )
 
 __all__ = [
-    "AdamW", "Mismatch", "Optimizer", "SGD", "add", "causal_attention", "cross_entropy", "div", "embedding", "exp",
+    "AdamW", "Mismatch", "Optimizer", "SGD", "add", "cast", "causal_attention", "cross_entropy", "div", "embedding",
+    "exp",
     "expand_as", "fill_like", "gradients", "group_sum", "layernorm", "linear", "matmul", "mean", "mul", "neg",
     "reduce_sum", "relu", "repeat_interleave", "reshape", "rmsnorm", "rotary", "scale", "silu", "softmax", "sub",
     "swiglu", "transpose", "unbroadcast", "zero_annotation",

@@ -1,11 +1,12 @@
-"""Pointwise ops of one tensor (same shape in and out): neg, scale, add_scalar, silu, relu and the
-one-kernel gradients of silu and relu. Below shape_ops and the broadcasting arithmetic, which use them."""
+"""Pointwise ops of one tensor (same shape in and out): neg, scale, add_scalar, silu, relu, the
+one-kernel gradients of silu and relu, and cast (dtype conversion, for mixed precision). Below shape_ops and the broadcasting arithmetic, which use them."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from hspmd.errors import ShapeError
 from hspmd.ir.graph import Node, Tensor
 from hspmd.ops.base import RuleOp, Scalar, make
 from hspmd.ops.rules import elementwise_rule
@@ -100,4 +101,24 @@ def relu_grad(x: Tensor, g: Tensor) -> Tensor:
     return make(RELU_GRAD, [x, g], [(x.shape, x.dtype)]).output
 
 
-__all__ = ["neg", "relu", "relu_grad", "scale", "silu", "silu_grad"]
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+# A cast rounds each value alone, so it keeps every layout; on Partial summands it rounds each summand
+# rather than the sum (the same rounding a mixed-precision reduction does).
+CAST = Unary("cast", lambda x, a, c: x.to(FLOAT_DTYPES[a["dtype"]]), True,
+             lambda n, g: cast(g, n.inputs[0].dtype))
+
+
+def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x converted to the floating dtype `dtype`; its gradient is converted back to x's dtype
+    (so fp32 master weights cast to bf16 for compute receive fp32 gradients)."""
+    names = {v: k for k, v in FLOAT_DTYPES.items()}
+    if dtype not in names or x.dtype not in names:
+        raise ShapeError(f"cast: {x.name} is {x.dtype}; only float dtypes convert ({', '.join(FLOAT_DTYPES)}), "
+                         f"asked for {dtype}")
+    if dtype == x.dtype:
+        return x
+    return make(CAST, [x], [(x.shape, dtype)], attrs={"dtype": names[dtype]}).output
+
+
+__all__ = ["cast", "neg", "relu", "relu_grad", "scale", "silu", "silu_grad"]
