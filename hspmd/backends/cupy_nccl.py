@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from math import prod
 
-import itertools
 import os
 import pickle
 import time
@@ -37,7 +36,6 @@ except ImportError:
     cupy = nccl = None
 
 DEFAULT_TIMEOUT_S = 300.0
-_instances = itertools.count()
 
 
 def cupy_available() -> bool:
@@ -48,13 +46,13 @@ class CupyNcclBackend(Backend):
     """One rank's NCCL collectives on CUDA tensors of the current device (device id == rank).
 
     `store` is any torch.distributed Store every rank can reach (e.g. a TCPStore hosted by rank 0);
-    `timeout` bounds communicator creation and `barrier`. Store keys live under `namespace`, by
-    default one per backend constructed in this process (the same on every rank when every rank
-    constructs its backends in the same order; pass one explicitly otherwise). NCCL collectives themselves have no
-    timeout here: a peer that dies mid-collective is noticed at the next barrier."""
+    `timeout` bounds communicator creation and `barrier`. Store keys live under `namespace`, which
+    every rank passes the same; a second backend on the same store needs a namespace of its own
+    (nothing is counted behind the caller's back). NCCL collectives themselves have no timeout
+    here: a peer that dies mid-collective is noticed at the next barrier."""
 
     def __init__(
-        self, store, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT_S, namespace: str | None = None
+        self, store, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT_S, namespace: str = "hspmd/cupy_nccl"
     ):
         if nccl is None:
             raise HSPMDError(
@@ -67,13 +65,13 @@ class CupyNcclBackend(Backend):
         self.timeout = timeout
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._store = store
-        self._namespace = namespace or f"hspmd/cupy_nccl/{next(_instances)}"
+        self._namespace = namespace
         self._comms: dict[tuple[int, ...], object] = {}
         self._prepare_calls = 0
         self._world = self._communicator(tuple(range(world_size)), "creating the world communicator")
 
     @classmethod
-    def from_env(cls, timeout: float = DEFAULT_TIMEOUT_S) -> "CupyNcclBackend":
+    def from_env(cls, timeout: float = DEFAULT_TIMEOUT_S, namespace: str = "hspmd/cupy_nccl") -> "CupyNcclBackend":
         """Build from the torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
         Reuses torch.distributed's store when a process group is initialised; otherwise rank 0
         hosts a TCPStore on MASTER_ADDR:MASTER_PORT. Collective: every rank calls it."""
@@ -91,7 +89,7 @@ class CupyNcclBackend(Backend):
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                 is_master=rank == 0, timeout=timedelta(seconds=timeout),
             )
-        return cls(store, rank, world_size, timeout)
+        return cls(store, rank, world_size, timeout, namespace)
 
     # communicators ------------------------------------------------------------------------------
 
