@@ -32,6 +32,9 @@ multiprocess: $(STAMP)
 elastic: $(STAMP)
 	$(PY) -m pytest -q -m elastic_full tests/test_elastic.py
 
+calibration: $(STAMP)
+	$(PY) benchmarks/bench_calibration.py
+
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
 

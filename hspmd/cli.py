@@ -12,6 +12,9 @@ commands:
   demo                                                  the main job (heterogeneous multi-process training)
   checkpoint export-hf CHECKPOINT DIR [--config PATH]   a Llama checkpoint as a Hugging Face directory
   checkpoint inspect DIR | consolidate DIR OUT           sharded checkpoints: contents, or one plain file
+  simulate STRATEGY [--cluster C] [--model M] [--png F] simulate one step: per-rank compute/comm/idle, memory
+  show STRATEGY|TRACE [--trace T] [--png F]             strategy map, simulated and measured timelines
+  calibrate [--out calibration.json]                    fit the cost model to this machine
 """
 
 
@@ -37,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         from hspmd.demo import main as demo_main
 
         return demo_main(rest)
+    if command in ("simulate", "show", "calibrate"):
+        from hspmd import show
+
+        return {"simulate": show.simulate_main, "show": show.show_main, "calibrate": show.calibrate_main}[command](rest)
     print(f"hspmd: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

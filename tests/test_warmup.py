@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from hspmd.errors import HSPMDError
 from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.trace import Tracer
 from hspmd.specialize.schedules import (
     check_order, check_warmup, one_f_one_b, peak_in_flight, schedule_for, simulate, warmup_vector,
 )
@@ -91,7 +92,12 @@ def policies_rank(backend):
     out = {}
     for policy in POLICIES:
         trainer = make_trainer(backend, PP3, policy)
-        out[policy] = (train(trainer, batches(PP3, 2, seed=7)), trainer.state_dict(), trainer.last_run.peak_in_flight)
+        data = batches(PP3, 2, seed=7)
+        losses = train(trainer, data[:1])
+        trainer.tracer = Tracer(backend.rank)  # the second step is traced
+        losses += train(trainer, data[1:])
+        names = [e["name"] for e in trainer.tracer.events]
+        out[policy] = (losses, trainer.state_dict(), trainer.last_run.peak_in_flight, names, list(map(str, trainer.order)))
     return out
 
 
@@ -106,3 +112,5 @@ def test_every_warmup_policy_trains_equal_to_one_device():
         assert all(r[policy][0] == losses for r in results)
         assert_matches_reference(losses, {k: v for k, v in results[0][policy][1].items() if "exp_avg" not in k}, data, 3)
         assert [r[policy][2] for r in results] == peaks[policy]
+        for r in results:  # the trace holds the schedule's actions in order, then the update
+            assert r[policy][3] == r[policy][4] + ["wait sends", "update"]

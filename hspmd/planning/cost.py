@@ -133,12 +133,14 @@ class Memory:
 @dataclass(frozen=True)
 class CostModel:
     """Prices `model` on `cluster`. `efficiency` maps a device type name (or "*") to its Efficiency;
-    `profile` overrides layer times where it has them."""
+    `profile` overrides layer times where it has them; `overhead` is the framework's seconds per
+    program instruction (Python dispatch: matters on CPU, 0 where launches are asynchronous)."""
 
     cluster: ClusterSpec
     model: ModelSpec
     efficiency: tuple[tuple[str, Efficiency], ...] = (("*", Efficiency()),)
     profile: ProfileTable | None = None
+    overhead: float = 0.0
     _eff: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -171,7 +173,8 @@ class CostModel:
         return kernel.count * (eff.g(kernel.cls) * work + eff.d(kernel.cls))
 
     def kernels_time(self, kernels: Sequence[Kernel], device) -> float:
-        return sum(self.kernel_time(k, device) for k in kernels)
+        """Kernels plus the framework overhead of one instruction per launch."""
+        return sum(self.kernel_time(k, device) + self.overhead * k.count for k in kernels)
 
     def _fwd_bwd(self, kernels_of, device: DeviceType, recompute: bool) -> tuple[float, float]:
         forward = self.kernels_time(kernels_of(False), device)

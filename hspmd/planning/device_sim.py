@@ -25,8 +25,12 @@ from hspmd.planning.cost import CostModel
 from hspmd.planning.model import Kernel
 from hspmd.planning.simulator import SimLink, SimPipeline, SimResult, SimStage, simulate_pipelines
 from hspmd.specialize.executable import ExecutableGraph, Instruction
-from hspmd.specialize.specialized import Specialized
+from hspmd.models.llama import LlamaConfig, build_llama
+from hspmd.planning.model import ModelSpec
+from hspmd.specialize.specialized import Specialized, specialize_graph
+from hspmd.specialize.strategy import Strategy
 
+DISPATCHED = ("compute", "collective", "send", "recv", "send+recv", "local")  # roles that cost the framework a dispatch
 VIEWS = ("reshape", "transpose", "expand_as", "expand", "view", "squeeze", "unsqueeze", "fill_like", "zeros_like")
 
 
@@ -93,7 +97,9 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
     kernels = 0
     for phase in ("forward", "backward", "update"):
         compute = comm_time = send = 0.0
-        for ins in getattr(exe, phase):
+        program = getattr(exe, phase)
+        compute += cost.overhead * sum(1 for ins in program if ins.role in DISPATCHED)
+        for ins in program:
             kernel = op_kernel(exe, ins, binding)
             if kernel is not None:
                 compute += cost.kernel_time(kernel, d)
@@ -151,4 +157,32 @@ def simulate_specialized(spec: Specialized, cost: CostModel, micro_batches: Mapp
     return simulate_pipelines(pipelines, groups)
 
 
-__all__ = ["DeviceCost", "VIEWS", "device_cost", "op_kernel", "plan_device_run", "simulate_specialized"]
+
+
+def specialize_llama(strategy: Strategy, model: ModelSpec, seq: int | None = None) -> tuple[Specialized, dict[int, int]]:
+    """The DSL Llama of `model` specialized under `strategy` for one micro-batch per pipeline, and
+    the micro-batch count of each discovered pipeline (level 2 needs the real programs)."""
+    if model.mlp != "swiglu":
+        raise HSPMDError(f"level 2 simulates hspmd's DSL Llama; model {model.name} has a {model.mlp} MLP")
+    seq = seq or model.seq_len
+    config = LlamaConfig(vocab=model.vocab, hidden=model.hidden, layers=model.layers, heads=model.heads, ffn=model.ffn,
+                         kv_heads=model.kv_heads, head_dim=model.head_dim, tie_embeddings=model.tied)
+    sizes = tuple(p.micro_batch_size or 1 for p in strategy.pipelines)
+    counts = tuple(p.micro_batches or 1 for p in strategy.pipelines)
+    binding = Binding.of({"B": sum(sizes), "S": seq, "T": sum(s * c for s, c in zip(sizes, counts)) * seq}, ratios=sizes)
+    spec = specialize_graph(build_llama(config, [strategy]).graph, 0, binding)
+    by_rank = {r: i for i, p in enumerate(strategy.pipelines) for r in p.ranks}
+    return spec, {k: counts[by_rank[layout.stages[0][0]]] for k, layout in enumerate(spec.pipelines)}
+
+
+def simulate_llama(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: int | None = None,
+                   comm: bool = True) -> SimResult:
+    """Level 2 for a strategy of the cost model's (Llama) model."""
+    spec, counts = specialize_llama(strategy, cost.model, seq)
+    return simulate_specialized(spec, cost, counts, schedule, comm)
+
+
+__all__ = [
+    "DISPATCHED", "DeviceCost", "VIEWS", "device_cost", "op_kernel", "plan_device_run", "simulate_llama", "simulate_specialized",
+    "specialize_llama",
+]

@@ -10,6 +10,7 @@ step, after every stage's schedule, through hspmd.runtime.run.run_update.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -20,6 +21,7 @@ from hspmd.backends.backend import Backend, Group, Shape
 from hspmd.specialize.schedules import FORWARD, Action, check_order
 from hspmd.specialize.executable import ExecutableGraph
 from hspmd.runtime.run import DeviceState, MicroBatch, run_backward, run_forward
+from hspmd.runtime.trace import Tracer
 
 
 class NonBlockingSends(Backend):
@@ -77,10 +79,11 @@ class ScheduleRun:
 
 
 def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, order: Sequence[Action],
-                 feeds: Callable[[int], Mapping[str, torch.Tensor]], binding: Binding | None = None) -> ScheduleRun:
+                 feeds: Callable[[int], Mapping[str, torch.Tensor]], binding: Binding | None = None,
+                 tracer: Tracer | None = None) -> ScheduleRun:
     """Run `order` on this device: F(m) runs the forward pass of micro-batch m fed by feeds(m)
     (this device's pieces), B(m) its backward pass; gradients accumulate in `state`. Sends posted
-    along the way are completed before returning."""
+    along the way are completed before returning. A `tracer` records one event per action."""
     micro_batches = len({a.micro_batch for a in order})
     check_order(order, micro_batches)
     sender = NonBlockingSends(backend)
@@ -88,12 +91,14 @@ def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, ord
     peak = 0
     for action in order:
         m = action.micro_batch
-        if action.kind == FORWARD:
-            live[m] = run_forward(exe, sender, state, feeds(m), binding)
-            peak = max(peak, len(live))
-        else:
-            run_backward(exe, sender, state, live.pop(m))
-    sender.wait_sends()
+        with tracer.span(str(action), "compute", micro_batch=m) if tracer else nullcontext():
+            if action.kind == FORWARD:
+                live[m] = run_forward(exe, sender, state, feeds(m), binding)
+                peak = max(peak, len(live))
+            else:
+                run_backward(exe, sender, state, live.pop(m))
+    with tracer.span("wait sends", "comm") if tracer else nullcontext():
+        sender.wait_sends()
     return ScheduleRun(micro_batches, peak)
 
 

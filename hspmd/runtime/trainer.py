@@ -25,6 +25,7 @@ link, which is what keeps the order deadlock-free.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Mapping
 
 import sympy
@@ -41,6 +42,7 @@ from hspmd.runtime.checkpoint import (
 )
 from hspmd.runtime.executor import ScheduleRun, run_schedule
 from hspmd.runtime.sharded_checkpoint import PendingSave, open_checkpoint, save_sharded
+from hspmd.runtime.trace import Tracer
 from hspmd.specialize.schedules import Schedule, schedule_for
 from hspmd.specialize.executable import run_time_ratios
 from hspmd.runtime.run import DeviceState, run_update
@@ -90,7 +92,8 @@ class Trainer:
     """One rank's part of training `graph` under strategy index `strategy`, over `backend`.
 
     layout: how a step's global batch splits across pipelines (a MicroBatchLayout, or a Strategy
-    whose micro-batch counts and sizes are bound). schedule: "1f1b" or "gpipe". symbols: values of
+    whose micro-batch counts and sizes are bound). schedule: "gpipe", "1f1b", "eager" or a 1F1B
+    warm-up vector such as "h1f1b:5,2,1" (specialize.schedules). symbols: values of
     the graph's other run-time symbols (e.g. sequence length, tokens per step); the batch symbol
     (dim 0 of the placeholders) is bound to the sum of the micro-batch sizes. specialized: a
     specialization of `graph` under `strategy` and trainer_binding(...) holding this rank's program
@@ -136,6 +139,7 @@ class Trainer:
             self.order: Schedule = schedule_for(schedule, len(self.stages.stages), self.stage, self.micro_batches)
         self.state = DeviceState.initial(self.exe, seed, backend.device)
         self.last_run: ScheduleRun | None = None
+        self.tracer: Tracer | None = None  # set one to record this rank's F/B/update events (runtime.trace)
         self.last_switch = None
         backend.prepare_groups(self._groups())
 
@@ -201,8 +205,9 @@ class Trainer:
             return {name: self._piece(node, batch[name][start:stop]) for name, node in placeholders.items()}
 
         self.state.fetched.clear()
-        self.last_run = run_schedule(self.exe, self.backend, self.state, self.order, feeds, self.binding)
-        run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()))
+        self.last_run = run_schedule(self.exe, self.backend, self.state, self.order, feeds, self.binding, self.tracer)
+        with self.tracer.span("update", "update") if self.tracer else nullcontext():
+            run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()))
         return self._reduce_loss()
 
     def gradients(self) -> dict[str, torch.Tensor] | None:

@@ -1,0 +1,215 @@
+"""Calibrating the cost model on this machine (HeteroSim's self-calibration, on CPU processes).
+
+    torch micro-benchmarks   matmuls of growing size: time = F / peak + delta_gemm (least squares);
+                             additions of growing size: time = bytes / bandwidth + delta_elementwise
+    executor overhead        a one-layer Llama (not the model being predicted) run forward and
+                             backward on one device: (measured - roofline of its kernels) per
+                             dispatched instruction (ops and communication; leaves, assignments
+                             and identity comms are nearly free) = the framework's dispatch cost
+    gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
+    all-reduce               alpha + bytes / beta, an all-reduce = 2 alpha + bytes / beta
+                             (one least-squares fit over both)
+
+Everything runs on both processes at once, as in training (they share the machine's cores).
+
+The result is a device type "cpu" (peak = the fitted matmul rate, bandwidth = the fitted add rate,
+gamma = 1), deltas per kernel class, the per-instruction overhead and one link class; saved as
+JSON and turned back into a ClusterSpec + CostModel for predictions. Timings use one thread per
+process, like the trainers. Measurements are medians of repeats; they move with machine load.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from hspmd.backends.backend import Backend
+from hspmd.backends.local import LocalWorld
+from hspmd.cluster import ClusterSpec, DeviceType, LinkClass, Node
+from hspmd.errors import HSPMDError
+from hspmd.ir.shapes import Binding
+from hspmd.models.llama import LlamaConfig, build_llama
+from hspmd.planning import CostModel, Efficiency, ModelSpec
+from hspmd.planning.device_sim import DISPATCHED, op_kernel
+from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.run import DeviceState, run_backward, run_forward
+from hspmd.specialize.specialized import specialize_graph
+from hspmd.specialize.strategy_text import parse_strategy
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `hspmd calibrate` measured and fitted."""
+
+    peak_flops: float
+    bandwidth: float
+    delta: tuple[tuple[str, float], ...]
+    overhead: float
+    link_latency: float
+    link_bandwidth: float
+
+    def device_type(self) -> DeviceType:
+        return DeviceType("cpu", (("float32", self.peak_flops),), self.bandwidth, 16e9)
+
+    def efficiency(self) -> Efficiency:
+        return Efficiency(delta=self.delta)
+
+    def link(self) -> LinkClass:
+        return LinkClass("gloo", self.link_bandwidth, self.link_latency)
+
+    def cluster(self, devices: int) -> ClusterSpec:
+        """One node of `devices` calibrated CPU processes joined by the fitted gloo link."""
+        return ClusterSpec((Node("cpu", devices),), (self.device_type(),), (self.link(),), (("cpu", "gloo"),),
+                           (("*", "gloo"),), name=f"calibrated-cpu:{devices}")
+
+    def cost_model(self, model: ModelSpec, devices: int) -> CostModel:
+        return CostModel(self.cluster(devices), model, {"*": self.efficiency()}, overhead=self.overhead)
+
+    def to_dict(self) -> dict:
+        return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "delta": dict(self.delta),
+                "overhead": self.overhead, "link_latency": self.link_latency, "link_bandwidth": self.link_bandwidth}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        try:
+            d = json.loads(Path(path).read_text())
+            return cls(float(d["peak_flops"]), float(d["bandwidth"]), tuple(dict(d["delta"]).items()),
+                       float(d["overhead"]), float(d["link_latency"]), float(d["link_bandwidth"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise HSPMDError(f"cannot read calibration file {path}: {e}") from None
+
+    def describe(self) -> str:
+        d = dict(self.delta)
+        return (f"cpu: matmul {self.peak_flops / 1e9:.2f} GFLOP/s (+{d['gemm'] * 1e6:.1f} us), elementwise "
+                f"{self.bandwidth / 1e9:.2f} GB/s (+{d['elementwise'] * 1e6:.1f} us), executor "
+                f"{self.overhead * 1e6:.1f} us/instruction; gloo link alpha {self.link_latency * 1e6:.1f} us, "
+                f"beta {self.link_bandwidth / 1e9:.3f} GB/s")
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 7, inner: int = 1) -> float:
+    """Median over `repeats` of the mean time of `inner` calls."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times)
+
+
+def fit_line(xs, ys) -> tuple[float, float]:
+    """Least-squares slope and intercept (the intercept clamped at 0)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    if slope <= 0:
+        raise HSPMDError(f"calibration: time does not grow with size ({list(zip(xs, ys))}); the machine is too noisy")
+    return slope, max(0.0, intercept)
+
+
+MATMUL_SIZES = (8, 32, 64, 96, 128, 192, 256)
+ADD_SIZES = (64, 4096, 32768, 131072, 262144, 524288)
+MESSAGE_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+
+
+def probe_program():
+    """The executor probe: a one-layer Llama (not a model the benchmark predicts) on one device."""
+    config = LlamaConfig(vocab=48, hidden=32, layers=1, heads=2, ffn=48)
+    graph = build_llama(config, [parse_strategy("layers=1 ; 1x2: R0 L0")]).graph
+    binding = Binding.of({"B": 2, "S": 16, "T": 32}, ratios=(2,))
+    return specialize_graph(graph, 0, binding).executables[0], binding
+
+
+class Probe:
+    """One rank's micro-benchmarks, set up once and run any number of times (`once()`), so that a
+    benchmark can interleave them with what it measures and both see the same machine load."""
+
+    def __init__(self, backend: Backend | None):
+        torch.set_num_threads(1)
+        self.backend = backend
+        self.matrices = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
+        self.vectors = [(torch.randn(n), torch.randn(n)) for n in ADD_SIZES]
+        self.exe, self.binding = probe_program()
+        self.local = LocalWorld([0]).backend(0)
+        self.state = DeviceState.initial(self.exe)
+        self.feeds = {"tokens": torch.randint(0, 48, (2, 16)), "labels": torch.randint(0, 48, (2, 16))}
+        self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
+
+    def _executor_step(self) -> None:
+        mb = run_forward(self.exe, self.local, self.state, self.feeds, self.binding)
+        run_backward(self.exe, self.local, self.state, mb)
+
+    def once(self) -> dict:
+        """Raw seconds of every probe, measured once (short inner loops)."""
+        out = {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2))) for a, b in self.matrices],
+               "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0])) for a, b in self.vectors],
+               "executor": median_seconds(self._executor_step, 1, 2)}
+        if self.backend is not None and self.backend.world_size >= 2:
+            backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
+            backend.barrier(group)
+            pings, reduces = [], []
+            for x in self.messages:
+                shape = (tuple(x.shape), x.dtype)
+
+                def round_trip():
+                    if backend.rank == 0:
+                        backend.exchange({peer: x}, {})
+                        backend.exchange({}, {peer: shape})
+                    else:
+                        backend.exchange({peer: backend.exchange({}, {peer: shape})[peer]}, {})
+
+                pings.append(median_seconds(round_trip, 1, 3) / 2)
+                reduces.append(median_seconds(lambda: backend.all_reduce(x, group), 1, 3))
+            out["pingpong"], out["allreduce"] = pings, reduces
+        return out
+
+
+def fit(probes: list[dict]) -> Calibration:
+    """Fit a Calibration to the per-entry medians of several Probe.once() results (module docstring)."""
+    med = lambda key: [statistics.median(p[key][i] for p in probes) for i in range(len(probes[0][key]))]  # noqa: E731
+    slope_f, delta_gemm = fit_line([2.0 * n ** 3 for n in MATMUL_SIZES], med("matmul"))
+    slope_b, delta_elem = fit_line([12.0 * n for n in ADD_SIZES], med("add"))
+    peak, bandwidth = 1.0 / slope_f, 1.0 / slope_b
+    delta = {"gemm": delta_gemm, "attn": delta_gemm, "elementwise": delta_elem, "norm": delta_elem, "misc": 0.0}
+    measured = statistics.median(p["executor"] for p in probes)
+    # the probe's own roofline, then the rest per instruction
+    exe, binding = probe_program()
+    cpu = DeviceType("cpu", (("float32", peak),), bandwidth, 16e9)
+    cost = CostModel(ClusterSpec((Node("cpu", 1),), (cpu,), (), (), ()), ModelSpec("probe", 1, 32, 48, 2, 2, 48, 16, "float32"),
+                     {"*": Efficiency(delta=tuple(delta.items()))})
+    program = exe.forward + exe.backward
+    roofline = sum(cost.kernel_time(k, cpu) for k in (op_kernel(exe, i, binding) for i in program) if k is not None)
+    overhead = max(0.0, (measured - roofline) / sum(1 for ins in program if ins.role in DISPATCHED))
+    alpha, beta = 1e-5, 1e9
+    if "pingpong" in probes[0]:
+        xs = [float(n) for n in MESSAGE_SIZES] + [n / 2 for n in MESSAGE_SIZES]
+        ys = med("pingpong") + [t / 2 for t in med("allreduce")]  # 2-process all-reduce: 2 alpha + B / beta
+        slope, alpha = fit_line(xs, ys)
+        beta = 1.0 / slope
+    return Calibration(peak, bandwidth, tuple(delta.items()), overhead, alpha, beta)
+
+
+def _calibrate_rank(backend: Backend, repeats: int) -> list[dict]:
+    probe = Probe(backend)
+    return [probe.once() for _ in range(repeats)]
+
+
+def calibrate(repeats: int = 7) -> Calibration:
+    """Probe `repeats` times on 2 gloo processes (both busy at once, as in training) and fit."""
+    results = run_multiprocess(_calibrate_rank, 2, repeats, timeout=600)
+    return fit(results[0])
+
+
+__all__ = ["Calibration", "Probe", "calibrate", "fit", "fit_line", "median_seconds"]
