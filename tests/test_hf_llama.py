@@ -187,3 +187,14 @@ def test_export_round_trips_exactly_and_transformers_agrees(tmp_path):
     assert CheckpointReader(tmp_path / "ckpt" / "model.safetensors").step == 5
     export_hf(whole, config, tmp_path / "direct")
     assert json.loads((tmp_path / "direct" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_the_cost_models_model_spec_reads_the_same_config_json(tmp_path):
+    from hspmd.planning.model import from_llama_config, model_named
+
+    make_hf_model(tmp_path / "tiny", **CONFIGS["gqa_tied_llama3"])
+    spec = model_named(tmp_path / "tiny")
+    assert (spec.name, spec.kv_heads, spec.head_dim, spec.tied) == ("tiny", 2, 12, True)
+    assert spec.parameters() == from_llama_config(read_hf_config(tmp_path / "tiny")).parameters()
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "tiny")
+    assert spec.parameters() == sum(p.numel() for p in hf.parameters())

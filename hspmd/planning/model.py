@@ -16,10 +16,12 @@ workloads), h2-100b (001 Table 4: GQA with 8 queries per key head), llama-tiny (
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.errors import ClusterError
+from hspmd.models.hf_llama import read_hf_config
 
 KERNEL_CLASSES = ("gemm", "attn", "elementwise", "norm", "misc")
 
@@ -218,13 +220,24 @@ MODELS = {
 }
 
 
-def model_named(name: "str | ModelSpec") -> ModelSpec:
+def from_hf_directory(directory, seq_len: int = 4096, dtype: str = "bfloat16") -> ModelSpec:
+    """The ModelSpec of a local Hugging Face Llama directory, read from the same config.json that
+    hspmd.models.hf_llama imports (GQA, head_dim and tying included)."""
+    config = read_hf_config(directory)
+    return from_llama_config(config, seq_len, os.path.basename(os.path.normpath(os.fspath(directory))), dtype)
+
+
+def model_named(name: "str | os.PathLike | ModelSpec") -> ModelSpec:
+    """A preset by name, or the model of a Hugging Face directory (one holding a config.json)."""
     if isinstance(name, ModelSpec):
         return name
+    if os.path.isfile(os.path.join(os.fspath(name), "config.json")):
+        return from_hf_directory(name)
     key = str(name).strip().lower()
     if key not in MODELS:
-        raise ClusterError(f"unknown model {name!r}: use one of {', '.join(MODELS)}")
+        raise ClusterError(f"unknown model {name!r}: use one of {', '.join(MODELS)} "
+                           f"or a Hugging Face model directory (with a config.json)")
     return MODELS[key]
 
 
-__all__ = ["KERNEL_CLASSES", "Kernel", "MODELS", "ModelSpec", "from_llama_config", "model_named"]
+__all__ = ["KERNEL_CLASSES", "Kernel", "MODELS", "ModelSpec", "from_hf_directory", "from_llama_config", "model_named"]
