@@ -1,0 +1,283 @@
+"""What every strategy search shares: the problem, the candidate layouts, one objective, and how a
+layout becomes a trainable `Strategy` (a `PlannedStrategy`).
+
+A *layout* is `d` identical pipelines, each a chain of stages (device type, TP degree, layer count,
+recompute flag), with `global_batch / d` micro-batches of one sample per pipeline. The searches
+(exhaustive, dp, dfs, mcts) differ in which layouts they visit, never in how one is priced:
+
+    T = sum_i (t_i + 2 c_i) + (M - 1) * max(max_i t_i, max_i c_i) + sync(d)
+
+t_i: stage i's forward + backward per micro-batch, c_i: the activation transfer to stage i + 1,
+M micro-batches (HAPT eq. 13, H2's alpha = 1 cost, the shared pipeline formula of PLANNING B3: an
+upper bound of the 1F1B makespan, exact for uniform stages). sync(d) is the gradient all-reduce
+across the d pipelines plus the optimizer update, priced from the *average* per-device parameter
+share (approximate: it ignores which stage holds more, so it does not depend on the layer split).
+Memory: stage i holds its parameters and optimizer states plus min(S - i, M) micro-batches of
+activations (1F1B's in-flight count), which must fit the device.
+
+Costs come from an `Evaluator` (per-stage time, memory, link and sync costs): `TableEvaluator`
+reads profile tables (per device type and TP degree), as HAPT and H2 plan from profiles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+from hspmd.errors import HSPMDError
+from hspmd.planning.ranks import DevicePool, assign_ranks
+from hspmd.specialize.strategy import Pipeline, Stage, Strategy
+from hspmd.specialize.strategy_text import format_strategy
+
+
+class PlanningError(HSPMDError):
+    """A search problem is malformed or has no feasible strategy."""
+
+
+class Evaluator(Protocol):
+    """Costs of one micro-batch (one sample) for the searches; every method is pure."""
+
+    def stage_time(self, device_type: str, tp: int, layers: int, recompute: bool, first: bool, last: bool) -> float: ...
+
+    def stage_memory(self, device_type: str, tp: int, layers: int, recompute: bool, first: bool, last: bool,
+                     inflight: int, dp: int) -> float: ...
+
+    def capacity(self, device_type: str) -> float: ...
+
+    def link_time(self, src_type: str, dst_type: str) -> float: ...
+
+    def sync_time(self, dp: int, pipeline_devices: Mapping[str, int]) -> float: ...
+
+
+@dataclass(frozen=True)
+class TableEvaluator:
+    """Profile tables: `layer_time[(type, tp)]` = forward + backward seconds of one layer for one
+    sample; recompute adds `forward_share` of it (one more forward). Memory per device:
+    `layer_state_bytes / tp` per layer (weights, gradients, optimizer states), plus per in-flight
+    micro-batch `layer_activation_bytes / tp` per layer (`recompute_activation_share` of that with
+    recompute). `first_extra`/`last_extra`: (seconds, bytes) of the embedding / LM head at TP 1
+    (divided by tp). `links[(src, dst)]` (or `default_link`): one activation transfer.
+    `sync_bytes`: the model's gradient bytes, all-reduced across pipelines at `sync_bandwidth`."""
+
+    layer_time: Mapping[tuple[str, int], float]
+    capacities: Mapping[str, float]
+    layer_state_bytes: float = 0.0
+    layer_activation_bytes: float = 0.0
+    forward_share: float = 1 / 3
+    recompute_activation_share: float = 0.125
+    first_extra: tuple[float, float] = (0.0, 0.0)
+    last_extra: tuple[float, float] = (0.0, 0.0)
+    links: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    default_link: float = 0.0
+    sync_bytes: float = 0.0
+    sync_bandwidth: float = math.inf
+
+    def stage_time(self, device_type, tp, layers, recompute, first, last):
+        key = (device_type, tp)
+        if key not in self.layer_time:
+            raise PlanningError(f"profile table has no layer time for {device_type} at TP {tp}")
+        per_layer = self.layer_time[key] * (1 + (self.forward_share if recompute else 0.0))
+        extra = (self.first_extra[0] if first else 0.0) + (self.last_extra[0] if last else 0.0)
+        return layers * per_layer + extra / tp
+
+    def stage_memory(self, device_type, tp, layers, recompute, first, last, inflight, dp):
+        act = self.layer_activation_bytes * (self.recompute_activation_share if recompute else 1.0)
+        extra = (self.first_extra[1] if first else 0.0) + (self.last_extra[1] if last else 0.0)
+        return (layers * (self.layer_state_bytes + inflight * act) + extra) / tp
+
+    def capacity(self, device_type):
+        return self.capacities[device_type]
+
+    def link_time(self, src_type, dst_type):
+        return self.links.get((src_type, dst_type), self.default_link)
+
+    def sync_time(self, dp, pipeline_devices):
+        if dp == 1 or not self.sync_bytes:
+            return 0.0
+        share = self.sync_bytes / sum(pipeline_devices.values())
+        return 2 * (dp - 1) / dp * share / self.sync_bandwidth
+
+    def tp_degrees(self, device_type: str) -> tuple[int, ...]:
+        return tuple(sorted(tp for t, tp in self.layer_time if t == device_type))
+
+
+@dataclass(frozen=True, order=True)
+class StagePlan:
+    """One stage of a planned pipeline, before ranks are given."""
+
+    device_type: str
+    tp: int
+    layers: int
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """`pipelines` identical pipelines of `stages`, `micro_batches` samples each (size-1 micro-batches)."""
+
+    pipelines: int
+    stages: tuple[StagePlan, ...]
+    micro_batches: int
+
+    def key(self) -> tuple:
+        return (self.pipelines, self.micro_batches, self.stages)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Plan `num_layers` layers and `global_batch` samples on `pools` (device types in the order
+    their stages run: memory descending, H2 Obs. 4 / HAPT's A-first). `tp_degrees[type]`: the TP
+    degrees profiled for it (default: powers of two up to a node). `recompute`: whether stages may
+    recompute activations."""
+
+    pools: tuple[DevicePool, ...]
+    num_layers: int
+    global_batch: int
+    evaluator: Evaluator
+    tp_degrees: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    recompute: bool = True
+
+    def __post_init__(self):
+        pools = tuple(self.pools)
+        if not pools:
+            raise PlanningError("a planning problem needs at least one device pool")
+        if len({p.device_type for p in pools}) != len(pools):
+            raise PlanningError(f"device types repeat in the pools: {[p.device_type for p in pools]}")
+        for name, value in (("num_layers", self.num_layers), ("global_batch", self.global_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanningError(f"{name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "pools", pools)
+        degrees = {}
+        for p in pools:
+            given = dict(self.tp_degrees).get(p.device_type)
+            if given is None:
+                given = tuple(1 << k for k in range(p.node_size.bit_length()) if (1 << k) <= p.node_size)
+            degrees[p.device_type] = tuple(sorted(set(given)))
+        object.__setattr__(self, "tp_degrees", degrees)
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return tuple(p.device_type for p in self.pools)
+
+    def counts(self) -> dict[str, int]:
+        return {p.device_type: p.size for p in self.pools}
+
+    def dp_degrees(self) -> tuple[int, ...]:
+        """Pipeline counts that split every device type and the global batch evenly."""
+        g = math.gcd(self.global_batch, *self.counts().values())
+        return tuple(d for d in range(1, g + 1) if g % d == 0)
+
+    def recompute_options(self) -> tuple[bool, ...]:
+        return (False, True) if self.recompute else (False,)
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A layout's price: iteration time, per-stage time and peak memory, feasibility."""
+
+    time: float
+    stage_times: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+    feasible: bool
+
+
+def price_pipeline(evaluator: Evaluator, stages: Sequence[StagePlan], micro_batches: int, dp: int) -> Priced:
+    """The pipeline formula and memory check (module docstring) for one pipeline, sync excluded."""
+    n = len(stages)
+    times, memory, feasible = [], [], True
+    for i, s in enumerate(stages):
+        first, last = i == 0, i == n - 1
+        times.append(evaluator.stage_time(s.device_type, s.tp, s.layers, s.recompute, first, last))
+        mem = evaluator.stage_memory(s.device_type, s.tp, s.layers, s.recompute, first, last, min(n - i, micro_batches), dp)
+        memory.append(mem)
+        feasible = feasible and mem <= evaluator.capacity(s.device_type)
+    links = [evaluator.link_time(a.device_type, b.device_type) for a, b in zip(stages, stages[1:])]
+    bottleneck = max(times + links)
+    time = sum(times) + 2 * sum(links) + (micro_batches - 1) * bottleneck
+    return Priced(time, tuple(times), tuple(memory), feasible)
+
+
+def price(problem: Problem, layout: Layout) -> Priced:
+    """The objective of the module docstring for a layout of identical pipelines."""
+    priced = price_pipeline(problem.evaluator, layout.stages, layout.micro_batches, layout.pipelines)
+    devices: dict[str, int] = {}
+    for s in layout.stages:
+        devices[s.device_type] = devices.get(s.device_type, 0) + s.tp
+    sync = problem.evaluator.sync_time(layout.pipelines, devices)
+    return Priced(priced.time + sync, priced.stage_times, priced.stage_memory, priced.feasible)
+
+
+class PriceCache:
+    """Memoised prices on the layout's canonical key (HetAuto memoises its cost calls)."""
+
+    def __init__(self, problem: Problem):
+        self.problem, self.cache, self.calls = problem, {}, 0
+
+    def __call__(self, layout: Layout) -> Priced:
+        key = layout.key()
+        if key not in self.cache:
+            self.calls += 1
+            self.cache[key] = price(self.problem, layout)
+        return self.cache[key]
+
+
+@dataclass(frozen=True)
+class PlannedStrategy:
+    """A trainable strategy and what the planner knows of it: the pipeline schedule and each
+    pipeline's warm-up vector (micro-batches in flight per stage under it), predicted iteration
+    time (s), peak memory per device (bytes), and provenance (search, seconds, candidates priced)."""
+
+    strategy: Strategy
+    schedule: str
+    warmup: tuple[tuple[int, ...], ...]
+    predicted_time: float
+    peak_memory: Mapping[int, float]
+    provenance: Mapping[str, object]
+    layout: Layout | None = None
+
+    def describe(self) -> str:
+        peak = max(self.peak_memory.values()) / 2**30 if self.peak_memory else 0.0
+        return (f"{self.provenance.get('search', '?')}: {self.predicted_time:.4g} s/iteration, peak {peak:.1f} GiB\n"
+                f"  {format_strategy(self.strategy)}")
+
+
+def one_f_one_b_warmup(stages: int, micro_batches: int) -> tuple[int, ...]:
+    """Micro-batches in flight per stage under 1F1B: min(S - i, M)."""
+    return tuple(min(stages - i, micro_batches) for i in range(stages))
+
+
+def layout_strategy(problem: Problem, layout: Layout, name: str = "") -> Strategy:
+    """The Strategy of a layout: ranks by the one rule of planning.ranks, layers in stage order."""
+    ranks = assign_ranks([[(s.device_type, s.tp) for s in layout.stages]] * layout.pipelines, problem.pools)
+    pipelines = []
+    for groups in ranks:
+        stages, first = [], 0
+        for s, group in zip(layout.stages, groups):
+            stages.append(Stage(group, range(first, first + s.layers)))
+            first += s.layers
+        pipelines.append(Pipeline(tuple(stages), layout.micro_batches, 1))
+    return Strategy(tuple(pipelines), problem.num_layers, False, name)
+
+
+def planned(problem: Problem, layout: Layout, provenance: Mapping[str, object]) -> PlannedStrategy:
+    priced = price(problem, layout)
+    strategy = layout_strategy(problem, layout, str(provenance.get("search", "")))
+    peak = {}
+    for p in strategy.pipelines:
+        for s, mem in zip(p.stages, priced.stage_memory):
+            for r in s.ranks:
+                peak[r] = mem
+    warmup = one_f_one_b_warmup(len(layout.stages), layout.micro_batches)
+    return PlannedStrategy(strategy, "1f1b", (warmup,) * layout.pipelines, priced.time, peak, dict(provenance), layout)
+
+
+def best_of(priced: Mapping[tuple, tuple[float, Layout]]) -> Layout:
+    """The cheapest layout, ties broken by the canonical key (deterministic across searches)."""
+    return min(priced.values(), key=lambda tl: (tl[0], tl[1].key()))[1]
+
+
+__all__ = [
+    "Evaluator", "Layout", "PlannedStrategy", "PlanningError", "PriceCache", "Priced", "Problem", "StagePlan",
+    "TableEvaluator", "layout_strategy", "one_f_one_b_warmup", "planned", "price", "price_pipeline",
+]
