@@ -3,8 +3,8 @@
 import pytest
 
 from hspmd.planning.search import GENERAL, PERMUTED, UNIFORM, PlanningError, dfs, dp, exhaustive, mcts, price
-from hspmd.planning.search.dfs import split_groups
-from hspmd.planning.search.mcts import reward
+from hspmd.planning.search.dfs_h2 import split_groups
+from hspmd.planning.search.mcts_hetauto import reward
 from hspmd.planning.search.space import Priced
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from tests.planning_instances import capacity_of, hapt_problem, random_problem

@@ -1,10 +1,10 @@
 """Strategy searches over one objective (space.py): exhaustive (the oracle), dp (HAPT), dfs (H2),
 mcts (HetAuto). Each returns ranked `PlannedStrategy` values that hspmd trains directly."""
 
-from hspmd.planning.search.dfs import dfs
-from hspmd.planning.search.dp import dp
-from hspmd.planning.search.exhaustive import GENERAL, PERMUTED, SPACES, UNIFORM, Space, exhaustive, layouts
-from hspmd.planning.search.mcts import mcts
+from hspmd.planning.search.dfs_h2 import dfs
+from hspmd.planning.search.dp_hapt import dp
+from hspmd.planning.search.oracle import GENERAL, PERMUTED, SPACES, UNIFORM, Space, exhaustive, layouts
+from hspmd.planning.search.mcts_hetauto import mcts
 from hspmd.planning.search.space import (
     Evaluator,
     Layout,

@@ -208,6 +208,45 @@ def price(problem: Problem, layout: Layout) -> Priced:
     return Priced(priced.time + sync, priced.stage_times, priced.stage_memory, priced.feasible)
 
 
+def strategy_stages(problem: Problem, strategy: Strategy) -> list[tuple[StagePlan, ...]]:
+    """Each pipeline of a strategy as StagePlans (device types from the problem's pools)."""
+    type_of = {r: p.device_type for p in problem.pools for r in p.ranks}
+    out = []
+    for i, pipeline in enumerate(strategy.pipelines):
+        stages = []
+        for j, s in enumerate(pipeline.stages):
+            kinds = {type_of.get(r) for r in s.ranks}
+            if None in kinds or len(kinds) != 1:
+                raise PlanningError(f"pipelines[{i}].stages[{j}] (ranks {list(s.ranks)}) is not on one device type of the cluster")
+            stages.append(StagePlan(kinds.pop(), s.tp, len(s.layers)))
+        out.append(tuple(stages))
+    return out
+
+
+def price_strategy(problem: Problem, strategy: Strategy, recompute: Sequence[Sequence[bool]] | None = None) -> Priced:
+    """Any strategy (pipelines may differ) under the objective: the slowest pipeline plus the sync.
+    A pipeline of M micro-batches of size s is priced as M*s samples (size-1 micro-batches)."""
+    total, times, memory, feasible = 0.0, [], [], True
+    pipelines = strategy_stages(problem, strategy)
+    devices: dict[str, int] = {}
+    for k, stages in enumerate(pipelines):
+        if recompute is not None:
+            stages = tuple(StagePlan(s.device_type, s.tp, s.layers, r) for s, r in zip(stages, recompute[k]))
+        p = strategy.pipelines[k]
+        if p.samples_per_step is None:
+            raise PlanningError(f"pipelines[{k}] binds its micro-batches at run time; give counts to price it")
+        priced = price_pipeline(problem.evaluator, stages, p.samples_per_step, len(pipelines))
+        total = max(total, priced.time)
+        times += priced.stage_times
+        memory += priced.stage_memory
+        feasible = feasible and priced.feasible
+        for s in stages:
+            devices[s.device_type] = devices.get(s.device_type, 0) + s.tp
+    per_pipeline = {t: n / len(pipelines) for t, n in devices.items()}
+    total += problem.evaluator.sync_time(len(pipelines), per_pipeline)
+    return Priced(total, tuple(times), tuple(memory), feasible)
+
+
 class PriceCache:
     """Memoised prices on the layout's canonical key (HetAuto memoises its cost calls)."""
 
@@ -279,5 +318,5 @@ def best_of(priced: Mapping[tuple, tuple[float, Layout]]) -> Layout:
 
 __all__ = [
     "Evaluator", "Layout", "PlannedStrategy", "PlanningError", "PriceCache", "Priced", "Problem", "StagePlan",
-    "TableEvaluator", "layout_strategy", "one_f_one_b_warmup", "planned", "price", "price_pipeline",
+    "TableEvaluator", "layout_strategy", "price_strategy", "strategy_stages", "one_f_one_b_warmup", "planned", "price", "price_pipeline",
 ]

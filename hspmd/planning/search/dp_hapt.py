@@ -6,15 +6,16 @@ per device type, types in the problem's order, so a type's stages follow the pre
 The stage starting at layer k runs on the first type with devices left, with any profiled TP
 degree, any layer count and recompute choice; `q` is the number of stages from it to the end,
 capped at M (the micro-batches): it fixes the stage's in-flight micro-batches min(q, M) for the
-memory check (HAPT eq. 24 with 1F1B's warm-up). Then
+memory check (HAPT eq. 24 with 1F1B's warm-up). The recursion returns, per suffix, the Pareto front
+over (q, sum) rather than one entry per q. Then
 
     T(t_max) = min_q F(q, 0, all devices) + (M - 1) t_max + sync(d),   T* = min over t_max.
 
 Because the true bottleneck of the optimum is one of the candidate t_max values (the distinct stage
 and link times), T* is the exact optimum of the GENERAL space under the shared objective.
-Pruning (HAPT): candidates are visited in increasing order from the smallest feasible one (found by
-bisection); once (M - 1) t_max + F_inf + sync(d) reaches the best T found (F_inf: the unconstrained
-minimum), no larger t_max can win. Run once per pipeline count d on one pipeline's device budget;
+Pruning (HAPT's t_S / t_E): candidates are visited in increasing order from the smallest feasible
+one (found by bisection); once (M - 1) t_max + sync(d) passes the best T found, no larger t_max can
+win, since sum(t + 2c) >= 0. Run once per pipeline count d on one pipeline's device budget;
 d identical pipelines are emitted (PLANNING B2, "Emission").
 """
 
@@ -26,7 +27,8 @@ import sys
 import time
 from functools import lru_cache
 
-from hspmd.planning.search.exhaustive import GENERAL
+from hspmd.planning.search.dfs_h2 import dfs
+from hspmd.planning.search.oracle import GENERAL
 from hspmd.planning.search.space import Layout, PlannedStrategy, PlanningError, Problem, StagePlan, planned, price
 
 INF = math.inf
@@ -80,18 +82,18 @@ class _Dp:
         ev = self.ev
 
         @lru_cache(maxsize=None)
-        def F(q: int, k: int, rem: tuple[int, ...]):
-            # q: stages from this one to the end, capped at M (M means "M or more").
-            if k == L:
-                return (0.0, ()) if q == 0 and not any(rem) else (INF, ())
-            if q == 0:
-                return (INF, ())
+        def G(k: int, rem: tuple[int, ...]) -> tuple:
+            """The Pareto front of (stages from k to the end capped at M, least sum, stages) for the
+            suffix starting at layer k on devices `rem`: fewer stages after a stage mean fewer
+            micro-batches in flight on it, so a front entry is kept only if no entry has both
+            fewer-or-equal stages and a smaller-or-equal sum."""
             ti = next((i for i, n in enumerate(rem) if n), None)
             if ti is None:
-                return (INF, ())
+                return ((0, 0.0, ()),) if k == L else ()
+            if k == L:
+                return ()
             t = types[ti]
-            best, choice = INF, ()
-            next_qs = (q - 1,) if q < M else (M, M - 1)
+            best: dict[int, tuple[float, tuple]] = {}
             for tp in degrees[t]:
                 if tp > rem[ti]:
                     continue
@@ -102,44 +104,61 @@ class _Dp:
                     continue
                 for layers in range(1, L - k + 1):
                     last = k + layers == L
-                    if last != (nxt is None):
-                        continue
-                    for rec in recompute:
-                        st = self.stage(t, tp, layers, rec, k == 0, last, q)
-                        if st > t_max:
-                            continue
-                        for nq in next_qs:
-                            if last and nq != 0:
-                                continue
-                            sub, rest = F(nq, k + layers, after)
-                            total = st + 2 * c + sub
-                            if total < best:
-                                best, choice = total, (StagePlan(t, tp, layers, rec),) + rest
                     if ev.stage_time(t, tp, layers, False, k == 0, last) > t_max:
                         break  # stage time grows with its layers
-            return best, choice
+                    if last != (nxt is None):
+                        continue
+                    sub = G(k + layers, after)
+                    if not sub:
+                        continue
+                    for rec in recompute:
+                        for n, value, rest in sub:
+                            q = min(n + 1, M)
+                            st = self.stage(t, tp, layers, rec, k == 0, last, q)
+                            if st > t_max:
+                                continue
+                            total = st + 2 * c + value
+                            if q not in best or total < best[q][0]:
+                                best[q] = (total, (StagePlan(t, tp, layers, rec),) + rest)
+            front, lowest = [], INF
+            for q in sorted(best):
+                value, stages = best[q]
+                if value < lowest:
+                    front.append((q, value, stages))
+                    lowest = value
+            return tuple(front)
 
-        best, stages = INF, None
-        for q in range(1, M + 1):
-            value, choice = F(q, 0, self.budget)
-            if value < best:
-                best, stages = value, choice
-        F.cache_clear()
-        return best, stages
+        front = G(0, self.budget)
+        G.cache_clear()
+        if not front:
+            return INF, None
+        _, value, stages = min(front, key=lambda e: e[1])
+        return value, stages
 
 
 def dp(problem: Problem, prune: bool = True, top: int = 1) -> list[PlannedStrategy]:
-    """HAPT's DP over every pipeline count d (module docstring); best first."""
+    """HAPT's DP over every pipeline count d (module docstring); best first. With `prune`, the
+    H2 search's answer (a layout of a smaller space) is the first incumbent: no t_max above
+    (incumbent - sync) / (M - 1) can beat it, so only smaller candidates are solved."""
     start = time.perf_counter()
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 10 * problem.num_layers + 1000))
     results: list[tuple[float, tuple, Layout]] = []
     solved = 0
+    best = INF
+    if prune:
+        try:
+            best = dfs(problem)[0].predicted_time
+        except PlanningError:
+            best = INF
     try:
         for d in problem.dp_degrees():
             run = _Dp(problem, d)
             sync = problem.evaluator.sync_time(d, dict(zip(run.types, run.budget)))
             cands = run.candidates()
+            if prune and best < INF and run.micro > 1:
+                bound = (best - sync) / (run.micro - 1)
+                cands = [c for c in cands if c <= bound * (1 + 1e-12)]
             if not cands:
                 continue
             lo = 0
@@ -156,11 +175,8 @@ def dp(problem: Problem, prune: bool = True, top: int = 1) -> list[PlannedStrate
                         hi = mid
                     else:
                         lo = mid + 1
-                solved += 1
-                f_inf = run.solve(cands[-1])[0]
-            best = INF
             for t_max in cands[lo:]:
-                if prune and (run.micro - 1) * t_max + f_inf + sync >= best and best < INF:
+                if prune and (run.micro - 1) * t_max + sync > best * (1 + 1e-12):
                     break
                 solved += 1
                 value, stages = run.solve(t_max)
@@ -168,7 +184,7 @@ def dp(problem: Problem, prune: bool = True, top: int = 1) -> list[PlannedStrate
                     continue
                 layout = Layout(d, stages, run.micro)
                 true_time = price(problem, layout).time
-                best = min(best, value + (run.micro - 1) * t_max + sync)
+                best = min(best, true_time)
                 results.append((true_time, layout.key(), layout))
     finally:
         sys.setrecursionlimit(limit)

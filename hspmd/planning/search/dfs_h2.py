@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from hspmd.planning.search.exhaustive import UNIFORM, even_split
+from hspmd.planning.search.oracle import UNIFORM, even_split
 from hspmd.planning.search.space import Layout, PlannedStrategy, PlanningError, PriceCache, Problem, StagePlan, planned
 
 

@@ -21,7 +21,7 @@ import math
 import random
 import time
 
-from hspmd.planning.search.exhaustive import PERMUTED
+from hspmd.planning.search.oracle import PERMUTED
 from hspmd.planning.search.space import Layout, PlannedStrategy, PlanningError, PriceCache, Problem, StagePlan, planned
 
 

@@ -1,0 +1,122 @@
+"""The searches on a real cluster and model: an `Evaluator` over the shared `CostModel`, and the
+search `Problem` of a ClusterSpec (device pools by type, in memory-descending order).
+
+Approximations (the planner's view, not the simulator's): a stage's TP all-reduces are priced on
+the type's first node; an activation transfer between two stages of one type is priced between
+two of its nodes when it has several (stages that share a node pay less in reality); the gradient
+sync is a ring all-reduce of the average per-device parameter share over d members, one per node,
+plus the AdamW update of that share on the slowest type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from hspmd.cluster import ClusterSpec
+from hspmd.planning.cost import CostModel, StageShape
+from hspmd.planning.ranks import DevicePool
+from hspmd.planning.search.space import PlanningError, Problem
+
+
+@dataclass(frozen=True)
+class CostModelEvaluator:
+    """Stage times, memory and link costs of `cost` for micro-batches of `mbs` samples."""
+
+    cost: CostModel
+    mbs: int = 1
+    zero: bool = False
+    usable: float = 1.0
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        return self.cost.cluster
+
+    def _tp_group(self, device_type: str, tp: int) -> tuple[int, ...]:
+        devices = self.cluster.devices_of_type(device_type)
+        return devices[:tp]
+
+    def _layer(self, device_type: str, tp: int, recompute: bool) -> float:
+        key = ("layer", device_type, tp, recompute)
+        if key not in self._memo:
+            f, b = self.cost.layer_time(device_type, tp, self.mbs, None, recompute, self._tp_group(device_type, tp))
+            self._memo[key] = f + b
+        return self._memo[key]
+
+    def _ends(self, device_type: str, tp: int, first: bool, last: bool) -> float:
+        key = ("ends", device_type, tp, first, last)
+        if key not in self._memo:
+            extra = 0.0
+            if first:
+                extra += sum(self.cost.embedding_time(device_type, tp, self.mbs))
+            if last:
+                extra += sum(self.cost.head_time(device_type, tp, self.mbs))
+            self._memo[key] = extra
+        return self._memo[key]
+
+    def stage_time(self, device_type, tp, layers, recompute, first, last):
+        return layers * self._layer(device_type, tp, recompute) + self._ends(device_type, tp, first, last)
+
+    def stage_memory(self, device_type, tp, layers, recompute, first, last, inflight, dp):
+        shape = StageShape(layers, tp, first, last, dp, self.zero, recompute)
+        return self.cost.memory(shape, inflight, self.mbs).total
+
+    def capacity(self, device_type):
+        return self.usable * self.cluster.type_named(device_type).hbm_capacity
+
+    def link_time(self, src_type, dst_type):
+        key = ("link", src_type, dst_type)
+        if key not in self._memo:
+            model = self.cost.model
+            nbytes = self.mbs * model.seq_len * model.hidden * model.itemsize
+            a = self.cluster.devices_of_type(src_type)
+            b = self.cluster.devices_of_type(dst_type)
+            other = [d for d in b if self.cluster.node_of(d) != self.cluster.node_of(a[0])]
+            self._memo[key] = self.cost.p2p(nbytes, (a[0], (other or list(b))[0]))
+        return self._memo[key]
+
+    def sync_time(self, dp, pipeline_devices: Mapping[str, int]):
+        if dp == 1:
+            return 0.0
+        model = self.cost.model
+        share = model.parameters() / sum(pipeline_devices.values())
+        firsts: dict[int, int] = {}
+        for d in range(self.cluster.n_devices):
+            firsts.setdefault(self.cluster.node_of(d), d)
+        nodes = list(firsts.values())
+        ring = (nodes * dp)[:dp] if len(nodes) > 1 else list(range(dp))
+        allreduce = self.cost.collective("all_reduce", share * model.itemsize, ring) if len(set(ring)) == dp else 0.0
+        update = max(self.cost.update_time(t, share) for t in pipeline_devices)
+        return allreduce + update
+
+
+def cluster_pools(cluster: ClusterSpec, failed=()) -> tuple[DevicePool, ...]:
+    """One pool per device type (its devices grouped by node, `failed` left out), ordered by
+    memory descending then name (H2 Obs. 4: the memory-richer type runs the first stages)."""
+    failed = set(failed)
+    pools = []
+    for t in sorted(cluster.device_types, key=lambda t: (-t.hbm_capacity, t.name)):
+        nodes: dict[int, list[int]] = {}
+        for d in cluster.devices_of_type(t.name):
+            if d not in failed:
+                nodes.setdefault(cluster.node_of(d), []).append(d)
+        if nodes:
+            pools.append(DevicePool(t.name, tuple(tuple(n) for _, n in sorted(nodes.items()))))
+    if not pools:
+        raise PlanningError(f"no device of cluster {cluster.describe()} is left to plan on")
+    return tuple(pools)
+
+
+def cluster_problem(cost: CostModel, global_batch: int, failed=(), recompute: bool = True, max_tp: int | None = None,
+                    evaluator=None) -> Problem:
+    """The search problem of planning `cost.model` on `cost.cluster` for `global_batch` samples."""
+    pools = cluster_pools(cost.cluster, failed)
+    degrees = {}
+    for p in pools:
+        limit = min(p.node_size, max_tp or p.node_size)
+        degrees[p.device_type] = tuple(1 << k for k in range(limit.bit_length()) if (1 << k) <= limit)
+    return Problem(pools, cost.model.layers, global_batch, evaluator or CostModelEvaluator(cost), degrees, recompute)
+
+
+__all__ = ["CostModelEvaluator", "cluster_pools", "cluster_problem"]
