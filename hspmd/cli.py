@@ -15,6 +15,8 @@ commands:
   simulate STRATEGY [--cluster C] [--model M] [--png F] simulate one step: per-rank compute/comm/idle, memory
   show STRATEGY|TRACE [--trace T] [--png F]             strategy map, simulated and measured timelines
   calibrate [--out calibration.json]                    fit the cost model to this machine
+  plan --cluster C --model M --global-batch N [--search dp|dfs|mcts|all] [--out plan.yaml]
+                                                        search a strategy; compare with the uniform baseline
 """
 
 
@@ -36,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from hspmd.runtime.checkpoint_tool import main as checkpoint_main
 
         return checkpoint_main(rest)
+    if command == "plan":
+        from hspmd.planning.search.command import main as plan_main
+
+        return plan_main(rest)
     if command == "demo":
         from hspmd.demo import main as demo_main
 

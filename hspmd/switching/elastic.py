@@ -3,22 +3,21 @@
 Under a strategy with several pipelines every weight is duplicated across them (HDim D, ZeRO off),
 so when a device fails its pieces still live in the other pipelines. `surviving_layout` rewrites a
 source annotation without the failed devices (or says which tensor is lost), and
-`recover_strategy` derives a strategy for the devices that are left, in the paper's style (Table 7,
-C1 -> C2: the stage that lost a GPU is split into smaller power-of-two TP stages, layers shared in
-proportion to device count). The new strategy is a heuristic, not an optimum: a cost-model search
-would choose the layer and micro-batch split from measured speeds.
+`recover_strategy` derives a strategy for the devices that are left with the cost-model re-planner
+(hspmd.planning.replan; Table 7 C1 -> C2 and Table 8 C5 -> C6 come out as in the paper).
 """
 
 from __future__ import annotations
 
-from fractions import Fraction
-from math import lcm
 from typing import Iterable
 
-from hspmd.annotations import Annotation, split_bounds
+from hspmd.annotations import Annotation
+from hspmd.cluster import ClusterSpec, uniform
 from hspmd.errors import HSPMDError, WeightLost
-from hspmd.specialize.strategy import Pipeline, Stage, Strategy
-from hspmd.specialize.strategy_build import balanced_layers
+from hspmd.planning.model import ModelSpec
+from hspmd.planning.replan import replan
+from hspmd.planning.search.space import TableEvaluator
+from hspmd.specialize.strategy import Strategy
 
 
 def surviving_layout(ann: Annotation, failed: Iterable[int], what: str = "tensor") -> Annotation:
@@ -40,61 +39,29 @@ def surviving_layout(ann: Annotation, failed: Iterable[int], what: str = "tensor
     return Annotation(alive, "D")
 
 
-def _split_power_of_two(ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Consecutive groups whose sizes are the binary digits of len(ranks), largest first: 3 -> 2 + 1."""
-    groups, start = [], 0
-    for bit in reversed(range(len(ranks).bit_length())):
-        size = 1 << bit
-        if len(ranks) & size:
-            groups.append(ranks[start:start + size])
-            start += size
-    return groups
-
-
-def _recover_pipeline(pipeline: Pipeline, failed: set[int], num_layers: int) -> Pipeline | None:
-    """The pipeline without `failed`: a stage that lost devices becomes power-of-two TP stages, and
-    the layers of the whole pipeline are re-split in proportion to each stage's device count."""
-    if not failed & set(pipeline.ranks):
-        return pipeline
-    groups: list[tuple[int, ...]] = []
-    for stage in pipeline.stages:
-        left = tuple(r for r in stage.ranks if r not in failed)
-        groups.extend([stage.ranks] if len(left) == len(stage.ranks) else _split_power_of_two(left))
-    if not groups:
-        return None
-    layers = balanced_layers(num_layers, [len(g) for g in groups])
-    return Pipeline(tuple(Stage(g, r) for g, r in zip(groups, layers)), pipeline.micro_batches,
-                    pipeline.micro_batch_size)
-
-
-def _bottleneck(pipeline: Pipeline) -> Fraction:
-    """Layers per device of the slowest stage: a pipeline's time per sample, up to a constant."""
-    return max(Fraction(len(s.layers), len(s.ranks)) for s in pipeline.stages)
-
-
-def _rebalance(pipelines: list[Pipeline], total: int | None) -> list[Pipeline]:
-    """Split the global batch across pipelines in proportion to their speed (micro-batches of 1)."""
-    if total is None or len(pipelines) == 1:
-        return pipelines
-    speeds = [1 / _bottleneck(p) for p in pipelines]
-    scale = lcm(*(f.denominator for f in speeds))
-    weights = [int(f * scale) for f in speeds]
-    samples = [b - a for a, b in split_bounds(total, weights)]
-    return [Pipeline(p.stages, n, 1) for p, n in zip(pipelines, samples)]
-
-
-def recover_strategy(strategy: Strategy, failed: Iterable[int]) -> Strategy:
-    """A strategy on the devices left after `failed` fail, keeping the global batch; raises if no
-    pipeline survives. Approximate: speeds are estimated from layers per device, not measured."""
+def recover_strategy(strategy: Strategy, failed: Iterable[int], cluster: ClusterSpec | None = None,
+                     model: ModelSpec | None = None, **options) -> Strategy:
+    """A strategy on the devices left after `failed` fail, keeping the global batch
+    (hspmd.planning.replan: damaged pipelines re-planned by HAPT's DP, the batch split by
+    throughput, ties broken by least data moved); raises if no device survives. Without a
+    cluster and model, every device is taken as equal and a layer's time as 1/TP (no TP degree
+    above the strategy's largest): the paper's C1 -> C2 then comes out exactly."""
     failed = set(failed)
     unknown = failed - set(strategy.all_ranks)
     if unknown:
         raise HSPMDError(f"failed device(s) {sorted(unknown)} are not part of strategy {strategy.name or ''}")
-    pipelines = [p for p in (_recover_pipeline(p, failed, strategy.num_layers) for p in strategy.pipelines) if p]
-    if not pipelines:
+    if not set(strategy.all_ranks) - failed:
         raise HSPMDError(f"no device of strategy {strategy.name or ''} survives the failure of {sorted(failed)}")
-    pipelines = _rebalance(pipelines, strategy.global_batch_size)
-    return Strategy(tuple(pipelines), strategy.num_layers, strategy.zero, (strategy.name or "strategy") + "-recovered")
+    if cluster is None:
+        largest = max(s.tp for p in strategy.pipelines for s in p.stages)
+        cluster = uniform(1, max(strategy.all_ranks) + 1)
+        kind = cluster.device_types[0].name
+        options.setdefault("evaluator", TableEvaluator({(kind, 1 << k): 1.0 / (1 << k) for k in range(largest.bit_length())},
+                                                       {kind: float("inf")}))
+        options.setdefault("max_tp", largest)
+    batch = strategy.global_batch_size or options.pop("global_batch", None)
+    plan = replan(strategy, cluster, model, failed, global_batch=batch, **options)
+    return Strategy(plan.strategy.pipelines, strategy.num_layers, strategy.zero, (strategy.name or "strategy") + "-recovered")
 
 
 __all__ = ["WeightLost", "recover_strategy", "surviving_layout"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 from hspmd.errors import HSPMDError
-from hspmd.planning.ranks import DevicePool, assign_ranks
+from hspmd.planning.ranks import DevicePool, RankAssignmentError, assign_ranks
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 from hspmd.specialize.strategy_text import format_strategy
 
@@ -299,7 +299,27 @@ def layout_strategy(problem: Problem, layout: Layout, name: str = "") -> Strateg
     return Strategy(tuple(pipelines), problem.num_layers, False, name)
 
 
+def placeable(problem: Problem, layout: Layout) -> Layout:
+    """`layout`, or, when its TP groups cannot all be placed inside nodes in this order, the same
+    stages with each device type's stages in descending TP order (power-of-two groups taken
+    largest first always pack into power-of-two nodes). Re-priced by the caller: the order can
+    change memory (in-flight counts) and the first/last stage costs."""
+    try:
+        assign_ranks([[(s.device_type, s.tp) for s in layout.stages]] * layout.pipelines, problem.pools)
+        return layout
+    except RankAssignmentError:
+        pass
+    stages = list(layout.stages)
+    start = 0
+    for k in range(1, len(stages) + 1):
+        if k == len(stages) or stages[k].device_type != stages[start].device_type:
+            stages[start:k] = sorted(stages[start:k], key=lambda s: -s.tp)
+            start = k
+    return Layout(layout.pipelines, tuple(stages), layout.micro_batches)
+
+
 def planned(problem: Problem, layout: Layout, provenance: Mapping[str, object]) -> PlannedStrategy:
+    layout = placeable(problem, layout)
     priced = price(problem, layout)
     strategy = layout_strategy(problem, layout, str(provenance.get("search", "")))
     peak = {}

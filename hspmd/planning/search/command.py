@@ -1,0 +1,159 @@
+"""`hspmd plan`: search a strategy for a model on a cluster, compare the searches with the uniform
+Megatron-style baseline a user would otherwise write, print the chosen strategy and save it.
+
+    hspmd plan --cluster hetu-h800-h20 --model llama-32b-hetu --global-batch 64 [--search all]
+               [--out plan.yaml] [--iterations 3000] [--seed 0] [--max-tp 8] [--no-recompute]
+
+The file written by --out is a strategy file (hspmd.specialize.strategy_files) that
+`examples/llama/train.py --strategy-file plan.yaml` trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from hspmd.cluster import parse_cluster
+from hspmd.errors import HSPMDError
+from hspmd.planning.cost import CostModel
+from hspmd.planning.model import model_named
+from hspmd.planning.search.costed import cluster_problem
+from hspmd.planning.search.dfs_h2 import dfs
+from hspmd.planning.search.dp_hapt import dp
+from hspmd.planning.search.mcts_hetauto import mcts
+from hspmd.planning.search.space import PlannedStrategy, PlanningError, Priced, Problem, price_strategy
+from hspmd.specialize.strategy import Strategy, format_ranks, parse_index_list
+from hspmd.specialize.strategy_build import uniform_strategy
+from hspmd.specialize.strategy_files import save_strategy
+from hspmd.specialize.strategy_text import format_strategy
+
+SEARCH_NAMES = ("dp", "dfs", "mcts")
+
+
+def uniform_baseline(problem: Problem) -> tuple[Strategy, Priced] | None:
+    """The fastest feasible DPxTPxPP Megatron-style strategy over all devices in rank order (the
+    fastest infeasible one if none fits): what a user tunes by hand without a planner."""
+    ranks = sorted(r for p in problem.pools for r in p.ranks)
+    n = len(ranks)
+    node = min(p.node_size for p in problem.pools)
+    best = None
+    for tp in (1, 2, 4, 8, 16):
+        if tp > node or n % tp:
+            continue
+        for pp in range(1, min(problem.num_layers, n // tp) + 1):
+            if (n // tp) % pp:
+                continue
+            dp = n // (tp * pp)
+            if problem.global_batch % dp:
+                continue
+            base = uniform_strategy(problem.num_layers, dp=dp, tp=tp, pp=pp,
+                                    micro_batches=problem.global_batch // dp, micro_batch_size=1, name=f"uniform-dp{dp}tp{tp}pp{pp}")
+            renumbered = Strategy.from_dict(_renumber(base.to_dict(), ranks))
+            try:
+                priced = price_strategy(problem, renumbered)
+            except PlanningError:
+                continue
+            key = (not priced.feasible, priced.time)
+            if best is None or key < best[0]:
+                best = (key, renumbered, priced)
+    return None if best is None else (best[1], best[2])
+
+
+def _renumber(data: dict, ranks: list[int]) -> dict:
+    for p in data["pipelines"]:
+        for s in p["stages"]:
+            s["ranks"] = format_ranks([ranks[i] for i in parse_index_list(s["ranks"])])
+    return data
+
+
+def run_searches(problem: Problem, names, iterations: int = 3000, seed: int = 0) -> dict[str, PlannedStrategy | str]:
+    """Each named search's best strategy, or the reason it found none."""
+    out: dict[str, PlannedStrategy | str] = {}
+    for name in names:
+        try:
+            if name == "dp":
+                out[name] = dp(problem)[0]
+            elif name == "dfs":
+                out[name] = dfs(problem)[0]
+            else:
+                out[name] = mcts(problem, iterations=iterations, seed=seed)[0]
+        except PlanningError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def comparison_table(problem: Problem, results, baseline) -> str:
+    table = Table(title="strategy searches (predicted by the cost model's pipeline formula)", title_justify="left")
+    for column in ("search", "iteration (s)", "vs uniform", "peak memory (GiB)", "fits", "search (s)", "stages x pipelines"):
+        table.add_column(column)
+    ref = baseline[1].time if baseline else None
+    if baseline:
+        strategy, priced = baseline
+        table.add_row(f"uniform ({strategy.name})", f"{priced.time:.4g}", "1.00x", f"{max(priced.stage_memory) / 2**30:.1f}",
+                      "yes" if priced.feasible else "NO", "-", f"{len(strategy.pipelines[0].stages)} x {strategy.num_pipelines}")
+    for name, r in results.items():
+        if isinstance(r, str):
+            table.add_row(name, "-", "-", "-", "-", "-", r)
+            continue
+        speed = f"{ref / r.predicted_time:.2f}x" if ref else "-"
+        table.add_row(name, f"{r.predicted_time:.4g}", speed, f"{max(r.peak_memory.values()) / 2**30:.1f}", "yes",
+                      f"{r.provenance['seconds']:.2f}", f"{len(r.strategy.pipelines[0].stages)} x {r.strategy.num_pipelines}")
+    buffer = io.StringIO()
+    Console(file=buffer, width=140, color_system=None, force_terminal=False).print(table)
+    return buffer.getvalue()
+
+
+def best_result(results) -> PlannedStrategy:
+    found = [r for r in results.values() if not isinstance(r, str)]
+    if not found:
+        raise PlanningError("no search found a strategy that fits device memory: " +
+                            "; ".join(f"{k}: {v}" for k, v in results.items()))
+    return min(found, key=lambda r: r.predicted_time)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hspmd plan", description="Search a parallel strategy for a model on a cluster.")
+    p.add_argument("--cluster", required=True, help="a preset (hetu-h800-h20, ...), a shape (h800-h20:2+4) or a .yaml file")
+    p.add_argument("--model", required=True, help="a model preset (llama-32b-hetu, llama-30b, gpt-13b, h2-100b, llama-tiny)")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per step")
+    p.add_argument("--search", default="all", choices=SEARCH_NAMES + ("all",))
+    p.add_argument("--out", default=None, help="write the chosen strategy here (.yaml, .yml or .json)")
+    p.add_argument("--iterations", type=int, default=3000, help="MCTS iteration budget")
+    p.add_argument("--seed", type=int, default=0, help="MCTS seed")
+    p.add_argument("--max-tp", type=int, default=None, help="largest TP degree to consider (default: a node)")
+    p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    args = p.parse_args(argv)
+    try:
+        cost = CostModel(parse_cluster(args.cluster), model_named(args.model))
+        if args.global_batch < 1:
+            raise HSPMDError(f"--global-batch must be positive, got {args.global_batch}")
+        problem = cluster_problem(cost, args.global_batch, recompute=not args.no_recompute, max_tp=args.max_tp)
+        names = SEARCH_NAMES if args.search == "all" else (args.search,)
+        start = time.perf_counter()
+        results = run_searches(problem, names, args.iterations, args.seed)
+        baseline = uniform_baseline(problem)
+        print(cost.describe())
+        print(comparison_table(problem, results, baseline))
+        chosen = best_result(results)
+        print(f"chosen: {chosen.provenance['search']} ({time.perf_counter() - start:.1f} s in all), "
+              f"schedule {chosen.schedule}, warm-up {list(chosen.warmup[0])}")
+        recompute = [i for i, s in enumerate(chosen.layout.stages) if s.recompute] if chosen.layout else []
+        if recompute:
+            print(f"recompute activations in stage(s) {recompute} of every pipeline")
+        print(format_strategy(chosen.strategy))
+        print(chosen.strategy.describe())
+        if args.out:
+            save_strategy(chosen.strategy, args.out)
+            print(f"wrote {args.out}")
+    except HSPMDError as exc:
+        print(f"hspmd plan: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["best_result", "comparison_table", "main", "run_searches", "uniform_baseline"]
