@@ -59,6 +59,7 @@ from hspmd.backends.torch_dist import init_from_env
 from hspmd.runtime.elastic import ElasticTrainer, KillPoint
 from hspmd.runtime.membership import Membership, is_elastic
 from hspmd.runtime.trainer import Trainer
+from hspmd.specialize.strategy_files import load_strategy
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.specialize.strategy_render import describe_strategy
 
@@ -71,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="train until this many steps are done (default 60)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help="strategy in hspmd's compact syntax")
+    p.add_argument("--strategy-file", default=None,
+                   help="a strategy file (.yaml/.json), e.g. what `hspmd plan --out plan.yaml` wrote; wins over --strategy")
     p.add_argument("--switch", action="append", default=[], metavar="STEP=STRATEGY",
                    help="after STEP, hot-switch to STRATEGY (same global batch); may repeat")
     p.add_argument("--kill", action="append", default=[], metavar="STEP=RANK[:CALL]",
@@ -131,6 +134,15 @@ def write_model_config(checkpoint: str, config: LlamaConfig) -> None:
         json.dump(hf_config(config), f, indent=2, sort_keys=True)
 
 
+def strategy_of(args: argparse.Namespace):
+    """The strategy to train: --strategy-file if given (its text is then reported), else --strategy."""
+    if args.strategy_file:
+        strategy = load_strategy(args.strategy_file)
+        args.strategy = format_strategy(strategy)
+        return strategy
+    return parse_strategy(args.strategy)
+
+
 def limit_threads() -> None:
     """Several ranks share this machine's cores: torch's default of one thread per core in every
     rank oversubscribes them many times over (torchrun sets OMP_NUM_THREADS=1 for the same reason)."""
@@ -181,7 +193,7 @@ def main(argv=None) -> int:
     say = console.print if rank == 0 else (lambda *a, **k: None)
 
     corpus = CharCorpus()
-    strategy = parse_strategy(args.strategy)
+    strategy = strategy_of(args)
     layout = MicroBatchLayout.of(strategy)
     config = model_config(args, corpus, strategy)
     switches = parse_switches(args.switch)
@@ -288,7 +300,7 @@ def train_elastic(args) -> int:
         raise HSPMDError("--init-from-hf is for plain jobs; start without --elastic")
     membership = Membership.from_env()
     corpus = CharCorpus()
-    strategy = parse_strategy(args.strategy)
+    strategy = strategy_of(args)
     rows = MicroBatchLayout.of(strategy).global_batch_size
     config = model_config(args, corpus, strategy)
     if membership.rank == min(membership.alive):

@@ -22,6 +22,7 @@ from hspmd.cluster import parse_cluster
 from hspmd.errors import HSPMDError
 from hspmd.planning.cost import CostModel
 from hspmd.planning.model import model_named
+from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.planning.search.costed import cluster_problem
 from hspmd.planning.search.dfs_h2 import dfs
 from hspmd.planning.search.dp_hapt import dp
@@ -87,22 +88,29 @@ def run_searches(problem: Problem, names, iterations: int = 3000, seed: int = 0)
     return out
 
 
-def comparison_table(problem: Problem, results, baseline) -> str:
-    table = Table(title="strategy searches (predicted by the cost model's pipeline formula)", title_justify="left")
-    for column in ("search", "iteration (s)", "vs uniform", "peak memory (GiB)", "fits", "search (s)", "stages x pipelines"):
+def comparison_table(problem: Problem, results, baseline, cost: CostModel | None = None) -> str:
+    """Predicted (the searches' objective) and, with `cost`, simulated (level 1) iteration times."""
+    table = Table(title="strategy searches (predicted: pipeline formula; simulated: level-1 simulator)", title_justify="left")
+    for column in ("search", "predicted (s)", "simulated (s)", "vs uniform", "peak memory (GiB)", "fits", "search (s)",
+                   "stages x pipelines"):
         table.add_column(column)
+
+    def simulated(strategy: Strategy) -> str:
+        return f"{simulate_strategy(strategy, cost).iteration:.4g}" if cost is not None else "-"
+
     ref = baseline[1].time if baseline else None
     if baseline:
         strategy, priced = baseline
-        table.add_row(f"uniform ({strategy.name})", f"{priced.time:.4g}", "1.00x", f"{max(priced.stage_memory) / 2**30:.1f}",
-                      "yes" if priced.feasible else "NO", "-", f"{len(strategy.pipelines[0].stages)} x {strategy.num_pipelines}")
+        table.add_row(f"uniform ({strategy.name})", f"{priced.time:.4g}", simulated(strategy), "1.00x",
+                      f"{max(priced.stage_memory) / 2**30:.1f}", "yes" if priced.feasible else "NO", "-",
+                      f"{len(strategy.pipelines[0].stages)} x {strategy.num_pipelines}")
     for name, r in results.items():
         if isinstance(r, str):
-            table.add_row(name, "-", "-", "-", "-", "-", r)
+            table.add_row(name, "-", "-", "-", "-", "-", "-", r)
             continue
         speed = f"{ref / r.predicted_time:.2f}x" if ref else "-"
-        table.add_row(name, f"{r.predicted_time:.4g}", speed, f"{max(r.peak_memory.values()) / 2**30:.1f}", "yes",
-                      f"{r.provenance['seconds']:.2f}", f"{len(r.strategy.pipelines[0].stages)} x {r.strategy.num_pipelines}")
+        table.add_row(name, f"{r.predicted_time:.4g}", simulated(r.strategy), speed, f"{max(r.peak_memory.values()) / 2**30:.1f}",
+                      "yes", f"{r.provenance['seconds']:.2f}", f"{len(r.strategy.pipelines[0].stages)} x {r.strategy.num_pipelines}")
     buffer = io.StringIO()
     Console(file=buffer, width=140, color_system=None, force_terminal=False).print(table)
     return buffer.getvalue()
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_searches(problem, names, args.iterations, args.seed)
         baseline = uniform_baseline(problem)
         print(cost.describe())
-        print(comparison_table(problem, results, baseline))
+        print(comparison_table(problem, results, baseline, cost))
         chosen = best_result(results)
         print(f"chosen: {chosen.provenance['search']} ({time.perf_counter() - start:.1f} s in all), "
               f"schedule {chosen.schedule}, warm-up {list(chosen.warmup[0])}")

@@ -1,0 +1,29 @@
+"""`hspmd plan` on the paper's cluster and model: the strategy it prints and writes is rated by the
+simulator at least as fast as the paper's Table 5 strategy (PLANNING F4, issue #11's "Done when")."""
+
+from hspmd.cli import main
+from hspmd.cluster import parse_cluster
+from hspmd.planning import CostModel, model_named
+from hspmd.planning.strategy_sim import simulate_strategy
+from hspmd.specialize.paper_strategies import paper_strategy
+from hspmd.specialize.strategy_files import load_strategy
+from hspmd.specialize.strategy_text import format_strategy
+
+
+def test_plan_beats_table5_in_the_simulator(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    code = main(["plan", "--cluster", "hetu-h800-h20", "--model", "llama-32b-hetu", "--global-batch", "64",
+                 "--search", "dfs", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    planned = load_strategy(out)
+    assert format_strategy(planned) in printed and "uniform (" in printed and "vs uniform" in printed
+    cost = CostModel(parse_cluster("hetu-h800-h20"), model_named("llama-32b-hetu"))
+    table5 = simulate_strategy(paper_strategy("table5_32b_16h800_32h20"), cost).iteration
+    assert simulate_strategy(planned, cost).iteration <= table5
+    assert planned.global_batch_size == 64 and len(planned.all_ranks) == 48
+
+
+def test_plan_reports_bad_input(capsys):
+    assert main(["plan", "--cluster", "nowhere", "--model", "llama-32b-hetu", "--global-batch", "8"]) == 2
+    assert "unknown cluster" in capsys.readouterr().err
