@@ -31,6 +31,7 @@ from hspmd.planning.search.space import PlannedStrategy, PlanningError, Priced, 
 from hspmd.specialize.strategy import Strategy, format_ranks, parse_index_list
 from hspmd.specialize.strategy_build import uniform_strategy
 from hspmd.specialize.strategy_files import save_strategy
+from hspmd.specialize.strategy_render import describe_strategy
 from hspmd.specialize.strategy_text import format_strategy
 
 SEARCH_NAMES = ("dp", "dfs", "mcts")
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if recompute:
             print(f"recompute activations in stage(s) {recompute} of every pipeline")
         print(format_strategy(chosen.strategy))
-        print(chosen.strategy.describe())
+        print(describe_strategy(chosen.strategy))
         if args.out:
             save_strategy(chosen.strategy, args.out)
             print(f"wrote {args.out}")
