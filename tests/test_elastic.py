@@ -121,6 +121,31 @@ def test_a_lost_piece_without_replica_or_checkpoint_stops_the_job_naming_the_ten
     assert "layers.1.wq" in log and "no checkpoint" in log, log
 
 
+@pytest.mark.elastic_full
+def test_a_restarted_rank_joins_and_the_job_grows_back(tmp_path):
+    """--max-restarts 1: rank 3 dies in step 3 and its slot restarts; the new process joins the
+    running job, receives its pieces through the survivors' fused BSR and the job grows back to
+    the first strategy."""
+    out, err = io.StringIO(), io.StringIO()
+    summary, checkpoint = tmp_path / "join.json", tmp_path / "join.safetensors"
+    steps = 24
+    code = launch([sys.executable, SCRIPT, "--steps", str(steps), *SMALL, "--summary", str(summary), "--checkpoint",
+                   str(checkpoint), "--kill", "3=3"], 4, stdout=out, stderr=err, elastic=True, max_restarts=1)
+    log = out.getvalue() + err.getvalue()
+    assert code == 0, log
+    result = json.loads(summary.read_text())
+    death, join = result["failures"]
+    assert death["ranks"] == [3] and join["ranks"] == [] and join["joined"] == [3], log
+    assert result["survivors"] == [0, 1, 2, 3] and len(result["losses"]) == steps
+    assert join["strategy"] == result["final_strategy"] and "R3" in join["strategy"]
+    # the final save gathers every replica and checks they agree: rank 3's re-received pieces match
+    # pipeline 0's copies after the steps it trained (an equivalence check against a reference run
+    # is missing: see the note of issue 12)
+    weights = load_file(str(checkpoint))
+    assert all(torch.isfinite(v).all() for v in weights.values())
+    assert result["losses"][-1] < result["losses"][0]
+
+
 def random_points(count: int, seed: int = 12) -> list[str]:
     """Seeded kill points over every rank, step and phase (call indices within what each rank's
     step does: the TP ranks 0-1 make about 60 calls a step, the pipeline ranks 2-3 about 26)."""

@@ -309,15 +309,22 @@ def train_elastic(args) -> int:
     console = Console(width=100, highlight=False, soft_wrap=True)
 
     def say(*a):
-        if membership.rank == min(membership.alive):
+        if membership.original and membership.rank == min(membership.original):
             console.print(*a)
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    trainer = ElasticTrainer(lambda ss: build_llama(config, list(ss), optimizer=AdamW(lr=args.lr),
-                                                    compute_dtype=dtype).graph, strategy,
-                             membership, schedule=args.schedule, symbols={"S": args.seq, "T": rows * args.seq},
-                             seed=args.seed, kills=[KillPoint.parse(k) for k in args.kill], describe=format_strategy,
-                             sharded=args.sharded)
+
+    def build(strategies):
+        return build_llama(config, list(strategies), optimizer=AdamW(lr=args.lr), compute_dtype=dtype).graph
+
+    options = dict(schedule=args.schedule, symbols={"S": args.seq, "T": rows * args.seq}, seed=args.seed,
+                   kills=[KillPoint.parse(k) for k in args.kill], describe=format_strategy, sharded=args.sharded)
+    if membership.joining:  # a restarted rank (--max-restarts): take its pieces from the survivors
+        trainer = ElasticTrainer.join(build, membership, **options)
+        print(f"rank {membership.rank}: restarted, joined at step {trainer.steps_done} under "
+              f"{format_strategy(trainer.strategy)}", flush=True)
+    else:
+        trainer = ElasticTrainer(build, strategy, membership, **options)
     say(describe_strategy(strategy).rstrip())
     say(f"elastic job: {membership.world_size} ranks; a rank that dies is left out and the others continue")
     began = time.monotonic()
@@ -331,8 +338,12 @@ def train_elastic(args) -> int:
         tick[0] = time.monotonic()
 
     def on_failure(failure):
-        say(f"rank(s) {list(failure.ranks)} died in step {failure.step}; survivors {list(membership.alive)} recovered in "
-            f"{failure.recovery_seconds:.2f}s, redo step {failure.step} under {failure.strategy}")
+        if failure.ranks:
+            say(f"rank(s) {list(failure.ranks)} died in step {failure.step}; survivors {list(membership.alive)} recovered "
+                f"in {failure.recovery_seconds:.2f}s, redo step {failure.step} under {failure.strategy}")
+        if failure.joined:
+            say(f"restarted rank(s) {list(failure.joined)} joined in step {failure.step} ({failure.recovery_seconds:.2f}s); "
+                f"now {failure.strategy}")
         plan = trainer.trainer.last_switch
         if failure.restored_from:
             say(f"  no living replica held some pieces: every rank loaded its pieces from {failure.restored_from} "
@@ -353,7 +364,7 @@ def train_elastic(args) -> int:
     seconds = time.monotonic() - began
     say(f"finished {args.steps} steps on ranks {list(membership.alive)} in {seconds:.1f}s; "
         f"checkpoint {os.path.abspath(args.checkpoint)}")
-    if membership.rank == min(membership.alive) and args.summary:
+    if membership.original and membership.rank == min(membership.original) and args.summary:
         with open(args.summary, "w", encoding="utf-8") as f:
             json.dump({"losses": [losses[k] for k in sorted(losses)], "start_step": 0, "steps": args.steps,
                        "seconds": seconds, "checkpoint": os.path.abspath(args.checkpoint), "schedule": args.schedule,

@@ -23,6 +23,7 @@ end of step k. Keeping `HISTORY` versions covers a step, a switch and a save in 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -41,9 +42,11 @@ from hspmd.runtime.membership import Membership, killed_at, killed_key
 from hspmd.runtime.sharded_checkpoint import ShardedReader, step_dir
 from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy import Strategy
+from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import execute_switch, plan_switch, recover_strategy
 
 HISTORY = 4
+_VERSION = 1_000_000  # a version (steps, switches) as one integer: steps * _VERSION + switches
 
 
 # ---- fault injection --------------------------------------------------------------------------------
@@ -152,10 +155,12 @@ class Failure:
     strategy: str = ""
     restored_from: str | None = None
     killed_at: float | None = None  # time.time() of an injected kill, for measuring kill-to-step
+    joined: tuple[int, ...] = ()  # restarted ranks taken back (a join, not a death, when ranks is empty)
 
     def as_json(self) -> dict:
         return {"ranks": list(self.ranks), "step": self.step, "recovery_seconds": self.recovery_seconds,
-                "strategy": self.strategy, "restored_from": self.restored_from, "killed_at": self.killed_at}
+                "strategy": self.strategy, "restored_from": self.restored_from, "killed_at": self.killed_at,
+                "joined": list(self.joined)}
 
 
 @dataclass
@@ -180,6 +185,15 @@ class ElasticTrainer:
                  membership: Membership, schedule: str = "1f1b", symbols: Mapping[str, int] | None = None,
                  seed: int = 0, kills: Sequence[KillPoint] = (), describe: Callable[[Strategy], str] = str,
                  sharded: bool = False):
+        self._setup(build_graph, strategy, membership, schedule, symbols, seed, kills, describe, sharded)
+        self.strategies: list[Strategy] = [strategy]
+        self.graph = build_graph(self.strategies)
+        self.trainer = self._trainer(0)
+        self._commit()
+
+    def _setup(self, build_graph, strategy: Strategy, membership: Membership, schedule: str = "1f1b",
+               symbols: Mapping[str, int] | None = None, seed: int = 0, kills: Sequence[KillPoint] = (),
+               describe: Callable[[Strategy], str] = str, sharded: bool = False) -> None:
         self.build_graph, self.membership = build_graph, membership
         self.schedule, self.symbols, self.seed, self.describe = schedule, dict(symbols or {}), seed, describe
         self.kills = tuple(kills)
@@ -187,13 +201,9 @@ class ElasticTrainer:
         self.checkpoint_path: str | None = None
         self.sharded = sharded
         self.restored_from: str | None = None
-        self.strategies: list[Strategy] = [strategy]
-        self.graph = build_graph(self.strategies)
         self.failures: list[Failure] = []
         self.switches_done = 0
-        self.trainer = self._trainer(0)
         self._history: list[_Version] = []
-        self._commit()
 
     # ---- pieces -----------------------------------------------------------------------------------
 
@@ -347,31 +357,46 @@ class ElasticTrainer:
                     on_failure(failure)
         return losses
 
+    def _grow_target(self, dead: set[int]) -> Strategy:
+        """The strategy that uses the ranks back after a restart: the job's first strategy, without
+        the ranks that are still dead."""
+        original = self.strategies[0]
+        lost = dead & set(original.all_ranks)
+        return recover_strategy(original, lost) if lost else original
+
     def recover(self, noticed: float | None = None) -> Failure:
         """After PeerLost: join the next generation, roll back to the newest version every survivor
-        committed, move to a strategy without the dead ranks, and return the Failure record.
-        Retries if another rank dies meanwhile."""
+        committed, move to a strategy without the dead ranks (or, when restarted ranks joined, to
+        one that uses them again: they receive their pieces through the same fused BSR), and
+        return the Failure record. Retries if another rank dies meanwhile."""
         noticed = time.monotonic() if noticed is None else noticed
-        before = set(self.membership.dead)
+        before, joined_before = set(self.membership.dead), set(self.membership.rejoined)
         while True:
             try:
                 self.membership.next_generation()
-                versions = self.membership.agree("version", self._history[-1].key[0] * 1_000_000 + self._history[-1].key[1])
-                agreed = min(versions)
-                version = next((v for v in self._history if v.key[0] * 1_000_000 + v.key[1] == agreed), None)
+                mine = self._history[-1].key[0] * _VERSION + self._history[-1].key[1]
+                agreed = min(v for v in self.membership.agree("version", mine) if v >= 0)
+                version = next((v for v in self._history if v.key[0] * _VERSION + v.key[1] == agreed), None)
                 if version is None:
-                    raise HSPMDError(f"rank {self.rank}: survivors agreed on version {divmod(agreed, 1_000_000)} but this "
+                    raise HSPMDError(f"rank {self.rank}: survivors agreed on version {divmod(agreed, _VERSION)} but this "
                                      f"rank only kept {[v.key for v in self._history]}")
                 self.trainer, self.switches_done = version.trainer, version.key[1]
                 self.trainer.state.step = version.key[0]
                 self.trainer.state.accum.clear()
                 dead = set(self.membership.dead)
                 old = self.strategies[version.strategy]
-                target = recover_strategy(old, dead & set(old.all_ranks)) if dead & set(old.all_ranks) else old
+                failed = sorted(dead & set(old.all_ranks))
+                if self.membership.joined:
+                    target = self._grow_target(dead)
+                else:
+                    target = recover_strategy(old, set(failed)) if failed else old
+                if self.membership.joined and self.rank == min(self.membership.original):
+                    self.membership.store.set(_plan_key(self.membership.generation), json.dumps({
+                        "source": format_strategy(old), "target": format_strategy(target), "failed": failed,
+                        "steps": version.key[0], "switches": version.key[1], "checkpoint": self.checkpoint_path}))
                 self.restored_from = None
                 try:
-                    self._move_to(target, failed=sorted(dead & set(old.all_ranks)), leaves=dict(version.leaves),
-                                  source=version.strategy)
+                    self._move_to(target, failed=failed, leaves=dict(version.leaves), source=version.strategy)
                 except WeightLost as lost:
                     self._restore(target, lost)
                 self._history = []
@@ -382,9 +407,42 @@ class ElasticTrainer:
         ranks = tuple(sorted(set(self.membership.dead) - before))
         kills = [t for t in (killed_at(self.membership.store, r) for r in ranks) if t is not None]
         failure = Failure(ranks, self.trainer.steps_done + 1, time.monotonic() - noticed, self.describe(self.strategy),
-                          self.restored_from, min(kills) if kills else None)
+                          self.restored_from, min(kills) if kills else None,
+                          tuple(sorted(set(self.membership.rejoined) - joined_before)))
         self.failures.append(failure)
         return failure
+
+    @classmethod
+    def join(cls, build_graph: Callable[[Sequence[Strategy]], Graph], membership: Membership, **options) -> "ElasticTrainer":
+        """A restarted rank (Membership(joining=True)) joins the running job: it learns from the
+        survivors which strategy they leave and which one takes it back, and receives its pieces
+        through their fused BSR (it has none to send)."""
+        membership.agree("version", -1)
+        plan = json.loads(membership.store.get(_plan_key(membership.generation)))
+        source, target = parse_strategy(plan["source"]), parse_strategy(plan["target"])
+        self = cls.__new__(cls)
+        self._setup(build_graph, source, membership, **options)
+        self.strategies = [source]
+        self.graph = build_graph(self.strategies)
+        self.switches_done, self.checkpoint_path = plan["switches"], plan["checkpoint"]
+        self.trainer = None
+        index = self._adopt(target)
+        try:
+            switch = plan_switch(self.graph, 0, index, failed=plan["failed"])
+            moved = execute_switch(switch, self._backend(), {})
+            nxt = self._trainer(index)
+            nxt.state.leaves = {name: moved[name] for name in nxt.state.leaves}
+            nxt.state.step = plan["steps"]
+            nxt.last_switch = switch
+            self.trainer = nxt
+        except WeightLost as lost:
+            self._restore(target, lost)
+        self._commit()
+        return self
+
+
+def _plan_key(generation: int) -> str:
+    return f"g{generation}/join-plan"
 
 
 __all__ = ["ElasticTrainer", "Failure", "FaultInjector", "KillPoint"]

@@ -41,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--elastic", action="store_true",
                         help="a rank that dies does not end the job: the launcher hosts the store and announces "
                              "each death to the survivors, which recover without it (hspmd.runtime.elastic)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="with --elastic: restart a dead rank's slot up to this many times in all; the new "
+                             "process joins the running job and receives its pieces from the survivors")
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -51,7 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = [sys.executable, args.script, *args.script_args]
     if args.elastic and args.backend != "gloo":
         parser.error("--elastic runs over gloo (the per-generation groups are gloo groups)")
-    return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace, elastic=args.elastic)
+    if args.max_restarts and not args.elastic:
+        parser.error("--max-restarts needs --elastic (a restarted rank joins the running job)")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be at least 0, got {args.max_restarts}")
+    return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace, elastic=args.elastic,
+                  max_restarts=args.max_restarts)
 
 
 def launch(
@@ -63,13 +71,16 @@ def launch(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     elastic: bool = False,
+    max_restarts: int = 0,
 ) -> int:
     """Run `command` as ranks 0..nprocs-1 and return the job's exit code (0 when all succeed).
 
     Output lines are forwarded prefixed with `[rank k]`. The first rank to exit non-zero decides
     the exit code; the others are stopped and the failing rank's last stderr lines are repeated.
     `elastic`: the launcher hosts the rendezvous store and announces each rank's death there (a
-    new generation) instead of stopping the others; the job succeeds when a rank finishes."""
+    new generation) instead of stopping the others; the job succeeds when a rank finishes.
+    `max_restarts`: how many dead ranks may be restarted in all (elastic only); a restarted rank
+    joins the running job (HSPMD_JOIN=1) and the survivors take it back."""
     out, err = stdout or sys.stdout, stderr or sys.stderr
     store = _host_store(port) if elastic else None
     port = store.port if store is not None else port or free_port()
@@ -86,7 +97,11 @@ def launch(
         # Pumps (threads) start only after every Popen: preexec_fn is not safe once threads run.
         pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
         if not stop.signal:
-            failed = _wait_elastic(ranks, stop, store, err) if store is not None else _wait_for_end(ranks, stop)
+            if store is not None:
+                restart = _Restarter(command, nprocs, backend, port, max_restarts, out, err, ranks, pumps)
+                failed = _wait_elastic(ranks, stop, store, err, restart)
+            else:
+                failed = _wait_for_end(ranks, stop)
     except KeyboardInterrupt:
         stop.signal = "SIGINT"
     finally:
@@ -117,7 +132,8 @@ def _host_store(port: int | None):
     return TCPStore(LOOPBACK, port or 0, is_master=True, wait_for_workers=False)
 
 
-def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int, elastic: bool = False) -> _Rank:
+def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int, elastic: bool = False,
+                joining: bool = False) -> _Rank:
     env = dict(os.environ)
     # Like torchrun: one intra-op thread per rank unless the user says otherwise, so N ranks on
     # few cores do not oversubscribe them (4 ranks on 2 cores were ~25x slower without it).
@@ -126,10 +142,13 @@ def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, po
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
         HSPMD_BACKEND=backend, PYTHONUNBUFFERED="1", HSPMD_ELASTIC="1" if elastic else "0",
+        HSPMD_JOIN="1" if joining else "0",
     )
+    # A restart happens while the pump threads run, when preexec_fn is unsafe: that process goes
+    # without the die-with-parent signal (the launcher still stops it on every exit path).
     process = subprocess.Popen(
         list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, preexec_fn=_die_with_parent,
+        start_new_session=True, preexec_fn=None if joining else _die_with_parent,
     )
     return _Rank(rank, process)
 
@@ -189,22 +208,59 @@ def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest") -> list[_Rank]:
     return []
 
 
-def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str]) -> list[_Rank]:
-    """Announce every rank that exits non-zero as dead (hspmd.runtime.elastic.announce_death) and
-    keep going while any rank runs. Returns [] if some rank finished, else the failed ranks, the last
-    to fail first (the survivors' own error, e.g. a weight that no living rank holds)."""
-    from hspmd.runtime.membership import announce_death, killed_note  # torch only for elastic jobs, like _host_store
+class _Restarter:
+    """Restarts dead ranks' slots (up to `budget` in all) as joining processes."""
+
+    def __init__(self, command, nprocs, backend, port, budget, out, err, ranks, pumps):
+        self.command, self.nprocs, self.backend, self.port = command, nprocs, backend, port
+        self.budget, self.out, self.err, self.ranks, self.pumps = budget, out, err, ranks, pumps
+
+    def __call__(self, rank: int) -> _Rank | None:
+        if self.budget <= 0:
+            return None
+        self.budget -= 1
+        fresh = _start_rank(rank, self.command, self.nprocs, self.backend, self.port, elastic=True, joining=True)
+        self.ranks.append(fresh)
+        self.pumps.extend(_start_pumps(fresh, self.out, self.err))
+        return fresh
+
+
+def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str], restart: _Restarter) -> list[_Rank]:
+    """Announce every rank that exits non-zero as dead (hspmd.runtime.membership.announce_death),
+    restart its slot while the budget lasts (the new process says when it is ready; then a new
+    generation takes it back), and keep going while any rank runs. Returns [] if some rank
+    finished, else the failed ranks, the last to fail first (the survivors' own error, e.g. a
+    weight that no living rank holds)."""
+    from hspmd.runtime.membership import announce_death, killed_note, ready_key  # torch only for elastic jobs
 
     dead: list[_Rank] = []
+    dead_ranks: set[int] = set()
+    joining: dict[int, _Rank] = {}
     while not stop.signal:
         codes = [r.process.poll() for r in ranks]
         newly = [r for r, code in zip(ranks, codes) if code not in (None, 0) and r not in dead]
         if newly:
             dead += newly
-            generation = announce_death(store, [r.rank for r in dead])
+            dead_ranks |= {r.rank for r in newly}
+            for r in newly:
+                joining.pop(r.rank, None)
+            generation = announce_death(store, sorted(dead_ranks))
             where = "".join(f"; rank {r.rank} killed itself at {note}" for r in newly if (note := killed_note(store, r.rank)))
             err.write(f"hspmd run: rank(s) {[r.rank for r in newly]} died ({_describe(newly[0].process.returncode)}{where}); "
                       f"survivors continue as generation {generation}\n")
+            err.flush()
+            for r in newly:
+                if any(s.rank != r.rank and s.process.poll() is None for s in ranks) and (fresh := restart(r.rank)):
+                    joining[r.rank] = fresh
+                    err.write(f"hspmd run: restarted rank {r.rank} ({restart.budget} restart(s) left); it joins when ready\n")
+        ready = [rank for rank in joining if store.check([ready_key(rank)])]
+        if ready:
+            for rank in ready:
+                store.delete_key(ready_key(rank))
+                del joining[rank]
+                dead_ranks.discard(rank)
+            generation = announce_death(store, sorted(dead_ranks), joined=ready)
+            err.write(f"hspmd run: rank(s) {ready} joined the job as generation {generation}\n")
             err.flush()
         if all(code is not None for code in codes):
             return [] if any(code == 0 for code in codes) else dead[::-1]

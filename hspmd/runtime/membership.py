@@ -26,6 +26,7 @@ from hspmd.errors import HSPMDError
 
 GENERATION_KEY = "elastic/generation"
 ELASTIC_ENV = "HSPMD_ELASTIC"
+JOIN_ENV = "HSPMD_JOIN"  # set by the launcher on a restarted rank (--max-restarts)
 HISTORY = 4
 _POLL_S = 0.02
 
@@ -34,9 +35,19 @@ def dead_key(generation: int) -> str:
     return f"elastic/dead/{generation}"
 
 
-def announce_death(store: dist.Store, dead: Sequence[int]) -> int:
-    """The authority's side: start the next generation without `dead` (all ranks dead so far)."""
+def joined_key(generation: int) -> str:
+    return f"elastic/joined/{generation}"
+
+
+def ready_key(rank: int) -> str:
+    return f"elastic/ready/{rank}"
+
+
+def announce_death(store: dist.Store, dead: Sequence[int], joined: Sequence[int] = ()) -> int:
+    """The authority's side: start the next generation without `dead` (all ranks dead so far);
+    `joined`: ranks that are back as fresh processes with no state (they receive their pieces)."""
     generation = int(store.add(GENERATION_KEY, 0)) + 1
+    store.set(joined_key(generation), json.dumps(sorted(set(joined))))
     store.set(dead_key(generation), json.dumps(sorted(set(dead))))
     store.add(GENERATION_KEY, 1)
     return generation
@@ -66,15 +77,28 @@ class Membership:
     """One rank's view of the living ranks of an elastic job, and a backend over them."""
 
     def __init__(self, rank: int, world_size: int, host: str, port: int, timeout: float = 300.0,
-                 rendezvous_timeout: float = 60.0):
+                 rendezvous_timeout: float = 60.0, joining: bool = False):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         connect = dict(is_master=False, timeout=timedelta(seconds=rendezvous_timeout))
         self.store = dist.TCPStore(host, port, **connect)
         self._watch_store = dist.TCPStore(host, port, **connect)  # the watcher's own connection
-        self.generation, self.dead = 0, frozenset()
-        self.backend = GenerationBackend(self.store, 0, range(world_size), rank, world_size, timeout)
+        self.generation, self.dead, self.joined, self.rejoined = 0, frozenset(), frozenset(), frozenset()
+        self.joining = joining
+        if joining:
+            # a restarted process: say it is ready, then wait for the generation that takes it back
+            start = int(self.store.add(GENERATION_KEY, 0))
+            self.store.set(ready_key(rank), "1")
+            self._await_generation(start, 300.0, "the launcher never took this restarted rank back")
+            self.backend = GenerationBackend(self.store, self.generation, self.alive, rank, world_size, timeout)
+        else:
+            self.backend = GenerationBackend(self.store, 0, range(world_size), rank, world_size, timeout)
         self._closed = False
         threading.Thread(target=self._watch, daemon=True, name="hspmd-membership").start()
+
+    @property
+    def original(self) -> tuple[int, ...]:
+        """Living ranks that never restarted (they hold the job's whole history, e.g. for reports)."""
+        return tuple(r for r in self.alive if r not in self.rejoined)
 
     @staticmethod
     def from_env(timeout: float = 300.0) -> "Membership":
@@ -84,7 +108,7 @@ class Membership:
             raise HSPMDError("Membership.from_env(): start the script with `hspmd run -n N --elastic script.py` "
                              f"(missing: {', '.join(missing) or ELASTIC_ENV + '=1'})")
         return Membership(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
-                          int(os.environ["MASTER_PORT"]), timeout)
+                          int(os.environ["MASTER_PORT"]), timeout, joining=os.environ.get(JOIN_ENV) == "1")
 
     @property
     def alive(self) -> tuple[int, ...]:
@@ -104,22 +128,27 @@ class Membership:
     def next_generation(self, deadline_s: float = 60.0) -> GenerationBackend:
         """After a failure: wait for the authority to announce the next generation (a death is
         announced within a poll of the launcher), then form its groups among the living ranks."""
+        self.backend.abort()
+        self._await_generation(self.generation, deadline_s, "a collective failed but no rank death was announced; "
+                                                            "is the job running under `hspmd run --elastic`?")
+        self.backend = GenerationBackend(self.store, self.generation, self.alive, self.rank, self.world_size, self.timeout)
+        return self.backend
+
+    def _await_generation(self, after: int, deadline_s: float, why: str) -> None:
         end = time.monotonic() + deadline_s
         while True:
             announced = int(self.store.add(GENERATION_KEY, 0))
-            if announced > self.generation:
+            if announced > after:
                 break
             if time.monotonic() > end:
-                raise HSPMDError(f"rank {self.rank}: a collective failed but no rank death was announced within "
-                                 f"{deadline_s:g}s; is the job running under `hspmd run --elastic`?")
+                raise HSPMDError(f"rank {self.rank}: {why} (waited {deadline_s:g}s)")
             time.sleep(_POLL_S)
-        self.backend.abort()
         self.generation = announced
         self.dead = frozenset(json.loads(self.store.get(dead_key(announced))))
+        self.joined = frozenset(json.loads(self.store.get(joined_key(announced))))
+        self.rejoined |= self.joined
         if self.rank in self.dead:
             raise HSPMDError(f"rank {self.rank} was declared dead by the launcher (generation {announced})")
-        self.backend = GenerationBackend(self.store, announced, self.alive, self.rank, self.world_size, self.timeout)
-        return self.backend
 
     def agree(self, name: str, value: int) -> list[int]:
         """Every living rank's `value` of `name` in this generation (a store round, no collective,
@@ -138,4 +167,4 @@ class Membership:
         self._closed = True
 
 
-__all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "dead_key", "is_elastic", "killed_at", "killed_key", "killed_note"]
+__all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "JOIN_ENV", "dead_key", "is_elastic", "joined_key", "ready_key", "killed_at", "killed_key", "killed_note"]
