@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hspmd.errors import HSPMDError, ReplicaMismatch, ShapeError
+from hspmd.errors import CheckpointError, HSPMDError, ReplicaMismatch
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.checkpoint import CheckpointReader
+from hspmd.runtime.checkpoint import CheckpointReader, save_checkpoint
 from hspmd.backends.local import run_on_devices
 from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
@@ -93,10 +93,10 @@ def test_checkpoint_reader_errors_name_the_file_and_the_fix(tmp_path):
     with pytest.raises(HSPMDError, match="not an hspmd checkpoint"):
         CheckpointReader(plain)
     tagged = tmp_path / "tagged.safetensors"
-    save_file({"embed": torch.zeros(2, 2)}, str(tagged), metadata={"hspmd.step": "3", "hspmd.graph": "llama"})
+    save_checkpoint(tagged, {"embed": torch.zeros(2, 2)}, 3, "llama")
     reader = CheckpointReader(tagged)
     assert reader.step == 3
-    with pytest.raises(ShapeError, match=r"embed has shape \(2, 2\), the model expects \(16, 16\)"):
+    with pytest.raises(CheckpointError, match=r"'embed' has shape \(2, 2\), the model expects \(16, 16\)"):
         reader("embed", ((0, 16), (0, 16)), (16, 16))
     with pytest.raises(HSPMDError, match="no tensor 'lm_head'.*different model"):
         reader("lm_head", ((0, 16), (0, 16)), (16, 16))

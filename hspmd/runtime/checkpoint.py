@@ -9,25 +9,39 @@ Gathering follows `hspmd.unshard`: the writing rank receives every holder's piec
 included, and checks that replicas agree (a diverged data-parallel replica fails the save rather
 than being silently dropped). The writing rank therefore holds the whole model and receives each
 replica once: fine for small models; a large model would write per-rank shard files instead.
+
+Integrity (schema "hspmd.checkpoint" version 1): the metadata holds the schema version, the step
+and a sha256 per tensor (hspmd.runtime.integrity); every tensor a rank reads is verified whole
+before it is cut, so a flipped byte, a truncated file, another model's file or a negative step is a
+CheckpointError naming the file and the tensor. Files are written with integrity.atomic_write
+(fsync of the file and its directory before and after the rename; stale temporaries removed).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Callable, Mapping, Sequence
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hspmd.annotations import box_shape, device_pieces, unshard
-from hspmd.errors import HSPMDError, ShapeError
+from hspmd.errors import CheckpointError, HSPMDError, ShapeError
+from hspmd.limits import brief
 from hspmd.ir.graph import Graph, Node, Tensor
 from hspmd.backends.backend import Backend
+from hspmd.runtime.integrity import CHECKSUM, atomic_write, tensor_checksum
 from hspmd.specialize.executable import ExecutableGraph, live_nodes, run_time_ratios
 
 STEP_KEY = "hspmd.step"
 GRAPH_KEY = "hspmd.graph"
+SCHEMA_KEY = "hspmd.schema"
+SCHEMA = "hspmd.checkpoint/1"
+CHECKSUM_PREFIX = f"hspmd.{CHECKSUM}."
+HEADER_CHECKSUM_KEY = f"hspmd.header.{CHECKSUM}"
 
 
 def checkpoint_leaves(graph: Graph) -> list[Node]:
@@ -73,7 +87,7 @@ def cut_leaves(exe: ExecutableGraph, read: Callable[[str, tuple, tuple[int, ...]
         box = exe.box(node.output, exe.binding)
         piece = read(node.name, box, exe.binding.shape(node.output.shape, node.name))
         if piece.dtype != node.output.dtype:
-            raise ShapeError(f"checkpoint tensor {node.name} is {piece.dtype}, the model expects {node.output.dtype}")
+            raise CheckpointError(f"checkpoint tensor {node.name} is {piece.dtype}, the model expects {node.output.dtype}")
         out[node.name] = piece.clone()
     return out
 
@@ -92,44 +106,104 @@ def cut_from_tensors(tensors: Mapping[str, torch.Tensor]) -> Callable[[str, tupl
     return read
 
 
+def checkpoint_metadata(tensors: Mapping[str, torch.Tensor], step: int, graph_name: str = "") -> dict[str, str]:
+    """The metadata of a checkpoint of `tensors`: schema, step, graph name, one checksum per tensor."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"a checkpoint's step must be a non-negative integer, got {brief(step)}")
+    metadata = {SCHEMA_KEY: SCHEMA, STEP_KEY: str(step), GRAPH_KEY: str(graph_name)}
+    metadata.update({CHECKSUM_PREFIX + name: tensor_checksum(t) for name, t in tensors.items()})
+    metadata[HEADER_CHECKSUM_KEY] = _header_checksum(metadata)
+    return metadata
+
+
+def _header_checksum(metadata: Mapping[str, str]) -> str:
+    """sha256 of every other metadata entry (step, graph, schema, tensor checksums)."""
+    entries = sorted((k, v) for k, v in metadata.items() if k != HEADER_CHECKSUM_KEY)
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
 def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], step: int, graph_name: str = "") -> None:
-    """Write whole tensors and the step count (atomically: a crash never leaves half a file)."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={STEP_KEY: str(step), GRAPH_KEY: graph_name})
-    os.replace(tmp, path)
+    """Write whole tensors, the step count and per-tensor checksums (atomic and durable:
+    integrity.atomic_write)."""
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    metadata = checkpoint_metadata(tensors, step, graph_name)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def read_step(metadata: Mapping[str, str], path: str) -> int:
+    """The step count of a checkpoint's metadata (ASCII digits, non-negative)."""
+    text = metadata.get(STEP_KEY)
+    if text is None:
+        raise CheckpointError(f"{path} is not an hspmd checkpoint (its metadata has no {STEP_KEY!r})")
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        raise CheckpointError(f"checkpoint {path}: step {brief(text)} is not a non-negative integer; the file is damaged")
+    return int(text)
 
 
 class CheckpointReader:
-    """Reads slices of a checkpoint without loading whole tensors."""
+    """Reads slices of a checkpoint. A checksum covers a whole tensor, so each read loads the whole
+    tensor, verifies it and returns the slice (peak memory: the largest tensor, not the model)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
-            raise HSPMDError(f"checkpoint {self.path!r} does not exist (train without --resume first, or fix the path)")
-        self._file = safe_open(self.path, framework="pt")
-        metadata = self._file.metadata() or {}
-        if STEP_KEY not in metadata:
-            raise HSPMDError(f"{self.path} is not an hspmd checkpoint (its metadata has no {STEP_KEY!r})")
-        self.step = int(metadata[STEP_KEY])
+            raise CheckpointError(f"checkpoint {self.path!r} does not exist (train without --resume first, or fix the path)")
+        try:
+            self._file = safe_open(self.path, framework="pt")
+            metadata = self._file.metadata() or {}
+            self.names = set(self._file.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {self.path} cannot be read (truncated or not a safetensors file): {exc}") from None
+        schema = metadata.get(SCHEMA_KEY)
+        if schema is None and STEP_KEY not in metadata:
+            raise CheckpointError(f"{self.path} is not an hspmd checkpoint (its metadata has no {SCHEMA_KEY!r})")
+        if schema != SCHEMA:
+            found = "none (an older hspmd, without checksums)" if schema is None else brief(schema)
+            raise CheckpointError(f"checkpoint {self.path} has schema {found}; this hspmd reads {SCHEMA!r}")
+        self.step = read_step(metadata, self.path)
         self.graph_name = metadata.get(GRAPH_KEY, "")
-        self.names = set(self._file.keys())
+        self._checksums = {k[len(CHECKSUM_PREFIX):]: v for k, v in metadata.items() if k.startswith(CHECKSUM_PREFIX)}
+        unsummed = sorted(self.names - set(self._checksums))
+        if unsummed:
+            raise CheckpointError(f"checkpoint {self.path}: tensor {unsummed[0]!r} has no {CHECKSUM} in the metadata")
+        if metadata.get(HEADER_CHECKSUM_KEY) != _header_checksum(metadata):
+            raise CheckpointError(f"checkpoint {self.path}: the metadata (step, graph, checksums) does not match its "
+                                  f"{CHECKSUM}: the file is corrupted")
 
-    def __call__(self, name: str, box: tuple, shape: tuple[int, ...]) -> torch.Tensor:
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`, checked against its checksum."""
         if name not in self.names:
-            raise HSPMDError(
-                f"checkpoint {self.path} has no tensor {name!r}: it was written for a different model "
+            raise CheckpointError(
+                f"checkpoint {self.path} has no tensor {brief(name)}: it was written for a different model "
                 f"(graph {self.graph_name!r}); load a checkpoint of this model's configuration"
             )
-        view = self._file.get_slice(name)
-        stored = tuple(view.get_shape())
-        if stored != tuple(shape):
-            raise ShapeError(f"checkpoint {self.path}: {name} has shape {stored}, the model expects {tuple(shape)}")
+        try:
+            value = self._file.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} cannot be read: {exc}") from None
+        if tensor_checksum(value) != self._checksums[name]:
+            raise CheckpointError(
+                f"checkpoint {self.path}: tensor {name!r} does not match its {CHECKSUM}: the file is corrupted; "
+                f"restore it or load an older checkpoint"
+            )
+        return value
+
+    def verify(self) -> None:
+        """Check every tensor of the file (a reader otherwise checks only what it reads)."""
+        for name in sorted(self.names):
+            self.tensor(name)
+
+    def __call__(self, name: str, box: tuple, shape: tuple[int, ...]) -> torch.Tensor:
+        value = self.tensor(name)
+        if tuple(value.shape) != tuple(shape):
+            raise CheckpointError(
+                f"checkpoint {self.path}: tensor {name!r} has shape {tuple(value.shape)}, the model expects "
+                f"{tuple(shape)}: it was written for a different model configuration"
+            )
         if not box:
-            return self._file.get_tensor(name)
-        return view[tuple(slice(a, b) for a, b in box)]
+            return value
+        return value[tuple(slice(a, b) for a, b in box)]
 
 
-__all__ = ["CheckpointReader", "checkpoint_leaves", "cut_from_tensors", "cut_leaves", "gather_leaves", "gather_whole",
-           "save_checkpoint"]
+__all__ = ["CheckpointReader", "SCHEMA", "checkpoint_leaves", "checkpoint_metadata", "cut_from_tensors", "cut_leaves",
+           "gather_leaves", "gather_whole", "read_step", "save_checkpoint"]
