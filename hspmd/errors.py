@@ -65,3 +65,7 @@ def closest_hint(word: str, options: Sequence[str]) -> str:
     if close:
         return f"did you mean {close[0]!r}?"
     return "valid: " + ", ".join(repr(o) for o in options)
+
+
+class CheckpointError(HSPMDError):
+    """A checkpoint is missing, corrupted, truncated, of another model or schema; names file and tensor."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import reprlib
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -30,7 +31,6 @@ from safetensors.torch import save_file
 
 from hspmd.annotations import box_shape, device_pieces, unshard
 from hspmd.errors import CheckpointError, HSPMDError, ShapeError
-from hspmd.limits import brief
 from hspmd.ir.graph import Graph, Node, Tensor
 from hspmd.backends.backend import Backend
 from hspmd.runtime.integrity import CHECKSUM, atomic_write, tensor_checksum
@@ -109,7 +109,8 @@ def cut_from_tensors(tensors: Mapping[str, torch.Tensor]) -> Callable[[str, tupl
 def checkpoint_metadata(tensors: Mapping[str, torch.Tensor], step: int, graph_name: str = "") -> dict[str, str]:
     """The metadata of a checkpoint of `tensors`: schema, step, graph name, one checksum per tensor."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"a checkpoint's step must be a non-negative integer, got {brief(step)}")
+        shown = step if isinstance(step, int) and not isinstance(step, bool) and step.bit_length() < 64 else type(step).__name__
+        raise CheckpointError(f"a checkpoint's step must be a non-negative integer, got {shown}")
     metadata = {SCHEMA_KEY: SCHEMA, STEP_KEY: str(step), GRAPH_KEY: str(graph_name)}
     metadata.update({CHECKSUM_PREFIX + name: tensor_checksum(t) for name, t in tensors.items()})
     metadata[HEADER_CHECKSUM_KEY] = _header_checksum(metadata)
@@ -136,7 +137,7 @@ def read_step(metadata: Mapping[str, str], path: str) -> int:
     if text is None:
         raise CheckpointError(f"{path} is not an hspmd checkpoint (its metadata has no {STEP_KEY!r})")
     if not (text.isascii() and text.isdigit()) or len(text) > 18:
-        raise CheckpointError(f"checkpoint {path}: step {brief(text)} is not a non-negative integer; the file is damaged")
+        raise CheckpointError(f"checkpoint {path}: step {reprlib.repr(text)} is not a non-negative integer; the file is damaged")
     return int(text)
 
 
@@ -158,7 +159,7 @@ class CheckpointReader:
         if schema is None and STEP_KEY not in metadata:
             raise CheckpointError(f"{self.path} is not an hspmd checkpoint (its metadata has no {SCHEMA_KEY!r})")
         if schema != SCHEMA:
-            found = "none (an older hspmd, without checksums)" if schema is None else brief(schema)
+            found = "none (an older hspmd, without checksums)" if schema is None else reprlib.repr(schema)
             raise CheckpointError(f"checkpoint {self.path} has schema {found}; this hspmd reads {SCHEMA!r}")
         self.step = read_step(metadata, self.path)
         self.graph_name = metadata.get(GRAPH_KEY, "")
@@ -174,7 +175,7 @@ class CheckpointReader:
         """The whole tensor `name`, checked against its checksum."""
         if name not in self.names:
             raise CheckpointError(
-                f"checkpoint {self.path} has no tensor {brief(name)}: it was written for a different model "
+                f"checkpoint {self.path} has no tensor {reprlib.repr(name)}: it was written for a different model "
                 f"(graph {self.graph_name!r}); load a checkpoint of this model's configuration"
             )
         try:
