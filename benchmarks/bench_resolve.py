@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 
-from hspmd.comm_resolve import Topology, resolve
+from hspmd.cluster import nvlink_ib
+from hspmd.comm_resolve import resolve
 from hspmd.comm_resolve.fused import required_bytes, resolve_many, send_lower_bound
 from hspmd.comm_resolve.render import bytes_text, seconds_text
 
@@ -75,7 +76,7 @@ def parameters():
 
 
 def main() -> None:
-    topology = Topology.nvlink_ib(4, 8)
+    topology = nvlink_ib(4, 8)
     moves = [(annotation(C1, layer, dim), annotation(C2, layer, dim), shape) for _, shape, layer, dim in parameters()]
     changed = sum(src != dst for src, dst, _ in moves)
 

@@ -37,10 +37,11 @@ __all__ += [
 ]
 
 # Hierarchical communication resolution and plan execution (issue 3).
-from hspmd.comm_resolve import FusedPlan, Plan, Topology, resolve, resolve_many
+from hspmd.cluster import ClusterSpec, parse_cluster
+from hspmd.comm_resolve import FusedPlan, Plan, resolve, resolve_many
 from hspmd.backends.plan_executor import run_plan
 
-__all__ += ["FusedPlan", "Plan", "Topology", "resolve", "resolve_many", "run_plan"]
+__all__ += ["ClusterSpec", "FusedPlan", "Plan", "parse_cluster", "resolve", "resolve_many", "run_plan"]
 
 # Distributed runtime (issue 5) and strategy switching.
 from hspmd.runtime.batches import MicroBatchLayout

@@ -7,7 +7,6 @@ from hypothesis import given, settings, strategies as st
 
 from hspmd.cluster import ClusterSpec, LinkClass, Node, cluster_from_yaml, cluster_to_yaml, load_cluster, parse_cluster
 from hspmd.cluster.presets import PRESETS, uniform
-from hspmd.comm_resolve.topology import Topology
 from hspmd.errors import ClusterError, HSPMDError
 
 
@@ -36,15 +35,26 @@ def test_heterosim_sites_have_their_own_fabric():
     assert c.link(0, 8).name == "roce-200g" and c.link(64, 72).name == "ib-400g" and c.link(0, 64).name == "roce-200g"
 
 
-@pytest.mark.parametrize("text", ["2x4", "1x3", "nvlink-ib:4x8", "h800-h20:2+4", "h800-h20:1+2x4"])
-def test_generic_shapes_match_the_resolver_topology_exactly(text):
-    cluster, topology = parse_cluster(text), Topology.parse(text)
-    assert cluster.n_devices == topology.n_devices
+@pytest.mark.parametrize("text, intra, inter", [
+    ("2x4", ["intra-node"], "inter-node"), ("1x3", ["intra-node"], "inter-node"),
+    ("nvlink-ib:4x8", ["nvlink"], "infiniband"), ("h800-h20:2+4", ["nvlink-h800"] * 2 + ["nvlink-h20"] * 4, "roce"),
+    ("h800-h20:1+2x4", ["nvlink-h800", "nvlink-h20", "nvlink-h20"], "roce"),
+])
+def test_generic_shapes_keep_the_resolvers_link_classes(text, intra, inter):
+    """The shapes the resolver's --topology has always accepted: a node's own link inside it,
+    one inter-node link between nodes (same names and figures as before the ClusterSpec)."""
+    cluster = parse_cluster(text)
+    figures = {"intra-node": (100e9, 5e-6), "inter-node": (12.5e9, 10e-6), "nvlink": (300e9, 3e-6),
+               "infiniband": (50e9, 6e-6), "nvlink-h800": (200e9, 3e-6), "nvlink-h20": (450e9, 3e-6), "roce": (25e9, 8e-6)}
+    intra = intra * len(cluster.nodes) if len(intra) == 1 else intra
     for a in range(cluster.n_devices):
         for b in range(cluster.n_devices):
-            mine, theirs = cluster.link(a, b), topology.link(a, b)
-            assert (mine.name, mine.bandwidth, mine.latency) == (theirs.name, theirs.bandwidth, theirs.latency)
-            assert cluster.alpha_beta(a, b) == (theirs.latency, theirs.bandwidth)
+            if a == b:
+                continue
+            na, nb = cluster.node_of(a), cluster.node_of(b)
+            link = cluster.link(a, b)
+            assert link.name == (intra[na] if na == nb else inter)
+            assert (link.bandwidth, link.latency) == figures[link.name]
 
 
 def test_pair_override_and_self_link():

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from hspmd import device_pieces, parse, resolve, resolve_many, run_plan, shard, unshard
 from hspmd.annotations import box_intersection
-from hspmd.comm_resolve import Topology
+from hspmd.cluster import uniform
+from hspmd.cluster.presets import GENERIC_INTER
 from hspmd.comm_resolve.fused import required_bytes, send_lower_bound
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.verify import check_plan, peak_elements
@@ -30,7 +31,7 @@ def test_figure8_sender_choices():
     """Rows 0-1 go to GPU1, which owns them (local copy); rows 1-2 to GPU8: owned by GPU1, GPU2 and
     GPU9, and GPU9 shares GPU8's node (faster link); rows 2-3 and 3-4 to GPU0, owned by GPU1 and GPU2
     on GPU0's node (equal bandwidth): GPU1 sends the first, then GPU2, the less loaded, the second."""
-    plan = resolve(FIGURE8_SRC, FIGURE8_DST, (4, 3), Topology.nodes(2, 8))
+    plan = resolve(FIGURE8_SRC, FIGURE8_DST, (4, 3), uniform(2, 8))
     check_plan(plan)
     assert plan.primitives == ("BatchedSendRecv",)
     assert senders_of(plan, 1) == {(0, 1): 1}
@@ -41,7 +42,7 @@ def test_figure8_sender_choices():
 
 
 def test_a_slow_pair_link_moves_the_choice_to_another_owner():
-    slow = Topology.nodes(2, 8).with_pairs({(2, 0): Topology.nodes(1, 2).inter})
+    slow = uniform(2, 8).with_pairs({(2, 0): GENERIC_INTER})
     plan = resolve(FIGURE8_SRC, FIGURE8_DST, (4, 3), slow)
     assert senders_of(plan, 0) == {(2, 4): 1}  # both slices from GPU1, merged into one box
 

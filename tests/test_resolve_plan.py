@@ -7,54 +7,56 @@ import json
 import pytest
 import torch
 
-from hspmd import Plan, Topology, resolve
+from hspmd import Plan, parse_cluster, resolve
+from hspmd.cluster import cluster_from_dict, cluster_to_dict, uniform
+from hspmd.cluster.presets import GENERIC_INTER, INFINIBAND, NVLINK
 from hspmd.cli import main as cli_main
 from hspmd.comm_resolve.explain import main as explain_main
-from hspmd.comm_resolve.topology import INFINIBAND, NVLINK
-from hspmd.errors import AnnotationError, ShapeError
+from hspmd.errors import AnnotationError, ClusterError, ShapeError
 from hspmd.backends.local import run_on_devices
 from hspmd.backends.plan_executor import execute_plan
 
 
 def test_topology_presets_and_text():
-    t = Topology.parse("2x4")
-    assert t == Topology.nodes(2, 4) and t.n_devices == 8 and t.node_of(5) == 1
+    t = parse_cluster("2x4")
+    assert t == uniform(2, 4) and t.n_devices == 8 and t.node_of(5) == 1
     assert t.link(0, 3).name == "intra-node" and t.link(3, 4).name == "inter-node" and t.link(2, 2).name == "local"
     assert t.bandwidth(0, 1) > t.bandwidth(0, 7)
-    ib = Topology.parse("nvlink-ib:4x8")
+    ib = parse_cluster("nvlink-ib:4x8")
     assert ib.link(8, 15) == NVLINK and ib.link(7, 8) == INFINIBAND and ib.n_devices == 32
-    mixed = Topology.parse("h800-h20:1+1x2")
+    mixed = parse_cluster("h800-h20:1+1x2")
     assert [mixed.link(0, 1).name, mixed.link(2, 3).name, mixed.link(1, 2).name] == ["nvlink-h800", "nvlink-h20", "roce"]
     assert mixed.bandwidth(2, 3) > mixed.bandwidth(0, 1) > mixed.bandwidth(1, 2)
     custom = t.with_pairs({(5, 1): NVLINK})
-    assert custom.link(1, 5) == NVLINK and Topology.from_dict(custom.to_dict()) == custom
+    assert custom.link(1, 5) == NVLINK and cluster_from_dict(cluster_to_dict(custom)) == custom
+    assert resolve("S0:2@[1,5]", "@[1]", (4,), custom).bytes_by_link == {"nvlink": 8}
 
 
 @pytest.mark.parametrize("text", ["2x", "fat-tree", "h800-h20:2"])
 def test_unknown_topologies_are_errors(text):
-    with pytest.raises(AnnotationError, match="unknown topology"):
-        Topology.parse(text)
+    with pytest.raises(ClusterError, match="unknown cluster"):
+        resolve("@[0]", "@[0]", (1,), text)
 
 
 def test_ring_allgather_traffic_and_time():
     """4 members, 2 floats each: every member sends the 3 chunks but its successor's (24 B);
     on 2 nodes of 2 the ring 0-1-2-3-0 crosses nodes twice."""
-    topo = Topology.nodes(2, 2)
+    topo = uniform(2, 2)
     plan = resolve("S0:4@[0-3]", "D:4@[0-3]", (8,), topo)
     assert plan.primitives == ("AllGather",)
     assert plan.bytes_sent == {d: 24 for d in range(4)} == plan.bytes_received
     assert plan.bytes_by_link == {"inter-node": 48, "intra-node": 48}
-    expected = 3 * topo.inter.latency + 24 / topo.inter.bandwidth
+    expected = 3 * GENERIC_INTER.latency + 24 / GENERIC_INTER.bandwidth
     assert plan.estimated_seconds == pytest.approx(expected)
 
 
 def test_allreduce_and_sendrecv_traffic():
     ar = resolve("P:2@[0,1]", "D:2@[0,1]", (8,), dtype="float64")
     assert ar.bytes_sent == {0: 64, 1: 64}
-    topo = Topology.nodes(2, 2)
+    topo = uniform(2, 2)
     sr = resolve("S0:2@[0,1]", "S0:2@[2,3]", (8,), topo)
     assert sr.bytes_sent == {0: 16, 1: 16, 2: 0, 3: 0} and sr.bytes_by_link == {"inter-node": 32}
-    assert sr.estimated_seconds == pytest.approx(topo.inter.latency + 16 / topo.inter.bandwidth)
+    assert sr.estimated_seconds == pytest.approx(GENERIC_INTER.latency + 16 / GENERIC_INTER.bandwidth)
 
 
 def test_phases_of_different_subgroups_overlap_in_the_estimate():
@@ -117,7 +119,7 @@ def test_explain_prints_a_readable_plan_through_the_hspmd_command(capsys):
         (["S0:2@[0,1]", "@[0]", "--shape", "4,x"], "comma-separated integers"),
         (["S0:2@[0,1]", "@[0]"], "--shape"),
         (["P:2@[0,1]", "@[2]", "--shape", "4", "--strict"], "partial sums"),
-        (["S0:2@[0,9]", "@[0]", "--shape", "4", "--topology", "1x4"], "not in topology"),
+        (["S0:2@[0,9]", "@[0]", "--shape", "4", "--topology", "1x4"], "not in cluster"),
     ],
 )
 def test_explain_errors_exit_2_with_a_message_and_no_traceback(argv, words, capsys):

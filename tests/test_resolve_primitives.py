@@ -13,7 +13,7 @@ import torch
 
 from hspmd import resolve
 from hspmd.comm_resolve.verify import check_plan
-from hspmd.errors import AnnotationError, ShapeError, UnsupportedReshard
+from hspmd.errors import AnnotationError, ClusterError, ShapeError, UnsupportedReshard
 from hspmd.backends.plan_executor import reshard_tensor
 
 
@@ -180,7 +180,7 @@ def test_impossible_reshards_raise_clear_errors(src, dst, shape, error, words):
 
 
 def test_devices_outside_the_topology_and_unknown_dtypes_are_errors():
-    with pytest.raises(AnnotationError, match="device 9 is not in topology 2x4"):
+    with pytest.raises(ClusterError, match="device 9 is not in cluster 2x4"):
         resolve("S0:2@[0,9]", "@[0]", (4,), "2x4")
     with pytest.raises(ShapeError, match="unknown dtype"):
         resolve("S0:2@[0,1]", "@[0]", (4,), dtype="float13")

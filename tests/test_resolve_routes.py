@@ -11,7 +11,7 @@ from hspmd import parse, resolve
 from hspmd.annotations import box_intersection, device_pieces
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.backends.plan_executor import reshard_tensor
-from hspmd.comm_resolve import Link, Topology
+from hspmd.cluster import LinkClass, uniform
 from hspmd.comm_resolve.compare import alternatives, chosen_route
 from hspmd.comm_resolve.explain import main as explain_main
 from hspmd.errors import UnsupportedReshard
@@ -19,7 +19,7 @@ from hspmd.errors import UnsupportedReshard
 # 002 App. E: two clusters of 16 devices, one stage each; d_inner * (c t) = 16 per stage, d1 != d2
 DEGREES = (1, 2, 4, 8, 16)
 COMBOS = [(d1, d2) for d1, d2 in itertools.product(DEGREES, DEGREES) if d1 != d2]
-CLUSTERS = Topology.nodes(2, 16)  # "inter-node" is the slow cross-cluster link here
+CLUSTERS = uniform(2, 16)  # "inter-node" is the slow cross-cluster link here
 SHAPE = (16, 64, 4)  # [b', s, h]
 
 
@@ -87,7 +87,7 @@ def test_consecutive_allgathers_merge_when_cheaper():
 
 def test_hierarchical_kept_when_the_merge_costs_more():
     # one slow pair on the merged ring (3 -> 0); the per-subgroup gathers and the SplitAllGather avoid it
-    slow = Topology.nodes(1, 4, intra=Link("fast", 100e9, 1e-6)).with_pairs({(0, 3): Link("slow", 1e9, 1e-6)})
+    slow = uniform(1, 4, intra=LinkClass("fast", 100e9, 1e-6)).with_pairs({(0, 3): LinkClass("slow", 1e9, 1e-6)})
     src, dst, shape = MERGE[0], MERGE[1], (1024, 256)
     alts = alternatives(src, dst, shape, slow)
     plan = resolve(src, dst, shape, slow)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hspmd import parse, resolve_many, run_plan, shard, unshard
-from hspmd.comm_resolve import Topology
+from hspmd.cluster import nvlink_ib
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.errors import HSPMDError, WeightLost
 from hspmd.models.llama import LlamaConfig, llama_annotations
@@ -14,7 +14,7 @@ from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.switching import plan_layout_switch, recover_strategy
 
 TINY = LlamaConfig(layers=60, hidden=8, ffn=16, vocab=8, heads=2)
-NVLINK_IB = Topology.nvlink_ib(4, 8)
+NVLINK_IB = nvlink_ib(4, 8)
 
 
 def _c1_to_c2_layouts(config, failed=(31,)):

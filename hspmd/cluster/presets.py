@@ -8,7 +8,7 @@
     heterosim-a100-h100   004 Table 2 level H3 at 128 GPUs: 8 A100 nodes (NVLink 3, RoCE 200 Gb/s)
                           + 8 H100 nodes (NVLink 4, IB 400 Gb/s); RoCE between the two
     NxM / nvlink-ib:NxM / h800-h20:A+B[xM]
-                          the shapes comm_resolve's Topology parses, with the same link classes
+                          the shapes the resolver has always accepted, with the same link classes
                           (names, bandwidths, latencies), so plans and costs do not change.
 
 Paper figures: NVLink rates in 003 Table 3 are both directions together (400 GB/s = 200 GB/s per

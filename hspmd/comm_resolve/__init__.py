@@ -3,9 +3,9 @@
 from hspmd.comm_resolve.plan import PRIMITIVES, Collective, FusedPlan, Plan, Step, TensorMove, Transfer
 from hspmd.comm_resolve.resolver import resolve
 from hspmd.comm_resolve.fused import resolve_many
-from hspmd.comm_resolve.topology import Link, Topology
+from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
 
 __all__ = [
-    "PRIMITIVES", "Collective", "FusedPlan", "Link", "Plan", "Step", "TensorMove", "Topology", "Transfer", "resolve",
+    "PRIMITIVES", "ClusterSpec", "Collective", "FusedPlan", "Plan", "Step", "TensorMove", "Transfer", "cluster_for", "resolve",
     "resolve_many",
 ]

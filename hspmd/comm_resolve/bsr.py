@@ -31,7 +31,7 @@ from hspmd.annotations import Annotation, Box, device_pieces
 from hspmd.comm_resolve.cost import itemsize_of
 from hspmd.comm_resolve.plan import Transfer
 from hspmd.comm_resolve.slices import Cell, Grid, box_contains, box_volume
-from hspmd.comm_resolve.topology import Topology
+from hspmd.comm_resolve.topology import ClusterSpec
 from hspmd.errors import CommunicationError
 
 
@@ -95,7 +95,7 @@ def unowned_boxes(fam: TensorSlices) -> list[Box]:
 
 
 def plan_transfers(
-    families: Sequence[TensorSlices], topology: Topology, itemsize: int | Sequence[int], *, heuristics: bool = True
+    families: Sequence[TensorSlices], topology: ClusterSpec, itemsize: int | Sequence[int], *, heuristics: bool = True
 ) -> tuple[Transfer, ...]:
     """The fused messages (and local copies) that deliver every family's needs, families scanned
     in the order given (the load balance of rule 3 depends on it); `itemsize` is one size or one
@@ -145,7 +145,7 @@ def plan_transfers(
 
 
 def demand_by_owner_set(
-    families: Sequence[TensorSlices], itemsize: int | Sequence[int], topology: Topology | None = None
+    families: Sequence[TensorSlices], itemsize: int | Sequence[int], topology: ClusterSpec | None = None
 ) -> dict[frozenset, int]:
     """Bytes that must cross a link, grouped by the set of devices able to send them (with a
     topology: only the owners on the fastest link to the receiver, the ones rule 2 keeps)."""
@@ -168,7 +168,7 @@ def demand_by_owner_set(
 
 
 def max_send_lower_bound(
-    families: Sequence[TensorSlices], itemsize: int | Sequence[int], topology: Topology | None = None
+    families: Sequence[TensorSlices], itemsize: int | Sequence[int], topology: ClusterSpec | None = None
 ) -> int:
     """The least possible maximum of per-device send bytes, even splitting slices freely among
     their owners (with a topology: among their fastest owners): the smallest cap T for which a

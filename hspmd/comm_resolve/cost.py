@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from hspmd.comm_resolve.slices import box_volume
-from hspmd.comm_resolve.topology import Topology
+from hspmd.comm_resolve.topology import ClusterSpec
 from hspmd.errors import ShapeError
 
 DTYPE_SIZES = {
@@ -47,7 +47,7 @@ class Traffic:
     sent_by_link: dict[tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
     busy: dict[int, float] = field(default_factory=lambda: defaultdict(float))
 
-    def edge(self, topology: Topology, a: int, b: int, nbytes: int) -> None:
+    def edge(self, topology: ClusterSpec, a: int, b: int, nbytes: int) -> None:
         if a == b or nbytes <= 0:
             return
         self.sent[a] += nbytes
@@ -61,7 +61,7 @@ class Traffic:
         return max(self.busy.values(), default=0.0)
 
 
-def collective_traffic(traffic: Traffic, topology: Topology, itemsize: int, kind: str, devices, box, parts) -> None:
+def collective_traffic(traffic: Traffic, topology: ClusterSpec, itemsize: int, kind: str, devices, box, parts) -> None:
     """Add one ring collective's edge bytes and its duration to every member's busy time."""
     n = len(devices)
     if n < 2:
@@ -96,7 +96,7 @@ def itemsize_of(itemsize: "int | Sequence[int]") -> Callable[[int], int]:
     return lambda tensor: sizes[tensor]
 
 
-def transfer_traffic(traffic: Traffic, topology: Topology, itemsize, transfers: Iterable) -> None:
+def transfer_traffic(traffic: Traffic, topology: ClusterSpec, itemsize, transfers: Iterable) -> None:
     """Add messages; each device is busy for the larger of its send and its receive time.
     `itemsize`: bytes per element, or a sequence of them indexed by a box's tensor number."""
     sizes = itemsize_of(itemsize)

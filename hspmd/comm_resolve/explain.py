@@ -16,9 +16,8 @@ JSON schema ("schema": "hspmd.plan/1"; device ids as JSON object keys are string
       "schema": "hspmd.plan/1",
       "src": "HP{S1:4@[0-3] | S1:2@[4,5]}", "dst": "...", "shape": [8, 6],
       "dtype": "float32", "itemsize": 4,
-      "topology": {"name": "2x4", "node_sizes": [4, 4],
-                   "intra": [{"name", "bandwidth" (bytes/s), "latency" (s)}, ...],
-                   "inter": {...}, "pairs": [{"devices": [a, b], "name", "bandwidth", "latency"}]},
+      "topology": {...},                     the ClusterSpec, as hspmd.cluster.cluster_to_dict writes it
+                                              (the YAML cluster format: nodes, device types, links)
       "steps": [
         {"primitive": "SplitAllReduce",        one of Identity, LocalSplit, SendRecv, AllReduce,
                                                 ReduceScatter, AllGather, SplitAllReduce,
@@ -71,7 +70,8 @@ def _parser() -> _Parser:
     p.add_argument("src", help="source annotation, e.g. 'HP{S1:4@[0-3] | S1:2@[4,5]}'")
     p.add_argument("dst", help="destination annotation")
     p.add_argument("--shape", type=_ints, required=True, help="global tensor shape, e.g. 8,6")
-    p.add_argument("--topology", default=None, help="cluster, e.g. 2x4, nvlink-ib:4x8, h800-h20:2+4 (default: one node)")
+    p.add_argument("--topology", default=None, help="cluster: a preset (hetu-h800-h20, hapt-a100-v100, heterosim-a100-h100), 2x4, "
+                   "nvlink-ib:4x8, h800-h20:2+4 or a cluster .yaml file (default: one node)")
     p.add_argument("--dtype", default="float32", help="element type for byte counts (default float32)")
     p.add_argument("--src-ratios", type=_ints, default=None, help="run-time top-tier ratios of SRC, e.g. 2,1")
     p.add_argument("--dst-ratios", type=_ints, default=None, help="run-time top-tier ratios of DST")

@@ -31,7 +31,7 @@ from hspmd.comm_resolve.cost import dtype_name
 from hspmd.comm_resolve.plan import FusedPlan, TensorMove
 from hspmd.comm_resolve.resolver import bind_ratios, concrete_shape
 from hspmd.comm_resolve.slices import box_volume
-from hspmd.comm_resolve.topology import Topology, default_topology
+from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
 from hspmd.comm_resolve.render import box_text
 from hspmd.errors import HSPMDError, ShapeError, UnsupportedReshard, WeightLost
 
@@ -113,7 +113,7 @@ def scan_order(moves: Sequence[TensorMove], order: str) -> list[int]:
 
 def resolve_many(
     moves: Iterable,
-    topology: Topology | str | None = None,
+    topology: ClusterSpec | str | None = None,
     *,
     dtype: object = "float32",
     failed: Iterable[int] = (),
@@ -128,8 +128,7 @@ def resolve_many(
     moves = tensor_moves(moves, dtype)
     failed = frozenset(failed)
     devices = {d for m in moves for d in m.src.devices + m.dst.devices}
-    topology = default_topology(devices) if topology is None else Topology.parse(topology)
-    topology.check_devices(sorted(devices), "fused reshard")
+    topology = cluster_for(topology, devices, "fused reshard")
     fams = families(moves, failed)
     if failed:
         _check_failed(moves, fams, failed)

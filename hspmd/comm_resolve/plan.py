@@ -30,7 +30,8 @@ from hspmd.annotations import Annotation, Box, parse
 from hspmd.comm_resolve.cost import DTYPE_SIZES, Traffic, collective_traffic, transfer_traffic
 from hspmd.comm_resolve.render import fused_plan_text, plan_text
 from hspmd.comm_resolve.slices import box_volume
-from hspmd.comm_resolve.topology import Topology
+from hspmd.cluster import cluster_from_dict, cluster_to_dict
+from hspmd.comm_resolve.topology import ClusterSpec
 from hspmd.errors import ShapeError
 
 PRIMITIVES = (
@@ -122,7 +123,7 @@ class Step:
     def messages(self) -> int:
         return sum(1 for t in self.transfers if t.src != t.dst)
 
-    def traffic(self, topology: Topology, itemsize: int) -> Traffic:
+    def traffic(self, topology: ClusterSpec, itemsize: int) -> Traffic:
         traffic = Traffic()
         for c in self.collectives:
             collective_traffic(traffic, topology, itemsize, c.kind, c.devices, c.box, c.parts)
@@ -220,7 +221,7 @@ class Plan(_Stats):
     dst: Annotation
     shape: tuple[int, ...]
     steps: tuple[Step, ...]
-    topology: Topology
+    topology: ClusterSpec
     dtype: str = "float32"
 
     @cached_property
@@ -262,7 +263,7 @@ class Plan(_Stats):
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA, "src": str(self.src), "dst": str(self.dst), "shape": list(self.shape),
-            "dtype": self.dtype, "itemsize": self.itemsize, "topology": self.topology.to_dict(),
+            "dtype": self.dtype, "itemsize": self.itemsize, "topology": cluster_to_dict(self.topology),
             "steps": [
                 {**s.to_dict(), "bytes": b, "estimated_seconds": t}
                 for s, b, t in zip(self.steps, self.step_bytes(), self.step_seconds())
@@ -274,7 +275,7 @@ class Plan(_Stats):
     def from_dict(cls, d: Mapping) -> "Plan":
         return cls(
             parse(d["src"]), parse(d["dst"]), tuple(d["shape"]), tuple(Step.from_dict(s) for s in d["steps"]),
-            Topology.from_dict(d["topology"]), d.get("dtype", "float32"),
+            cluster_from_dict(d["topology"]), d.get("dtype", "float32"),
         )
 
     @classmethod
@@ -303,7 +304,7 @@ class FusedPlan(_Stats):
 
     moves: tuple[TensorMove, ...]
     transfers: tuple[Transfer, ...]
-    topology: Topology
+    topology: ClusterSpec
     failed: tuple[int, ...] = ()
 
     @property
@@ -351,7 +352,7 @@ class FusedPlan(_Stats):
 
     def to_dict(self) -> dict:
         return {
-            "schema": FUSED_SCHEMA, "dtype": self.dtype, "topology": self.topology.to_dict(),
+            "schema": FUSED_SCHEMA, "dtype": self.dtype, "topology": cluster_to_dict(self.topology),
             "tensors": [{"src": str(m.src), "dst": str(m.dst), "shape": list(m.shape), "dtype": m.dtype}
                         for m in self.moves],
             "steps": [{"primitive": "BatchedSendRecv", "groups": [[t.src, t.dst] for t in self.transfers if t.src != t.dst],
@@ -367,7 +368,7 @@ class FusedPlan(_Stats):
         moves = tuple(TensorMove(parse(m["src"]), parse(m["dst"]), tuple(m["shape"]), m.get("dtype", default))
                       for m in d["tensors"])
         transfers = tuple(Transfer.from_dict(t) for t in d["steps"][0]["transfers"])
-        return cls(moves, transfers, Topology.from_dict(d["topology"]), tuple(d.get("failed", ())))
+        return cls(moves, transfers, cluster_from_dict(d["topology"]), tuple(d.get("failed", ())))
 
     @classmethod
     def from_json(cls, text: str) -> "FusedPlan":

@@ -46,7 +46,7 @@ from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.split_collectives import split_step
-from hspmd.comm_resolve.topology import Topology, default_topology
+from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
 from hspmd.errors import CommunicationError, ShapeError, UnsupportedReshard
 
 
@@ -57,7 +57,7 @@ class _Reshard:
     src: Annotation
     dst: Annotation
     shape: tuple[int, ...]
-    topology: Topology
+    topology: ClusterSpec
     itemsize: int
     reduce_partial: bool
 
@@ -99,7 +99,7 @@ def resolve(
     src: Annotation | str,
     dst: Annotation | str,
     shape: Sequence[int],
-    topology: Topology | str | None = None,
+    topology: ClusterSpec | str | None = None,
     *,
     dtype: object = "float32",
     src_ratios: Sequence[int] | None = None,
@@ -109,7 +109,7 @@ def resolve(
 ) -> Plan:
     """The communication plan turning a tensor of `shape` laid out as `src` into `dst`.
 
-    A pure function of its arguments. `topology` (a Topology or text such as "2x4") defaults to one
+    A pure function of its arguments. `topology` (a ClusterSpec or text such as "2x4", see topology.py) defaults to one
     node holding every device; `dtype` sets the element size for byte counts and time estimates;
     `src_ratios` / `dst_ratios` bind top-tier ratios left to run time (`H0{...}`). A Partial
     source with no collective path is reduced in place first; `reduce_partial=False` raises
@@ -119,9 +119,7 @@ def resolve(
     src = bind_ratios(parse(src), src_ratios, "source", "src_ratios")
     dst = bind_ratios(parse(dst), dst_ratios, "destination", "dst_ratios")
     shape = concrete_shape(shape, src, dst)
-    devices = set(src.devices) | set(dst.devices)
-    topology = default_topology(devices) if topology is None else Topology.parse(topology)
-    topology.check_devices(sorted(devices), f"reshard {src} -> {dst}")
+    topology = cluster_for(topology, set(src.devices) | set(dst.devices), f"reshard {src} -> {dst}")
     name = dtype_name(dtype)
     ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial)
     if via is not None:

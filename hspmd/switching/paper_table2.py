@@ -15,7 +15,9 @@ tensor planned alone, the smallest-rank owner sends: the paper's baseline).
 
 from __future__ import annotations
 
-from hspmd.comm_resolve import Topology, resolve_many
+from hspmd.cluster import nvlink_ib
+from hspmd.cluster.presets import NVLINK
+from hspmd.comm_resolve import resolve_many
 from hspmd.models.llama import LlamaConfig, llama_annotations
 from hspmd.planning.model import ModelSpec, model_named
 from hspmd.specialize.paper_strategies import paper_strategy
@@ -25,7 +27,7 @@ from hspmd.switching.switch import plan_layout_switch
 BYTES_PER_PARAMETER = 6
 MB = 2**30 / 1000
 FAILED = (31,)
-TOPOLOGY = Topology.nvlink_ib(4, 8)
+TOPOLOGY = nvlink_ib(4, 8)
 
 # sender rank: (NVLink MB, InfiniBand MB), as printed in 003 Table 2
 PAPER = {
@@ -53,7 +55,7 @@ def table2_layouts(model: ModelSpec | str = "llama-32b-hetu") -> dict[str, tuple
     return {name: (before[name], after[name], shape) for name, shape in config.parameter_shapes().items()}
 
 
-def sender_volumes(plans, topology: Topology = TOPOLOGY) -> dict[int, tuple[float, float]]:
+def sender_volumes(plans) -> dict[int, tuple[float, float]]:
     """{sender: (NVLink MB, InfiniBand MB)} summed over `plans`, at BYTES_PER_PARAMETER."""
     out: dict[int, list[float]] = {}
     for plan in plans:
@@ -61,7 +63,7 @@ def sender_volumes(plans, topology: Topology = TOPOLOGY) -> dict[int, tuple[floa
         for device, links in plan.bytes_sent_by_link.items():
             row = out.setdefault(device, [0.0, 0.0])
             for link, n in links.items():
-                row[link != topology.intra[0].name] += n * scale
+                row[link != NVLINK.name] += n * scale
     return {d: (nv, ib) for d, (nv, ib) in sorted(out.items())}
 
 
