@@ -205,10 +205,10 @@ def wait_for_a_peer_that_never_comes(backend: Backend) -> None:
 
 @pytest.mark.multiprocess
 def test_a_raising_rank_fails_the_job_with_its_traceback():
-    start = time.monotonic()
+    # the job's limit (60 s) is far below the collective timeout (300 s): had rank 0 waited for its
+    # peer's collective to time out, the job would end with a timeout error, not rank 1's own
     with pytest.raises(HSPMDError) as info:
-        run_multiprocess(raise_on_rank_one, 2, timeout=60, comm_timeout=30)
-    assert time.monotonic() - start < 30
+        run_multiprocess(raise_on_rank_one, 2, timeout=60, comm_timeout=300)
     message = str(info.value)
     assert message.startswith("rank 1 failed")
     assert "ValueError: rank one cannot go on" in message
@@ -217,10 +217,9 @@ def test_a_raising_rank_fails_the_job_with_its_traceback():
 
 @pytest.mark.multiprocess
 def test_a_collective_nobody_joins_times_out_with_a_communication_error():
-    start = time.monotonic()
+    # the collective timeout (1 s) must fire well before the job's limit (60 s), whose error differs
     with pytest.raises(HSPMDError) as info:
         run_multiprocess(wait_for_a_peer_that_never_comes, 2, timeout=60, comm_timeout=1)
-    assert time.monotonic() - start < 30
     message = str(info.value)
     assert message.startswith("rank 0 failed")
     assert "CommunicationError: all_reduce on group [0, 1] failed on rank 0" in message

@@ -98,7 +98,8 @@ def test_a_failing_rank_stops_the_job_shows_its_error_and_leaves_no_process(tmp_
     assert "[rank 1] RuntimeError: rank one exploded on purpose" in err
     assert "rank 1 exited with exit code 1" in err
     assert err.rstrip().endswith("RuntimeError: rank one exploded on purpose")  # repeated in the summary
-    assert elapsed < 10, f"job took {elapsed:.1f}s to stop"
+    # a hang detector, not a timing: without the SIGKILL after the 1 s grace, rank 2 sleeps 300 s
+    assert elapsed < 150, f"job took {elapsed:.1f}s to stop: rank 2 was not killed after the grace period"
     recorded = [int((pids / name).read_text()) for name in ("rank0", "rank1", "rank2", "grandchild")]
     assert not [pid for pid in recorded if alive(pid)]
 
@@ -112,7 +113,7 @@ def test_interrupting_the_launcher_stops_every_rank(tmp_path):
     proc = hspmd_run("-n", "2", str(script), str(pids))
     wait_for_files(pids, ["rank0", "rank1", "grandchild"])
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=150)  # the ranks sleep 300 s unless they are stopped
     assert proc.returncode == 130
     assert "interrupted" in err
     recorded = [int((pids / name).read_text()) for name in ("rank0", "rank1", "grandchild")]
