@@ -148,7 +148,7 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
     kind = "vocab" if vocab_parallel else "replicated"
     out = {"tokens": act[0], "labels": act[last], "embed": embedding_annotation(strategy, kind),
            "embed.out": resid[0], "final_norm": lm_head_annotation(strategy, "replicated"), "final.in": act[last],
-           "logits.out": act[last]}
+           "logits.out": act[last], "positions": act[0], "segments": act[0]}
     head = lm_head_annotation(strategy, kind)
     if config.tie_embeddings:
         out["lm_head.tied"] = _moved_split(head, 1, 0)
@@ -166,6 +166,8 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
         for name in NORMS:
             out[p + name] = param_annotation(strategy, l, "replicated")
         out[p + "attn.in"] = act[l]
+        out[p + "positions"] = act[l]
+        out[p + "segments"] = act[l]
         out[p + "mlp.in"] = act[l]
         out[p + "attn.out"] = resid[l]
         out[p + "mlp.out"] = resid[l]
@@ -187,6 +189,8 @@ class LlamaGraph:
     seq: sympy.Symbol
     tokens_per_step: sympy.Symbol
     logits: Tensor | None = None
+    positions: Tensor | None = None
+    segments: Tensor | None = None
 
 
 def _annotations_per_strategy(strategies: Sequence[object], config: LlamaConfig, sequence_parallel, vocab_parallel):
@@ -199,9 +203,14 @@ def _annotations_per_strategy(strategies: Sequence[object], config: LlamaConfig,
 
 def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Optimizer | None = None,
                 sequence_parallel: bool = False, vocab_parallel: bool = True,
-                compute_dtype: torch.dtype = torch.float32) -> LlamaGraph:
+                compute_dtype: torch.dtype = torch.float32, packed: bool = False) -> LlamaGraph:
     """The training graph of the model: loss = sum of token cross-entropies / T (T = tokens per
     step, a run-time symbol, so micro-batches and pipelines of any sizes add up to the mean).
+    Labels equal to IGNORE_INDEX (padding) count for nothing.
+
+    packed: rows hold several sequences back to back; two more placeholders, `positions` (each
+    token's index in its own sequence, for RoPE) and `segments` (which sequence of the row it
+    belongs to, for the block-diagonal causal mask), both [B, S] integers, reach every layer.
 
     strategies: one entry per strategy, a Strategy or an explicit {node name: annotation} map.
     optimizer: default AdamW(lr=1e-3), with ZeRO-1 if a strategy asks for it.
@@ -228,12 +237,19 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
 
     tokens = placeholder(g, "tokens", (B, S), torch.int64, annotation=ann("tokens"))
     labels = placeholder(g, "labels", (B, S), torch.int64, annotation=ann("labels"))
+    positions = segments = pos = seg = None
+    if packed:
+        positions = placeholder(g, "positions", (B, S), torch.int64, annotation=ann("positions"))
+        segments = placeholder(g, "segments", (B, S), torch.int64, annotation=ann("segments"))
     table = param("embed", (config.vocab, h))
     x = comm(embedding(tokens, table), ann("embed.out"), name="embed.out")
     for l in range(config.layers):
         p = f"layers.{l}."
         with g.scope(f"layers.{l}"):
             a = comm(rmsnorm(x, param(p + "attn_norm", (h,), ones()), config.eps), ann(p + "attn.in"), name=p + "attn.in")
+            if packed:
+                pos = reshape(comm(positions, ann(p + "positions"), name=p + "positions"), (B, S, 1, 1))
+                seg = reshape(comm(segments, ann(p + "segments"), name=p + "segments"), (B, 1, S, 1))
 
             def heads(w, count):
                 return reshape(matmul(a, param(p + w, (h, count * hd))), (B, S, count, hd))
@@ -244,10 +260,10 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
                     return t
                 return comm(repeat_interleave(t, nh // kvh, 2), ann(p + name), name=p + name)
 
-            q = transpose(rotary(heads("wq", nh), 1, config.rope_base, config.rope_scaling), 1, 2)
-            k = transpose(shared(rotary(heads("wk", kvh), 1, config.rope_base, config.rope_scaling), "k.heads"), 1, 2)
+            q = transpose(rotary(heads("wq", nh), 1, config.rope_base, config.rope_scaling, pos), 1, 2)
+            k = transpose(shared(rotary(heads("wk", kvh), 1, config.rope_base, config.rope_scaling, pos), "k.heads"), 1, 2)
             v = transpose(shared(heads("wv", kvh), "v.heads"), 1, 2)
-            o = reshape(transpose(causal_attention(q, k, v), 1, 2), (B, S, nh * hd))
+            o = reshape(transpose(causal_attention(q, k, v, seg), 1, 2), (B, S, nh * hd))
             x = x + comm(matmul(o, param(p + "wo", (nh * hd, h))), ann(p + "attn.out"), name=p + "attn.out")
             m = comm(rmsnorm(x, param(p + "mlp_norm", (h,), ones()), config.eps), ann(p + "mlp.in"), name=p + "mlp.in")
             ff = swiglu(matmul(m, param(p + "w_gate", (h, config.ffn))), matmul(m, param(p + "w_up", (h, config.ffn))))
@@ -263,7 +279,7 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
     loss = scale(cross_entropy(logits, labels, reduction="sum"), sympy.Integer(1) / T)
     zero = any(getattr(s, "zero", False) for s in strategies)
     (optimizer or AdamW(lr=1e-3, zero=zero)).minimize(loss)
-    return LlamaGraph(g, tokens, labels, loss, config, B, S, T, logits)
+    return LlamaGraph(g, tokens, labels, loss, config, B, S, T, logits, positions, segments)
 
 
 __all__ = ["LlamaConfig", "LlamaGraph", "RopeScaling", "build_llama", "llama_annotations"]

@@ -83,22 +83,34 @@ def reference_loss(params: dict[str, torch.Tensor], tokens: torch.Tensor, labels
     return loss / (tokens_per_step or tokens.numel())
 
 
+def reference_sequences_loss(params: dict[str, torch.Tensor], samples, layers: int, heads: int, **kw):
+    """Token-weighted loss of separate sequences [(tokens, labels) 1-D pairs], each run alone:
+    the sum of every token's cross-entropy over the total token count."""
+    total = sum(len(t) for t, _ in samples)
+    return sum(reference_loss(params, t[None], y[None], layers, heads, tokens_per_step=total, **kw) for t, y in samples)
+
+
 def reference_training(params: dict[str, torch.Tensor], batches, layers: int, heads: int, steps: int,
                        lr: float, betas=(0.9, 0.999), eps_adam: float = 1e-8, weight_decay: float = 0.0,
                        rope_scaling: dict | None = None, compute_dtype: torch.dtype = torch.float32):
-    """Train with torch.optim.AdamW; `batches(step)` gives (tokens, labels) of the whole step.
+    """Train with torch.optim.AdamW; `batches(step)` gives (tokens, labels) of the whole step, or a
+    list of separate (tokens, labels) sequences (token-weighted, see reference_sequences_loss).
     Returns per step (loss, {name: grad}) and the final parameters."""
     ps = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     opt = torch.optim.AdamW(list(ps.values()), lr=lr, betas=betas, eps=eps_adam, weight_decay=weight_decay)
     history = []
     for step in range(steps):
-        tokens, labels = batches(step)
+        batch = batches(step)
         opt.zero_grad()
-        loss = reference_loss(ps, tokens, labels, layers, heads, rope_scaling=rope_scaling, compute_dtype=compute_dtype)
+        if isinstance(batch, list):
+            loss = reference_sequences_loss(ps, batch, layers, heads, rope_scaling=rope_scaling, compute_dtype=compute_dtype)
+        else:
+            loss = reference_loss(ps, batch[0], batch[1], layers, heads, rope_scaling=rope_scaling,
+                                  compute_dtype=compute_dtype)
         loss.backward()
         history.append((loss.item(), {k: v.grad.clone() for k, v in ps.items()}))
         opt.step()
     return history, {k: v.detach().clone() for k, v in ps.items()}
 
 
-__all__ = ["reference_logits", "reference_loss", "reference_training"]
+__all__ = ["reference_logits", "reference_loss", "reference_sequences_loss", "reference_training"]

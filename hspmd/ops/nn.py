@@ -233,25 +233,36 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, base: float, dtype,
 
 def _rotary(inputs, attrs, ctx):
     x = inputs[0]
-    seq_dim = attrs["seq_dim"]
-    start = ctx.in_box(0)[seq_dim][0]
     scaling = RopeScaling(*attrs["scaling"]) if attrs.get("scaling") else None
-    cos, sin = rotary_tables(torch.arange(start, start + x.shape[seq_dim], device=x.device), x.shape[-1], attrs["base"], x.dtype,
-                             scaling)
-    view = [1] * x.dim()
-    view[seq_dim], view[-1] = x.shape[seq_dim], x.shape[-1]
-    cos, sin = cos.reshape(view), sin.reshape(view)
+    if len(inputs) == 2:
+        # packed rows: positions given per token (restarting at each sequence), shaped like x but 1 on the head dims
+        inv = rope_inverse_frequencies(x.shape[-1], attrs["base"], scaling).to(x.device)
+        angles = inputs[1].to(torch.float64) * inv
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    else:
+        seq_dim = attrs["seq_dim"]
+        start = ctx.in_box(0)[seq_dim][0]
+        cos, sin = rotary_tables(torch.arange(start, start + x.shape[seq_dim], device=x.device), x.shape[-1], attrs["base"],
+                                 x.dtype, scaling)
+        view = [1] * x.dim()
+        view[seq_dim], view[-1] = x.shape[seq_dim], x.shape[-1]
+        cos, sin = cos.reshape(view), sin.reshape(view)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
 def _causal_attention(inputs, attrs, ctx):
-    q, k, v = inputs
+    q, k, v = inputs[:3]
     scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     s = q.shape[-2]
-    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(mask, float("-inf"))
+    hidden = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    if len(inputs) == 4:
+        # packed rows: a token sees only earlier tokens of its own sequence (block-diagonal causal)
+        ids = inputs[3][..., 0]
+        hidden = hidden | (ids.unsqueeze(-1) != ids.unsqueeze(-2))
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
@@ -260,6 +271,8 @@ RMS_NORMALIZE = Fused("rms_normalize", _rms_normalize, whole_dims=(-1,))
 LAYER_NORMALIZE = Fused("layer_normalize", _layer_normalize, whole_dims=(-1,))
 ROTARY = Fused("rotary", _rotary, whole_dims=(-1,), linear=True)
 CAUSAL_ATTENTION = Fused("causal_attention", _causal_attention, whole_dims=(-2, -1), diff_inputs=(0, 1, 2))
+PACKED_ROTARY = Fused("packed_rotary", _rotary, whole_dims=(-1,))
+PACKED_ATTENTION = Fused("packed_attention", _causal_attention, whole_dims=(-2, -1), diff_inputs=(0, 1, 2))
 
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
@@ -277,24 +290,45 @@ def layernorm(x: Tensor, weight: Tensor, bias: Tensor | None = None, eps: float 
     return add(y, bias) if bias is not None else y
 
 
-def rotary(x: Tensor, seq_dim: int = 1, base: float = 10000.0, scaling: RopeScaling | None = None) -> Tensor:
-    """Rotary position embedding (rotate-half form) of x[..., head_dim]; positions are global,
-    so a sequence split along `seq_dim` stays exact. `scaling` rescales the frequencies."""
+def rotary(x: Tensor, seq_dim: int = 1, base: float = 10000.0, scaling: RopeScaling | None = None,
+           positions: Tensor | None = None) -> Tensor:
+    """Rotary position embedding (rotate-half form) of x[..., head_dim]; `scaling` rescales the
+    frequencies. Without `positions`, a token's position is its global index along `seq_dim`, so
+    a sequence split stays exact. With `positions` (integers shaped like x with size 1 on its head
+    dims, e.g. [batch, seq, 1, 1]), each token takes its own: packed rows restart them at every
+    sequence."""
     seq_dim = normalize_dim(seq_dim, x.ndim, "rotary")
     if isinstance(x.shape[-1], int) and x.shape[-1] % 2:
         raise ShapeError(f"rotary: head dim {x.shape[-1]} of {x.name} must be even")
-    return make(ROTARY, [x], [(x.shape, x.dtype)], attrs={"seq_dim": seq_dim, "base": base,
-                                                                  "scaling": astuple(scaling) if scaling else None}).output
+    attrs = {"seq_dim": seq_dim, "base": base, "scaling": astuple(scaling) if scaling else None}
+    if positions is None:
+        return make(ROTARY, [x], [(x.shape, x.dtype)], attrs=attrs).output
+    _check_token_map("rotary", "positions", positions, x, keep=range(x.ndim - 2))
+    return make(PACKED_ROTARY, [x, positions], [(x.shape, x.dtype)], attrs=attrs).output
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def _check_token_map(op: str, what: str, t: Tensor, like: Tensor, keep) -> None:
+    """`t` must be an integer tensor shaped like `like` on the dims in `keep` and 1 elsewhere."""
+    want = tuple(d if i in keep else 1 for i, d in enumerate(like.shape))
+    if t.dtype not in (torch.int64, torch.int32) or t.ndim != like.ndim or \
+            not all(same_dim(a, b) for a, b in zip(t.shape, want)):
+        raise ShapeError(f"{op}: {what} {t.name} must be an integer tensor of shape {format_shape(want)}, "
+                         f"got {format_shape(t.shape)} {t.dtype}")
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, segments: Tensor | None = None) -> Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v on [batch, heads, seq, head_dim]; batch and heads
-    may be split, the sequence and head dims must be whole on each device."""
+    may be split, the sequence and head dims must be whole on each device. `segments`
+    ([batch, 1, seq, 1] integers) marks which sequence of a packed row each token belongs to: the
+    mask is then block-diagonal causal, no token attending across a sequence boundary."""
     for t in (k, v):
         if t.ndim != 4 or q.ndim != 4 or not all(same_dim(a, b) for a, b in zip(q.shape, t.shape)):
             raise ShapeError(f"causal_attention: q {format_shape(q.shape)}, k/v {format_shape(t.shape)} must be "
                              f"equal [batch, heads, seq, head_dim]")
-    return make(CAUSAL_ATTENTION, [q, k, v], [(q.shape, q.dtype)]).output
+    if segments is None:
+        return make(CAUSAL_ATTENTION, [q, k, v], [(q.shape, q.dtype)]).output
+    _check_token_map("causal_attention", "segments", segments, q, keep=(0, 2))
+    return make(PACKED_ATTENTION, [q, k, v, segments], [(q.shape, q.dtype)]).output
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -304,8 +338,12 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 # ---------------------------------------------------------------- cross entropy
 
 
+IGNORE_INDEX = -100
+
+
 class CrossEntropy(RuleOp):
-    """Sum (or mean over the global token count) of token losses; the class dim must be whole."""
+    """Sum (or mean over the global token count) of token losses; the class dim must be whole.
+    Tokens labelled IGNORE_INDEX (padding) add nothing to the loss or its gradient."""
 
     kind = "cross_entropy"
 
@@ -342,12 +380,15 @@ class CrossEntropy(RuleOp):
         logits, labels = inputs[0], inputs[1]
         flat = logits.reshape(-1, logits.shape[-1])
         if len(inputs) == 2:
-            loss = F.cross_entropy(flat, labels.reshape(-1), reduction="sum") if flat.shape[0] else \
+            loss = F.cross_entropy(flat, labels.reshape(-1), reduction="sum", ignore_index=IGNORE_INDEX) if flat.shape[0] else \
                 torch.zeros((), dtype=logits.dtype, device=logits.device)
             return [loss / self._count(node, ctx)]
         g = inputs[2]
         probs = torch.softmax(flat, dim=-1)
-        probs[torch.arange(flat.shape[0], device=flat.device), labels.reshape(-1)] -= 1
+        ids = labels.reshape(-1)
+        counted = ids != IGNORE_INDEX
+        probs[torch.arange(flat.shape[0], device=flat.device)[counted], ids[counted]] -= 1
+        probs[~counted] = 0
         return [(probs * (g / self._count(node, ctx))).reshape(logits.shape)]
 
     def gradient(self, node, grads):
@@ -377,6 +418,6 @@ def cross_entropy(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Te
 
 
 __all__ = [
-    "RopeScaling", "causal_attention", "cross_entropy", "embedding", "layernorm", "rmsnorm", "rope_inverse_frequencies",
+    "IGNORE_INDEX", "RopeScaling", "causal_attention", "cross_entropy", "embedding", "layernorm", "rmsnorm", "rope_inverse_frequencies",
     "rotary", "rotary_tables", "softmax", "swiglu",
 ]
