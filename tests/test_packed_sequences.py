@@ -18,7 +18,7 @@ from hspmd.runtime.packing import counted_tokens, pack_row, pad_rows
 from hspmd.runtime.run import DeviceState, _execute, run_forward
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
-from hspmd.specialize.specialized import specialize
+from hspmd.specialize.specialized import specialize_graph
 from hspmd.specialize.strategy_text import parse_strategy
 
 LR, STEPS = 1e-3, 2
@@ -49,7 +49,7 @@ def _run(text, steps_rows, lengths_per_step, pad=0):
         total = counted_tokens(seqs[step])
         binding = Binding.of({"B": pipelines, "S": width, "T": total}, ratios=[1] * pipelines)
         if spec is None:
-            spec = specialize(model.graph, 0, binding)
+            spec = specialize_graph(model.graph, 0, binding)
             trainer = InProcessTrainer(spec)
         feeds = []
         for mb in rows:
