@@ -12,14 +12,19 @@ Transcription notes (what the tables do not state literally):
 - Tables 11/12 dispatch sequences to pipelines with a cost model at run time, so their micro-batch
   counts and sizes are run-time (`?x?`); the first pipeline is the long-sequence one. Rows elided
   with '…' are filled in by the evident stride (Table 11 S1: R20-23, R24-27; S2: R16-19 | R20-23).
+  `bind_micro_batches` gives one step's counts and sizes (what dispatch chose) to such a strategy.
 - Table 12 Strategy 1 repeats Table 11 Strategy 2 for a different length band; Table 12 Strategy 2
-  is cut off in the paper text available to the project and is therefore not included.
+  is only named in the text ("MaxSeqLen (0K, 4K] | DP4TP4PP2"): four TP4xPP2 pipelines, ranks laid
+  out pipeline-major (R0-3 | R4-7, R8-11 | R12-15, ...), an assumption the table does not state.
+- Table 10 (HotSPa / Hetu-A) names homogeneous strategies per length interval, "DPxTPyPPz, bs1":
+  transcribed pipeline-major with micro-batch size 1 and run-time counts (`?x1`); the 16K-context
+  rows repeat the 32K context's 4K-16K and 0-4K strategies.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from hspmd.errors import StrategyError, closest_hint
@@ -56,6 +61,10 @@ class PaperStrategy:
 
 
 _LAYERS = {"32B": 60, "70B": 80}
+
+_DP2TP8PP2 = "?x1: R0-7 L0-29 | R8-15 L30-59 ; ?x1: R16-23 L0-29 | R24-31 L30-59"
+_DP4TP4PP2 = ("?x1: R0-3 L0-29 | R4-7 L30-59 ; ?x1: R8-11 L0-29 | R12-15 L30-59 ; "
+              "?x1: R16-19 L0-29 | R20-23 L30-59 ; ?x1: R24-27 L0-29 | R28-31 L30-59")
 
 # (key, table, model, cluster, compact text)
 _TABLE = (
@@ -106,7 +115,23 @@ _TABLE = (
     ("table12_s1", 12, "32B", "32 H20",
      "?x?: R0-7 L0-59 ; ?x?: R8-11 L0-29 | R12-15 L30-59 ; "
      "?x?: R16-19 L0-29 | R20-23 L30-59 ; ?x?: R24-27 L0-29 | R28-31 L30-59"),
+    ("table12_s2", 12, "32B", "32 H20", _DP4TP4PP2.replace("?x1", "?x?")),
+    ("table10_32k_long", 10, "32B", "32 H20", "?x1: R0-15 L0-59 ; ?x1: R16-31 L0-59"),
+    ("table10_32k_mid", 10, "32B", "32 H20", _DP2TP8PP2),
+    ("table10_32k_short", 10, "32B", "32 H20", _DP4TP4PP2),
+    ("table10_16k_mid", 10, "32B", "32 H20", _DP2TP8PP2),
+    ("table10_16k_short", 10, "32B", "32 H20", _DP4TP4PP2),
 )
+
+K = 1024
+# Length intervals (upper bound of the longest sequence in a step, tokens) of each paper pool, in
+# the tables' order: Table 11 (32K context, Hetu-B), Table 12 (16K), Table 10 (HotSPa / Hetu-A).
+PAPER_POOLS: MappingProxyType[str, tuple[tuple[str, int], ...]] = MappingProxyType({
+    "table11": (("table11_s1", 32 * K), ("table11_s2", 16 * K)),
+    "table12": (("table12_s1", 16 * K), ("table12_s2", 4 * K)),
+    "table10_32k": (("table10_32k_long", 32 * K), ("table10_32k_mid", 16 * K), ("table10_32k_short", 4 * K)),
+    "table10_16k": (("table10_16k_mid", 16 * K), ("table10_16k_short", 4 * K)),
+})
 
 
 def _build(key: str, table: int, model: str, cluster: str, text: str) -> PaperStrategy:
@@ -118,6 +143,19 @@ def _build(key: str, table: int, model: str, cluster: str, text: str) -> PaperSt
 PAPER_STRATEGIES: MappingProxyType[str, PaperStrategy] = MappingProxyType(
     {row[0]: _build(*row) for row in _TABLE}
 )
+
+
+def bind_micro_batches(strategy: Strategy, counts, sizes=None) -> Strategy:
+    """`strategy` with each pipeline's micro-batch count (and size, default: the strategy's own,
+    else 1) bound, e.g. to what one step's dispatch chose."""
+    counts = tuple(counts)
+    sizes = tuple(p.micro_batch_size or 1 for p in strategy.pipelines) if sizes is None else tuple(sizes)
+    if len(counts) != strategy.num_pipelines or len(sizes) != strategy.num_pipelines:
+        raise StrategyError(f"strategy {strategy.name or '(unnamed)'} has {strategy.num_pipelines} pipelines: give one "
+                            f"micro-batch count and size each, got counts {counts}, sizes {sizes}")
+    pipelines = tuple(replace(p, micro_batches=c, micro_batch_size=b)
+                      for p, c, b in zip(strategy.pipelines, counts, sizes))
+    return replace(strategy, pipelines=pipelines)
 
 
 def paper_strategy(key: str) -> Strategy:
