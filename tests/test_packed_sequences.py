@@ -87,11 +87,11 @@ def test_packed_op_shapes_checked():
     pos = placeholder(g, "pos", (1, 6, 1, 1), torch.int64)
     out = causal_attention(q, q, q, seg)
     assert out.shape == (1, 2, 6, 4)
-    assert rotary(placeholder(g, "x", (1, 6, 2, 4)), 1, 10000.0, pos).shape == (1, 6, 2, 4)
+    assert rotary(placeholder(g, "x", (1, 6, 2, 4)), 1, 10000.0, positions=pos).shape == (1, 6, 2, 4)
     with pytest.raises(ShapeError, match="segments"):
         causal_attention(q, q, q, placeholder(g, "bad", (1, 6), torch.int64))
     with pytest.raises(ShapeError, match="positions"):
-        rotary(placeholder(g, "y", (1, 6, 2, 4)), 1, 10000.0, placeholder(g, "badpos", (1, 6, 2, 4)))
+        rotary(placeholder(g, "y", (1, 6, 2, 4)), 1, 10000.0, positions=placeholder(g, "badpos", (1, 6, 2, 4)))
 
 
 def test_pack_row_errors_and_layout():
@@ -134,7 +134,7 @@ def test_packed_ops_value_and_gradient_match_torch_per_sequence():
     tpos = placeholder(g, "pos", (1, 8, 1, 1), torch.int64, annotation="@[0]")
     tseg = placeholder(g, "seg", (1, 1, 8, 1), torch.int64, annotation="@[0]")
     tw = placeholder(g, "w", (1, 2, 8, 4), annotation="@[0]")
-    q = O.transpose(O.rotary(tx, 1, 10000.0, tpos), 1, 2)
+    q = O.transpose(O.rotary(tx, 1, 10000.0, positions=tpos), 1, 2)
     y = O.causal_attention(q, q, q, tseg)
     (gx,) = O.gradients(O.reduce_sum(y * tw), [tx])
     exe_feeds = {"x": x, "pos": pos.reshape(1, 8, 1, 1), "seg": seg.reshape(1, 1, 8, 1), "w": w}
