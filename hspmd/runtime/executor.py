@@ -79,7 +79,8 @@ class ScheduleRun:
 
 
 def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, order: Sequence[Action],
-                 feeds: Callable[[int], Mapping[str, torch.Tensor]], binding: Binding | None = None,
+                 feeds: Callable[[int], Mapping[str, torch.Tensor]],
+                 binding: Binding | Callable[[int], Binding] | None = None,
                  tracer: Tracer | None = None) -> ScheduleRun:
     """Run `order` on this device: F(m) runs the forward pass of micro-batch m fed by feeds(m)
     (this device's pieces), B(m) its backward pass; gradients accumulate in `state`. Sends posted
@@ -93,7 +94,7 @@ def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, ord
         m = action.micro_batch
         with tracer.span(str(action), "compute", micro_batch=m) if tracer else nullcontext():
             if action.kind == FORWARD:
-                live[m] = run_forward(exe, sender, state, feeds(m), binding)
+                live[m] = run_forward(exe, sender, state, feeds(m), binding(m) if callable(binding) else binding)
                 peak = max(peak, len(live))
             else:
                 run_backward(exe, sender, state, live.pop(m))

@@ -161,16 +161,52 @@ def run_backward(exe: ExecutableGraph, backend: Backend, state: DeviceState, mb:
     mb.env.clear()
 
 
-def run_update(exe: ExecutableGraph, backend: Backend, state: DeviceState, fetch: Sequence[Tensor] = ()) -> None:
+def run_update(exe: ExecutableGraph, backend: Backend, state: DeviceState, fetch: Sequence[Tensor] = (),
+               carried: Mapping[str, torch.Tensor] | None = None) -> None:
     """Once per step: gradient synchronisation and optimizer updates, then reset accumulators.
-    Fetched update-phase tensors (e.g. synchronised gradients) held here go to state.fetched."""
+    Fetched update-phase tensors (e.g. synchronised gradients) held here go to state.fetched.
+    `carried`: synchronised gradient pieces by parameter name (from sync_gradients before a
+    mid-step switch), added to this step's before the optimizer reads them."""
+    env = sync_gradients(exe, backend, state)
+    if carried:
+        for name, t in exe.graph.gradients.items():
+            if name in carried and t.id in env:
+                env[t.id] = env[t.id] + carried[name]
     state.step += 1
-    env = dict(state.accum)
-    _execute(exe, exe.update, backend, state, env, exe.binding)
+    _execute(exe, [i for i in exe.update if i.node.id not in _synced_ids(exe)], backend, state, env, exe.binding)
     for t in fetch:
         if t.id in env:
             state.fetched[t.name] = env[t.id]
     state.accum.clear()
 
 
-__all__ = ["DeviceState", "MicroBatch", "device_feeds", "run_backward", "run_forward", "run_update"]
+def _synced_ids(exe: ExecutableGraph) -> set[int]:
+    return {t.node.id for t in exe.graph.gradients.values()}
+
+
+def sync_gradients(exe: ExecutableGraph, backend: Backend, state: DeviceState) -> dict[int, torch.Tensor]:
+    """The gradient-synchronisation part of the update alone (HP -> HD): an environment holding
+    the accumulated gradients and, by tensor id, this device's synchronised gradient pieces.
+    A pipeline that ran no micro-batch this step contributes zeros. Every rank runs the same
+    subsequence of its update program, so collectives stay matched."""
+    for t in exe.accumulated:
+        if t.id not in state.accum:
+            state.accum[t.id] = torch.zeros(box_shape(exe.box(t, exe.binding)), dtype=t.dtype, device=backend.device)
+    env = dict(state.accum)
+    synced = _synced_ids(exe)
+    _execute(exe, [i for i in exe.update if i.node.id in synced], backend, state, env, exe.binding)
+    return env
+
+
+def synced_gradients(exe: ExecutableGraph, backend: Backend, state: DeviceState) -> dict[str, torch.Tensor]:
+    """This device's synchronised gradient pieces by parameter name (accumulators then reset):
+    what a mid-step switch carries to the next strategy with the weights."""
+    env = sync_gradients(exe, backend, state)
+    state.accum.clear()
+    return {name: env[t.id] for name, t in exe.graph.gradients.items() if t.id in env}
+
+
+__all__ = [
+    "DeviceState", "MicroBatch", "device_feeds", "run_backward", "run_forward", "run_update", "sync_gradients",
+    "synced_gradients",
+]

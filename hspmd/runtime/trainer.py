@@ -26,7 +26,7 @@ link, which is what keeps the order deadlock-free.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import sympy
 import torch
@@ -45,10 +45,10 @@ from hspmd.runtime.sharded_checkpoint import PendingSave, open_checkpoint, save_
 from hspmd.runtime.trace import Tracer
 from hspmd.specialize.schedules import Schedule, schedule_for
 from hspmd.specialize.executable import run_time_ratios
-from hspmd.runtime.run import DeviceState, run_update
+from hspmd.runtime.run import DeviceState, run_update, synced_gradients
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
 from hspmd.specialize.strategy import Strategy
-from hspmd.switching import execute_switch, plan_switch
+from hspmd.switching import GRADIENT_PREFIX, execute_switch, gradient_leaves, plan_switch, plan_switch_with_gradients
 
 
 def batch_symbol(graph: Graph) -> sympy.Symbol:
@@ -141,6 +141,7 @@ class Trainer:
         self.last_run: ScheduleRun | None = None
         self.tracer: Tracer | None = None  # set one to record this rank's F/B/update events (runtime.trace)
         self.last_switch = None
+        self.carried: dict[str, torch.Tensor] = {}
         backend.prepare_groups(self._groups())
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -179,17 +180,18 @@ class Trainer:
                 raise ShapeError(f"step(): {node.name} has shape {tuple(value.shape)} but its dim 0 must be the global "
                                  f"batch size {expected} ({self.layout})")
 
-    def _piece(self, node: Node, rows: torch.Tensor) -> torch.Tensor:
+    def _piece(self, node: Node, rows: torch.Tensor, binding: Binding | None = None) -> torch.Tensor:
         """This device's piece of a placeholder, from its pipeline's rows of one micro-batch."""
+        binding = binding or self.binding
         t = node.output
         ann = self.spec.deduced[t]
-        shape = self.binding.shape(t.shape, node.name)
+        shape = binding.shape(t.shape, node.name)
         k = next(k for k, sub in enumerate(ann.subgroups) if self.backend.rank in sub.dg.devices)
-        region = subgroup_regions(ann, shape, run_time_ratios(ann, self.binding))[k]
+        region = subgroup_regions(ann, shape, run_time_ratios(ann, binding))[k]
         if tuple(rows.shape) != tuple(box_shape(region)):
             raise ShapeError(f"step(): pipeline {self.pipeline}'s micro-batch of {node.name} has shape "
                              f"{tuple(rows.shape)}, its region under {ann} is {tuple(box_shape(region))}")
-        return rows[box_relative(self.exe.box(t, self.binding), region)].to(self.backend.device, non_blocking=True)
+        return rows[box_relative(self.exe.box(t, binding), region)].to(self.backend.device, non_blocking=True)
 
     def step(self, batch: Mapping[str, torch.Tensor]) -> float | None:
         """One training step on the global batch (every rank passes the same one): this rank's
@@ -209,6 +211,72 @@ class Trainer:
         with self.tracer.span("update", "update") if self.tracer else nullcontext():
             run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()))
         return self._reduce_loss()
+
+    def step_rows(self, micro_batches: Sequence[Sequence[Mapping[str, torch.Tensor]]],
+                  symbols: Mapping[str, int] | None = None, carried: Mapping[str, torch.Tensor] | None = None
+                  ) -> float | None:
+        """One step whose micro-batches each bind the run-time symbols anew: micro_batches[p] lists
+        pipeline p's micro-batches (any number, none included), each {placeholder: rows} with the
+        pipeline's micro-batch size as dim 0; a symbol of a placeholder dim (e.g. the sequence length
+        of a packed row, hspmd.runtime.packing) takes that row's size, the others come from `symbols`
+        (e.g. T, the step's token count) or the trainer's. Every rank passes the same lists. Comm
+        plans are resolved once per binding and kept (the specialization's plan cache).
+        `carried`: synchronised gradients of earlier buckets of this step (see bucket_rows)."""
+        if not self._run_rows(micro_batches, symbols):
+            return None
+        run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), carried=carried)
+        return self._reduce_loss()
+
+    def bucket_rows(self, micro_batches: Sequence[Sequence[Mapping[str, torch.Tensor]]],
+                    symbols: Mapping[str, int] | None = None, carried: Mapping[str, torch.Tensor] | None = None
+                    ) -> tuple[float | None, dict[str, torch.Tensor]]:
+        """One bucket of a step that runs under several strategies in turn (Hetu-A): step_rows
+        without the update. Returns the bucket's loss and this rank's synchronised gradient pieces
+        (plus `carried`), which switch(carry=...) moves with the weights to the next strategy."""
+        if not self._run_rows(micro_batches, symbols):
+            return None, {}
+        synced = synced_gradients(self.exe, self.backend, self.state)
+        loss = self._reduce_loss()
+        return loss, {k: v + carried[k] if carried and k in carried else v for k, v in synced.items()}
+
+    def _run_rows(self, micro_batches, symbols) -> bool:
+        """This rank's schedule over its pipeline's rows; False on an idle rank."""
+        if len(micro_batches) != self.layout.pipelines:
+            raise HSPMDError(f"step_rows(): {len(micro_batches)} pipeline lists for the {self.layout.pipelines} "
+                             f"pipelines of strategy {self.spec.deduced.strategy}")
+        bindings = [[self._row_binding(p, m, row, symbols) for m, row in enumerate(rows)]
+                    for p, rows in enumerate(micro_batches)]
+        if self.idle:
+            return False
+        rows, mine = micro_batches[self.pipeline], bindings[self.pipeline]
+        placeholders = {i.node.name: i.node for i in self.exe.forward + self.exe.backward if i.node.kind == "placeholder"}
+        self.state.fetched.clear()
+        if rows:
+            order = schedule_for(self.schedule_name, len(self.stages.stages), self.stage, len(rows))
+            self.last_run = run_schedule(
+                self.exe, self.backend, self.state, order,
+                lambda m: {name: self._piece(node, rows[m][name], mine[m]) for name, node in placeholders.items()},
+                lambda m: mine[m])
+        return True
+
+    def _row_binding(self, pipeline: int, m: int, row: Mapping[str, torch.Tensor], symbols) -> Binding:
+        values = {**self.binding.mapping, **dict(symbols or {})}
+        found: dict[str, int] = {}
+        size = self.layout.sizes[pipeline]
+        for node in self.graph.placeholders:
+            if node.name not in row:
+                raise HSPMDError(f"step_rows(): micro-batch {m} of pipeline {pipeline} has no {node.name!r}; feed every "
+                                 f"placeholder: {', '.join(p.name for p in self.graph.placeholders)}")
+            value, shape = row[node.name], node.output.shape
+            if value.dim() != len(shape) or value.shape[0] != size:
+                raise ShapeError(f"step_rows(): {node.name} of micro-batch {m} of pipeline {pipeline} has shape "
+                                 f"{tuple(value.shape)}; it needs {len(shape)} dims, dim 0 = the micro-batch size {size}")
+            for d, n in zip(shape[1:], value.shape[1:]):
+                if isinstance(d, sympy.Symbol):
+                    if found.setdefault(d.name, int(n)) != n:
+                        raise ShapeError(f"step_rows(): micro-batch {m} of pipeline {pipeline} gives symbol {d.name} "
+                                         f"two sizes ({found[d.name]} and {n})")
+        return Binding.of({**values, **found}, ratios=self.binding.ratios)
 
     def gradients(self) -> dict[str, torch.Tensor] | None:
         """Collective: the last step's synchronised gradients (what the optimizer applied), whole,
@@ -238,16 +306,29 @@ class Trainer:
     # ---- switching ------------------------------------------------------------------------------
 
     def switch(self, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
-               failed: tuple[int, ...] = (), specialized: Specialized | None = None) -> "Trainer":
+               failed: tuple[int, ...] = (), specialized: Specialized | None = None,
+               carry: Mapping[str, torch.Tensor] | None = None) -> "Trainer":
         """Collective: the trainer of another strategy of the same graph, holding this one's
         parameters and optimizer states, moved by one fused batched send-receive (paper section 6).
         No restart and no checkpoint: training continues at the same step.
 
         `failed`: ranks whose devices were lost (e.g. a dead GPU whose host process still runs).
         Their pieces are taken from replicas elsewhere, the new strategy must leave them out, and
-        they stay in the job as idle ranks. `specialized`: as for the constructor, for the new strategy."""
-        plan = plan_switch(self.graph, self.spec.deduced.strategy, strategy, failed=failed, topology=self.topology)
-        leaves = execute_switch(plan, self.backend, {} if self.backend.rank in failed else self.state.leaves)
+        they stay in the job as idle ranks. `specialized`: as for the constructor, for the new strategy.
+
+        `carry`: this rank's synchronised gradient pieces of a step still under way (from
+        bucket_rows); they move in the same fused plan as the weights, from the gradient layout of
+        this strategy to that of the next, and wait in the new trainer's `carried`."""
+        if carry is None:
+            plan = plan_switch(self.graph, self.spec.deduced.strategy, strategy, failed=failed, topology=self.topology)
+            moving = {} if self.backend.rank in failed else self.state.leaves
+        else:
+            plan = plan_switch_with_gradients(self.graph, self.spec.deduced.strategy, strategy, failed=failed,
+                                              topology=self.topology)
+            moving = {} if self.backend.rank in failed else {**self.state.leaves, **gradient_leaves(carry)}
+        leaves = execute_switch(plan, self.backend, moving)
+        carried = {name[len(GRADIENT_PREFIX):]: v for name, v in leaves.items() if name.startswith(GRADIENT_PREFIX)}
+        leaves = {name: v for name, v in leaves.items() if not name.startswith(GRADIENT_PREFIX)}
         nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
                       self.symbols, self.seed, self.topology, specialized)
         missing = set(nxt.state.leaves) - set(leaves)
@@ -257,6 +338,7 @@ class Trainer:
         nxt.state.leaves = {name: leaves[name] for name in nxt.state.leaves}
         nxt.state.step = self.state.step
         nxt.last_switch = plan
+        nxt.carried = carried
         return nxt
 
     # ---- checkpoints ----------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Strategy switching (fused BSR) and elastic recovery after device failures."""
 
 from hspmd.switching.elastic import WeightLost, recover_strategy, surviving_layout
-from hspmd.switching.switch import LEAF_KINDS, SwitchPlan, execute_switch, plan_layout_switch, plan_switch
+from hspmd.switching.switch import (
+    GRADIENT_PREFIX, LEAF_KINDS, SwitchPlan, execute_switch, gradient_leaves, plan_layout_switch, plan_switch,
+    plan_switch_with_gradients,
+)
 
-__all__ = ["LEAF_KINDS", "SwitchPlan", "WeightLost", "execute_switch", "plan_layout_switch", "plan_switch", "recover_strategy",
-           "surviving_layout"]
+__all__ = ["GRADIENT_PREFIX", "LEAF_KINDS", "SwitchPlan", "WeightLost", "execute_switch", "gradient_leaves",
+           "plan_layout_switch", "plan_switch", "plan_switch_with_gradients", "recover_strategy", "surviving_layout"]

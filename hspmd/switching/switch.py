@@ -80,6 +80,35 @@ def plan_switch(
     return _plan(leaves, src_strategy, dst_strategy, frozenset(failed), topology, choices)
 
 
+GRADIENT_PREFIX = "grad:"
+
+
+def gradient_leaves(gradients: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Synchronised gradient pieces by parameter name, named as plan_switch_with_gradients moves them."""
+    return {GRADIENT_PREFIX + name: v for name, v in gradients.items()}
+
+
+def plan_switch_with_gradients(graph: Graph, src_strategy: int, dst_strategy: int, *, failed: Iterable[int] = (),
+                               topology=None, **choices) -> SwitchPlan:
+    """plan_switch that also moves each parameter's synchronised gradient (graph.gradients, named
+    GRADIENT_PREFIX + parameter name) in the same fused plan: a switch in the middle of a step
+    whose gradients accumulate across strategies (Hetu-A's length buckets)."""
+    src, dst = deduce(graph, src_strategy), deduce(graph, dst_strategy)
+    leaves = {}
+    for node in graph.nodes_of_kind(*LEAF_KINDS):
+        leaves[f"{node.kind} {node.name}"] = (node.name, src[node.output], dst[node.output], _concrete(node.output))
+    for name, t in graph.gradients.items():
+        leaves[f"gradient {name}"] = (GRADIENT_PREFIX + name, src[t], dst[t], _concrete(t))
+    return _plan(leaves, src_strategy, dst_strategy, frozenset(failed), topology, choices)
+
+
+def _concrete(t) -> tuple[int, ...]:
+    shape = tuple(t.shape)
+    if not all(isinstance(s, int) for s in shape):
+        raise HSPMDError(f"{t.name} has a symbolic shape {shape}; switching needs concrete shapes")
+    return shape
+
+
 def plan_layout_switch(
     layouts: Mapping[str, tuple],
     *,
@@ -134,4 +163,7 @@ def execute_switch(plan: SwitchPlan, backend: Backend, leaves: Mapping[str, torc
     return kept | {plan.names[i]: v for i, v in moved.items()}
 
 
-__all__ = ["LEAF_KINDS", "SwitchPlan", "execute_switch", "plan_layout_switch", "plan_switch"]
+__all__ = [
+    "GRADIENT_PREFIX", "LEAF_KINDS", "SwitchPlan", "execute_switch", "gradient_leaves", "plan_layout_switch",
+    "plan_switch", "plan_switch_with_gradients",
+]

@@ -1,0 +1,148 @@
+"""Mixed-length training (Hetu v2 section 7.3): a step's strategy, its sequences' pipelines and
+micro-batches chosen per step from a pool (hspmd.planning.dispatch), one rank's part.
+
+Hetu-B (`step`): the step's longest sequence picks one pool entry; dispatch assigns the sequences
+to that strategy's pipelines and packs each pipeline's share into rows (hspmd.runtime.packing);
+the trainer switches strategy (fused BSR) only when the choice changes. Hetu-A (`step_buckets`,
+HotSPa's scheme): every sequence goes to the bucket of the narrowest length interval holding it;
+the buckets run one after another inside the step, each under its own strategy, the accumulated
+gradients synchronised and moved with the weights at each bucket boundary; one update at the end.
+
+The loss is token-weighted over the whole step (T = the step's counted tokens), so the gradient
+equals the single-device gradient of the same sequences whatever the dispatch or bucketing.
+Each strategy is specialized once; its comm plans are resolved once per micro-batch binding
+(sequence length) and kept, so a switch back, or a length seen before, resolves nothing anew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from hspmd.backends.backend import Backend
+from hspmd.errors import HSPMDError
+from hspmd.ir.graph import Graph
+from hspmd.planning.dispatch import SHUFFLED_PASSES, Dispatch, PoolEntry, dispatch, select_entry
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.packing import Sample, check_sample, counted_tokens, pack_row
+from hspmd.runtime.trainer import Trainer
+from hspmd.specialize.specialized import Specialized
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one mixed-length step did: per part (one for Hetu-B, one per bucket for Hetu-A) the
+    pool entry, its dispatch and the sequences' lengths; the switches made (pool entry names);
+    the step loss."""
+
+    step: int
+    entries: tuple[int, ...]
+    dispatches: tuple[Dispatch, ...]
+    lengths: tuple[tuple[int, ...], ...]
+    switches: tuple[tuple[str, str], ...]
+    loss: float | None
+
+
+class MixedLengthTrainer:
+    """One rank's mixed-length training of `graph` (built with every pool strategy, packed) over
+    `backend`. pool: PoolEntry per strategy (entry.strategy = its graph index). symbols: the
+    reference binding every strategy is specialized under (per-micro-batch values replace it);
+    tokens_symbol: the graph's tokens-per-step symbol. Construction is collective."""
+
+    def __init__(self, graph: Graph, pool: Sequence[PoolEntry], backend: Backend, schedule: str = "1f1b",
+                 symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None, dispatch_seed: int = 0,
+                 passes: int = SHUFFLED_PASSES, tokens_symbol: str = "T"):
+        if not pool:
+            raise HSPMDError("MixedLengthTrainer: the strategy pool is empty")
+        self.graph, self.pool, self.backend = graph, tuple(pool), backend
+        self.schedule, self.symbols, self.seed, self.topology = schedule, dict(symbols or {"S": 16, "T": 16}), seed, topology
+        self.dispatch_seed, self.passes, self.tokens_symbol = dispatch_seed, passes, tokens_symbol
+        self._specs: dict[int, Specialized] = {}
+        self.trainer: Trainer | None = None
+        self.current: int | None = None
+        self.steps = 0
+        self.history: list[StepReport] = []
+
+    # ---- strategies -----------------------------------------------------------------------------
+
+    def _layout(self, k: int) -> MicroBatchLayout:
+        n = len(self.pool[k].pipelines)
+        return MicroBatchLayout((1,) * n, (1,) * n)
+
+    def _enter(self, k: int, carry=None) -> tuple[str, str] | None:
+        """Make pool entry k's strategy the current one; the switch made, if any."""
+        entry = self.pool[k]
+        if self.trainer is None:
+            self.trainer = Trainer(self.graph, entry.strategy, self.backend, self._layout(k), self.schedule,
+                                   self.symbols, self.seed, self.topology, self._specs.get(entry.strategy))
+        elif self.current == k:
+            return None
+        else:
+            self.trainer = self.trainer.switch(entry.strategy, self._layout(k), specialized=self._specs.get(entry.strategy),
+                                               carry=carry)
+        self._specs[entry.strategy] = self.trainer.spec
+        before, self.current = self.current, k
+        return None if before is None else (self.pool[before].name, entry.name)
+
+    def _rows(self, samples: Sequence[Sample], d: Dispatch, ids: Sequence[int]):
+        return [[pack_row([samples[ids[i]] for i in mb]) for mb in mbs] for mbs in d.micro_batches]
+
+    # ---- steps ----------------------------------------------------------------------------------
+
+    def _lengths(self, samples: Sequence[Sample]) -> list[int]:
+        if not samples:
+            raise HSPMDError("MixedLengthTrainer: a step needs at least one sequence")
+        return [check_sample(s, f"step {self.steps}, sequence {i}") for i, s in enumerate(samples)]
+
+    def step(self, samples: Sequence[Sample]) -> float | None:
+        """Hetu-B: one step on these sequences ((tokens, labels) pairs, the same on every rank)."""
+        lengths = self._lengths(samples)
+        d = dispatch(self.pool, lengths, seed=self.dispatch_seed + self.steps, passes=self.passes)
+        switch = self._enter(d.entry)
+        loss = self.trainer.step_rows(self._rows(samples, d, range(len(samples))),
+                                      {self.tokens_symbol: counted_tokens(samples)})
+        return self._report([d.entry], [d], [lengths], [switch] if switch else [], loss)
+
+    def step_buckets(self, samples: Sequence[Sample]) -> float | None:
+        """Hetu-A: the step's sequences in length buckets (one per pool entry, the narrowest interval
+        holding each), run bucket after bucket, the current strategy's first, then by decreasing
+        bound; gradients accumulate across buckets and move with the weights; one update."""
+        lengths = self._lengths(samples)
+        buckets: dict[int, list[int]] = {}
+        for i, s in enumerate(lengths):
+            buckets.setdefault(select_entry(self.pool, s), []).append(i)
+        order = sorted(buckets, key=lambda k: (k != self.current, -self.pool[k].max_seq_len, k))
+        tokens = {self.tokens_symbol: counted_tokens(samples)}
+        entries, dispatches, parts, switches, loss, carry = [], [], [], [], 0.0, None
+        for n, k in enumerate(order):
+            ids = buckets[k]
+            d = dispatch(self.pool, [lengths[i] for i in ids], seed=self.dispatch_seed + self.steps,
+                         passes=self.passes, entry=k)
+            switch = self._enter(k, carry=carry)
+            if switch:
+                switches.append(switch)
+            rows = self._rows(samples, d, ids)
+            carried = self.trainer.carried
+            if n + 1 < len(order):
+                part, carry = self.trainer.bucket_rows(rows, tokens, carried=carried)
+            else:
+                part = self.trainer.step_rows(rows, tokens, carried=carried)
+            self.trainer.carried = {}
+            loss = None if part is None else loss + part
+            entries.append(k)
+            dispatches.append(d)
+            parts.append(tuple(lengths[i] for i in ids))
+        return self._report(entries, dispatches, parts, switches, loss)
+
+    def _report(self, entries, dispatches, lengths, switches, loss) -> float | None:
+        self.history.append(StepReport(self.steps, tuple(entries), tuple(dispatches),
+                                       tuple(tuple(x) for x in lengths), tuple(switches), loss))
+        self.steps += 1
+        return loss
+
+    def parameters(self) -> dict | None:
+        """Whole parameters and optimizer states on the strategy's lowest rank (collective)."""
+        return self.trainer.state_dict()
+
+
+__all__ = ["MixedLengthTrainer", "StepReport"]
