@@ -13,12 +13,12 @@ from hspmd.ir import Binding, Graph, initial_value, placeholder
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import _rope, reference_training
 from hspmd.ops import AdamW, causal_attention, rotary
-from hspmd.runtime.inprocess import InProcessTrainer
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.packing import counted_tokens, pack_row, pad_rows
 from hspmd.runtime.run import DeviceState, _execute, run_forward
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
-from hspmd.specialize.specialized import specialize_graph
 from hspmd.specialize.strategy_text import parse_strategy
 
 LR, STEPS = 1e-3, 2
@@ -33,7 +33,8 @@ def _sequences(gen, lengths, vocab):
 
 
 def _run(text, steps_rows, lengths_per_step, pad=0):
-    """steps_rows[step][m][pipeline] = the sequence indices packed in that row."""
+    """steps_rows[step][m][pipeline] = the sequence indices packed in that row (each row its own
+    length, bound per micro-batch by Trainer.step_rows; `pad` more tokens of padding per row)."""
     strategy = parse_strategy(text)
     config = LlamaConfig(layers=strategy.num_layers)
     model = build_llama(config, [strategy], optimizer=AdamW(lr=LR), packed=True)
@@ -42,25 +43,21 @@ def _run(text, steps_rows, lengths_per_step, pad=0):
     pipelines = len(strategy.pipelines)
     initial = {n.name: initial_value(n) for n in model.graph.parameters}
     history, final = reference_training(initial, lambda s: list(seqs[s]), config.layers, config.heads, STEPS, lr=LR)
-    spec = None
+    job = InProcessJob(model.graph, 0, MicroBatchLayout((1,) * pipelines, (1,) * pipelines), symbols={"S": 4, "T": 4})
     for step in range(STEPS):
-        rows = steps_rows[step]
-        width = max(sum(len(seqs[step][i][0]) for i in r) for mb in rows for r in mb) + pad
+        rows = [[] for _ in range(pipelines)]
+        for mb in steps_rows[step]:
+            for p, r in enumerate(mb):
+                chosen = [seqs[step][i] for i in r]
+                rows[p].append(pack_row(chosen, sum(len(t) for t, _ in chosen) + pad))
         total = counted_tokens(seqs[step])
-        binding = Binding.of({"B": pipelines, "S": width, "T": total}, ratios=[1] * pipelines)
-        if spec is None:
-            spec = specialize_graph(model.graph, 0, binding)
-            trainer = InProcessTrainer(spec)
-        feeds = []
-        for mb in rows:
-            packed = [pack_row([seqs[step][i] for i in r], width) for r in mb]
-            feeds.append({k: torch.cat([p[k] for p in packed]) for k in packed[0]})
-        loss = trainer.step(feeds, binding)
+        loss = job.world.run(lambda b: job.trainers[b.rank].step_rows(rows, {"T": total}))[0]
         ref_loss, ref_grads = history[step]
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+        gradients = job.gradients()
         for name, grad in ref_grads.items():
-            torch.testing.assert_close(trainer.gradients[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    params = trainer.parameters()
+            torch.testing.assert_close(gradients[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    params = job.parameters()
     for name, value in final.items():
         torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
