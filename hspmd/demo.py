@@ -8,7 +8,9 @@ ranks notice, re-form their groups without it, recover its pieces from replicas 
 strategy (asymmetric unions across the two pipelines), the plan of the once-per-step gradient
 synchronisation between the pipelines (as `hspmd explain` prints it) and the 1F1B schedule of the
 two-stage pipeline. Then it runs `hspmd run -n 4 examples/llama/train.py` through the launcher
-and ends with a summary: how the loss moved and where the checkpoint is.
+and ends with a summary: how the loss moved and where the checkpoint is. A last phase trains on a
+long-tailed corpus with a strategy per step (examples/mixed_length): each step's chosen strategy,
+its dispatch of sequences to pipelines and micro-batches, and the switches.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ SHOWN_ANNOTATIONS = ("tokens", "embed", "layers.0.wq", "layers.0.wo", "layers.1.
 HIDDEN = 64
 
 
-def example_script() -> Path:
-    """examples/llama/train.py of the source tree this package runs from."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "llama" / "train.py"
+def example_script(example: str = "llama") -> Path:
+    """examples/<example>/train.py of the source tree this package runs from."""
+    path = Path(__file__).resolve().parents[1] / "examples" / example / "train.py"
     if not path.is_file():
         raise HSPMDError(f"the demo needs the example {path}, which is not there: run it from a source checkout of hspmd")
     return path
@@ -85,6 +87,27 @@ def show_recovery() -> None:
     print(f"  equal to the paper's C2: {same}; the lost stage's weights come from pipeline 0 (HD unions, ZeRO off)")
 
 
+def show_mixed_length(steps: int) -> int:
+    """Mixed-length training (003 section 7.3): the paper's selection rule at 32K context, then
+    4 gloo processes on the long-tailed corpus, each step's strategy, dispatch and switches."""
+    from hspmd.planning.dispatch import select_entry
+    from hspmd.planning.paper_pools import paper_pool
+    from hspmd.runtime.launcher import launch
+
+    _rule("mixed-length training: a strategy per step (Hetu-B, Tables 11/12)")
+    pool = paper_pool("table11")
+    picks = ", ".join(f"{k}K -> {pool[select_entry(pool, k * 1024)].name}" for k in (3, 5, 15, 17, 31))
+    print(f"  the paper's rule at 32K context (by the step's longest sequence): {picks}")
+    script = example_script("mixed_length")
+    _rule(f"training: hspmd run -n 4 {script.relative_to(script.parents[2])} --steps {steps}")
+    sys.stdout.flush()
+    code = launch([sys.executable, str(script), "--steps", str(steps)], 4, backend="gloo")
+    if code != 0:
+        print(f"hspmd demo: mixed-length training failed (exit code {code}); the failing rank's error is above",
+              file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hspmd demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
@@ -94,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=int, default=50,
                         help="rank 3's process SIGKILLs itself inside this step; the others recover and finish (0: never)")
     parser.add_argument("--out", default=os.path.join("runs", "demo"), help="where the checkpoint and summary go")
+    parser.add_argument("--mixed-steps", type=int, default=6,
+                        help="steps of the mixed-length phase (a strategy per step; 0: skip it)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     from hspmd.runtime.launcher import launch
 
@@ -139,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else str(script)
     print(f"  continue it: hspmd run -n 4 {shown} --strategy '{summary.get('final_strategy', STRATEGY)}' "
           f"--checkpoint {checkpoint} --resume --steps {args.steps + 20}")
+    if args.mixed_steps > 0:
+        code = show_mixed_length(args.mixed_steps)
+        if code != 0:
+            return code
     return 0
 
 

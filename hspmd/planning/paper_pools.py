@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from hspmd.planning.dispatch import PipelineCost, PoolEntry
+from hspmd.errors import HSPMDError, StrategyError
+from hspmd.planning.cost import StageShape
+from hspmd.planning.dispatch import PipelineCost, PoolEntry, fit_sequence_cost
 from hspmd.specialize.paper_strategies import PAPER_POOLS, paper_strategy
 from hspmd.specialize.strategy import Strategy, closest_hint
-from hspmd.errors import StrategyError
 
 PipelineCosts = Callable[[Strategy, int], Sequence[PipelineCost]]
 
@@ -41,4 +42,40 @@ def paper_pool_strategies(pool: str) -> list[Strategy]:
     return [paper_strategy(key) for key, _ in PAPER_POOLS[pool]]
 
 
-__all__ = ["PipelineCosts", "bound_only", "paper_pool", "paper_pool_strategies"]
+def model_costs(cost_model, device: str, lengths=(1024, 2048, 4096, 8192, 16384, 32768), step: int = 512,
+                micro_batch_constant: float = 0.0, zero: bool = True, recompute: bool = True) -> PipelineCosts:
+    """Pipeline costs priced by a CostModel (hspmd.planning.cost): per pipeline, a s^2 + b s fitted
+    to its bottleneck stage's forward + backward time (with its TP all-reduces) at `lengths`, and
+    the token limit the largest multiple of `step` whose activations (1F1B: stage j keeps
+    stages - j micro-batches) fit every stage's device memory. An L0 estimate, not the simulator.
+    zero: optimizer states sharded over the pipelines (ZeRO-1); Tables 11/12 do not say, but without
+    it a TP4 pipeline of the 32B model does not fit a 96 GB H20 at all."""
+
+    def costs(strategy: Strategy, bound: int) -> tuple[PipelineCost, ...]:
+        out = []
+        capacity = cost_model.device(device).hbm_capacity
+        for pipeline in strategy.pipelines:
+            n = len(pipeline.stages)
+            shapes = [StageShape(len(st.layers), st.tp, j == 0, j == n - 1, strategy.num_pipelines, zero, recompute)
+                      for j, st in enumerate(pipeline.stages)]
+
+            def seconds(s):
+                return max(sum(cost_model.stage_time(device, shape, 1, s, st.ranks))
+                           for shape, st in zip(shapes, pipeline.stages))
+
+            def fits(s):
+                return all(cost_model.memory(shape, n - j, 1, s).total <= capacity for j, shape in enumerate(shapes))
+
+            a, b = fit_sequence_cost(list(lengths), [seconds(s) for s in lengths])
+            limit = 0
+            while fits(limit + step) and limit < 4 * max(lengths):
+                limit += step
+            if limit == 0:
+                raise HSPMDError(f"{strategy.name}: pipeline {pipeline} cannot hold {step} tokens in {device} memory")
+            out.append(PipelineCost(a, b, micro_batch_constant, limit, n))
+        return tuple(out)
+
+    return costs
+
+
+__all__ = ["PipelineCosts", "bound_only", "model_costs", "paper_pool", "paper_pool_strategies"]

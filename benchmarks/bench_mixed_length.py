@@ -1,0 +1,135 @@
+"""Mixed-length training throughput: dispatch + packing over a strategy pool, against padding every
+sequence to the step's longest, and against one fixed strategy (dispatch + packing, no pool).
+
+Part 1 (measured): the tiny Llama of examples/mixed_length on 4 gloo processes over the shipped
+long-tailed corpus; the three modes train side by side in one run, interleaved step by step
+(ABC, then CBA, ...), each on the same sequences; a step's time is its slowest rank's; tokens/s
+counts real tokens only. Reported: median tokens/s per mode and the median (min-max) of the
+per-step ratios.
+
+Part 2 (predicted): the paper's setting, 32B Llama on 32 H20 (003 section 7.3), priced by the
+cost model (hspmd.planning.cost) in the dispatcher's closed form (L0, not the event simulator):
+long-tailed steps of ~200K tokens up to 32K, Table 11's pool (Hetu-B) against Table 10's
+homogeneous strategies (Hetu-A buckets within the step, and DP2TP16 for everything).
+
+    python benchmarks/bench_mixed_length.py [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "mixed_length"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import table, timed_on_world  # noqa: E402
+from longtail import LongTailCorpus  # noqa: E402
+from train import POOL, build  # noqa: E402  (the example's pool and model)
+from hspmd.cluster import h800_h20  # noqa: E402
+from hspmd.planning.cost import CostModel  # noqa: E402
+from hspmd.planning.dispatch import dispatch, select_entry  # noqa: E402
+from hspmd.planning.model import MODELS  # noqa: E402
+from hspmd.planning.paper_pools import model_costs, paper_pool  # noqa: E402
+from hspmd.runtime.batches import MicroBatchLayout  # noqa: E402
+from hspmd.runtime.mixed import MixedLengthTrainer  # noqa: E402
+from hspmd.runtime.multiprocess import run_multiprocess  # noqa: E402
+from hspmd.runtime.packing import counted_tokens, pack_row  # noqa: E402
+from hspmd.runtime.trainer import Trainer  # noqa: E402
+
+MODES = ("dispatch", "padding", "fixed")
+TOKENS = 256
+
+
+def bench_rank(backend, steps: int, warmup: int):
+    torch.set_num_threads(1)
+    corpus = LongTailCorpus()
+    model = build(corpus.vocab)
+    symbols = {"S": 16, "T": 16}
+    pooled = MixedLengthTrainer(model.graph, POOL, backend, symbols=symbols, passes=20)
+    fixed = MixedLengthTrainer(model.graph, POOL[:1], backend, symbols=symbols, passes=20)
+    padded = Trainer(model.graph, POOL[0].strategy, backend, MicroBatchLayout((1, 1), (1, 1)), symbols=symbols)
+
+    def pad_step(samples):
+        longest = max(len(t) for t, _ in samples)
+        rows = [[pack_row([s], longest) for s in samples[p::2]] for p in range(2)]
+        return padded.step_rows(rows, {"T": counted_tokens(samples)})
+
+    run = {"dispatch": pooled.step, "fixed": fixed.step, "padding": pad_step}
+    times = {m: [] for m in MODES}
+    for i in range(warmup + steps):
+        samples = corpus.step(i, TOKENS)
+        order = MODES if i % 2 == 0 else MODES[::-1]
+        for mode in order:
+            seconds, _ = timed_on_world(backend, lambda: run[mode](samples))
+            if i >= warmup:
+                times[mode].append(seconds)
+    tokens = [counted_tokens(corpus.step(i, TOKENS)) for i in range(warmup, warmup + steps)]
+    chosen = [POOL[r.entries[0]].name for r in pooled.history[warmup:]]
+    return times, tokens, chosen
+
+
+def measured(steps: int, warmup: int) -> None:
+    results = run_multiprocess(bench_rank, 4, steps, warmup, timeout=1800)
+    tokens, chosen = results[0][1], results[0][2]
+    slowest = {m: [max(r[0][m][k] for r in results) for k in range(steps)] for m in MODES}
+    rate = {m: [t / s for t, s in zip(tokens, slowest[m])] for m in MODES}
+    rows = [[m, f"{statistics.median(rate[m]):.0f}"] for m in MODES]
+    print(f"tiny Llama (examples/mixed_length), 4 gloo processes, {steps} steps of >= {TOKENS} tokens "
+          f"(+{warmup} warm-up), strategies chosen: {' '.join(chosen)}")
+    print(table(["mode", "tokens/s (median)"], rows))
+    for other in ("padding", "fixed"):
+        ratios = [a / b for a, b in zip(rate["dispatch"], rate[other])]
+        print(f"dispatch / {other}: {statistics.median(ratios):.2f}x median "
+              f"(min {min(ratios):.2f}, max {max(ratios):.2f}) over {steps} interleaved steps")
+
+
+def long_tailed_step(rng: random.Random, tokens: int = 200_000, longest: int = 32 * 1024) -> list[int]:
+    """Lengths of one step: a Pareto tail from 256 tokens, capped at `longest`, ~`tokens` in all."""
+    out = []
+    while sum(out) < tokens:
+        out.append(min(longest, int(256 / (1.0 - rng.random()) ** (1 / 0.9))))
+    return out
+
+
+def predicted(steps: int = 20) -> None:
+    cost = CostModel(h800_h20(0, 4), MODELS["llama-32b-hetu"].with_(dtype="bfloat16"))
+    costs = model_costs(cost, "H20")
+    hetu_b, table10 = paper_pool("table11", costs), paper_pool("table10_32k", costs)
+    rng = random.Random(0)
+    totals = {"Hetu-B, Table 11 pool": 0.0, "Hetu-A, Table 10 buckets": 0.0, "Table 10 DP2TP16 only": 0.0}
+    for i in range(steps):
+        lengths = long_tailed_step(rng)
+        totals["Hetu-B, Table 11 pool"] += dispatch(hetu_b, lengths, seed=i, passes=5).makespan
+        buckets: dict[int, list[int]] = {}
+        for s in lengths:
+            buckets.setdefault(select_entry(table10, s), []).append(s)
+        totals["Hetu-A, Table 10 buckets"] += sum(dispatch(table10, b, seed=i, passes=5, entry=k).makespan
+                                                  for k, b in buckets.items())
+        totals["Table 10 DP2TP16 only"] += dispatch(table10, lengths, seed=i, passes=5, entry=0).makespan
+    base = totals["Table 10 DP2TP16 only"]
+    print(f"\npredicted, 32B Llama on 32 H20, {steps} long-tailed steps of ~200K tokens (<= 32K each); "
+          f"cost model in the dispatcher's closed form, no switching overhead counted:")
+    print(table(["strategy", "s/step", "speed-up vs DP2TP16"],
+                [[k, f"{v / steps:.2f}", f"{base / v:.2f}x"] for k, v in totals.items()]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--skip-measured", action="store_true")
+    args = p.parse_args(argv)
+    if not args.skip_measured:
+        measured(args.steps, args.warmup)
+    predicted()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
