@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from hspmd.errors import HSPMDError, StrategyError
+from hspmd.errors import HSPMDError, StrategyError, closest_hint
 from hspmd.planning.cost import StageShape
 from hspmd.planning.dispatch import PipelineCost, PoolEntry, fit_sequence_cost
 from hspmd.specialize.paper_strategies import PAPER_POOLS, paper_strategy
-from hspmd.specialize.strategy import Strategy, closest_hint
+from hspmd.specialize.strategy import Strategy
 
 PipelineCosts = Callable[[Strategy, int], Sequence[PipelineCost]]
 
