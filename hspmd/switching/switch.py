@@ -96,9 +96,10 @@ def plan_switch_with_gradients(graph: Graph, src_strategy: int, dst_strategy: in
     src, dst = deduce(graph, src_strategy), deduce(graph, dst_strategy)
     leaves = {}
     for node in graph.nodes_of_kind(*LEAF_KINDS):
-        leaves[f"{node.kind} {node.name}"] = (node.name, src[node.output], dst[node.output], _concrete(node.output))
+        t = node.output
+        leaves[f"{node.kind} {node.name}"] = (node.name, src[t], dst[t], _concrete(t), t.dtype)
     for name, t in graph.gradients.items():
-        leaves[f"gradient {name}"] = (GRADIENT_PREFIX + name, src[t], dst[t], _concrete(t))
+        leaves[f"gradient {name}"] = (GRADIENT_PREFIX + name, src[t], dst[t], _concrete(t), t.dtype)
     return _plan(leaves, src_strategy, dst_strategy, frozenset(failed), topology, choices)
 
 
