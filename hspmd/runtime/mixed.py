@@ -19,9 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import torch
+
 from hspmd.backends.backend import Backend
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
+from hspmd.ops.nn import IGNORE_INDEX
 from hspmd.planning.dispatch import SHUFFLED_PASSES, Dispatch, PoolEntry, dispatch, select_entry
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.packing import Sample, check_sample, counted_tokens, pack_row
@@ -85,7 +88,10 @@ class MixedLengthTrainer:
         return None if before is None else (self.pool[before].name, entry.name)
 
     def _rows(self, samples: Sequence[Sample], d: Dispatch, ids: Sequence[int]):
-        return [[pack_row([samples[ids[i]] for i in mb]) for mb in mbs] for mbs in d.micro_batches]
+        """Each pipeline's packed rows; a pipeline given no sequence runs one ignored token (its
+        gradients are exact zeros), so every rank runs the same update program."""
+        idle = [pack_row([(torch.zeros(1, dtype=torch.int64), torch.full((1,), IGNORE_INDEX))])]
+        return [[pack_row([samples[ids[i]] for i in mb]) for mb in mbs] or idle for mbs in d.micro_batches]
 
     # ---- steps ----------------------------------------------------------------------------------
 

@@ -165,48 +165,44 @@ def run_update(exe: ExecutableGraph, backend: Backend, state: DeviceState, fetch
                carried: Mapping[str, torch.Tensor] | None = None) -> None:
     """Once per step: gradient synchronisation and optimizer updates, then reset accumulators.
     Fetched update-phase tensors (e.g. synchronised gradients) held here go to state.fetched.
-    `carried`: synchronised gradient pieces by parameter name (from sync_gradients before a
-    mid-step switch), added to this step's before the optimizer reads them."""
-    env = sync_gradients(exe, backend, state)
-    if carried:
-        for name, t in exe.graph.gradients.items():
-            if name in carried and t.id in env:
-                env[t.id] = env[t.id] + carried[name]
+    `carried`: synchronised gradient pieces by parameter name (from synced_gradients before a
+    mid-step switch), added to this step's as each is synchronised, before the optimizer reads it."""
     state.step += 1
-    _execute(exe, [i for i in exe.update if i.node.id not in _synced_ids(exe)], backend, state, env, exe.binding)
+    env = dict(state.accum)
+    if not carried:
+        _execute(exe, exe.update, backend, state, env, exe.binding)
+    else:
+        extra = {t.id: carried[name] for name, t in exe.graph.gradients.items() if name in carried}
+        for ins in exe.update:
+            _execute(exe, (ins,), backend, state, env, exe.binding)
+            for t in ins.node.outputs:
+                if t.id in extra and t.id in env:
+                    env[t.id] = env[t.id] + extra[t.id]
     for t in fetch:
         if t.id in env:
             state.fetched[t.name] = env[t.id]
     state.accum.clear()
 
 
-def _synced_ids(exe: ExecutableGraph) -> set[int]:
-    return {t.node.id for t in exe.graph.gradients.values()}
-
-
-def sync_gradients(exe: ExecutableGraph, backend: Backend, state: DeviceState) -> dict[int, torch.Tensor]:
-    """The gradient-synchronisation part of the update alone (HP -> HD): an environment holding
-    the accumulated gradients and, by tensor id, this device's synchronised gradient pieces.
-    A pipeline that ran no micro-batch this step contributes zeros. Every rank runs the same
-    subsequence of its update program, so collectives stay matched."""
-    for t in exe.accumulated:
-        if t.id not in state.accum:
-            state.accum[t.id] = torch.zeros(box_shape(exe.box(t, exe.binding)), dtype=t.dtype, device=backend.device)
-    env = dict(state.accum)
-    synced = _synced_ids(exe)
-    _execute(exe, [i for i in exe.update if i.node.id in synced], backend, state, env, exe.binding)
-    return env
-
-
 def synced_gradients(exe: ExecutableGraph, backend: Backend, state: DeviceState) -> dict[str, torch.Tensor]:
-    """This device's synchronised gradient pieces by parameter name (accumulators then reset):
-    what a mid-step switch carries to the next strategy with the weights."""
-    env = sync_gradients(exe, backend, state)
+    """The gradient-synchronisation part of the update alone (HP -> HD), then accumulators reset:
+    this device's synchronised gradient pieces by parameter name, what a mid-step switch carries
+    to the next strategy with the weights. Every rank runs the same subsequence of its update
+    program, so collectives stay matched; each result is copied at once (a backend may reuse
+    its buffers in the next collective)."""
+    env = dict(state.accum)
+    names = {t.node.id: (name, t) for name, t in exe.graph.gradients.items()}
+    out = {}
+    for ins in exe.update:
+        if ins.node.id in names:
+            _execute(exe, (ins,), backend, state, env, exe.binding)
+            name, t = names[ins.node.id]
+            if t.id in env:
+                out[name] = env[t.id].clone()
     state.accum.clear()
-    return {name: env[t.id] for name, t in exe.graph.gradients.items() if t.id in env}
+    return out
 
 
 __all__ = [
-    "DeviceState", "MicroBatch", "device_feeds", "run_backward", "run_forward", "run_update", "sync_gradients",
-    "synced_gradients",
+    "DeviceState", "MicroBatch", "device_feeds", "run_backward", "run_forward", "run_update", "synced_gradients",
 ]

@@ -216,8 +216,8 @@ class Trainer:
                   symbols: Mapping[str, int] | None = None, carried: Mapping[str, torch.Tensor] | None = None
                   ) -> float | None:
         """One step whose micro-batches each bind the run-time symbols anew: micro_batches[p] lists
-        pipeline p's micro-batches (any number, none included), each {placeholder: rows} with the
-        pipeline's micro-batch size as dim 0; a symbol of a placeholder dim (e.g. the sequence length
+        pipeline p's micro-batches, each {placeholder: rows} with the
+        pipeline's micro-batch size as dim 0 (at least one per pipeline); a symbol of a placeholder dim (e.g. the sequence length
         of a packed row, hspmd.runtime.packing) takes that row's size, the others come from `symbols`
         (e.g. T, the step's token count) or the trainer's. Every rank passes the same lists. Comm
         plans are resolved once per binding and kept (the specialization's plan cache).
@@ -244,6 +244,10 @@ class Trainer:
         if len(micro_batches) != self.layout.pipelines:
             raise HSPMDError(f"step_rows(): {len(micro_batches)} pipeline lists for the {self.layout.pipelines} "
                              f"pipelines of strategy {self.spec.deduced.strategy}")
+        empty = [p for p, rows in enumerate(micro_batches) if not rows]
+        if empty:
+            raise HSPMDError(f"step_rows(): pipeline(s) {empty} have no micro-batch; give each at least one (a row "
+                             f"whose labels are all IGNORE_INDEX contributes nothing)")
         bindings = [[self._row_binding(p, m, row, symbols) for m, row in enumerate(rows)]
                     for p, rows in enumerate(micro_batches)]
         if self.idle:
@@ -251,12 +255,11 @@ class Trainer:
         rows, mine = micro_batches[self.pipeline], bindings[self.pipeline]
         placeholders = {i.node.name: i.node for i in self.exe.forward + self.exe.backward if i.node.kind == "placeholder"}
         self.state.fetched.clear()
-        if rows:
-            order = schedule_for(self.schedule_name, len(self.stages.stages), self.stage, len(rows))
-            self.last_run = run_schedule(
-                self.exe, self.backend, self.state, order,
-                lambda m: {name: self._piece(node, rows[m][name], mine[m]) for name, node in placeholders.items()},
-                lambda m: mine[m])
+        order = schedule_for(self.schedule_name, len(self.stages.stages), self.stage, len(rows))
+        self.last_run = run_schedule(
+            self.exe, self.backend, self.state, order,
+            lambda m: {name: self._piece(node, rows[m][name], mine[m]) for name, node in placeholders.items()},
+            lambda m: mine[m])
         return True
 
     def _row_binding(self, pipeline: int, m: int, row: Mapping[str, torch.Tensor], symbols) -> Binding:
