@@ -14,6 +14,7 @@ from hspmd.planning.dispatch import PipelineCost, PoolEntry
 from hspmd.runtime.mixed import MixedLengthTrainer
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.specialize.strategy_text import parse_strategy
+from hspmd.testing import assert_weights_close
 
 LR = 1e-2
 CONFIG = dict(layers=2, vocab=32, hidden=16, heads=2, ffn=32)
@@ -72,7 +73,7 @@ def _check(results):
     for step, (loss, (ref_loss, _)) in enumerate(zip(losses, ref_history)):
         assert loss == pytest.approx(ref_loss, abs=1e-5, rel=1e-5), step
     for name, value in final.items():
-        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+        assert_weights_close(params[name], value, LR, name)
     return history
 
 

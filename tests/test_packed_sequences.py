@@ -20,6 +20,7 @@ from hspmd.runtime.run import DeviceState, _execute, run_forward
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
 from hspmd.specialize.strategy_text import parse_strategy
+from hspmd.testing import assert_weights_close
 
 LR, STEPS = 1e-3, 2
 
@@ -59,7 +60,7 @@ def _run(text, steps_rows, lengths_per_step, pad=0):
             torch.testing.assert_close(gradients[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     params = job.parameters()
     for name, value in final.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        assert_weights_close(params[name], value, LR, name)
 
 
 @pytest.mark.equivalence
