@@ -386,9 +386,10 @@ class CrossEntropy(RuleOp):
         g = inputs[2]
         probs = torch.softmax(flat, dim=-1)
         ids = labels.reshape(-1)
-        counted = ids != IGNORE_INDEX
-        probs[torch.arange(flat.shape[0], device=flat.device)[counted], ids[counted]] -= 1
-        probs[~counted] = 0
+        counted = (ids != IGNORE_INDEX).unsqueeze(-1)
+        # minus one at each counted label, zero rows for ignored ones (no data-dependent shapes)
+        probs.scatter_add_(-1, ids.clamp(min=0).unsqueeze(-1), -counted.to(probs.dtype))
+        probs = probs * counted
         return [(probs * (g / self._count(node, ctx))).reshape(logits.shape)]
 
     def gradient(self, node, grads):
