@@ -1,8 +1,18 @@
-"""The `hspmd` command: explain a reshard, launch a multi-process job, run the demo."""
+"""The `hspmd` command: explain a reshard, launch a multi-process job, run the demo.
+
+Every subcommand runs inside one wrapper (`main`): a user's mistake (an HSPMDError, including a
+bad command line) prints one line `hspmd: error: ...` on stderr and exits 2, never a traceback; an
+unexpected exception (a bug in hspmd) prints one line and exits 1, and HSPMD_TRACEBACK=1 shows
+the traceback."""
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
+
+from hspmd.errors import HSPMDError, UsageError, error_line
+from hspmd.limits import brief
 
 USAGE = """usage: hspmd COMMAND ...
 
@@ -19,39 +29,89 @@ commands:
                                                         search a strategy; compare with the uniform baseline
 """
 
+EXIT_USAGE = 2
+EXIT_BUG = 1
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+
+def _explain(rest: list[str]) -> int:
+    from hspmd.comm_resolve.explain import main as explain_main
+
+    return explain_main(rest)
+
+
+def _run(rest: list[str]) -> int:
+    from hspmd.runtime.launcher import main as run_main
+
+    return run_main(rest)
+
+
+def _checkpoint(rest: list[str]) -> int:
+    from hspmd.runtime.checkpoint_tool import main as checkpoint_main
+
+    return checkpoint_main(rest)
+
+
+def _demo(rest: list[str]) -> int:
+    from hspmd.demo import main as demo_main
+
+    return demo_main(rest)
+
+
+def _plan(rest: list[str]) -> int:
+    from hspmd.planning.search.command import main as plan_main
+
+    return plan_main(rest)
+
+
+def _show_command(name: str):
+    def command(rest: list[str]) -> int:
+        from hspmd import show
+
+        return {"simulate": show.simulate_main, "show": show.show_main, "calibrate": show.calibrate_main}[name](rest)
+
+    return command
+
+
+COMMANDS = {
+    "explain": _explain,
+    "run": _run,
+    "checkpoint": _checkpoint,
+    "demo": _demo,
+    "plan": _plan,
+    "simulate": _show_command("simulate"),
+    "show": _show_command("show"),
+    "calibrate": _show_command("calibrate"),
+}
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    if command == "explain":
-        from hspmd.comm_resolve.explain import main as explain_main
+    if command not in COMMANDS:
+        raise UsageError(f"unknown command {brief(command)}; commands: {', '.join(COMMANDS)} (see hspmd --help)")
+    return COMMANDS[command](rest)
 
-        return explain_main(rest)
-    if command == "run":
-        from hspmd.runtime.launcher import main as run_main
 
-        return run_main(rest)
-    if command == "checkpoint":
-        from hspmd.runtime.checkpoint_tool import main as checkpoint_main
-
-        return checkpoint_main(rest)
-    if command == "plan":
-        from hspmd.planning.search.command import main as plan_main
-
-        return plan_main(rest)
-    if command == "demo":
-        from hspmd.demo import main as demo_main
-
-        return demo_main(rest)
-    if command in ("simulate", "show", "calibrate"):
-        from hspmd import show
-
-        return {"simulate": show.simulate_main, "show": show.show_main, "calibrate": show.calibrate_main}[command](rest)
-    print(f"hspmd: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except HSPMDError as exc:
+        print(f"hspmd: error: {error_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("hspmd: interrupted", file=sys.stderr)
+        return 130
+    except (SystemExit, GeneratorExit):
+        raise
+    except Exception as exc:  # a bug in hspmd, not the user's input: still one line
+        if os.environ.get("HSPMD_TRACEBACK"):
+            traceback.print_exc()
+        print(f"hspmd: internal error: {type(exc).__name__}: {error_line(exc)} (HSPMD_TRACEBACK=1 shows where)",
+              file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ its dispatch of sequences to pipelines and micro-batches, and the switches.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from hspmd.errors import HSPMDError
+from hspmd.arguments import ArgumentParser, non_negative_int, positive_int
+from hspmd.errors import HSPMDError, error_line
 
 STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
 # For long sequences: every device on one pipeline (TP2 x PP2), the same 12 rows per step.
@@ -109,12 +109,12 @@ def show_mixed_length(steps: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hspmd demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    parser = ArgumentParser(prog="hspmd demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=positive_int, default=60, help="training steps (default 60)")
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
-    parser.add_argument("--switch-at", type=int, default=20,
+    parser.add_argument("--switch-at", type=non_negative_int, default=20,
                         help="hot-switch to a long-sequence strategy after this step, back 20 steps later (0: never)")
-    parser.add_argument("--kill-at", type=int, default=50,
+    parser.add_argument("--kill-at", type=non_negative_int, default=50,
                         help="rank 3's process SIGKILLs itself inside this step; the others recover and finish (0: never)")
     parser.add_argument("--out", default=os.path.join("runs", "demo"), help="where the checkpoint and summary go")
     parser.add_argument("--mixed-steps", type=int, default=6,
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         show_plan()
         show_recovery()
     except HSPMDError as exc:
-        print(f"hspmd demo: {exc}", file=sys.stderr)
+        print(f"hspmd: error: {error_line(exc)}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
     checkpoint = os.path.join(args.out, "llama.safetensors")

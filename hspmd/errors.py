@@ -10,8 +10,25 @@ class HSPMDError(Exception):
     """Base of every error a user can cause; the message names what is wrong, where, and the fix."""
 
 
+class HSPMDTypeError(HSPMDError, TypeError):
+    """An argument has the wrong type; also a TypeError, so conventional handlers catch it."""
+
+
+class HSPMDValueError(HSPMDError, ValueError):
+    """An argument has the right type but an invalid value; also a ValueError."""
+
+
+class LimitError(HSPMDValueError):
+    """A size is beyond an explicit limit of hspmd.limits (devices, ranks, dims, layers...);
+    the message states the limit. Limits keep every entry point bounded in time and memory."""
+
+
 class AnnotationError(HSPMDError):
     """An annotation (device group, distributed states, union, hierarchy) is invalid."""
+
+
+class AnnotationTypeError(AnnotationError, HSPMDTypeError):
+    """An annotation value was built from an argument of the wrong type."""
 
 
 class ParseError(AnnotationError):
@@ -26,6 +43,10 @@ class ShapeError(HSPMDError):
     """A shape does not fit an annotation or an op (rank, symbol mismatch, unbound ratios)."""
 
 
+class ShapeTypeError(ShapeError, HSPMDTypeError):
+    """A shape, ratio or tensor argument has the wrong type."""
+
+
 class UnsupportedReshard(HSPMDError):
     """No correct communication exists between two annotations (e.g. Partial with no collective path)."""
 
@@ -38,6 +59,10 @@ class StrategyError(HSPMDError):
     """A strategy file or description is invalid; the message names the key."""
 
 
+class StrategyTypeError(StrategyError, HSPMDTypeError):
+    """A strategy argument has the wrong type."""
+
+
 class CommunicationError(HSPMDError):
     """A backend collective failed, timed out, or a peer rank crashed."""
 
@@ -48,6 +73,10 @@ class ReplicaMismatch(HSPMDError):
 
 class ClusterError(HSPMDError):
     """A cluster or model description (ClusterSpec, ModelSpec, their files) is invalid; the message names the key."""
+
+
+class ClusterTypeError(ClusterError, HSPMDTypeError):
+    """A cluster was given as something other than a ClusterSpec, preset name, size text or file."""
 
 
 class WeightLost(HSPMDError):
@@ -69,3 +98,21 @@ def closest_hint(word: str, options: Sequence[str]) -> str:
 
 class CheckpointError(HSPMDError):
     """A checkpoint is missing, corrupted, truncated, of another model or schema; names file and tensor."""
+
+
+class LaunchError(HSPMDError):
+    """The launcher's arguments are invalid, or a rank stopped (the message names the rank)."""
+
+
+class UsageError(HSPMDValueError):
+    """A command line is invalid (unknown option, missing or malformed argument)."""
+
+
+def error_line(exc: BaseException) -> str:
+    """The error as one line: a parse error's marked text becomes '(at character N of TEXT)'."""
+    lines = str(exc).splitlines() or [type(exc).__name__]
+    text, position = getattr(exc, "text", None), getattr(exc, "position", None)
+    if isinstance(text, str) and isinstance(position, int):
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        return f"{lines[0]} (at character {position} of {shown!r})"
+    return " ".join(line.strip() for line in lines if line.strip())

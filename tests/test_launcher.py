@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hspmd.cli import main as cli_main
 from hspmd.runtime.launcher import main as launcher_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,10 +135,9 @@ def test_a_rank_killed_by_a_signal_fails_the_job(tmp_path, capsys):
 
 
 def test_a_missing_script_is_a_usage_error(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        launcher_main(["-n", "2", str(tmp_path / "nope.py")])
-    assert exit_info.value.code == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert cli_main(["run", "-n", "2", str(tmp_path / "nope.py")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and err.count("\n") == 1 and err.startswith("hspmd: error: ")
 
 
 @pytest.mark.multiprocess

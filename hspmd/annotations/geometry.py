@@ -22,7 +22,8 @@ from typing import Sequence, Union
 import sympy
 
 from hspmd.annotations.states import Annotation, Partial, Split, Subgroup
-from hspmd.errors import ShapeError
+from hspmd.errors import ShapeError, ShapeTypeError
+from hspmd.limits import MAX_DIMS, MAX_RATIO, brief, check_limit
 
 Length = Union[int, sympy.Expr]
 Range = tuple[Length, Length]
@@ -96,12 +97,34 @@ def _combine(digits: Sequence[int], radix: Sequence[int]) -> int:
 
 
 def check_shape(ann: Annotation, shape: Sequence[Length], where: str = "") -> tuple[Length, ...]:
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise ShapeTypeError(f"a shape is a sequence of non-negative integers, got {brief(shape)}")
     shape = tuple(shape)
+    check_limit(len(shape), MAX_DIMS, "the tensor rank", where)
     for i, s in enumerate(shape):
+        if isinstance(s, bool) or not isinstance(s, (int, sympy.Expr)):
+            raise ShapeTypeError(f"dim {i} of shape {shape} must be an integer (or a sympy symbol), got {brief(s)}")
         if isinstance(s, int) and s < 0:
             raise ShapeError(f"dim {i} of shape {shape} is negative")
     ann.check_rank(len(shape), where)
     return shape
+
+
+def check_ratios(ratios: Sequence[int] | None) -> tuple[int, ...] | None:
+    """Run-time top-tier ratios as a tuple of positive integers (None stays None); subgroup_regions
+    checks their count where they are used."""
+    if ratios is None:
+        return None
+    if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__iter__"):
+        raise ShapeTypeError(f"ratios must be a sequence of positive integers, got {brief(ratios)}")
+    ratios = tuple(ratios)
+    for r in ratios:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise ShapeTypeError(f"ratios must be positive integers, got {brief(r)} in {brief(ratios)}")
+        if r < 1:
+            raise ShapeError(f"ratios must be positive integers, got {brief(r)} in {brief(ratios)}: a zero or negative weight has no piece")
+        check_limit(r, MAX_RATIO, "a split ratio")
+    return ratios
 
 
 def subgroup_regions(ann: Annotation, shape: Sequence[Length], ratios: Sequence[int] | None = None) -> list[Box]:
@@ -109,6 +132,7 @@ def subgroup_regions(ann: Annotation, shape: Sequence[Length], ratios: Sequence[
 
     `ratios` binds a run-time HDim split (`H0{...}`); it is ignored when the annotation has its own."""
     shape = check_shape(ann, shape)
+    ratios = check_ratios(ratios)
     whole = tuple((0, s) for s in shape)
     if not isinstance(ann.hdim, int):
         return [whole] * ann.hsize
@@ -169,7 +193,9 @@ def device_pieces(ann: Annotation, shape: Sequence[Length], ratios: Sequence[int
 
     A partial summand is named (subgroup k, bottom-tier summand j): summing over j gives subgroup
     k's value of its region, and under HDim P summing over k gives the tensor."""
-    return dict(_device_pieces(ann, tuple(shape), None if ratios is None else tuple(ratios)))
+    if not isinstance(ann, Annotation):
+        raise ShapeTypeError(f"device_pieces needs an Annotation (parse text first), got {brief(ann)}")
+    return dict(_device_pieces(ann, check_shape(ann, shape), check_ratios(ratios)))
 
 
 @lru_cache(maxsize=64)
@@ -206,4 +232,5 @@ __all__ = [
     "device_pieces",
     "subgroup_device_pieces",
     "check_shape",
+    "check_ratios",
 ]

@@ -11,10 +11,10 @@ from typing import Mapping, Sequence
 
 import torch
 
-from hspmd.annotations.geometry import box_relative, device_pieces, split_index, subgroup_pieces, subgroup_regions
+from hspmd.annotations.geometry import box_relative, check_shape, device_pieces, split_index, subgroup_pieces, subgroup_regions
 from hspmd.annotations.states import Annotation, Subgroup
 from hspmd.annotations.syntax import parse
-from hspmd.errors import ReplicaMismatch, ShapeError
+from hspmd.errors import ReplicaMismatch, ShapeError, ShapeTypeError
 
 
 def _random_summands(value: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -29,6 +29,10 @@ def shard(
 ) -> dict[int, torch.Tensor]:
     """{device: local tensor} for the whole tensor `x` laid out as `ann`."""
     ann = parse(ann)
+    if not isinstance(x, torch.Tensor):
+        raise ShapeTypeError(f"shard needs a torch.Tensor, got {type(x).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ShapeTypeError(f"shard's seed must be an integer, got {seed!r}")
     if not torch.is_floating_point(x) and ann.has_partial:
         raise ShapeError(f"{ann} has Partial summands, which need a floating-point tensor, got {x.dtype}")
     gen = torch.Generator().manual_seed(seed)
@@ -56,12 +60,34 @@ def _subgroup_shape(sub: Subgroup, locals_: Mapping[int, torch.Tensor], ndim: in
     return shape
 
 
-def infer_shape(locals_: Mapping[int, torch.Tensor], ann: Annotation) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    """(global shape, top-tier ratios) implied by the local shapes; ratios None unless HDim is a dim."""
+def check_locals(locals_: Mapping[int, torch.Tensor], ann: Annotation) -> tuple[int, torch.dtype]:
+    """(rank, dtype) shared by the locals of every device of `ann`; a missing device, a non-tensor,
+    or locals of different ranks or dtypes raise (mixed dtypes are refused, never downcast)."""
+    if not isinstance(locals_, Mapping):
+        raise ShapeTypeError(f"unshard needs a mapping {{device: tensor}}, got {type(locals_).__name__}")
     missing = [d for d in ann.devices if d not in locals_]
     if missing:
         raise ShapeError(f"unshard: no local tensor for device(s) {missing} of {ann}")
-    ndim = locals_[ann.devices[0]].dim()
+    first = ann.devices[0]
+    for d in ann.devices:
+        if not isinstance(locals_[d], torch.Tensor):
+            raise ShapeTypeError(f"unshard: device {d} holds {type(locals_[d]).__name__}, not a torch.Tensor")
+    ndim, dtype = locals_[first].dim(), locals_[first].dtype
+    for d in ann.devices:
+        local = locals_[d]
+        if local.dim() != ndim:
+            raise ShapeError(f"unshard {ann}: device {d} holds a rank-{local.dim()} tensor, device {first} a rank-{ndim} one")
+        if local.dtype != dtype:
+            raise ShapeError(
+                f"unshard {ann}: device {d} holds {local.dtype}, device {first} {dtype}; cast the pieces to one "
+                f"dtype first (unshard never downcasts)"
+            )
+    return ndim, dtype
+
+
+def infer_shape(locals_: Mapping[int, torch.Tensor], ann: Annotation) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(global shape, top-tier ratios) implied by the local shapes; ratios None unless HDim is a dim."""
+    ndim, _ = check_locals(locals_, ann)
     ann.check_rank(ndim, "unshard")
     shapes = [_subgroup_shape(s, locals_, ndim) for s in ann.subgroups]
     if not isinstance(ann.hdim, int):
@@ -91,14 +117,14 @@ def unshard(
 
     Shape and run-time ratios are read off the locals unless given."""
     ann = parse(ann)
+    _, dtype = check_locals(locals_, ann)
     if shape is None:
         shape, inferred = infer_shape(locals_, ann)
         if ann.ratios is None and ratios is None and inferred is not None:
             ratios = tuple(inferred) if sum(inferred) > 0 else (1,) * ann.hsize
-    shape = tuple(shape)
+    shape = check_shape(ann, shape, "unshard")
     pieces = device_pieces(ann, shape, ratios)
     regions = subgroup_regions(ann, shape, ratios)
-    dtype = locals_[ann.devices[0]].dtype
     values = []
     for k, (sub, region) in enumerate(zip(ann.subgroups, regions)):
         seen: dict[tuple, int] = {}

@@ -12,19 +12,20 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Literal, Union
 
-from hspmd.errors import AnnotationError
+from hspmd.errors import AnnotationError, AnnotationTypeError
+from hspmd.limits import MAX_DEVICES, MAX_DIMS, MAX_RATIO, brief, check_limit
 
 HDup = Literal["D"]
 HPartial = Literal["P"]
 HDim = Union[int, HDup, HPartial]
 
 
-def _positive_int(value: object, what: str) -> int:
+def _positive_int(value: object, what: str, limit: int | None = MAX_DEVICES) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise AnnotationError(f"{what} must be an integer, got {value!r}")
+        raise AnnotationTypeError(f"{what} must be an integer, got {brief(value)}")
     if value < 1:
-        raise AnnotationError(f"{what} must be positive, got {value}; use 1 or drop the axis")
-    return value
+        raise AnnotationError(f"{what} must be positive, got {brief(value)}; use 1 or drop the axis")
+    return value if limit is None else check_limit(value, limit, what)
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,11 @@ class Split:
     n: int
 
     def __post_init__(self):
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
-            raise AnnotationError(f"Split dim must be a non-negative integer, got {self.dim!r}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise AnnotationTypeError(f"Split dim must be a non-negative integer, got {brief(self.dim)}")
+        if self.dim < 0:
+            raise AnnotationError(f"Split dim must be a non-negative integer, got {brief(self.dim)}")
+        check_limit(self.dim, MAX_DIMS - 1, "Split dim", "tensors have at most MAX_DIMS dims")
         _positive_int(self.n, f"Split(dim={self.dim}) count")
 
     def __str__(self) -> str:
@@ -94,15 +98,22 @@ class DeviceGroup:
     devices: tuple[int, ...]
 
     def __post_init__(self):
+        if isinstance(self.devices, (str, bytes)) or not hasattr(self.devices, "__iter__"):
+            raise AnnotationTypeError(f"a device group is a sequence of device ids, got {brief(self.devices)}")
         devices = tuple(self.devices)
         if not devices:
             raise AnnotationError("a device group needs at least one device, got []")
+        check_limit(len(devices), MAX_DEVICES, "the number of devices in a group")
         for d in devices:
-            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-                raise AnnotationError(f"device ids must be non-negative integers, got {d!r} in {list(devices)}")
-        seen = {d for d in devices if devices.count(d) > 1}
-        if seen:
-            raise AnnotationError(f"device group {list(devices)} lists device(s) {sorted(seen)} more than once")
+            if isinstance(d, bool) or not isinstance(d, int):
+                raise AnnotationTypeError(f"device ids must be non-negative integers, got {brief(d)}")
+            if d < 0:
+                raise AnnotationError(f"device ids must be non-negative integers, got {brief(d)}")
+            check_limit(d, MAX_DEVICES - 1, "a device id")
+        if len(set(devices)) != len(devices):
+            seen: set[int] = set()
+            repeated = sorted({d for d in devices if d in seen or seen.add(d)})
+            raise AnnotationError(f"device group {_format_devices(devices)} lists device(s) {repeated} more than once")
         object.__setattr__(self, "devices", devices)
 
     def __len__(self) -> int:
@@ -122,10 +133,12 @@ class DistributedStates:
     axes: tuple[Axis, ...] = ()
 
     def __post_init__(self):
+        if isinstance(self.axes, (str, bytes)) or not hasattr(self.axes, "__iter__"):
+            raise AnnotationTypeError(f"distributed states are a sequence of axes, got {brief(self.axes)}")
         axes = tuple(self.axes)
         for a in axes:
             if not isinstance(a, (Split, Duplicate, Partial)):
-                raise AnnotationError(f"a distributed-states axis must be Split, Duplicate or Partial, got {a!r}")
+                raise AnnotationTypeError(f"a distributed-states axis must be Split, Duplicate or Partial, got {brief(a)}")
         object.__setattr__(self, "axes", tuple(a for a in axes if a.n > 1))
 
     @property
@@ -160,9 +173,9 @@ class Subgroup:
 
     def __post_init__(self):
         if not isinstance(self.dg, DeviceGroup):
-            object.__setattr__(self, "dg", DeviceGroup(tuple(self.dg)))
+            object.__setattr__(self, "dg", DeviceGroup(self.dg))
         if not isinstance(self.ds, DistributedStates):
-            object.__setattr__(self, "ds", DistributedStates(tuple(self.ds)))
+            object.__setattr__(self, "ds", DistributedStates(self.ds))
         if self.ds.size != len(self.dg):
             raise AnnotationError(
                 f"distributed states {str(self.ds) or '(none)'} describe {self.ds.size} device(s) but device group "
@@ -187,12 +200,14 @@ class Annotation:
     ratios: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if isinstance(self.subgroups, (str, bytes)) or not hasattr(self.subgroups, "__iter__"):
+            raise AnnotationTypeError(f"a union is a sequence of subgroups, got {brief(self.subgroups)}")
         subgroups = tuple(self.subgroups)
         if not subgroups:
             raise AnnotationError("a union needs at least one subgroup (HSize >= 1)")
         for s in subgroups:
             if not isinstance(s, Subgroup):
-                raise AnnotationError(f"union members must be Subgroup values, got {s!r}")
+                raise AnnotationTypeError(f"union members must be Subgroup values, got {brief(s)}")
         seen: dict[int, int] = {}
         for k, s in enumerate(subgroups):
             for d in s.dg:
@@ -202,19 +217,25 @@ class Annotation:
                     )
                 seen[d] = k
         hdim, ratios = self.hdim, self.ratios
-        if not (hdim in ("D", "P") or (isinstance(hdim, int) and not isinstance(hdim, bool) and hdim >= 0)):
-            raise AnnotationError(f"HDim must be a tensor dim (integer >= 0), 'D' or 'P', got {hdim!r}")
+        if not (isinstance(hdim, str) and hdim in ("D", "P")) and (isinstance(hdim, bool) or not isinstance(hdim, int)):
+            raise AnnotationTypeError(f"HDim must be a tensor dim (integer >= 0), 'D' or 'P', got {brief(hdim)}")
+        if isinstance(hdim, int):
+            if hdim < 0:
+                raise AnnotationError(f"HDim must be a tensor dim (integer >= 0), 'D' or 'P', got {brief(hdim)}")
+            check_limit(hdim, MAX_DIMS - 1, "HDim", "tensors have at most MAX_DIMS dims")
         if ratios is not None:
+            if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__iter__"):
+                raise AnnotationTypeError(f"split ratios must be a sequence of positive integers, got {brief(ratios)}")
             ratios = tuple(ratios)
+            for r in ratios:
+                _positive_int(r, "a top-tier split ratio", MAX_RATIO)
             if not isinstance(hdim, int):
-                raise AnnotationError(f"split ratios {ratios} need a tensor-dim HDim, but HDim is {hdim!r}")
+                raise AnnotationError(f"split ratios {brief(ratios)} need a tensor-dim HDim, but HDim is {hdim!r}")
             if len(ratios) != len(subgroups):
                 raise AnnotationError(
                     f"ratios {':'.join(map(str, ratios))} have {len(ratios)} entries but the union has HSize "
                     f"{len(subgroups)}: give one ratio per subgroup"
                 )
-            for r in ratios:
-                _positive_int(r, "a top-tier split ratio")
         if len(subgroups) == 1:
             hdim, ratios = "D", None
         object.__setattr__(self, "subgroups", subgroups)
@@ -280,15 +301,19 @@ class Hierarchy:
     strategies: tuple[Annotation, ...]
 
     def __post_init__(self):
+        if isinstance(self.strategies, (str, bytes)) or not hasattr(self.strategies, "__iter__"):
+            raise AnnotationTypeError(f"a hierarchy is a sequence of annotations, got {brief(self.strategies)}")
         strategies = tuple(self.strategies)
         if not strategies:
             raise AnnotationError("a hierarchy needs at least one strategy")
         for a in strategies:
             if not isinstance(a, Annotation):
-                raise AnnotationError(f"hierarchy members must be Annotation values, got {a!r}")
+                raise AnnotationTypeError(f"hierarchy members must be Annotation values, got {brief(a)}")
         object.__setattr__(self, "strategies", strategies)
 
     def __getitem__(self, strategy: int) -> Annotation:
+        if isinstance(strategy, bool) or not isinstance(strategy, int):
+            raise AnnotationTypeError(f"a strategy index is an integer, got {brief(strategy)}")
         if not 0 <= strategy < len(self.strategies):
             raise AnnotationError(f"strategy {strategy} does not exist: this hierarchy has {len(self.strategies)}")
         return self.strategies[strategy]

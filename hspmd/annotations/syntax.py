@@ -23,13 +23,14 @@ from hspmd.annotations.states import (
     Split,
     Subgroup,
 )
-from hspmd.errors import AnnotationError, ParseError
+from hspmd.errors import AnnotationError, AnnotationTypeError, LimitError, ParseError
+from hspmd.limits import MAX_DEVICES, MAX_DIGITS
 
 
 class _Parser:
     def __init__(self, text: str):
         if not isinstance(text, str):
-            raise AnnotationError(f"annotation text must be a string, got {type(text).__name__}")
+            raise AnnotationTypeError(f"annotation text must be a string, got {type(text).__name__}")
         self.text, self.pos = text, 0
 
     def fail(self, message: str, position: int | None = None) -> ParseError:
@@ -52,11 +53,13 @@ class _Parser:
     def integer(self, what: str) -> int:
         self.skip()
         start = self.pos
-        while self.pos < len(self.text) and self.text[self.pos].isdigit():
+        while self.pos < len(self.text) and "0" <= self.text[self.pos] <= "9":
             self.pos += 1
         if start == self.pos:
             found = repr(self.text[self.pos]) if self.pos < len(self.text) else "end of text"
-            raise self.fail(f"expected {what} (a non-negative integer), found {found}")
+            raise self.fail(f"expected {what} (a non-negative integer in ASCII digits), found {found}")
+        if self.pos - start > MAX_DIGITS:
+            raise self.fail(f"{what} has {self.pos - start} digits, over the limit of {MAX_DIGITS}", start)
         return int(self.text[start : self.pos])
 
     def annotated(self, build, start: int):
@@ -65,7 +68,7 @@ class _Parser:
             return build()
         except ParseError:
             raise
-        except AnnotationError as exc:
+        except (AnnotationError, LimitError) as exc:
             raise self.fail(str(exc), start) from None
 
     def axis(self) -> Axis:
@@ -92,6 +95,8 @@ class _Parser:
                 last = self.integer("the last device id of a range")
                 if last < first:
                     raise self.fail(f"device range {first}-{last} runs backwards; write {last}-{first}", item_start)
+                if len(devices) + last - first + 1 > MAX_DEVICES:
+                    raise self.fail(f"the device list grows past {MAX_DEVICES} devices, the limit of a group", item_start)
                 devices.extend(range(first, last + 1))
             else:
                 devices.append(first)

@@ -21,7 +21,8 @@ from hspmd.annotations import Annotation, Box, Piece, box_intersection, box_rela
 from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, FusedPlan, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
-from hspmd.errors import ShapeError
+from hspmd.errors import ShapeError, ShapeTypeError
+from hspmd.limits import brief
 from hspmd.backends.backend import Backend
 from hspmd.backends.local import run_on_devices
 
@@ -300,6 +301,7 @@ def run_plan(plan: Plan | FusedPlan, locals_: Mapping[int, object], timeout: flo
     """Run `plan` in this process, one thread per device (hspmd.backends.local), and return the
     destination pieces: {device: tensor} for a Plan, {device: {tensor index: tensor}} for a FusedPlan.
     Buffers live on the device of the given pieces (e.g. `meta` to check a plan without data)."""
+    _check_run_arguments(plan, locals_, timeout)
     device = _device_of(locals_)
     if isinstance(plan, FusedPlan):
         results = run_on_devices(lambda b: execute_fused_plan(plan, b, locals_.get(b.rank, {})), plan.devices, timeout,
@@ -315,6 +317,20 @@ def _device_of(locals_: Mapping[int, object]) -> torch.device:
             if isinstance(t, torch.Tensor):
                 return t.device
     return torch.device("cpu")
+
+
+def _check_run_arguments(plan: object, locals_: object, timeout: object) -> None:
+    if not isinstance(plan, (Plan, FusedPlan)):
+        raise ShapeTypeError(f"run_plan needs a Plan or FusedPlan (from resolve), got {type(plan).__name__}")
+    if not isinstance(locals_, Mapping):
+        raise ShapeTypeError(f"run_plan needs a mapping {{device: local tensor}}, got {type(locals_).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ShapeTypeError(f"run_plan's timeout is a positive number of seconds, got {brief(timeout)}")
+    for device, local in locals_.items():
+        values = local.values() if isinstance(plan, FusedPlan) and isinstance(local, Mapping) else (local,)
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            kind = "{tensor index: tensor}" if isinstance(plan, FusedPlan) else "a torch.Tensor"
+            raise ShapeTypeError(f"run_plan: device {brief(device)} holds {brief(local)}, not {kind}")
 
 
 def reshard_tensor(plan: Plan, x: torch.Tensor, seed: int = 0) -> torch.Tensor:

@@ -23,6 +23,7 @@ import yaml
 
 from hspmd.cluster.spec import Bucket, ClusterSpec, DeviceType, LinkClass, Node
 from hspmd.errors import ClusterError
+from hspmd.limits import MAX_DEVICES, brief, check_limit
 
 TOP_KEYS = ("name", "device_types", "links", "nodes", "intra", "inter", "cross", "pairs")
 
@@ -105,7 +106,8 @@ def _nodes(raw: object) -> list[Node]:
         _only(n, ("type", "devices", "count", "site", "intra"), key)
         count = n.get("count", 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ClusterError(f"cluster file: {key}.count must be a positive integer, got {count!r}")
+            raise ClusterError(f"cluster file: {key}.count must be a positive integer, got {brief(count)}")
+        check_limit(len(nodes) + count, MAX_DEVICES, "the number of nodes of a cluster", key)
         node = _wrap(key, lambda: Node(str(_required(n, "type", key)), _required(n, "devices", key),
                                        str(n.get("site", "") or ""), n.get("intra")))
         nodes += [node] * count

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from hspmd.cluster.files import load_cluster
 from hspmd.cluster.spec import ClusterSpec, DeviceType, LinkClass, Node
-from hspmd.errors import ClusterError
+from hspmd.errors import ClusterError, ClusterTypeError
+from hspmd.limits import MAX_DEVICES, ascii_int, brief, check_limit
 
 TB, GB = 1e12, 1e9
 
@@ -100,19 +101,23 @@ def parse_cluster(text: "str | Path | ClusterSpec") -> ClusterSpec:
     """A preset name, `NxM`, `nvlink-ib:NxM`, `h800-h20:A+B[xM]`, or a .yaml/.yml file."""
     if isinstance(text, ClusterSpec):
         return text
+    if not isinstance(text, (str, Path)):
+        raise ClusterTypeError(f"a cluster is a ClusterSpec, a preset name, text such as '2x4' or a .yaml file, "
+                               f"got {brief(text)}")
     spec = str(text).strip()
     key = spec.lower()
     if key in PRESETS:
         return PRESETS[key]()
-    if m := re.fullmatch(r"(\d+)x(\d+)", key):
-        return uniform(int(m[1]), int(m[2]))
-    if m := re.fullmatch(r"nvlink-ib:(\d+)x(\d+)", key):
-        return nvlink_ib(int(m[1]), int(m[2]))
-    if m := re.fullmatch(r"h800-h20:(\d+)\+(\d+)(?:x(\d+))?", key):
-        return h800_h20(int(m[1]), int(m[2]), int(m[3] or 8))
+    number = lambda digits: check_limit(ascii_int(digits, "a cluster size"), MAX_DEVICES, "a cluster size")  # noqa: E731
+    if m := re.fullmatch(r"([0-9]+)x([0-9]+)", key):
+        return uniform(number(m[1]), number(m[2]))
+    if m := re.fullmatch(r"nvlink-ib:([0-9]+)x([0-9]+)", key):
+        return nvlink_ib(number(m[1]), number(m[2]))
+    if m := re.fullmatch(r"h800-h20:([0-9]+)\+([0-9]+)(?:x([0-9]+))?", key):
+        return h800_h20(number(m[1]), number(m[2]), number(m[3] or "8"))
     if key.endswith((".yaml", ".yml")) or Path(spec).is_file():
         return load_cluster(spec)
-    raise ClusterError(f"unknown cluster {text!r}: name a preset ({', '.join(PRESETS)}), write NODESxPER_NODE "
+    raise ClusterError(f"unknown cluster {brief(text)}: name a preset ({', '.join(PRESETS)}), write NODESxPER_NODE "
                        f"(e.g. 2x4), nvlink-ib:NODESxPER_NODE, h800-h20:H800_NODES+H20_NODES[xPER_NODE], or a .yaml file")
 
 

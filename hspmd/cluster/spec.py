@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from hspmd.errors import ClusterError
+from hspmd.limits import MAX_DEVICES, check_limit
 
 DTYPES = ("float64", "float32", "tfloat32", "bfloat16", "float16", "float8")
 
@@ -180,6 +181,8 @@ class ClusterSpec:
         nodes = tuple(self.nodes)
         if not nodes:
             raise ClusterError(f"cluster {self.name!r}: nodes: give at least one node")
+        check_limit(len(nodes), MAX_DEVICES, "the number of nodes of a cluster")
+        check_limit(sum(n.devices for n in nodes), MAX_DEVICES, "the number of devices of a cluster")
         types = {t.name: t for t in self.device_types}
         links = {l.name: l for l in self.links}
         if len(types) != len(self.device_types):

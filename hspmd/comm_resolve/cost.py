@@ -19,7 +19,8 @@ from typing import Callable, Iterable, Sequence
 
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.topology import ClusterSpec
-from hspmd.errors import ShapeError
+from hspmd.errors import ShapeError, ShapeTypeError
+from hspmd.limits import brief
 
 DTYPE_SIZES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -29,11 +30,13 @@ DTYPE_SIZES = {
 
 def dtype_name(dtype: object) -> str:
     """Canonical dtype name ("float32") from a name, "torch.float32" or a torch.dtype."""
+    if isinstance(dtype, (int, float, bool)) or dtype is None:
+        raise ShapeTypeError(f"a dtype is a name such as 'float32' or a torch.dtype, got {brief(dtype)}")
     name = str(dtype).removeprefix("torch.")
     aliases = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32"}
     name = aliases.get(name, name)
     if name not in DTYPE_SIZES:
-        raise ShapeError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(DTYPE_SIZES))}")
+        raise ShapeError(f"unknown dtype {brief(dtype)}; use one of {', '.join(sorted(DTYPE_SIZES))}")
     return name
 
 

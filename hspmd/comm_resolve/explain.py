@@ -46,27 +46,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hspmd.errors import HSPMDError
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise _UsageError(message)
+from hspmd.arguments import ArgumentParser, non_negative_int
+from hspmd.errors import HSPMDError, error_line
 
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(part) for part in text.replace(" ", "").split(",") if part != "")
-    except ValueError:
+        return tuple(non_negative_int(part) for part in text.replace(" ", "").split(",") if part != "")
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers (e.g. 8,6), got {text!r}") from None
 
 
-def _parser() -> _Parser:
-    p = _Parser(prog="hspmd explain", description="Show the communication plan that turns SRC into DST.")
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="hspmd explain", description="Show the communication plan that turns SRC into DST.")
     p.add_argument("src", help="source annotation, e.g. 'HP{S1:4@[0-3] | S1:2@[4,5]}'")
     p.add_argument("dst", help="destination annotation")
     p.add_argument("--shape", type=_ints, required=True, help="global tensor shape, e.g. 8,6")
@@ -154,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             chosen = chosen_route(alts, resolve(args.src, args.dst, args.shape, args.topology, **options))
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    except (_UsageError, HSPMDError) as exc:
-        print(f"hspmd explain: error: {exc}", file=sys.stderr)
+    except HSPMDError as exc:
+        print(f"hspmd: error: {error_line(exc)}", file=sys.stderr)
         return 2
     if args.compare and args.json:
         import json

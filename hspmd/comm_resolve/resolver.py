@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from hspmd.annotations import Annotation, Split, Subgroup, device_pieces, parse, subgroup_regions
+from hspmd.annotations.geometry import check_ratios
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
@@ -47,7 +48,8 @@ from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.split_collectives import split_step
 from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
-from hspmd.errors import CommunicationError, ShapeError, UnsupportedReshard
+from hspmd.errors import CommunicationError, ShapeError, ShapeTypeError, UnsupportedReshard
+from hspmd.limits import MAX_DIMS, brief, check_limit
 
 
 @dataclass(frozen=True)
@@ -78,18 +80,20 @@ def bind_ratios(ann: Annotation, ratios: Sequence[int] | None, role: str, argume
                 f"the {role} {ann} splits dim {ann.hdim} across subgroups in ratios bound at run time; "
                 f"{how}bind them with annotation.with_ratios(...)"
             )
-        return ann.with_ratios(tuple(ratios))
+        return ann.with_ratios(check_ratios(ratios))
     return ann
 
 
 def concrete_shape(shape: Sequence[int], *anns: Annotation) -> tuple[int, ...]:
     """`shape` as a tuple of non-negative ints of the annotations' rank (resolving needs concrete sizes)."""
-    try:
-        shape = tuple(shape)
-    except TypeError:
-        raise ShapeError(f"shape must be a sequence of non-negative integers, got {shape!r}") from None
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape):
-        raise ShapeError(f"resolve needs a concrete shape of non-negative integers, got {shape}")
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise ShapeTypeError(f"shape must be a sequence of non-negative integers, got {brief(shape)}")
+    shape = tuple(shape)
+    check_limit(len(shape), MAX_DIMS, "the tensor rank")
+    if any(isinstance(s, bool) or not isinstance(s, int) for s in shape):
+        raise ShapeTypeError(f"resolve needs a concrete shape of non-negative integers, got {brief(shape)}")
+    if any(s < 0 for s in shape):
+        raise ShapeError(f"resolve needs a concrete shape of non-negative integers, got {brief(shape)}")
     for ann in anns:
         ann.check_rank(len(shape), f"tensor of shape {shape}")
     return shape

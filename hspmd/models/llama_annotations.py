@@ -16,6 +16,7 @@ from typing import Sequence
 
 from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Duplicate, Split, Subgroup
 from hspmd.errors import StrategyError, closest_hint
+from hspmd.limits import brief
 
 PARAM_KINDS = ("column", "row", "replicated")
 EMBEDDING_KINDS = ("vocab", "replicated")
@@ -57,7 +58,7 @@ def activation_annotation(strategy, layer: int, pipeline_dim: int = 0) -> Annota
     Tokens use layer 0, logits the last layer."""
     layer = strategy.check_layer(layer)
     if isinstance(pipeline_dim, bool) or not isinstance(pipeline_dim, int) or pipeline_dim < 0:
-        raise StrategyError(f"pipeline_dim must be a tensor dim (integer >= 0), got {pipeline_dim!r}")
+        raise StrategyError(f"pipeline_dim must be a tensor dim (integer >= 0), got {brief(pipeline_dim)}")
     stages = [strategy.stage_holding(layer, i) for i in range(len(strategy.pipelines))]
     return _union(stages, Duplicate, pipeline_dim, strategy.micro_batch_ratios)
 

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import IO, Sequence
 
+from hspmd.arguments import ArgumentParser, non_negative_float, positive_int
+from hspmd.limits import MAX_LOCAL_RANKS
 from hspmd.runtime.ports import LOOPBACK, free_port
 
 BACKENDS = ("gloo", "nccl")
@@ -30,14 +32,15 @@ _POLL_S = 0.05
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="hspmd run",
         description="Launch N local processes of one job (rendezvous on 127.0.0.1).",
     )
-    parser.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks to start")
+    parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of ranks to start")
     parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="torch.distributed backend (HSPMD_BACKEND)")
-    parser.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
-    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--port", type=positive_int, default=None, help="rendezvous port (default: a free one)")
+    parser.add_argument("--grace", type=non_negative_float, default=DEFAULT_GRACE_S,
+                        help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--elastic", action="store_true",
                         help="a rank that dies does not end the job: the launcher hosts the store and announces "
                              "each death to the survivors, which recover without it (hspmd.runtime.elastic)")
@@ -47,8 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.nproc < 1:
-        parser.error(f"-n must be at least 1, got {args.nproc}")
+    if args.nproc > MAX_LOCAL_RANKS:
+        parser.error(f"-n {args.nproc} is over the limit of {MAX_LOCAL_RANKS} local ranks")
+    if args.port is not None and args.port > 65535:
+        parser.error(f"--port must be 1-65535, got {args.port}")
     if not os.path.isfile(args.script):
         parser.error(f"script {args.script!r} does not exist")
     command = [sys.executable, args.script, *args.script_args]

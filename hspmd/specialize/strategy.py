@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from hspmd.errors import StrategyError
+from hspmd.limits import MAX_DEVICES, MAX_LAYERS, brief
 from hspmd.specialize.strategy_fields import (
     Path,
     StrategyFieldError,
+    StrategyFieldTypeError,
     check_keys,
     field_context,
     format_layers,
@@ -49,25 +51,32 @@ class Stage:
     def __post_init__(self):
         ranks = self.ranks
         if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (tuple, list, range)):
-            raise StrategyFieldError(("ranks",), f"must be a sequence of integer ranks, got {ranks!r}")
+            raise StrategyFieldTypeError(("ranks",), f"must be a sequence of integer ranks, got {brief(ranks)}")
+        if len(ranks) > MAX_DEVICES:
+            raise StrategyFieldError(("ranks",), f"{len(ranks)} ranks in one stage, over the limit of {MAX_DEVICES} (hspmd.limits)")
         ranks = tuple(ranks)
         if not ranks:
             raise StrategyFieldError(("ranks",), "a stage needs at least one rank")
         for r in ranks:
-            if not is_int(r) or r < 0:
-                raise StrategyFieldError(("ranks",), f"ranks must be non-negative integers, got {r!r}")
-        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
-        if repeated:
+            if not is_int(r):
+                raise StrategyFieldTypeError(("ranks",), f"ranks must be non-negative integers, got {brief(r)}")
+            if not 0 <= r < MAX_DEVICES:
+                raise StrategyFieldError(("ranks",), f"ranks must be non-negative integers below {MAX_DEVICES} (hspmd.limits), got {brief(r)}")
+        if len(set(ranks)) != len(ranks):
+            seen: set[int] = set()
+            repeated = sorted({r for r in ranks if r in seen or seen.add(r)})
             raise StrategyFieldError(("ranks",), f"rank(s) {repeated} listed more than once in {format_ranks(sorted(set(ranks)))}")
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "layers", self._normalise_layers(self.layers))
         tp = len(ranks) if self.tp is None else self.tp
-        if not is_int(tp) or tp < 1:
-            raise StrategyFieldError(("tp",), f"must be a positive integer, got {tp!r}")
+        if not is_int(tp):
+            raise StrategyFieldTypeError(("tp",), f"must be a positive integer, got {brief(tp)}")
+        if tp < 1:
+            raise StrategyFieldError(("tp",), f"must be a positive integer, got {brief(tp)}")
         if tp != len(ranks):
             raise StrategyFieldError(
                 ("tp",),
-                f"tp {tp} does not match the {len(ranks)} ranks {format_ranks(ranks)}: a stage is one tensor-parallel "
+                f"tp {brief(tp)} does not match the {len(ranks)} ranks {format_ranks(ranks)}: a stage is one tensor-parallel "
                 f"group, so tp must equal its rank count; for data parallelism add another pipeline "
                 f"(gradients are synchronised between pipelines)",
             )
@@ -77,16 +86,20 @@ class Stage:
     def _normalise_layers(layers: object) -> range:
         if isinstance(layers, range):
             if layers.step != 1:
-                raise StrategyFieldError(("layers",), f"must be a contiguous range (step 1), got {layers!r}")
+                raise StrategyFieldError(("layers",), f"must be a contiguous range (step 1), got {brief(layers)}")
             if len(layers) == 0 or layers.start < 0:
-                raise StrategyFieldError(("layers",), f"must be a non-empty range of non-negative layers, got {layers!r}")
+                raise StrategyFieldError(("layers",), f"must be a non-empty range of non-negative layers, got {brief(layers)}")
+            if layers.stop > MAX_LAYERS:
+                raise StrategyFieldError(("layers",), f"{layers!r} runs past layer {MAX_LAYERS - 1}, the limit (hspmd.limits)")
             return layers
         if isinstance(layers, (tuple, list)) and len(layers) == 2 and all(is_int(x) for x in layers):
             first, last = layers
             if first < 0 or last < first:
-                raise StrategyFieldError(("layers",), f"(first, last) = {tuple(layers)} must satisfy 0 <= first <= last")
+                raise StrategyFieldError(("layers",), f"(first, last) = {brief(tuple(layers))} must satisfy 0 <= first <= last")
+            if last >= MAX_LAYERS:
+                raise StrategyFieldError(("layers",), f"last layer {last} is past {MAX_LAYERS - 1}, the limit (hspmd.limits)")
             return range(first, last + 1)
-        raise StrategyFieldError(("layers",), f"must be a range or a (first, last) pair of integers, got {layers!r}")
+        raise StrategyFieldTypeError(("layers",), f"must be a range or a (first, last) pair of integers, got {brief(layers)}")
 
     @property
     def first_layer(self) -> int:
@@ -111,12 +124,14 @@ class Pipeline:
 
     def __post_init__(self):
         stages = self.stages
-        if not isinstance(stages, (tuple, list)) or not stages:
-            raise StrategyFieldError(("stages",), f"must be a non-empty list of stages, got {stages!r}")
+        if not isinstance(stages, (tuple, list)):
+            raise StrategyFieldTypeError(("stages",), f"must be a non-empty list of stages, got {brief(stages)}")
+        if not stages:
+            raise StrategyFieldError(("stages",), "must be a non-empty list of stages, got []")
         stages = tuple(stages)
         for j, s in enumerate(stages):
             if not isinstance(s, Stage):
-                raise StrategyFieldError(("stages", j), f"must be a Stage, got {s!r}")
+                raise StrategyFieldTypeError(("stages", j), f"must be a Stage, got {brief(s)}")
         owner: dict[int, int] = {}
         expected_first = 0
         for j, s in enumerate(stages):
@@ -163,17 +178,21 @@ class Strategy:
 
     def __post_init__(self):
         pipelines = self.pipelines
-        if not isinstance(pipelines, (tuple, list)) or not pipelines:
-            raise StrategyFieldError(("pipelines",), f"must be a non-empty list of pipelines, got {pipelines!r}")
+        if not isinstance(pipelines, (tuple, list)):
+            raise StrategyFieldTypeError(("pipelines",), f"must be a non-empty list of pipelines, got {brief(pipelines)}")
+        if not pipelines:
+            raise StrategyFieldError(("pipelines",), "must be a non-empty list of pipelines, got []")
         pipelines = tuple(pipelines)
         for i, p in enumerate(pipelines):
             if not isinstance(p, Pipeline):
-                raise StrategyFieldError(("pipelines", i), f"must be a Pipeline, got {p!r}")
-        positive_count(self.num_layers, ("num_layers",), False)
+                raise StrategyFieldTypeError(("pipelines", i), f"must be a Pipeline, got {brief(p)}")
+        positive_count(self.num_layers, ("num_layers",), False, MAX_LAYERS)
         if not isinstance(self.zero, bool):
-            raise StrategyFieldError(("zero",), f"must be true or false, got {self.zero!r}")
-        if not isinstance(self.name, str) or ";" in self.name or "\n" in self.name:
-            raise StrategyFieldError(("name",), f"must be one line of text without ';', got {self.name!r}")
+            raise StrategyFieldTypeError(("zero",), f"must be true or false, got {brief(self.zero)}")
+        if not isinstance(self.name, str):
+            raise StrategyFieldTypeError(("name",), f"must be one line of text without ';', got {brief(self.name)}")
+        if ";" in self.name or "\n" in self.name:
+            raise StrategyFieldError(("name",), f"must be one line of text without ';', got {brief(self.name)}")
         owner: dict[int, tuple[int, int]] = {}
         for i, p in enumerate(pipelines):
             if p.num_layers != self.num_layers:
@@ -274,7 +293,7 @@ class Strategy:
         check_keys(data, STRATEGY_KEYS, (), required=("pipelines",))
         raw_pipelines = data["pipelines"]
         if not isinstance(raw_pipelines, list) or not raw_pipelines:
-            raise StrategyFieldError(("pipelines",), f"must be a non-empty list of pipelines, got {raw_pipelines!r}")
+            raise StrategyFieldError(("pipelines",), f"must be a non-empty list of pipelines, got {brief(raw_pipelines)}")
         pipelines = tuple(_pipeline_from_dict(p, ("pipelines", i)) for i, p in enumerate(raw_pipelines))
         return cls(
             pipelines,
@@ -288,7 +307,7 @@ def _pipeline_from_dict(data: object, path: Path) -> Pipeline:
     check_keys(data, PIPELINE_KEYS, path, required=PIPELINE_KEYS)
     raw_stages = data["stages"]
     if not isinstance(raw_stages, list) or not raw_stages:
-        raise StrategyFieldError(path + ("stages",), f"must be a non-empty list of stages, got {raw_stages!r}")
+        raise StrategyFieldError(path + ("stages",), f"must be a non-empty list of stages, got {brief(raw_stages)}")
     stages = tuple(_stage_from_dict(s, path + ("stages", j)) for j, s in enumerate(raw_stages))
     with field_context(*path):
         return Pipeline(stages, data["micro_batches"], data["micro_batch_size"])

@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from typing import Iterator, Mapping, Sequence
 
 from hspmd.annotations import DeviceGroup
-from hspmd.errors import StrategyError, closest_hint
+from hspmd.errors import StrategyError, StrategyTypeError, closest_hint
+from hspmd.limits import MAX_DEVICES, MAX_DIGITS, MAX_LAYERS, brief, is_ascii_number
 
 Path = tuple[object, ...]
 
@@ -25,11 +26,16 @@ def format_path(path: Path) -> str:
 
 
 class StrategyFieldError(StrategyError):
-    """A strategy field is invalid; `path` locates it (relative to where the check ran)."""
+    """A strategy field is invalid; `path` locates it (relative to where the check ran).
+    A field of the wrong type raises StrategyFieldTypeError, also a TypeError."""
 
     def __init__(self, path: Path, reason: str):
         self.path, self.reason = tuple(path), reason
         super().__init__(f"{format_path(self.path)}: {reason}" if self.path else reason)
+
+
+class StrategyFieldTypeError(StrategyFieldError, StrategyTypeError):
+    """A strategy field has the wrong type."""
 
 
 @contextmanager
@@ -38,21 +44,23 @@ def field_context(*prefix: object) -> Iterator[None]:
     try:
         yield
     except StrategyFieldError as exc:
-        raise StrategyFieldError(prefix + exc.path, exc.reason) from None
+        raise type(exc)(prefix + exc.path, exc.reason) from None
 
 
 def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def positive_count(value: object, path: Path, allow_none: bool) -> int | None:
+def positive_count(value: object, path: Path, allow_none: bool, limit: int = 10**9) -> int | None:
     if value is None and allow_none:
         return None
     if not is_int(value):
         runtime = " or null (bound at run time)" if allow_none else ""
-        raise StrategyFieldError(path, f"must be a positive integer{runtime}, got {value!r} ({type(value).__name__})")
+        raise StrategyFieldTypeError(path, f"must be a positive integer{runtime}, got {brief(value)} ({type(value).__name__})")
     if value < 1:
-        raise StrategyFieldError(path, f"must be positive, got {value}")
+        raise StrategyFieldError(path, f"must be positive, got {brief(value)}")
+    if value > limit:
+        raise StrategyFieldError(path, f"is {brief(value)}, over the limit of {limit} (hspmd.limits)")
     return value
 
 
@@ -65,35 +73,40 @@ def format_layers(layers: range) -> str:
     return f"{layers.start}-{layers.stop - 1}" if len(layers) > 1 else str(layers.start)
 
 
+def _bounds(text: str, what: str, limit: int) -> tuple[int, int]:
+    """(first, last) of 'first-last' or 'n' in ASCII digits, both below `limit`."""
+    first, dash, last = (part.strip() for part in text.strip().partition("-"))
+    if not is_ascii_number(first) or (dash and not is_ascii_number(last)):
+        raise StrategyFieldError((), f"{text.strip()!r} is not {what}")
+    for number in (first, last) if dash else (first,):
+        if len(number) > MAX_DIGITS or int(number) >= limit:
+            raise StrategyFieldError((), f"{number[:12]} in {text.strip()!r} is over the limit: values run 0-{limit - 1} (hspmd.limits)")
+    lo, hi = int(first), int(last) if dash else int(first)
+    if hi < lo:
+        raise StrategyFieldError((), f"range {text.strip()} runs backwards; write {hi}-{lo}")
+    return lo, hi
+
+
 def parse_index_list(text: str) -> tuple[int, ...]:
     """'0-3,8' -> (0, 1, 2, 3, 8); raises StrategyFieldError(()) naming the bad item."""
     out: list[int] = []
     for item in text.split(","):
-        item = item.strip()
-        first, dash, last = item.partition("-")
-        if not first.strip().isdigit() or (dash and not last.strip().isdigit()):
-            raise StrategyFieldError((), f"{item!r} in {text!r} is not a rank or a range like 0-3")
-        lo, hi = int(first), int(last) if dash else int(first)
-        if hi < lo:
-            raise StrategyFieldError((), f"range {item} runs backwards; write {hi}-{lo}")
+        lo, hi = _bounds(item, f"a rank or a range like 0-3 (in {text!r})", MAX_DEVICES)
+        if len(out) + hi - lo + 1 > MAX_DEVICES:
+            raise StrategyFieldError((), f"{text!r} lists more than {MAX_DEVICES} ranks, the limit (hspmd.limits)")
         out.extend(range(lo, hi + 1))
     return tuple(out)
 
 
 def parse_layer_range(text: str) -> range:
     """'0-14' -> range(0, 15); '7' -> range(7, 8)."""
-    first, dash, last = text.strip().partition("-")
-    if not first.strip().isdigit() or (dash and not last.strip().isdigit()):
-        raise StrategyFieldError((), f"{text!r} is not a layer range like 0-14 (first-last, inclusive)")
-    lo, hi = int(first), int(last) if dash else int(first)
-    if hi < lo:
-        raise StrategyFieldError((), f"layer range {text.strip()} runs backwards; write {hi}-{lo}")
+    lo, hi = _bounds(text, "a layer range like 0-14 (first-last, inclusive)", MAX_LAYERS)
     return range(lo, hi + 1)
 
 
 def check_keys(data: object, valid: Sequence[str], path: Path, required: Sequence[str]) -> None:
     if not isinstance(data, Mapping):
-        raise StrategyFieldError(path, f"must be a mapping with keys {', '.join(valid)}, got {data!r}")
+        raise StrategyFieldTypeError(path, f"must be a mapping with keys {', '.join(valid)}, got {brief(data)}")
     for key in data:
         if key not in valid:
             raise StrategyFieldError(path + (str(key),), f"unknown key {key!r}; {closest_hint(str(key), valid)}")
@@ -102,5 +115,5 @@ def check_keys(data: object, valid: Sequence[str], path: Path, required: Sequenc
             raise StrategyFieldError(path + (key,), f"missing required key {key!r}")
 
 
-__all__ = ["Path", "StrategyFieldError", "check_keys", "field_context", "format_layers", "format_path", "format_ranks",
+__all__ = ["Path", "StrategyFieldError", "StrategyFieldTypeError", "check_keys", "field_context", "format_layers", "format_path", "format_ranks",
            "is_int", "parse_index_list", "parse_layer_range", "positive_count"]

@@ -23,10 +23,12 @@ from pathlib import Path as FilePath
 import yaml
 
 from hspmd.errors import StrategyError
+from hspmd.limits import MAX_NESTING
 from hspmd.specialize.strategy import Strategy
 from hspmd.specialize.strategy_fields import StrategyFieldError, field_context
 
 SUFFIXES = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
+MAX_FILE_BYTES = 16 * 2**20  # a strategy of 65,536 ranks in one-rank stages is about 4 MiB of JSON
 
 
 def _format_of(path: FilePath) -> str:
@@ -40,16 +42,43 @@ def _read(path: str | FilePath) -> tuple[FilePath, object]:
     path = FilePath(path)
     fmt = _format_of(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise StrategyError(f"cannot read strategy file {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise StrategyError(f"strategy file {path} is over {MAX_FILE_BYTES} bytes, the limit for a strategy file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StrategyError(f"{path} is not UTF-8 text: byte {raw[exc.start]:#04x} at offset {exc.start}") from None
+    depth = _bracket_depth(text) if text.count("[") + text.count("{") > MAX_NESTING else 0
+    if depth > MAX_NESTING:
+        raise StrategyError(f"{path} nests {depth} levels deep, over the limit of {MAX_NESTING}; a strategy needs 5")
     try:
         data = json.loads(text) if fmt == "json" else yaml.safe_load(text)
     except json.JSONDecodeError as exc:
         raise StrategyError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
     except yaml.YAMLError as exc:
         raise StrategyError(f"{path} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise StrategyError(f"{path} nests too deeply (limit {MAX_NESTING} levels); a strategy needs 5") from None
+    except ValueError as exc:  # e.g. an integer of more than 4,300 digits
+        raise StrategyError(f"{path} holds a value that cannot be read: {exc}") from None
     return path, data
+
+
+def _bracket_depth(text: str) -> int:
+    """The deepest nesting of [ and { (strings included: an over-estimate is safe); block-style YAML
+    nests by indentation and is bounded by the parser's own recursion, caught above."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    return deepest
 
 
 def _from_data(data: object, path: FilePath, index: int | None = None) -> Strategy:

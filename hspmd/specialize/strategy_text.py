@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import re
 
-from hspmd.errors import StrategyError, closest_hint
+from hspmd.errors import StrategyError, StrategyTypeError, closest_hint
+from hspmd.limits import MAX_DIGITS, brief, is_ascii_number
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 from hspmd.specialize.strategy_fields import Path, StrategyFieldError, field_context, parse_index_list, parse_layer_range
 
 OPTIONS = ("zero", "name", "layers")
-_BATCHES = re.compile(r"\s*(\d+|\?)\s*x\s*(\d+|\?)\s*:")
+_BATCHES = re.compile(r"\s*([0-9]+|\?)\s*x\s*([0-9]+|\?)\s*:")
 _WORD = re.compile(r"\S+")
 _STAGE_FIELDS = {"R": "ranks", "L": "layers", "tp": "tp"}
 
@@ -61,7 +62,7 @@ class _Parser:
             at = start + len(clause) - len(stripped)
             if not stripped.strip():
                 raise self.fail("empty clause: expected a pipeline ('16x2: R0-3 L0-29 | ...') or an option", at)
-            if stripped[0].isdigit() or stripped[0] == "?":
+            if "0" <= stripped[0] <= "9" or stripped[0] == "?":
                 pipelines.append(self.pipeline(clause, start, len(pipelines)))
             else:
                 key, value = self.option(stripped, at)
@@ -109,10 +110,16 @@ class _Parser:
             raise self.fail(f"option {key!r} needs a value, e.g. {key}={'60' if key == 'layers' else 'c2'}", value_at)
         value = value.strip()
         if key == "layers":
-            if not value.isdigit():
-                raise self.fail(f"layers= needs a positive integer, got {value!r}", value_at)
-            return key, int(value)
+            return key, self.number(value, "layers=", value_at)
         return key, value
+
+    def number(self, text: str, what: str, at: int) -> int:
+        """A positive integer in ASCII digits (at most MAX_DIGITS of them)."""
+        if not is_ascii_number(text):
+            raise self.fail(f"{what} needs a positive integer in ASCII digits, got {brief(text)}", at)
+        if len(text) > MAX_DIGITS:
+            raise self.fail(f"{what} has {len(text)} digits, over the limit of {MAX_DIGITS}", at)
+        return int(text)
 
     def pipeline(self, clause: str, start: int, index: int) -> Pipeline:
         match = _BATCHES.match(clause)
@@ -122,7 +129,8 @@ class _Parser:
         self.positions[path] = start
         self.positions[path + ("micro_batches",)] = start + match.start(1)
         self.positions[path + ("micro_batch_size",)] = start + match.start(2)
-        counts = [None if g == "?" else int(g) for g in match.groups()]
+        counts = [None if g == "?" else self.number(g, "a micro-batch value", start + match.start(k + 1))
+                  for k, g in enumerate(match.groups())]
         stages = []
         offset = match.end()
         for j, part in enumerate(clause[offset:].split("|")):
@@ -150,8 +158,8 @@ class _Parser:
             if field not in fields:
                 raise self.fail(f"stage has no {prefix}<{field}>, e.g. R0-3 L0-14", self.positions[path])
         tp = fields.get("tp")
-        if tp is not None and not tp.isdigit():
-            raise self.fail(f"tp needs a positive integer, got {tp!r}", self.positions[path + ("tp",)])
+        if tp is not None:
+            tp = self.number(tp, "tp", self.positions[path + ("tp",)])
 
         def make() -> Stage:
             with field_context(*path, "ranks"):
@@ -159,7 +167,7 @@ class _Parser:
             with field_context(*path, "layers"):
                 layers = parse_layer_range(fields["layers"])
             with field_context(*path):
-                return Stage(ranks, layers, None if tp is None else int(tp))
+                return Stage(ranks, layers, tp)
 
         return self.build(make)
 
@@ -167,7 +175,7 @@ class _Parser:
 def parse_strategy(text: str) -> Strategy:
     """Parse the compact syntax (module docstring) into a validated Strategy."""
     if not isinstance(text, str):
-        raise StrategyError(f"strategy text must be a string, got {type(text).__name__}")
+        raise StrategyTypeError(f"strategy text must be a string, got {type(text).__name__}")
     return _Parser(text).parse()
 
 

@@ -1,0 +1,50 @@
+"""Command-line parsing shared by every `hspmd` subcommand: mistakes raise UsageError (which the
+`hspmd` wrapper prints as one line, exit code 2) instead of argparse's usage text and sys.exit;
+number arguments accept ASCII digits only (int() would take '٢' as 2)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from hspmd.errors import UsageError
+from hspmd.limits import MAX_DIGITS, is_ascii_number
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _integer(text: str) -> int:
+    sign, digits = ("-", text[1:]) if text.startswith("-") else ("", text)
+    if not is_ascii_number(digits) or len(digits) > MAX_DIGITS:
+        raise argparse.ArgumentTypeError(f"expected an integer in ASCII digits (at most {MAX_DIGITS}), got {text!r}")
+    return int(sign + digits)
+
+
+def positive_int(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text) if text.isascii() else math.nan
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (seconds), got {text!r}")
+    return value
+
+
+__all__ = ["ArgumentParser", "non_negative_float", "non_negative_int", "positive_int"]

@@ -1,0 +1,57 @@
+"""Explicit size limits for every user-facing entry point, and the one ASCII-number reader.
+
+Each limit keeps the work an input can ask for bounded in time and memory (a device range of a
+billion ids, a topology of 10^10 devices, a 5,000-digit integer). They are far above what the
+paper's clusters need (thousands of GPUs, tens of layers); a LimitError states the limit it hit.
+"""
+
+from __future__ import annotations
+
+import reprlib
+
+from hspmd.errors import LimitError
+
+class _Brief(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        # repr of an int over 4,300 digits raises ValueError; show its size instead
+        return repr(x) if x.bit_length() <= 128 else f"<{x.bit_length()}-bit integer>"
+
+
+_BRIEF = _Brief()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlong = 3, 60, 60, 40
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxdict = _BRIEF.maxset = 8
+
+MAX_DEVICES = 65536  # devices in one group, union, topology or job; device ids are 0..MAX_DEVICES-1
+MAX_LOCAL_RANKS = 1024  # processes one launcher starts on one machine
+MAX_DIMS = 32  # tensor rank, and so split dims 0..MAX_DIMS-1
+MAX_LAYERS = 65536  # model layers in a strategy
+MAX_RATIO = 10**12  # a top-tier split weight
+MAX_DIGITS = 18  # decimal digits of one integer written in text (annotations, strategies, CLI)
+MAX_NESTING = 64  # nesting depth of a strategy file (JSON/YAML)
+
+
+def check_limit(value: int, limit: int, what: str, where: str = "") -> int:
+    """`value` if it is at most `limit`, else a LimitError naming both."""
+    if value > limit:
+        at = f" ({where})" if where else ""
+        raise LimitError(f"{what} is {brief(value)}, over the limit of {limit}{at}; hspmd.limits sets it")
+    return value
+
+
+def is_ascii_number(text: str) -> bool:
+    """True for a non-empty run of ASCII digits 0-9 (str.isdigit also accepts '²' and '٢')."""
+    return bool(text) and text.isascii() and text.isdigit()
+
+
+def ascii_int(text: str, what: str) -> int:
+    """The value of ASCII digits `text`, at most MAX_DIGITS of them (no unicode digits, no 4,300-digit
+    numbers); the caller has checked is_ascii_number."""
+    if len(text) > MAX_DIGITS:
+        raise LimitError(f"{what} {text[:12]}... has {len(text)} digits, over the limit of {MAX_DIGITS}")
+    return int(text)
+
+
+def brief(value: object) -> str:
+    """A repr of a user's value short enough for an error message (a 10^6-element list or a YAML
+    alias bomb prints in bounded time and length)."""
+    return _BRIEF.repr(value)
