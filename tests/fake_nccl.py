@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+import struct
 import types
 
 import numpy as np
@@ -35,7 +36,8 @@ def _memory(ptr: int, count: int, dtype: int) -> np.ndarray:
 
 
 def get_unique_id():
-    return ("fake-nccl-id", next(_ids))
+    """Like cupy's: a tuple of 128 signed chars (here a counter in the first 8 bytes)."""
+    return struct.unpack("128b", next(_ids).to_bytes(8, "little") + bytes(120))
 
 
 class NcclCommunicator:

@@ -19,7 +19,6 @@ from __future__ import annotations
 from math import prod
 
 import os
-import pickle
 import time
 from datetime import timedelta
 from typing import Iterable, Mapping, Sequence
@@ -28,6 +27,7 @@ import torch
 
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.backends.wire import decode_groups, decode_unique_id, encode_groups, encode_unique_id
 
 try:
     import cupy
@@ -100,10 +100,11 @@ class CupyNcclBackend(Backend):
         self._prepare_calls += 1
         mine = sorted({tuple(sorted(self._check_group(tuple(g), "prepare_groups", False))) for g in groups})
         prefix = f"{self._namespace}/prepare/{call}"
-        self._store.set(f"{prefix}/{self.rank}", pickle.dumps(mine))
+        self._store.set(f"{prefix}/{self.rank}", encode_groups(mine))
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         self._wait_for(keys, "prepare_groups")
-        union = sorted({tuple(k) for key in keys for k in pickle.loads(self._store.get(key))})
+        union = sorted({tuple(sorted(k)) for r, key in enumerate(keys)
+                        for k in decode_groups(self._store.get(key), self.world_size, f"rank {r} (store key {key})")})
         for members in union:
             if self.rank in members:
                 self._communicator(members, "prepare_groups")
@@ -114,9 +115,9 @@ class CupyNcclBackend(Backend):
             key = f"{self._namespace}/comm/{'-'.join(map(str, members))}"
             try:
                 if self.rank == members[0]:
-                    self._store.set(key, pickle.dumps(nccl.get_unique_id()))
+                    self._store.set(key, encode_unique_id(nccl.get_unique_id()))
                 self._wait_for([key], op)
-                unique_id = pickle.loads(self._store.get(key))
+                unique_id = decode_unique_id(self._store.get(key), f"rank {members[0]} (store key {key})")
                 with cupy.cuda.Device(self.device.index):
                     self._comms[members] = nccl.NcclCommunicator(len(members), unique_id, members.index(self.rank))
             except HSPMDError:

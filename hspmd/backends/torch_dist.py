@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.backends.wire import decode_groups, encode_groups
 
 DEFAULT_TIMEOUT_S = 300.0
 SUPPORTED_BACKENDS = ("gloo", "nccl")
@@ -88,12 +89,25 @@ class TorchDistBackend(Backend):
         """Create the process groups that any rank needs (see the module docstring for the rule)."""
         mine = sorted({self._check_group(tuple(g), "prepare_groups", require_member=False) for g in groups})
         world = tuple(range(self.world_size))
-        everyone: list = [None] * self.world_size
         with self._wrapped("prepare_groups", world):
-            dist.all_gather_object(everyone, mine)
-            for key in sorted({key for keys in everyone for key in keys}):
+            everyone = self._all_gather_bytes(encode_groups(mine))
+            keys = {tuple(sorted(k)) for r, data in enumerate(everyone) for k in decode_groups(data, self.world_size, f"rank {r}")}
+            for key in sorted(keys):
                 if key not in self._groups and len(key) not in (1, self.world_size):
                     self._groups[key] = dist.new_group(list(key), timeout=self.timeout)
+
+    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, as uint8 tensors over the world (plain bytes: nothing is unpickled)."""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        width = max(1, max(int(s.item()) for s in sizes))
+        mine = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        return [bytes(t[: int(s.item())].cpu().numpy()) for t, s in zip(gathered, sizes)]
 
     def _process_group(self, group: Group, op: str):
         key = self._check_group(group, op, require_member=True)
