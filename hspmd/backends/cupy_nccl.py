@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from math import prod
 
-import os
 import time
 from datetime import timedelta
 from typing import Iterable, Mapping, Sequence
@@ -74,10 +73,11 @@ class CupyNcclBackend(Backend):
     def from_env(cls, timeout: float = DEFAULT_TIMEOUT_S, namespace: str = "hspmd/cupy_nccl") -> "CupyNcclBackend":
         """Build from the torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
         Reuses torch.distributed's store when a process group is initialised; otherwise rank 0
-        hosts a TCPStore on MASTER_ADDR:MASTER_PORT. Collective: every rank calls it."""
+        hosts the job's store (hspmd.backends.store) on MASTER_ADDR:MASTER_PORT. Collective: every rank calls it."""
         import torch.distributed as dist
 
-        from hspmd.backends.torch_dist import launch_env
+        from hspmd.backends.store import open_store, secret_from_env
+        from hspmd.backends.torch_dist import launch_env, store_address
 
         rank, world_size, local_rank = launch_env("hspmd run -n N --backend nccl script.py")
         if nccl is not None and torch.cuda.is_available():
@@ -85,10 +85,8 @@ class CupyNcclBackend(Backend):
         if dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
         else:
-            store = dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                is_master=rank == 0, timeout=timedelta(seconds=timeout),
-            )
+            host, port = store_address()
+            store = open_store(host, port, rank == 0, secret_from_env(), timeout)
         return cls(store, rank, world_size, timeout, namespace)
 
     # communicators ------------------------------------------------------------------------------

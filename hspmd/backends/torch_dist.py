@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.backends.store import STORE_PORT_ENV, open_store, secret_from_env
 from hspmd.backends.wire import decode_groups, encode_groups
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -42,6 +43,8 @@ SUPPORTED_BACKENDS = ("gloo", "nccl")
 # the process, so that each set of ranks is created once per world.
 _GROUPS_BY_WORLD: "weakref.WeakKeyDictionary[object, dict[tuple[int, ...], object]]" = weakref.WeakKeyDictionary()
 _LIVE_BACKENDS: "weakref.WeakSet[TorchDistBackend]" = weakref.WeakSet()
+# The job's store (and, on rank 0, its server) must live as long as the process group using it.
+_JOB_STORES: list = []
 # One-buffer collectives: renamed in recent torch (the old names warn), the old names before.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -362,19 +365,27 @@ def init_from_env(
     return TorchDistBackend(timeout=timeout)
 
 
+def store_address() -> tuple[str, int]:
+    """Where rank 0 hosts the job's store: MASTER_ADDR:MASTER_PORT, or under torchrun (whose own,
+    unauthenticated store holds MASTER_PORT) HSPMD_STORE_PORT, default MASTER_PORT + 1."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or STORE_PORT_ENV in os.environ:
+        port = int(os.environ.get(STORE_PORT_ENV, port + 1))
+    return host, port
+
+
 def _join(backend: str, rank: int, world_size: int, timeout: float, rendezvous_timeout: float) -> None:
-    """init_process_group over a TCPStore hosted by rank 0, or over torchrun's agent store when
-    torchrun provides one (TORCHELASTIC_USE_AGENT_STORE); then the rendezvous uses `timeout` too."""
-    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    """init_process_group over the job's store (hspmd.backends.store: bound to MASTER_ADDR only,
+    clients prove HSPMD_JOB_SECRET) hosted by rank 0; then the rendezvous uses `timeout` too."""
+    host, port = store_address()
+    address = f"{host}:{port}"
+    secret = secret_from_env()
     try:
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
-            return
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-            is_master=rank == 0, timeout=timedelta(seconds=rendezvous_timeout),
-        )
+        store = open_store(host, port, rank == 0, secret, rendezvous_timeout)
+        _JOB_STORES.append(store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    except HSPMDError:
+        raise
     except Exception as exc:  # noqa: BLE001 - re-raised typed
         raise CommunicationError(
             f"rank {rank} of {world_size} could not join the job at {address} with {backend} within "

@@ -86,8 +86,11 @@ def launch(
     new generation) instead of stopping the others; the job succeeds when a rank finishes.
     `max_restarts`: how many dead ranks may be restarted in all (elastic only); a restarted rank
     joins the running job (HSPMD_JOIN=1) and the survivors take it back."""
+    from hspmd.backends.store import new_secret  # torch only when a rank or the elastic store needs it
+
     out, err = stdout or sys.stdout, stderr or sys.stderr
-    store = _host_store(port) if elastic else None
+    secret = new_secret()
+    store = _host_store(port, secret) if elastic else None
     port = store.port if store is not None else port or free_port()
     stop = _StopRequest()
     previous_handlers = _install_stop_handlers(stop)
@@ -98,12 +101,12 @@ def launch(
         for rank in range(nprocs):
             if stop.signal:
                 break
-            ranks.append(_start_rank(rank, command, nprocs, backend, port, elastic))
+            ranks.append(_start_rank(rank, command, nprocs, backend, port, secret, elastic))
         # Pumps (threads) start only after every Popen: preexec_fn is not safe once threads run.
         pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
         if not stop.signal:
             if store is not None:
-                restart = _Restarter(command, nprocs, backend, port, max_restarts, out, err, ranks, pumps)
+                restart = _Restarter(command, nprocs, backend, port, secret, max_restarts, out, err, ranks, pumps)
                 failed = _wait_elastic(ranks, stop, store, err, restart)
             else:
                 failed = _wait_for_end(ranks, stop)
@@ -130,15 +133,16 @@ class _Rank:
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
 
 
-def _host_store(port: int | None):
-    """The elastic job's store lives in the launcher, so it outlives any rank."""
-    from torch.distributed import TCPStore  # torch only for elastic jobs: plain launches stay light
+def _host_store(port: int | None, secret: str):
+    """The elastic job's store lives in the launcher, so it outlives any rank (bound to loopback,
+    open only to holders of the job's secret: hspmd.backends.store)."""
+    from hspmd.backends.store import open_store
 
-    return TCPStore(LOOPBACK, port or 0, is_master=True, wait_for_workers=False)
+    return open_store(LOOPBACK, port or 0, is_master=True, secret=secret.encode())
 
 
-def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int, elastic: bool = False,
-                joining: bool = False) -> _Rank:
+def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int, secret: str,
+                elastic: bool = False, joining: bool = False) -> _Rank:
     env = dict(os.environ)
     # Like torchrun: one intra-op thread per rank unless the user says otherwise, so N ranks on
     # few cores do not oversubscribe them (4 ranks on 2 cores were ~25x slower without it).
@@ -146,9 +150,11 @@ def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, po
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
-        HSPMD_BACKEND=backend, PYTHONUNBUFFERED="1", HSPMD_ELASTIC="1" if elastic else "0",
+        HSPMD_BACKEND=backend, PYTHONUNBUFFERED="1", HSPMD_ELASTIC="1" if elastic else "0", HSPMD_JOB_SECRET=secret,
         HSPMD_JOIN="1" if joining else "0",
     )
+    # gloo's own connections between ranks listen on loopback too (the job is local)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # A restart happens while the pump threads run, when preexec_fn is unsafe: that process goes
     # without the die-with-parent signal (the launcher still stops it on every exit path).
     process = subprocess.Popen(
@@ -216,15 +222,16 @@ def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest") -> list[_Rank]:
 class _Restarter:
     """Restarts dead ranks' slots (up to `budget` in all) as joining processes."""
 
-    def __init__(self, command, nprocs, backend, port, budget, out, err, ranks, pumps):
-        self.command, self.nprocs, self.backend, self.port = command, nprocs, backend, port
+    def __init__(self, command, nprocs, backend, port, secret, budget, out, err, ranks, pumps):
+        self.command, self.nprocs, self.backend, self.port, self.secret = command, nprocs, backend, port, secret
         self.budget, self.out, self.err, self.ranks, self.pumps = budget, out, err, ranks, pumps
 
     def __call__(self, rank: int) -> _Rank | None:
         if self.budget <= 0:
             return None
         self.budget -= 1
-        fresh = _start_rank(rank, self.command, self.nprocs, self.backend, self.port, elastic=True, joining=True)
+        fresh = _start_rank(rank, self.command, self.nprocs, self.backend, self.port, self.secret, elastic=True,
+                            joining=True)
         self.ranks.append(fresh)
         self.pumps.extend(_start_pumps(fresh, self.out, self.err))
         return fresh

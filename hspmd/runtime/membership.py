@@ -16,12 +16,12 @@ import json
 import os
 import threading
 import time
-from datetime import timedelta
 from typing import Sequence
 
 import torch.distributed as dist
 
 from hspmd.backends.generation import GenerationBackend, PeerLost
+from hspmd.backends.store import JobStore, secret_from_env
 from hspmd.errors import HSPMDError
 
 GENERATION_KEY = "elastic/generation"
@@ -79,9 +79,9 @@ class Membership:
     def __init__(self, rank: int, world_size: int, host: str, port: int, timeout: float = 300.0,
                  rendezvous_timeout: float = 60.0, joining: bool = False):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        connect = dict(is_master=False, timeout=timedelta(seconds=rendezvous_timeout))
-        self.store = dist.TCPStore(host, port, **connect)
-        self._watch_store = dist.TCPStore(host, port, **connect)  # the watcher's own connection
+        secret = secret_from_env()
+        self.store = JobStore(host, port, secret, rendezvous_timeout)
+        self._watch_store = JobStore(host, port, secret, rendezvous_timeout)  # the watcher's own connection
         self.generation, self.dead, self.joined, self.rejoined = 0, frozenset(), frozenset(), frozenset()
         self.joining = joining
         if joining:

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import secrets
 import time
 import traceback
 from typing import Any, Callable
@@ -45,13 +46,14 @@ def run_multiprocess(
     ctx = _context()
     reports: Any = ctx.Queue()
     port = free_port()
+    secret = secrets.token_hex(32)  # the job store's per-job secret (hspmd.backends.store)
     # Plain pickle copies tensors into the bytes; multiprocessing's own pickler would share each one
     # through a file descriptor, and a few hundred tensors exhaust the fds one message may carry.
     job = pickle.dumps((fn, args))
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(job, rank, nprocs, port, backend, comm_timeout, reports),
+            args=(job, rank, nprocs, port, secret, backend, comm_timeout, reports),
             name=f"hspmd-rank-{rank}",
             daemon=True,
         )
@@ -143,12 +145,14 @@ def _stop(procs: list, graceful: bool) -> None:
             proc.join()
 
 
-def _rank_main(job, rank, nprocs, port, backend, comm_timeout, reports) -> None:
-    """Body of one rank: join the world, run fn, report (ok, result) or (False, traceback)."""
+def _rank_main(job, rank, nprocs, port, secret, backend, comm_timeout, reports) -> None:
+    """Body of one rank: join the world, run fn, report (ok, result) or (False, traceback).
+    (`job` is pickled by this process's parent over multiprocessing's pipe, never read from the network.)"""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-        MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), HSPMD_BACKEND=backend,
+        MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), HSPMD_BACKEND=backend, HSPMD_JOB_SECRET=secret,
     )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     from hspmd.backends.torch_dist import init_from_env
 
     comm = None

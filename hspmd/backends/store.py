@@ -1,0 +1,310 @@
+"""The job's rendezvous store: a key-value store only the job's own processes can use.
+
+torch's TCPStore listens on every interface and lets any process that can reach the port read and
+write keys (and list them). This store replaces it for every hspmd job:
+
+* the server binds only to the address it is given (loopback, 127.0.0.1, by default);
+* every connection starts with a mutual challenge: the server sends a random nonce, the client
+  answers HMAC-SHA256(secret, nonce) and sends its own nonce, the server answers in turn. A client
+  without the job's secret is disconnected before it can read or write anything, and a client
+  never talks to a server that does not know the secret either;
+* values are opaque bytes: nothing read from the store is ever unpickled (hspmd.backends.wire).
+
+The secret is per job: the launcher generates it (new_secret) and passes it to its ranks in the
+environment variable HSPMD_JOB_SECRET (a torchrun-started job sets that variable itself, the same
+on every rank). `JobStore` is a torch.distributed Store, so gloo's rendezvous, PrefixStore and
+process groups run over it unchanged.
+
+Wire format: frames of a 4-byte big-endian length and a payload; a request is a frame holding the
+operation, followed by one frame per argument; a reply is a status frame and its result frames.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+from hashlib import sha256
+from typing import Sequence
+
+import torch.distributed as dist
+
+from hspmd.errors import CommunicationError, HSPMDError
+
+SECRET_ENV = "HSPMD_JOB_SECRET"
+STORE_PORT_ENV = "HSPMD_STORE_PORT"  # torchrun jobs: where rank 0 hosts this store (torchrun's own store is on MASTER_PORT)
+LOOPBACK = "127.0.0.1"
+NONCE_BYTES = 32
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_FRAME_BYTES = 1 << 28
+MAX_ARGUMENTS = 1 << 16
+_OPS = (b"set", b"get", b"add", b"check", b"wait", b"compare_set", b"delete_key", b"num_keys")
+
+
+def new_secret() -> str:
+    """A fresh per-job secret (256 random bits as hex text, safe in an environment variable)."""
+    return secrets.token_hex(32)
+
+
+def secret_from_env() -> bytes:
+    """The job's secret from HSPMD_JOB_SECRET; a clear error when the process was not given one."""
+    value = os.environ.get(SECRET_ENV, "")
+    if len(value) < 32:
+        raise HSPMDError(
+            f"{SECRET_ENV} is {'not set' if not value else 'shorter than 32 characters'}: the job's store refuses "
+            f"clients without the job's secret. `hspmd run` sets it for its ranks; under torchrun export the same "
+            f"value to every rank, e.g. {SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))')"
+        )
+    return value.encode()
+
+
+def _tag(secret: bytes, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, role + nonce, sha256).digest()
+
+
+# framing ------------------------------------------------------------------------------------------
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _send_frames(sock: socket.socket, frames: Sequence[bytes]) -> None:
+    sock.sendall(b"".join(struct.pack(">I", len(f)) + f for f in frames))
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if n > MAX_FRAME_BYTES:
+        raise ConnectionError(f"a frame of {n} bytes is over the limit of {MAX_FRAME_BYTES}")
+    return _recv_exact(sock, n)
+
+
+def _recv_message(sock: socket.socket) -> list[bytes]:
+    (count,) = struct.unpack(">I", _recv_frame(sock))
+    if count > MAX_ARGUMENTS:
+        raise ConnectionError(f"a message of {count} frames is over the limit of {MAX_ARGUMENTS}")
+    return [_recv_frame(sock) for _ in range(count)]
+
+
+def _send_message(sock: socket.socket, frames: Sequence[bytes]) -> None:
+    _send_frames(sock, [struct.pack(">I", len(frames)), *frames])
+
+
+# server -------------------------------------------------------------------------------------------
+
+
+class StoreServer:
+    """The store's data and its listening socket (a thread per authenticated client).
+
+    Binds to exactly (host, port); port 0 picks a free one (see `.port`)."""
+
+    def __init__(self, secret: bytes, host: str = LOOPBACK, port: int = 0):
+        self._secret = secret
+        self._data: dict[str, bytes] = {}
+        self._changed = threading.Condition()
+        self.refused = 0  # connections that failed the challenge
+        self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, port))
+        except OSError as exc:
+            self._listener.close()
+            raise CommunicationError(f"the job's store cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        self._listener.listen(128)
+        self.host, self.port = host, self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="hspmd-store").start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="hspmd-store-client").start()
+
+    def _authenticate(self, conn: socket.socket) -> bool:
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        conn.sendall(nonce)
+        answer = _recv_exact(conn, 32 + NONCE_BYTES)
+        if not hmac.compare_digest(answer[:32], _tag(self._secret, b"client", nonce)):
+            return False
+        conn.sendall(_tag(self._secret, b"server", answer[32:]))
+        conn.settimeout(None)
+        return True
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                if not self._authenticate(conn):
+                    self.refused += 1
+                    return
+                while True:
+                    request = _recv_message(conn)
+                    _send_message(conn, self._handle(request))
+            except (ConnectionError, OSError, struct.error, ValueError):
+                return
+
+    def _handle(self, request: list[bytes]) -> list[bytes]:
+        if not request or request[0] not in _OPS:
+            return [b"error", b"unknown operation"]
+        op, args = request[0], request[1:]
+        keys = [a.decode("utf-8", "replace") for a in args]
+        with self._changed:
+            if op == b"set":
+                self._data[keys[0]] = args[1]
+                self._changed.notify_all()
+                return [b"ok"]
+            if op == b"add":
+                value = int(self._data.get(keys[0], b"0")) + int(args[1])
+                self._data[keys[0]] = str(value).encode()
+                self._changed.notify_all()
+                return [b"ok", str(value).encode()]
+            if op == b"check":
+                return [b"ok", b"1" if all(k in self._data for k in keys) else b"0"]
+            if op in (b"get", b"wait"):
+                timeout_ms, wanted = int(args[0]), keys[1:]
+                end = time.monotonic() + timeout_ms / 1000
+                while not all(k in self._data for k in wanted):
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return [b"timeout"]
+                    self._changed.wait(left)
+                return [b"ok", self._data[wanted[0]]] if op == b"get" else [b"ok"]
+            if op == b"compare_set":
+                current = self._data.get(keys[0])
+                if (current is None and args[1] == b"") or current == args[1]:
+                    self._data[keys[0]] = args[2]
+                    self._changed.notify_all()
+                    return [b"ok", args[2]]
+                return [b"ok", args[1] if current is None else current]
+            if op == b"delete_key":
+                found = self._data.pop(keys[0], None) is not None
+                return [b"ok", b"1" if found else b"0"]
+            return [b"ok", str(len(self._data)).encode()]
+
+
+# client -------------------------------------------------------------------------------------------
+
+
+class JobStore(dist.Store):
+    """A client of the job's StoreServer (hosting it when `server` is given), usable wherever
+    torch.distributed takes a Store. One connection, used by one call at a time."""
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout: float = 300.0, server: StoreServer | None = None):
+        super().__init__()
+        self.host, self.port, self.server = host, port, server
+        self.set_timeout(timedelta(seconds=timeout))
+        self._lock = threading.Lock()
+        self._sock = self._connect(secret, timeout)
+
+    def _connect(self, secret: bytes, timeout: float) -> socket.socket:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=HANDSHAKE_TIMEOUT_S)
+                break
+            except OSError as exc:
+                if time.monotonic() > end:
+                    raise CommunicationError(
+                        f"cannot reach the job's store at {self.host}:{self.port} within {timeout:g}s: {exc.strerror or exc}"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            nonce = _recv_exact(sock, NONCE_BYTES)
+            mine = secrets.token_bytes(NONCE_BYTES)
+            sock.sendall(_tag(secret, b"client", nonce) + mine)
+            proof = _recv_exact(sock, 32)
+        except (ConnectionError, OSError):
+            sock.close()
+            raise CommunicationError(
+                f"the job's store at {self.host}:{self.port} refused this process: it does not hold the job's secret "
+                f"({SECRET_ENV})"
+            ) from None
+        if not hmac.compare_digest(proof, _tag(secret, b"server", mine)):
+            sock.close()
+            raise CommunicationError(f"the server at {self.host}:{self.port} does not know the job's secret: not our store")
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _call(self, *frames: bytes) -> list[bytes]:
+        with self._lock:
+            try:
+                _send_message(self._sock, frames)
+                reply = _recv_message(self._sock)
+            except (ConnectionError, OSError) as exc:
+                raise CommunicationError(f"the job's store at {self.host}:{self.port} is gone: {exc}") from None
+        if reply[0] == b"timeout":
+            raise CommunicationError(
+                f"timed out after {self.timeout.total_seconds():g}s waiting for store key(s) "
+                f"{[f.decode('utf-8', 'replace') for f in frames[2:]][:4]}"
+            )
+        if reply[0] != b"ok":
+            raise CommunicationError(f"the job's store refused {frames[0].decode()}: {reply[1:2]}")
+        return reply[1:]
+
+    def _millis(self, timeout: timedelta | None) -> bytes:
+        return str(int((timeout or self.timeout).total_seconds() * 1000)).encode()
+
+    def set(self, key: str, value) -> None:
+        self._call(b"set", key.encode(), value.encode() if isinstance(value, str) else bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._call(b"get", self._millis(None), key.encode())[0]
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._call(b"add", key.encode(), str(int(value)).encode())[0])
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(b"check", *(k.encode() for k in keys))[0] == b"1"
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._call(b"wait", self._millis(timeout), *(k.encode() for k in keys))
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        as_bytes = lambda v: v.encode() if isinstance(v, str) else bytes(v)  # noqa: E731
+        return self._call(b"compare_set", key.encode(), as_bytes(expected), as_bytes(desired))[0]
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(b"delete_key", key.encode())[0] == b"1"
+
+    def num_keys(self) -> int:
+        return int(self._call(b"num_keys")[0])
+
+    def connect_again(self, secret: bytes) -> "JobStore":
+        """Another connection to the same store (for a thread that polls while this one blocks)."""
+        return JobStore(self.host, self.port, secret, self.timeout.total_seconds())
+
+
+def open_store(host: str, port: int, is_master: bool, secret: bytes | None = None, timeout: float = 300.0) -> JobStore:
+    """The job's store at host:port: hosted here when `is_master` (bound to `host` only), then
+    joined as a client. `secret` defaults to HSPMD_JOB_SECRET."""
+    secret = secret_from_env() if secret is None else secret
+    server = StoreServer(secret, host, port) if is_master else None
+    return JobStore(host, server.port if server else port, secret, timeout, server)
+
+
+__all__ = ["JobStore", "LOOPBACK", "SECRET_ENV", "STORE_PORT_ENV", "StoreServer", "new_secret", "open_store", "secret_from_env"]
