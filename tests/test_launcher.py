@@ -156,3 +156,62 @@ def test_a_script_joins_the_job_through_init_from_env(tmp_path, capsys, monkeypa
     assert code == 0, err
     assert "[rank 0] rank 0 of 2 sum 3" in out
     assert "[rank 1] rank 1 of 2 sum 3" in out
+
+
+def wait_until_dead(pids: list[int], timeout: float = 60.0) -> list[int]:
+    """The pids still alive after waiting up to `timeout` s (a bound, not a speed test)."""
+    end = time.monotonic() + timeout
+    while [p for p in pids if alive(p)] and time.monotonic() < end:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def test_no_rank_or_grandchild_survives_a_sigkilled_launcher(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = write_script(tmp_path, RECORD_PIDS + """
+    time.sleep(300)
+    """)
+    proc = hspmd_run("-n", "2", str(script), str(pids), start_new_session=True)
+    wait_for_files(pids, ["rank0", "rank1", "grandchild"], timeout=90)
+    proc.kill()
+    proc.wait()
+    recorded = [int((pids / name).read_text()) for name in ("rank0", "rank1", "grandchild")]
+    assert wait_until_dead(recorded) == []
+
+
+@pytest.mark.multiprocess
+def test_a_frozen_rank_is_named_by_its_missing_heartbeat_not_left_to_time_out(tmp_path):
+    """Rank 1 freezes (SIGSTOP) while rank 0 waits for it in an all_reduce whose timeout is 300 s:
+    the launcher names rank 1 after the 2 s heartbeat, and rank 0 is not blamed."""
+    script = write_script(tmp_path, """
+        import os, signal, torch
+        from hspmd.backends.torch_dist import init_from_env
+        backend = init_from_env("gloo")
+        print("joined", flush=True)
+        if backend.rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        backend.all_reduce(torch.ones(2), (0, 1))
+    """)
+    proc = hspmd_run("-n", "2", "--heartbeat", "2", str(script))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    assert "rank 1 stopped responding (no heartbeat" in err, err
+    assert "rank 0 stopped" not in err and "rank 0 exited" not in err
+
+
+@pytest.mark.multiprocess
+def test_each_job_gets_its_own_secret_and_ranks_share_it(tmp_path):
+    script = write_script(tmp_path, """
+        import os
+        print("secret", os.environ["HSPMD_JOB_SECRET"], os.environ["HSPMD_STORE_HOSTED"])
+    """)
+    secrets_seen = []
+    for _ in range(2):
+        proc = hspmd_run("-n", "2", str(script))
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        lines = [line.split()[-2:] for line in out.splitlines() if "secret" in line]
+        assert len(lines) == 2 and lines[0] == lines[1] and lines[0][1] == "1" and len(lines[0][0]) == 64
+        secrets_seen.append(lines[0][0])
+    assert secrets_seen[0] != secrets_seen[1]

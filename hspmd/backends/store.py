@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hspmd.errors import CommunicationError, HSPMDError
 
 SECRET_ENV = "HSPMD_JOB_SECRET"
+STORE_HOSTED_ENV = "HSPMD_STORE_HOSTED"  # "1": the launcher hosts the store, every rank is a client
 STORE_PORT_ENV = "HSPMD_STORE_PORT"  # torchrun jobs: where rank 0 hosts this store (torchrun's own store is on MASTER_PORT)
 LOOPBACK = "127.0.0.1"
 NONCE_BYTES = 32
@@ -307,4 +308,4 @@ def open_store(host: str, port: int, is_master: bool, secret: bytes | None = Non
     return JobStore(host, server.port if server else port, secret, timeout, server)
 
 
-__all__ = ["JobStore", "LOOPBACK", "SECRET_ENV", "STORE_PORT_ENV", "StoreServer", "new_secret", "open_store", "secret_from_env"]
+__all__ = ["JobStore", "LOOPBACK", "SECRET_ENV", "STORE_HOSTED_ENV", "STORE_PORT_ENV", "StoreServer", "new_secret", "open_store", "secret_from_env"]

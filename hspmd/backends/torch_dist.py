@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.backends.backend import Backend, Group, Shape
-from hspmd.backends.store import STORE_PORT_ENV, open_store, secret_from_env
+from hspmd.backends.heartbeat import HEARTBEAT_ENV, start_beating
+from hspmd.backends.store import STORE_HOSTED_ENV, STORE_PORT_ENV, open_store, secret_from_env
 from hspmd.backends.wire import decode_groups, encode_groups
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -376,13 +377,17 @@ def store_address() -> tuple[str, int]:
 
 def _join(backend: str, rank: int, world_size: int, timeout: float, rendezvous_timeout: float) -> None:
     """init_process_group over the job's store (hspmd.backends.store: bound to MASTER_ADDR only,
-    clients prove HSPMD_JOB_SECRET) hosted by rank 0; then the rendezvous uses `timeout` too."""
+    clients prove HSPMD_JOB_SECRET) hosted by rank 0 or, under `hspmd run`, by the launcher; then
+    the rendezvous uses `timeout` too. With HSPMD_HEARTBEAT_S the rank beats (backends.heartbeat)."""
     host, port = store_address()
     address = f"{host}:{port}"
     secret = secret_from_env()
     try:
-        store = open_store(host, port, rank == 0, secret, rendezvous_timeout)
+        store = open_store(host, port, rank == 0 and os.environ.get(STORE_HOSTED_ENV) != "1", secret, rendezvous_timeout)
         _JOB_STORES.append(store)
+        interval = float(os.environ.get(HEARTBEAT_ENV, "0") or 0)
+        if interval > 0:
+            start_beating(store.connect_again(secret), rank, interval)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     except HSPMDError:
         raise

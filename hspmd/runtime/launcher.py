@@ -6,13 +6,18 @@ so the same script also runs under torchrun. Every rank runs in its own process 
 so stopping a rank also stops whatever it started. The job fails fast: when one rank exits
 non-zero its error is shown and the others are stopped (SIGTERM, then SIGKILL after a grace
 period); Ctrl-C or SIGTERM to the launcher stops every rank as well.
+
+The launcher hosts the job's store (hspmd.backends.store: loopback only, a per-job secret in
+HSPMD_JOB_SECRET), watches the ranks' heartbeats (hspmd.backends.heartbeat: a frozen rank is named
+after --heartbeat seconds, 30 by default, not left to time out its peers' collectives after 300 s)
+and starts each rank under rank_guard.py, which kills the rank's whole process group if the
+launcher itself is SIGKILLed.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import os
 import signal
 import subprocess
@@ -22,11 +27,13 @@ import time
 from typing import IO, Sequence
 
 from hspmd.arguments import ArgumentParser, non_negative_float, positive_int
+from hspmd.backends.heartbeat import DEFAULT_INTERVAL_S as DEFAULT_HEARTBEAT_S
 from hspmd.limits import MAX_LOCAL_RANKS
-from hspmd.runtime.ports import LOOPBACK, free_port
+from hspmd.runtime.ports import LOOPBACK
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_GRACE_S = 3.0
+_KILL_WAIT_S = 5.0
 _TAIL_LINES = 25
 _POLL_S = 0.05
 
@@ -41,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=positive_int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--grace", type=non_negative_float, default=DEFAULT_GRACE_S,
                         help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--heartbeat", type=non_negative_float, default=DEFAULT_HEARTBEAT_S,
+                        help="seconds without a rank's heartbeat before it is declared stopped and the job ended "
+                             f"(default {DEFAULT_HEARTBEAT_S:g}; 0: off)")
     parser.add_argument("--elastic", action="store_true",
                         help="a rank that dies does not end the job: the launcher hosts the store and announces "
                              "each death to the survivors, which recover without it (hspmd.runtime.elastic)")
@@ -64,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be at least 0, got {args.max_restarts}")
     return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace, elastic=args.elastic,
-                  max_restarts=args.max_restarts)
+                  max_restarts=args.max_restarts, heartbeat=args.heartbeat)
 
 
 def launch(
@@ -77,6 +87,7 @@ def launch(
     stderr: IO[str] | None = None,
     elastic: bool = False,
     max_restarts: int = 0,
+    heartbeat: float = DEFAULT_HEARTBEAT_S,
 ) -> int:
     """Run `command` as ranks 0..nprocs-1 and return the job's exit code (0 when all succeed).
 
@@ -85,13 +96,19 @@ def launch(
     `elastic`: the launcher hosts the rendezvous store and announces each rank's death there (a
     new generation) instead of stopping the others; the job succeeds when a rank finishes.
     `max_restarts`: how many dead ranks may be restarted in all (elastic only); a restarted rank
-    joins the running job (HSPMD_JOIN=1) and the survivors take it back."""
-    from hspmd.backends.store import new_secret  # torch only when a rank or the elastic store needs it
+    joins the running job (HSPMD_JOIN=1) and the survivors take it back.
+    The launcher hosts the job's store (loopback, per-job secret) and, unless `heartbeat` is 0,
+    ends the job naming a rank whose heartbeat stood still for `heartbeat` seconds (a frozen rank,
+    found long before its peers' collectives time out). Every rank runs under rank_guard.py, so
+    no rank or grandchild outlives a launcher that is SIGKILLed."""
+    from hspmd.backends.heartbeat import HeartbeatMonitor
+    from hspmd.backends.store import new_secret  # imports torch: only once a job is launched
 
     out, err = stdout or sys.stdout, stderr or sys.stderr
     secret = new_secret()
-    store = _host_store(port, secret) if elastic else None
-    port = store.port if store is not None else port or free_port()
+    store = _host_store(port, secret)
+    port = store.port
+    monitor = HeartbeatMonitor(store, range(nprocs), heartbeat) if heartbeat > 0 and not elastic else None
     stop = _StopRequest()
     previous_handlers = _install_stop_handlers(stop)
     ranks: list[_Rank] = []
@@ -101,15 +118,16 @@ def launch(
         for rank in range(nprocs):
             if stop.signal:
                 break
-            ranks.append(_start_rank(rank, command, nprocs, backend, port, secret, elastic))
+            ranks.append(_start_rank(rank, command, nprocs, backend, port, secret, elastic, heartbeat))
         # Pumps (threads) start only after every Popen: preexec_fn is not safe once threads run.
         pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
         if not stop.signal:
-            if store is not None:
-                restart = _Restarter(command, nprocs, backend, port, secret, max_restarts, out, err, ranks, pumps)
+            if elastic:
+                restart = _Restarter(command, nprocs, backend, port, secret, heartbeat, max_restarts, out, err, ranks,
+                                     pumps)
                 failed = _wait_elastic(ranks, stop, store, err, restart)
             else:
-                failed = _wait_for_end(ranks, stop)
+                failed = _wait_for_end(ranks, stop, monitor)
     except KeyboardInterrupt:
         stop.signal = "SIGINT"
     finally:
@@ -117,6 +135,7 @@ def launch(
         _restore_handlers(previous_handlers)
         for pump in pumps:
             pump.join(timeout=grace)
+        store.server.close()
     if stop.signal:
         err.write(f"hspmd run: interrupted ({stop.signal}); stopped all {len(ranks)} started rank(s)\n")
         err.flush()
@@ -130,19 +149,20 @@ def launch(
 class _Rank:
     def __init__(self, rank: int, process: subprocess.Popen):
         self.rank, self.process = rank, process
+        self.silent_for: float | None = None  # seconds without a heartbeat, when that ended the job
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
 
 
 def _host_store(port: int | None, secret: str):
-    """The elastic job's store lives in the launcher, so it outlives any rank (bound to loopback,
-    open only to holders of the job's secret: hspmd.backends.store)."""
+    """The job's store lives in the launcher, so it outlives any rank (bound to loopback, open only
+    to holders of the job's secret: hspmd.backends.store)."""
     from hspmd.backends.store import open_store
 
     return open_store(LOOPBACK, port or 0, is_master=True, secret=secret.encode())
 
 
 def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int, secret: str,
-                elastic: bool = False, joining: bool = False) -> _Rank:
+                elastic: bool = False, heartbeat: float = 0.0, joining: bool = False) -> _Rank:
     env = dict(os.environ)
     # Like torchrun: one intra-op thread per rank unless the user says otherwise, so N ranks on
     # few cores do not oversubscribe them (4 ranks on 2 cores were ~25x slower without it).
@@ -151,35 +171,18 @@ def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, po
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
         HSPMD_BACKEND=backend, PYTHONUNBUFFERED="1", HSPMD_ELASTIC="1" if elastic else "0", HSPMD_JOB_SECRET=secret,
-        HSPMD_JOIN="1" if joining else "0",
+        HSPMD_STORE_HOSTED="1", HSPMD_HEARTBEAT_S=f"{heartbeat:g}", HSPMD_JOIN="1" if joining else "0",
     )
     # gloo's own connections between ranks listen on loopback too (the job is local)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # A restart happens while the pump threads run, when preexec_fn is unsafe: that process goes
-    # without the die-with-parent signal (the launcher still stops it on every exit path).
     process = subprocess.Popen(
-        list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, preexec_fn=None if joining else _die_with_parent,
+        [sys.executable, _GUARD, str(os.getpid()), *command], env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )
     return _Rank(rank, process)
 
 
-def _load_prctl():
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL if the launcher dies without cleaning up (kill -9). Linux only;
-    prctl is looked up before forking so the child only makes one system call."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+_GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_guard.py")
 
 
 _write_lock = threading.Lock()
@@ -207,13 +210,18 @@ def _pump(pipe: IO[bytes], sink: IO[str], rank: int, tail: collections.deque | N
                 sink.flush()
 
 
-def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest") -> list[_Rank]:
-    """Block until every rank succeeded (returns []), some failed (returns them, first one first)
-    or a stop signal arrived (returns [])."""
+def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest", monitor=None) -> list[_Rank]:
+    """Block until every rank succeeded (returns []), some failed or stopped beating (returns them,
+    first one first) or a stop signal arrived (returns [])."""
     while not stop.signal:
         codes = [r.process.poll() for r in ranks]
         failed = [r for r, code in zip(ranks, codes) if code not in (None, 0)]
         if failed or all(code == 0 for code in codes):
+            return failed
+        for rank, silent in monitor.stopped() if monitor is not None else ():
+            ranks[rank].silent_for = silent
+            failed.append(ranks[rank])
+        if failed:
             return failed
         time.sleep(_POLL_S)
     return []
@@ -222,8 +230,9 @@ def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest") -> list[_Rank]:
 class _Restarter:
     """Restarts dead ranks' slots (up to `budget` in all) as joining processes."""
 
-    def __init__(self, command, nprocs, backend, port, secret, budget, out, err, ranks, pumps):
+    def __init__(self, command, nprocs, backend, port, secret, heartbeat, budget, out, err, ranks, pumps):
         self.command, self.nprocs, self.backend, self.port, self.secret = command, nprocs, backend, port, secret
+        self.heartbeat = heartbeat
         self.budget, self.out, self.err, self.ranks, self.pumps = budget, out, err, ranks, pumps
 
     def __call__(self, rank: int) -> _Rank | None:
@@ -231,7 +240,7 @@ class _Restarter:
             return None
         self.budget -= 1
         fresh = _start_rank(rank, self.command, self.nprocs, self.backend, self.port, self.secret, elastic=True,
-                            joining=True)
+                            heartbeat=self.heartbeat, joining=True)
         self.ranks.append(fresh)
         self.pumps.extend(_start_pumps(fresh, self.out, self.err))
         return fresh
@@ -293,6 +302,10 @@ def _stop_all(ranks: list[_Rank], grace: float) -> None:
     for r in ranks:
         _signal_group(r.process.pid, signal.SIGKILL)
         r.process.wait()
+    # a rank is the guard's child: once the guard is reaped, wait (bounded) for the rest of each group
+    deadline = time.monotonic() + _KILL_WAIT_S
+    while time.monotonic() < deadline and any(_group_alive(r.process.pid) for r in ranks):
+        time.sleep(_POLL_S)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -303,11 +316,24 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    """True while a process of group `pgid` runs (zombies, dead but not yet reaped, do not count)."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 class _StopRequest:
@@ -337,9 +363,10 @@ def _report_failure(failed: list[_Rank], err: IO[str]) -> None:
     first = failed[0]
     others = ", ".join(str(r.rank) for r in failed[1:])
     also = f" (rank {others} failed at the same time)" if others else ""
+    what = (f"stopped responding (no heartbeat for {first.silent_for:.0f}s: frozen or hung; its peers wait in "
+            f"collectives for it)" if first.silent_for is not None else f"exited with {_describe(first.process.returncode)}")
     lines = [
-        f"hspmd run: rank {first.rank} exited with {_describe(first.process.returncode)}{also}; "
-        "stopped the other ranks.",
+        f"hspmd run: rank {first.rank} {what}{also}; stopped the other ranks.",
         f"hspmd run: last lines of rank {first.rank}'s stderr:",
         *(f"  {line}" for line in first.stderr_tail),
     ]

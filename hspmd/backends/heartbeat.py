@@ -1,0 +1,69 @@
+"""Heartbeats through the job's store: find a rank that stopped long before a collective times out.
+
+A rank blocked in a collective whose peer hangs would wait for the whole collective timeout (300 s
+by default) and then blame itself. Instead each rank runs a daemon thread that increments its key
+`hspmd/heartbeat/<rank>` every interval/4 seconds over its own store connection; the thread runs
+while the rank's main thread waits inside a collective (the wait releases the GIL), so only a rank
+that is frozen (stopped, swapped out, wedged in a call holding the GIL) or dead stops beating. The
+launcher watches the counters (HeartbeatMonitor) and names the rank whose counter stood still for
+`interval` seconds (default 30; HSPMD_HEARTBEAT_S, `hspmd run --heartbeat`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+DEFAULT_INTERVAL_S = 30.0
+HEARTBEAT_ENV = "HSPMD_HEARTBEAT_S"
+
+
+def beat_key(rank: int) -> str:
+    return f"hspmd/heartbeat/{rank}"
+
+
+def start_beating(store, rank: int, interval: float) -> threading.Thread:
+    """Increment this rank's heartbeat every interval/4 s until the store goes away."""
+
+    def beat() -> None:
+        while True:
+            try:
+                store.add(beat_key(rank), 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is over
+                return
+            time.sleep(interval / 4)
+
+    thread = threading.Thread(target=beat, daemon=True, name=f"hspmd-heartbeat-{rank}")
+    thread.start()
+    return thread
+
+
+class HeartbeatMonitor:
+    """The launcher's side: which ranks have beaten, and which stopped beating for `interval` s.
+    A rank is watched from its first beat on (start-up, e.g. importing torch, is not timed)."""
+
+    def __init__(self, store, ranks: range | list[int], interval: float, check_every: float = 1.0):
+        self.store, self.ranks, self.interval, self.check_every = store, list(ranks), interval, check_every
+        self._count: dict[int, int] = {}
+        self._seen: dict[int, float] = {}
+        self._checked = 0.0
+
+    def stopped(self, now: float | None = None) -> list[tuple[int, float]]:
+        """[(rank, seconds since its last beat)] of the ranks that stopped beating."""
+        now = time.monotonic() if now is None else now
+        if now - self._checked < self.check_every:
+            return []
+        self._checked = now
+        out = []
+        for rank in self.ranks:
+            count = int(self.store.add(beat_key(rank), 0))
+            if count == 0:
+                continue
+            if count != self._count.get(rank):
+                self._count[rank], self._seen[rank] = count, now
+            elif now - self._seen[rank] > self.interval:
+                out.append((rank, now - self._seen[rank]))
+        return out
+
+
+__all__ = ["DEFAULT_INTERVAL_S", "HEARTBEAT_ENV", "HeartbeatMonitor", "beat_key", "start_beating"]
