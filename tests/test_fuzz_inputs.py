@@ -206,3 +206,32 @@ def test_cli_explain_prints_a_plan_or_one_error_line(argv):
     else:
         assert code == 0, err.getvalue()
     outcome("CLI explain", lambda: (_ for _ in ()).throw(HSPMDError("exit 2")) if code == 2 else code)
+
+
+RUN = [["-n", "2", "--grace", "1", "--heartbeat", "30", "--port", "29500", "missing_script.py"],
+       ["-n", "4", "--backend", "gloo", "missing_script.py", "--steps", "3"]]
+
+
+@st.composite
+def run_argv(draw) -> list[str]:
+    argv = list(draw(st.sampled_from(RUN)))
+    at = draw(st.integers(0, len(argv) - 2))  # the script stays missing: nothing is launched
+    argv[at] = draw(fuzzed_text([argv[at]]))
+    return argv
+
+
+@fuzz_settings(100)
+@given(run_argv())
+def test_cli_run_arguments_give_one_error_line(argv):
+    """Launcher arguments (-n, --grace, --heartbeat, --port, --backend) fuzzed; the script never
+    exists, so every accepted argument list still ends in the one-line 'does not exist' error."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = cli_main(["run", *argv])
+        except SystemExit as exc:  # --help
+            code = exc.code
+    assert "Traceback" not in err.getvalue()
+    if code != 0:
+        assert code == 2 and err.getvalue().startswith("hspmd: error: ") and err.getvalue().count("\n") == 1
+    outcome("CLI run arguments", lambda: (_ for _ in ()).throw(HSPMDError("exit 2")) if code == 2 else code)
