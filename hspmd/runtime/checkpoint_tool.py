@@ -3,12 +3,12 @@ inspect and consolidate read sharded checkpoints)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
-from hspmd.errors import HSPMDError
+from hspmd.arguments import ArgumentParser
+from hspmd.errors import HSPMDError, error_line
 from hspmd.runtime.hf_checkpoint import export_checkpoint
 from hspmd.runtime.sharded_checkpoint import consolidate, inspect
 
@@ -16,7 +16,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hspmd checkpoint", description="Tools over hspmd checkpoint files.")
+    parser = ArgumentParser(prog="hspmd checkpoint", description="Tools over hspmd checkpoint files.")
     sub = parser.add_subparsers(dest="tool", required=True)
     export = sub.add_parser("export-hf", help="write a directory that transformers' LlamaForCausalLM loads")
     export.add_argument("checkpoint", help="an hspmd checkpoint (.safetensors) of a Llama")
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             out = export_checkpoint(args.checkpoint, args.directory, args.config, DTYPES.get(args.dtype))
             print(f"wrote {out} (load it with transformers.LlamaForCausalLM.from_pretrained)")
     except HSPMDError as exc:
-        print(f"hspmd checkpoint: error: {exc}", file=sys.stderr)
+        print(f"hspmd: error: {error_line(exc)}", file=sys.stderr)
         return 2
     return 0
 
