@@ -201,16 +201,15 @@ def test_a_frozen_rank_is_named_by_its_missing_heartbeat_not_left_to_time_out(tm
 
 
 @pytest.mark.multiprocess
-def test_each_job_gets_its_own_secret_and_ranks_share_it(tmp_path):
+def test_each_job_gets_its_own_secret_and_ranks_share_it(tmp_path, capsys):
     script = write_script(tmp_path, """
         import os
         print("secret", os.environ["HSPMD_JOB_SECRET"], os.environ["HSPMD_STORE_HOSTED"])
     """)
     secrets_seen = []
     for _ in range(2):
-        proc = hspmd_run("-n", "2", str(script))
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0
+        assert launcher_main(["-n", "2", str(script)]) == 0
+        out = capsys.readouterr().out
         lines = [line.split()[-2:] for line in out.splitlines() if "secret" in line]
         assert len(lines) == 2 and lines[0] == lines[1] and lines[0][1] == "1" and len(lines[0][0]) == 64
         secrets_seen.append(lines[0][0])
