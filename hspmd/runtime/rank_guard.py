@@ -39,7 +39,8 @@ def main(argv: list) -> int:
                             preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)])
     code = rank.wait()
     if code < 0:  # mirror a death by signal, so the launcher reports it as the rank's
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # these two cannot be caught or reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 
