@@ -26,7 +26,7 @@ import threading
 import time
 from typing import IO, Sequence
 
-from hspmd.arguments import ArgumentParser, non_negative_float, positive_int
+from hspmd.arguments import ArgumentParser, non_negative_float, non_negative_int, positive_int
 from hspmd.backends.heartbeat import DEFAULT_INTERVAL_S as DEFAULT_HEARTBEAT_S
 from hspmd.limits import MAX_LOCAL_RANKS
 from hspmd.runtime.ports import LOOPBACK
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--elastic", action="store_true",
                         help="a rank that dies does not end the job: the launcher hosts the store and announces "
                              "each death to the survivors, which recover without it (hspmd.runtime.elastic)")
-    parser.add_argument("--max-restarts", type=int, default=0,
+    parser.add_argument("--max-restarts", type=non_negative_int, default=0,
                         help="with --elastic: restart a dead rank's slot up to this many times in all; the new "
                              "process joins the running job and receives its pieces from the survivors")
     parser.add_argument("script", help="the Python script every rank runs")
@@ -71,8 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--elastic runs over gloo (the per-generation groups are gloo groups)")
     if args.max_restarts and not args.elastic:
         parser.error("--max-restarts needs --elastic (a restarted rank joins the running job)")
-    if args.max_restarts < 0:
-        parser.error(f"--max-restarts must be at least 0, got {args.max_restarts}")
     return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace, elastic=args.elastic,
                   max_restarts=args.max_restarts, heartbeat=args.heartbeat)
 
