@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from hspmd.cluster import ClusterSpec, LinkClass, Node, cluster_from_yaml, cluster_to_yaml, load_cluster, parse_cluster
 from hspmd.cluster.presets import PRESETS, uniform
-from hspmd.errors import ClusterError, HSPMDError
+from hspmd.errors import ClusterError, ClusterTypeError, HSPMDError, LimitError
 
 
 def test_hetu_preset_is_003_table3():
@@ -157,3 +157,30 @@ def test_links_are_symmetric_and_follow_the_node_layout(nodes):
             expected = (f"nvlink-{c.nodes[na].device_type.lower()}" if na == nb
                         else "roce" if c.nodes[na].site == c.nodes[nb].site else "wan")
             assert c.link(a, b).name == expected
+
+
+@pytest.mark.parametrize("text", ["100000x1", "1x100000", "300x300", "nvlink-ib:9000x8", "h800-h20:5000+5000",
+                                  "2x" + "9" * 40])
+def test_cluster_sizes_over_the_limit_fail_before_expansion(text):
+    with pytest.raises(LimitError, match="over the limit"):
+        parse_cluster(text)
+
+
+@pytest.mark.parametrize("text", ["2x\u0664", "\u00b2x4", "nvlink-ib:2x\uff14"])
+def test_cluster_sizes_are_ascii_digits_only(text):
+    with pytest.raises(ClusterError, match="unknown cluster"):
+        parse_cluster(text)
+
+
+@pytest.mark.parametrize("value", [None, 24, 2.5, ["2x4"]])
+def test_a_cluster_of_the_wrong_type_is_a_type_error(value):
+    with pytest.raises(ClusterTypeError):
+        parse_cluster(value)
+
+
+def test_node_counts_in_files_are_limited():
+    with pytest.raises(LimitError, match="nodes\\[0\\]"):
+        cluster_from_yaml(GOOD.replace("count: 2", "count: 100000"), "c.yaml")
+    good = cluster_from_yaml(GOOD)
+    with pytest.raises(LimitError, match="devices of a cluster"):
+        ClusterSpec((Node("A", 40000),) * 2, good.device_types, good.links, good.intra, good.inter)
