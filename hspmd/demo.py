@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=non_negative_int, default=50,
                         help="rank 3's process SIGKILLs itself inside this step; the others recover and finish (0: never)")
     parser.add_argument("--out", default=os.path.join("runs", "demo"), help="where the checkpoint and summary go")
-    parser.add_argument("--mixed-steps", type=int, default=6,
+    parser.add_argument("--mixed-steps", type=non_negative_int, default=6,
                         help="steps of the mixed-length phase (a strategy per step; 0: skip it)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     from hspmd.runtime.launcher import launch
