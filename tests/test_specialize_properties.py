@@ -1,18 +1,19 @@
 """Property tests over random elementwise/matmul graphs: graphs built to be deducible (both operands'
 rows split alike, the weight whole on their subgroups) must deduce to the expected layout and run
-specialized to the reference; graphs with arbitrary leaf annotations and comms either fail with an
-HSPMDError or do the same."""
+specialized to the reference; graphs with arbitrary leaf annotations and comms either fail deduction
+with a DeductionError or do the same (nothing past deduction may fail)."""
 
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import hspmd.ops as O
-from hspmd.annotations import Annotation, DistributedStates, Duplicate, Subgroup, device_pieces, shard, unshard
-from hspmd.errors import HSPMDError
+from hspmd.annotations import Annotation, DistributedStates, Duplicate, Subgroup, device_pieces, parse, shard, unshard
+from hspmd.errors import DeductionError
 from hspmd.ir import Binding, Graph, comm, placeholder
 from hspmd.backends.local import run_on_devices
 from hspmd.runtime.run import DeviceState, run_forward
+from hspmd.specialize.deduce import deduce
 from hspmd.specialize.specialized import specialize_graph
 from hspmd.testing import annotations
 
@@ -28,6 +29,15 @@ def _leaves(seed):
 def _whole_on(ann):
     """Every subgroup of `ann` holding the whole tensor."""
     return Annotation(tuple(Subgroup(s.dg, DistributedStates((Duplicate(len(s.dg)),))) for s in ann.subgroups))
+
+
+def _two_way_p2p(spec, name):
+    node = spec.graph.node(name)
+    if spec.deduced[node.inputs[0]] == spec.deduced[node.output]:
+        return False
+    plan = next(iter(spec.executables.values())).plan(node, Binding())
+    edges = {(t.src, t.dst) for s in plan.steps for t in s.transfers if t.src != t.dst}
+    return any((b, a) in edges for a, b in edges)
 
 
 def _run_and_compare(spec, out, values, anns, op, seed):
@@ -88,9 +98,32 @@ def test_random_graphs_deduce_or_fail_cleanly_and_match_the_reference(x_ann, y_a
         w = comm(w, _whole_on(x_ann), name="w_on_x")
     out = OPS[op][0](x, y) @ w
     try:
-        spec = specialize_graph(g, 0, Binding(), fetches=[out])
-    except HSPMDError:
+        deduced = deduce(g, 0)
+    except DeductionError:
         event("rejected by deduction")
         return
+    # past deduction nothing may fail: resolving, instantiating and pipeline discovery (a reshard
+    # inside one stage that runs P2P both ways once raised "P2P edges form a cycle")
+    spec = specialize_graph(g, 0, Binding(), fetches=[out], deduced=deduced)
     event("specialized and run")
+    if reshard_y and _two_way_p2p(spec, "y_like_x"):
+        event("reshard with P2P both ways between two devices")
     _run_and_compare(spec, out, {"x": xv, "y": yv, "w": wv}, {"x": x_ann, "y": y_ann, "w": w_ann}, op, seed)
+
+
+def test_a_reshard_inside_one_stage_with_p2p_both_ways_is_no_pipeline_edge():
+    """x on `HD{@[0] | D:3@[1-3]}`, y resharded to it from `S0:2,D:2@[0-3]`: devices 0 and 2 send
+    each other rows (so do 1 and 3). Both hold pieces of y before and after, so the exchange is
+    inside a stage; it once raised "P2P edges form a cycle between stages"."""
+    xv, yv, wv = _leaves(3)
+    x_ann, y_ann = parse("HD{@[0] | D:3@[1-3]}"), parse("S0:2,D:2@[0-3]")
+    g = Graph()
+    x = placeholder(g, "x", (4, 6), annotation=x_ann)
+    y = comm(placeholder(g, "y", (4, 6), annotation=y_ann), x_ann, name="y_like_x")
+    w = placeholder(g, "w", (6, 5), annotation=_whole_on(x_ann))
+    out = O.add(x, y) @ w
+    spec = specialize_graph(g, 0, Binding(), fetches=[out])
+    assert _two_way_p2p(spec, "y_like_x")
+    assert {d for p in spec.pipelines for d in p.devices} == set(DEVICES)
+    assert all(len(p.stages) == 1 for p in spec.pipelines), spec.pipelines
+    _run_and_compare(spec, out, {"x": xv, "y": yv, "w": wv}, {"x": x_ann, "y": y_ann, "w": _whole_on(x_ann)}, "add", 3)

@@ -29,9 +29,23 @@ def role_of(plan, device: int) -> str:
 
 
 def pattern(plan) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
-    """(collective groups, P2P edges) of a plan."""
+    """(collective groups, P2P edges) of a plan, as pipeline discovery reads them.
+
+    A transfer between two devices that each hold a piece of both the source and the destination
+    is a reshard inside one stage (it may run both ways, e.g. `@[0] | D:3@[1-3]` to
+    `S0:2,D:2@[0-3]`), not a hand-off from one stage to the next: it joins its two devices like a
+    collective. Only a transfer with an end outside the source or the destination is a P2P edge."""
     groups = [c.devices for s in plan.steps for c in s.collectives if len(c.devices) > 1]
-    edges = [(t.src, t.dst) for s in plan.steps for t in s.transfers if t.src != t.dst]
+    both = set(plan.src.devices) & set(plan.dst.devices)
+    edges = []
+    for s in plan.steps:
+        for t in s.transfers:
+            if t.src == t.dst:
+                continue
+            if t.src in both and t.dst in both:
+                groups.append((t.src, t.dst))
+            else:
+                edges.append((t.src, t.dst))
     return groups, edges
 
 
