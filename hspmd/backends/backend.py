@@ -11,12 +11,28 @@ a whole tensor on one device.
 from __future__ import annotations
 
 import abc
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 
 Group = tuple[int, ...]
 Shape = tuple[int, ...]
+
+
+class Pending(Protocol):
+    """A collective under way: wait() blocks until it is done and returns its result."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+class Done:
+    """A collective that finished when it was started."""
+
+    def __init__(self, result: torch.Tensor):
+        self.result = result
+
+    def wait(self) -> torch.Tensor:
+        return self.result
 
 
 class Backend(abc.ABC):
@@ -34,6 +50,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         """Sum of `tensor` over the group, returned to every member (input is not modified)."""
+
+    def all_reduce_start(self, tensor: torch.Tensor, group: Group) -> "Pending":
+        """Start summing the contiguous `tensor` over the group in place; wait() on the result
+        returns it summed. Until then the caller must neither read nor write it. Lets gradient
+        buckets be reduced while the backward goes on. This default reduces at once (a copy of the
+        input goes in, since other members may still read what this one passed) and writes the sum
+        back: backends that can overlap communication override it."""
+        tensor.copy_(self.all_reduce(tensor.clone(), group))
+        return Done(tensor)
 
     @abc.abstractmethod
     def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:

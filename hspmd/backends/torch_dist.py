@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hspmd.errors import CommunicationError, HSPMDError
-from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.backends.backend import Backend, Done, Group, Pending, Shape
 from hspmd.backends.heartbeat import HEARTBEAT_ENV, start_beating
 from hspmd.backends.store import STORE_HOSTED_ENV, STORE_PORT_ENV, open_store, secret_from_env
 from hspmd.backends.wire import decode_groups, encode_groups
@@ -156,6 +156,15 @@ class TorchDistBackend(Backend):
             with self._wrapped("all_reduce", group):
                 dist.all_reduce(out, group=pg)
         return out
+
+    def all_reduce_start(self, tensor: torch.Tensor, group: Group) -> "Pending":
+        """An asynchronous in-place all_reduce (async_op=True): no copy in or out."""
+        pg = self._process_group(group, "all_reduce")
+        if len(group) == 1:
+            return Done(tensor)
+        with self._wrapped("all_reduce", group):
+            work = dist.all_reduce(tensor, group=pg, async_op=True)
+        return StartedAllReduce(self, work, tensor, tuple(group))
 
     def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
         pg = self._process_group(group, "all_gather")
@@ -316,6 +325,20 @@ class TorchDistBackend(Backend):
         self._world, self._groups = None, {}
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class StartedAllReduce:
+    """An in-place all_reduce in flight (from TorchDistBackend.all_reduce_start)."""
+
+    def __init__(self, backend: TorchDistBackend, work, tensor: torch.Tensor, group: Group):
+        self._backend, self._work, self._tensor, self._group = backend, work, tensor, group
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with self._backend._wrapped("all_reduce (wait)", self._group):
+                self._work.wait(self._backend.timeout)
+            self._work = None
+        return self._tensor
 
 
 class PendingSends:

@@ -131,6 +131,11 @@ class OpDef:
     def compute(self, node: "Node", ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         raise HSPMDError(f"op kind {self.kind} has no local compute")
 
+    def compute_into(self, node: "Node", ctx: Any, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> bool:
+        """Write the single output into `out` (a buffer of its shape and dtype, e.g. a view of a
+        gradient bucket) and return True; ops that cannot return False and the caller copies."""
+        return False
+
     def gradient(self, node: "Node", grads: Sequence[Tensor | None]) -> list[Tensor | None]:
         return [None] * len(node.inputs)
 

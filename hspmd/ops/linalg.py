@@ -68,6 +68,13 @@ class MatMul(RuleOp):
         x, w = inputs
         return [torch.matmul(x, w)]
 
+    def compute_into(self, node, ctx, inputs, out):
+        x, w = inputs
+        if x.dim() != 2 or w.dim() != 2 or tuple(out.shape) != (x.shape[0], w.shape[1]) or out.dtype != x.dtype:
+            return False
+        torch.matmul(x, w, out=out)
+        return True
+
     def gradient(self, node, grads):
         (g,) = grads
         x, w = node.inputs

@@ -17,9 +17,10 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from hspmd.ir.shapes import Binding
-from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.backends.backend import Backend, Group, Pending, Shape
 from hspmd.specialize.schedules import FORWARD, Action, check_order
 from hspmd.specialize.executable import ExecutableGraph
+from hspmd.runtime.buckets import BucketSync
 from hspmd.runtime.run import DeviceState, MicroBatch, run_backward, run_forward
 from hspmd.runtime.trace import Tracer
 
@@ -54,6 +55,9 @@ class NonBlockingSends(Backend):
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         return self.inner.all_reduce(tensor, group)
 
+    def all_reduce_start(self, tensor: torch.Tensor, group: Group) -> Pending:
+        return self.inner.all_reduce_start(tensor, group)
+
     def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
         return self.inner.all_gather(tensor, group, shapes)
 
@@ -81,23 +85,26 @@ class ScheduleRun:
 def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, order: Sequence[Action],
                  feeds: Callable[[int], Mapping[str, torch.Tensor]],
                  binding: Binding | Callable[[int], Binding] | None = None,
-                 tracer: Tracer | None = None) -> ScheduleRun:
+                 tracer: Tracer | None = None, buckets: BucketSync | None = None) -> ScheduleRun:
     """Run `order` on this device: F(m) runs the forward pass of micro-batch m fed by feeds(m)
     (this device's pieces), B(m) its backward pass; gradients accumulate in `state`. Sends posted
-    along the way are completed before returning. A `tracer` records one event per action."""
+    along the way are completed before returning. A `tracer` records one event per action.
+    `buckets`: the last backward of the order fills them and starts their all-reduces
+    (hspmd.runtime.buckets); the update then waits for them (BucketSync.finish)."""
     micro_batches = len({a.micro_batch for a in order})
     check_order(order, micro_batches)
     sender = NonBlockingSends(backend)
     live: dict[int, MicroBatch] = {}
     peak = 0
-    for action in order:
+    last_backward = max((i for i, a in enumerate(order) if a.kind != FORWARD), default=-1)
+    for i, action in enumerate(order):
         m = action.micro_batch
         with tracer.span(str(action), "compute", micro_batch=m) if tracer else nullcontext():
             if action.kind == FORWARD:
                 live[m] = run_forward(exe, sender, state, feeds(m), binding(m) if callable(binding) else binding)
                 peak = max(peak, len(live))
             else:
-                run_backward(exe, sender, state, live.pop(m))
+                run_backward(exe, sender, state, live.pop(m), buckets if i == last_backward else None)
     with tracer.span("wait sends", "comm") if tracer else nullcontext():
         sender.wait_sends()
     return ScheduleRun(micro_batches, peak)

@@ -20,6 +20,7 @@ from hspmd.backends.local import LocalWorld
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
 from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB
 from hspmd.runtime.trainer import Trainer, as_layout, trainer_binding
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
@@ -35,7 +36,8 @@ class InProcessJob:
 
     def __init__(self, graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
                  symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None, ranks: int | None = None,
-                 timeout: float = 120.0, device: torch.device | str = "cpu"):
+                 timeout: float = 120.0, device: torch.device | str = "cpu",
+                 bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB):
         self.graph, self.symbols, self.seed, self.topology = graph, dict(symbols or {}), seed, topology
         spec = self._specialize(strategy, as_layout(layout))
         ranks = max(spec.devices) + 1 if ranks is None else ranks
@@ -44,7 +46,7 @@ class InProcessJob:
         self.world = LocalWorld(range(ranks), timeout, device)
         self.trainers: dict[int, Trainer] = self.world.run(
             lambda b: Trainer(graph, strategy, b, layout, schedule, self.symbols, seed, topology,
-                              spec if b.rank in spec.executables else None))
+                              spec if b.rank in spec.executables else None, bucket_cap_mb))
 
     def _specialize(self, strategy: int, layout: MicroBatchLayout) -> Specialized:
         deduced = deduce(self.graph, strategy)

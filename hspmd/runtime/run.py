@@ -24,6 +24,7 @@ from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
 from hspmd.backends.plan_executor import execute_plan
 from hspmd.specialize.executable import ExecutableGraph, Instruction
+from hspmd.runtime.buckets import BucketSync, write_gradient
 
 
 @dataclass
@@ -89,7 +90,8 @@ def _value(state: DeviceState, env: dict[int, torch.Tensor], t: Tensor) -> torch
 
 
 def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Backend, state: DeviceState,
-             env: dict[int, torch.Tensor], binding: Binding, feeds: Mapping[str, torch.Tensor] | None = None) -> None:
+             env: dict[int, torch.Tensor], binding: Binding, feeds: Mapping[str, torch.Tensor] | None = None,
+             buckets: BucketSync | None = None) -> None:
     for ins in program:
         node = ins.node
         if node.kind == "placeholder":
@@ -116,6 +118,13 @@ def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Back
                 env[node.output.id] = out
         else:
             inputs = [_value(state, env, t) for t in node.inputs]
+            target = buckets.view(node.outputs[0].id) if buckets is not None else None
+            if target is not None:
+                t = node.outputs[0]
+                write_gradient(node, _OpContext(exe, node, binding, state.step), inputs, target, state.accum.pop(t.id, None))
+                env[t.id] = target
+                buckets.written(t.id, backend)
+                continue
             with torch.no_grad():
                 outs = node.opdef.compute(node, _OpContext(exe, node, binding, state.step), inputs)
             for t, v in zip(node.outputs, outs):
@@ -149,12 +158,18 @@ def run_forward(exe: ExecutableGraph, backend: Backend, state: DeviceState, feed
     return mb
 
 
-def run_backward(exe: ExecutableGraph, backend: Backend, state: DeviceState, mb: MicroBatch) -> None:
-    """The backward pass of micro-batch `mb`; its gradients are added to state.accum."""
-    _execute(exe, exe.backward, backend, state, mb.env, mb.binding)
+def run_backward(exe: ExecutableGraph, backend: Backend, state: DeviceState, mb: MicroBatch,
+                 buckets: BucketSync | None = None) -> None:
+    """The backward pass of micro-batch `mb`; its gradients are added to state.accum. `buckets`
+    (for the step's last backward): bucketed gradients are summed straight into their bucket
+    views and full buckets start their all-reduce as the pass goes on (hspmd.runtime.buckets)."""
+    _execute(exe, exe.backward, backend, state, mb.env, mb.binding, buckets=buckets)
     for t in exe.accumulated:
         if t.id in mb.env:
             v = mb.env[t.id]
+            if buckets is not None and t.id in buckets:
+                state.accum[t.id] = v  # the view, already holding every micro-batch's sum
+                continue
             # the first micro-batch's gradient is taken as is, no copy: env is cleared below and no op
             # writes into its inputs, so nothing else can change it before the update reads it
             state.accum[t.id] = v if t.id not in state.accum else state.accum[t.id] + v
@@ -162,18 +177,29 @@ def run_backward(exe: ExecutableGraph, backend: Backend, state: DeviceState, mb:
 
 
 def run_update(exe: ExecutableGraph, backend: Backend, state: DeviceState, fetch: Sequence[Tensor] = (),
-               carried: Mapping[str, torch.Tensor] | None = None) -> None:
+               carried: Mapping[str, torch.Tensor] | None = None,
+               synced: Mapping[int, torch.Tensor] | None = None) -> None:
     """Once per step: gradient synchronisation and optimizer updates, then reset accumulators.
     Fetched update-phase tensors (e.g. synchronised gradients) held here go to state.fetched.
     `carried`: synchronised gradient pieces by parameter name (from synced_gradients before a
-    mid-step switch), added to this step's as each is synchronised, before the optimizer reads it."""
+    mid-step switch), added to this step's as each is synchronised, before the optimizer reads it.
+    `synced`: {comm node id: result} for synchronisations already done (BucketSync.finish):
+    those instructions are skipped and their results taken as given."""
     state.step += 1
     env = dict(state.accum)
+    program = exe.update
+    if synced:
+        program = tuple(ins for ins in program if ins.node.id not in synced)
+        for ins in exe.update:
+            if ins.node.id in synced:
+                env[ins.node.output.id] = synced[ins.node.id]
     if not carried:
-        _execute(exe, exe.update, backend, state, env, exe.binding)
+        _execute(exe, program, backend, state, env, exe.binding)
     else:
         extra = {t.id: carried[name] for name, t in exe.graph.gradients.items() if name in carried}
-        for ins in exe.update:
+        for t_id in [i for i in extra if i in env]:
+            env[t_id] = env[t_id] + extra[t_id]
+        for ins in program:
             _execute(exe, (ins,), backend, state, env, exe.binding)
             for t in ins.node.outputs:
                 if t.id in extra and t.id in env:

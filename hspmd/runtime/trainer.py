@@ -37,6 +37,7 @@ from hspmd.ir.graph import Graph, Node
 from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, cap_bytes_of, plan_buckets
 from hspmd.runtime.checkpoint import (
     cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
 )
@@ -99,12 +100,16 @@ class Trainer:
     specialization of `graph` under `strategy` and trainer_binding(...) holding this rank's program
     (an in-process job specializes once for all of its ranks); by default the trainer specializes
     for its own rank. Construction is collective: every rank of the job constructs its trainer at
-    the same point."""
+    the same point. bucket_cap_mb: gradients whose synchronisation is a plain all-reduce are
+    reduced in buckets of at most this many MiB, each started as soon as the backward has made
+    all of its gradients (hspmd.runtime.buckets); None synchronises every gradient in the update."""
 
     def __init__(self, graph: Graph, strategy: int, backend: Backend, layout: MicroBatchLayout | Strategy,
                  schedule: str = "1f1b", symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
-                 specialized: Specialized | None = None):
+                 specialized: Specialized | None = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB):
         self.graph, self.backend = graph, backend
+        self.bucket_cap_mb = bucket_cap_mb
+        cap = None if bucket_cap_mb is None else cap_bytes_of(bucket_cap_mb)
         self.symbols, self.seed, self.topology = dict(symbols or {}), seed, topology
         self.layout = as_layout(layout)
         self.schedule_name = schedule
@@ -138,6 +143,7 @@ class Trainer:
             self.micro_batches = self.layout.counts[self.pipeline]
             self.order: Schedule = schedule_for(schedule, len(self.stages.stages), self.stage, self.micro_batches)
         self.state = DeviceState.initial(self.exe, seed, backend.device)
+        self.buckets = None if cap is None or self.idle else BucketSync(plan_buckets(self.exe, cap), backend.device)
         self.last_run: ScheduleRun | None = None
         self.tracer: Tracer | None = None  # set one to record this rank's F/B/update events (runtime.trace)
         self.last_switch = None
@@ -207,10 +213,19 @@ class Trainer:
             return {name: self._piece(node, batch[name][start:stop]) for name, node in placeholders.items()}
 
         self.state.fetched.clear()
-        self.last_run = run_schedule(self.exe, self.backend, self.state, self.order, feeds, self.binding, self.tracer)
+        buckets = self._begin_buckets()
+        self.last_run = run_schedule(self.exe, self.backend, self.state, self.order, feeds, self.binding, self.tracer,
+                                     buckets)
         with self.tracer.span("update", "update") if self.tracer else nullcontext():
-            run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()))
+            synced = buckets.finish(self.backend) if buckets else None
+            run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), synced=synced)
         return self._reduce_loss()
+
+    def _begin_buckets(self) -> BucketSync | None:
+        if self.buckets is not None:
+            self.buckets.begin()
+            self.buckets.tracer = self.tracer
+        return self.buckets
 
     def step_rows(self, micro_batches: Sequence[Sequence[Mapping[str, torch.Tensor]]],
                   symbols: Mapping[str, int] | None = None, carried: Mapping[str, torch.Tensor] | None = None
@@ -222,9 +237,12 @@ class Trainer:
         (e.g. T, the step's token count) or the trainer's. Every rank passes the same lists. Comm
         plans are resolved once per binding and kept (the specialization's plan cache).
         `carried`: synchronised gradients of earlier buckets of this step (see bucket_rows)."""
-        if not self._run_rows(micro_batches, symbols):
+        buckets = self._begin_buckets()
+        if not self._run_rows(micro_batches, symbols, buckets):
             return None
-        run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), carried=carried)
+        synced = buckets.finish(self.backend) if buckets else None
+        run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), carried=carried,
+                   synced=synced)
         return self._reduce_loss()
 
     def bucket_rows(self, micro_batches: Sequence[Sequence[Mapping[str, torch.Tensor]]],
@@ -239,7 +257,7 @@ class Trainer:
         loss = self._reduce_loss()
         return loss, {k: v + carried[k] if carried and k in carried else v for k, v in synced.items()}
 
-    def _run_rows(self, micro_batches, symbols) -> bool:
+    def _run_rows(self, micro_batches, symbols, buckets: BucketSync | None = None) -> bool:
         """This rank's schedule over its pipeline's rows; False on an idle rank."""
         if len(micro_batches) != self.layout.pipelines:
             raise HSPMDError(f"step_rows(): {len(micro_batches)} pipeline lists for the {self.layout.pipelines} "
@@ -259,7 +277,7 @@ class Trainer:
         self.last_run = run_schedule(
             self.exe, self.backend, self.state, order,
             lambda m: {name: self._piece(node, rows[m][name], mine[m]) for name, node in placeholders.items()},
-            lambda m: mine[m])
+            lambda m: mine[m], buckets=buckets)
         return True
 
     def _row_binding(self, pipeline: int, m: int, row: Mapping[str, torch.Tensor], symbols) -> Binding:
@@ -333,7 +351,7 @@ class Trainer:
         carried = {name[len(GRADIENT_PREFIX):]: v for name, v in leaves.items() if name.startswith(GRADIENT_PREFIX)}
         leaves = {name: v for name, v in leaves.items() if not name.startswith(GRADIENT_PREFIX)}
         nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
-                      self.symbols, self.seed, self.topology, specialized)
+                      self.symbols, self.seed, self.topology, specialized, self.bucket_cap_mb)
         missing = set(nxt.state.leaves) - set(leaves)
         if missing:
             raise HSPMDError(f"rank {self.backend.rank}: the switch to strategy {strategy} delivered no piece of "

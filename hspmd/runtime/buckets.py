@@ -1,0 +1,252 @@
+"""Gradient synchronisation in size-capped buckets, started while the backward still runs.
+
+Planning (`plan_buckets`, pure data). A gradient joins a bucket when its synchronisation plan is,
+for every device of it, one all-reduce of exactly the piece the device holds (data parallelism
+over whatever else splits the gradient: HP -> HD with equal pieces, the common case). Those
+gradients are grouped by (all-reduce group, dtype) in the order the backward makes them, each
+bucket holding at most `cap_bytes` (a gradient larger than the cap is a bucket by itself). Every
+member of a group derives the same buckets with no message: the predicate reads only the global
+plan, the order is the graph's, the sizes are the plan's boxes. Every other gradient (a plan
+that splits, moves or gathers pieces, e.g. between pipelines of different TP degrees in a
+heterogeneous strategy) keeps its plan in the update program; `BucketPlan.kept` says which and why.
+
+Execution (`BucketSync`, one per trainer). Each bucket is one flat buffer kept across steps and
+its gradients are views of it, so the all-reduce needs no copy in or out. In the step's last
+backward the op that makes a bucketed gradient writes it straight into its view (ops with
+`compute_into`, e.g. matmul; any other op's result is copied in; with several micro-batches the
+accumulation `earlier + last` is the write). Once a bucket's last gradient is in, and the buckets
+before it on the same group have started, its all-reduce starts without blocking
+(Backend.all_reduce_start) and runs while the backward goes on. The update waits for them all
+and reads the summed views in place of running those gradients' plans.
+
+The synchronised gradients the update reads (and a trainer's fetched gradients) are views of the
+buffers: valid until the next step's backward writes them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from hspmd.annotations import device_pieces
+from hspmd.comm_resolve.plan import Plan
+from hspmd.errors import HSPMDError
+from hspmd.backends.backend import Backend, Group, Pending
+from hspmd.specialize.executable import ExecutableGraph
+from hspmd.runtime.trace import Tracer
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class BucketSlot:
+    """One gradient in a bucket: the per-micro-batch tensor the backward makes (`tensor_id`), the
+    update's comm node whose plan the bucket replaces (`sync_node_id`), its place in the buffer."""
+
+    gradient: str
+    tensor_id: int
+    sync_node_id: int
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Gradients all-reduced together over `group` as one flat `dtype` buffer."""
+
+    group: Group
+    dtype: torch.dtype
+    slots: tuple[BucketSlot, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One device's buckets, in the order they fill during the backward, and the gradients that
+    keep their own plan (name, why)."""
+
+    cap_bytes: int
+    buckets: tuple[Bucket, ...]
+    kept: tuple[tuple[str, str], ...]
+
+
+def why_not_one_all_reduce(plan: Plan) -> str | None:
+    """None when every device's part of `plan` is one all-reduce of exactly the piece it holds
+    (before and after); otherwise what differs."""
+    if len(plan.steps) != 1:
+        return f"its plan has {len(plan.steps)} steps"
+    step = plan.steps[0]
+    if step.transfers:
+        return "its plan moves pieces point to point"
+    src, dst = device_pieces(plan.src, plan.shape), device_pieces(plan.dst, plan.shape)
+    seen: set[int] = set()
+    for c in step.collectives:
+        if c.kind != "all_reduce" or c.zero_inputs:
+            return f"its plan has a {c.kind}" + (" with zero inputs" if c.zero_inputs else "")
+        for d in c.devices:
+            if d in seen:
+                return f"device {d} takes part in two all-reduces"
+            seen.add(d)
+            if d not in src or d not in dst or src[d].box != c.box or dst[d].box != c.box:
+                return f"device {d}'s pieces differ from the all-reduced box"
+    if seen != set(plan.src.devices) | set(plan.dst.devices):
+        return "some device of the plan takes part in no all-reduce"
+    return None
+
+
+def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
+    """This device's gradient buckets (see the module docstring); pure."""
+    if cap_bytes <= 0:
+        raise HSPMDError(f"the bucket cap must be positive, got {cap_bytes} bytes")
+    graph, binding = exe.graph, exe.binding
+    names = {t.node.id: name for name, t in graph.gradients.items()}
+    readers: dict[int, int] = {}
+    for ins in exe.instructions():
+        for t in ins.node.inputs:
+            readers[t.id] = readers.get(t.id, 0) + 1
+    syncs = {ins.node.inputs[0].id: ins for ins in exe.update if ins.node.id in names and ins.node.opdef.is_comm}
+    chains: dict[tuple[Group, torch.dtype], list[list[tuple[int, BucketSlot]]]] = {}
+    sizes: dict[tuple[Group, torch.dtype], int] = {}
+    kept: list[tuple[str, str]] = []
+    for position, ins in enumerate(exe.backward):
+        for t in ins.node.outputs:
+            sync = syncs.get(t.id)
+            if sync is None or sync.role == "identity":
+                continue
+            name = names[sync.node.id]
+            plan = exe.plan(sync.node, binding)
+            reason = why_not_one_all_reduce(plan)
+            if reason is None and ins.role != "compute":
+                reason = f"the backward makes it with a {ins.role} instruction"
+            if reason is None and readers.get(t.id, 0) != 1:
+                reason = "something besides its synchronisation reads it"
+            if reason is not None:
+                kept.append((name, reason))
+                continue
+            c = next(c for c in plan.steps[0].collectives if exe.device in c.devices)
+            shape = tuple(b - a for a, b in c.box)
+            key = (c.devices, t.dtype)
+            nbytes = prod(shape) * torch.empty((), dtype=t.dtype).element_size()
+            chain = chains.setdefault(key, [[]])
+            if chain[-1] and sizes[key] + nbytes > cap_bytes:
+                chain.append([])
+                sizes[key] = 0
+            offset = sum(s.numel for _, s in chain[-1])
+            chain[-1].append((position, BucketSlot(name, t.id, sync.node.id, shape, offset)))
+            sizes[key] = sizes.get(key, 0) + nbytes
+    buckets = [(slots[-1][0], Bucket(group, dtype, tuple(s for _, s in slots)))
+               for (group, dtype), chain in chains.items() for slots in chain]
+    buckets.sort(key=lambda pb: pb[0])
+    return BucketPlan(cap_bytes, tuple(b for _, b in buckets), tuple(kept))
+
+
+def cap_bytes_of(cap_mb: float) -> int:
+    """A bucket cap given in MiB (a trainer option) as bytes; a clear error for a bad value."""
+    if isinstance(cap_mb, bool) or not isinstance(cap_mb, (int, float)) or not 0 < cap_mb < float("inf"):
+        raise HSPMDError(f"bucket_cap_mb must be a positive number of MiB (or None to synchronise each gradient "
+                         f"after the backward), got {cap_mb!r}")
+    return max(1, int(cap_mb * MB))
+
+
+class BucketSync:
+    """One device's bucket buffers (kept across steps) and the all-reduces of the step under way."""
+
+    def __init__(self, plan: BucketPlan, device: torch.device | str):
+        self.plan = plan
+        self.tracer: Tracer | None = None
+        self.buffers = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in plan.buckets]
+        self._views: dict[int, torch.Tensor] = {}
+        self._bucket_of: dict[int, int] = {}
+        chains: dict[tuple[Group, torch.dtype], list[int]] = {}
+        for k, (bucket, buffer) in enumerate(zip(plan.buckets, self.buffers)):
+            chains.setdefault((bucket.group, bucket.dtype), []).append(k)
+            for s in bucket.slots:
+                self._views[s.tensor_id] = buffer[s.offset: s.offset + s.numel].view(s.shape)
+                self._bucket_of[s.tensor_id] = k
+        self._chains = list(chains.values())
+        self._chain_of = {k: i for i, chain in enumerate(self._chains) for k in chain}
+        self.begin()
+
+    def begin(self) -> None:
+        """Start a step: no gradient written, no bucket started."""
+        self._missing = [len(b.slots) for b in self.plan.buckets]
+        self._next = [0] * len(self._chains)  # per chain: the first bucket not started yet
+        self._pending: list[Pending | None] = [None] * len(self.plan.buckets)
+
+    def __contains__(self, tensor_id: int) -> bool:
+        return tensor_id in self._views
+
+    def view(self, tensor_id: int) -> torch.Tensor | None:
+        """Where the backward writes this gradient (None: not bucketed)."""
+        return self._views.get(tensor_id)
+
+    def written(self, tensor_id: int, backend: Backend) -> None:
+        """The gradient is final in its view: start every bucket of its chain that is full, in order."""
+        k = self._bucket_of[tensor_id]
+        self._missing[k] -= 1
+        self._start(self._chain_of[k], backend, only_full=True)
+
+    def _start(self, c: int, backend: Backend, only_full: bool) -> None:
+        chain = self._chains[c]
+        while self._next[c] < len(chain):
+            k = chain[self._next[c]]
+            if self._missing[k]:
+                if only_full:
+                    return
+                names = [s.gradient for s in self.plan.buckets[k].slots]
+                raise HSPMDError(f"device {backend.rank}: {self._missing[k]} gradient(s) of bucket {k} ({names}) were "
+                                 f"not made in this step's last backward")
+            bucket = self.plan.buckets[k]
+            if self.tracer is not None:
+                with self.tracer.span(f"all-reduce bucket {k}", "comm", group=list(bucket.group), bytes=bucket.nbytes):
+                    self._pending[k] = backend.all_reduce_start(self.buffers[k], bucket.group)
+            else:
+                self._pending[k] = backend.all_reduce_start(self.buffers[k], bucket.group)
+            self._next[c] += 1
+
+    def finish(self, backend: Backend) -> dict[int, torch.Tensor]:
+        """Wait for every bucket (starting any not started yet, in order): {sync node id: this
+        device's synchronised piece}, what the update reads in place of those plans."""
+        for c in range(len(self._chains)):
+            self._start(c, backend, only_full=False)
+        for pending in self._pending:
+            pending.wait()
+        out = {s.sync_node_id: self._views[s.tensor_id] for b in self.plan.buckets for s in b.slots}
+        self.begin()
+        return out
+
+
+def write_gradient(node, ctx, inputs, target: torch.Tensor, earlier: torch.Tensor | None) -> None:
+    """Make `node`'s single output straight into `target` (plus `earlier`, the sum over the
+    step's earlier micro-batches): through the op's compute_into where it has one, else a copy."""
+    with torch.no_grad():
+        if earlier is None and node.opdef.compute_into(node, ctx, inputs, target):
+            return
+        (value,) = node.opdef.compute(node, ctx, inputs)
+        if tuple(value.shape) != tuple(target.shape):
+            raise HSPMDError(f"device {ctx.device}: gradient {node.output.name} has shape {tuple(value.shape)} but its "
+                             f"bucket slot is {tuple(target.shape)}")
+        if earlier is None:
+            target.copy_(value)
+        else:
+            torch.add(earlier, value, out=target)
+
+
+__all__ = [
+    "Bucket", "BucketPlan", "BucketSlot", "BucketSync", "DEFAULT_BUCKET_CAP_MB", "cap_bytes_of", "plan_buckets",
+    "why_not_one_all_reduce", "write_gradient",
+]

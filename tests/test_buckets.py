@@ -1,0 +1,198 @@
+"""Gradient buckets (hspmd.runtime.buckets): the plan respects the cap and the backward's order and
+is the same on every member of a group; training with buckets of any cap gives bitwise the same
+gradients and weights as synchronising each gradient in the update (in-process), and equals the
+single-device reference on gloo processes, where every bucket's all-reduce is issued inside the
+step's last backward (recorded event order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hspmd.errors import HSPMDError
+from hspmd.models.llama import LlamaConfig, build_llama
+from hspmd.ops import AdamW
+from hspmd.backends.backend import Backend
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.buckets import MB, plan_buckets, why_not_one_all_reduce
+from hspmd.runtime.inprocess import InProcessJob
+from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.trace import Tracer
+from hspmd.runtime.trainer import Trainer, trainer_binding
+from hspmd.specialize.specialized import all_devices, specialize_graph
+from hspmd.specialize.deduce import deduce
+from hspmd.specialize.strategy_text import parse_strategy
+from tests.test_multiprocess_training import assert_matches_reference
+
+SEQ, LR = 8, 1e-2
+CONFIG = dict(vocab=32, hidden=16, heads=2, ffn=32)
+DP_TP = "layers=2 ; 2x1: R0,1 L0-1 ; 2x1: R2,3 L0-1"                 # DP2 x TP2, 2 micro-batches each
+DP_PP = "layers=2 ; 2x1: R0 L0 | R1 L1 ; 2x1: R2 L0 | R3 L1"          # DP2 x PP2
+MIXED = "layers=2 ; 2x1: R0,1 L0-1 ; 2x1: R2,3 L0 | R4,5 L1"          # TP2 x 1 stage next to TP2 x 2 stages
+HETERO = "layers=4 ; 2x2: R0,1 L0-3 ; 3x1: R2 L0-1 | R3 L2-3"         # TP2 next to TP1: split syncs
+
+
+def model(text: str):
+    strategy = parse_strategy(text)
+    built = build_llama(LlamaConfig(layers=strategy.num_layers, **CONFIG), [strategy], optimizer=AdamW(lr=LR))
+    return built.graph, MicroBatchLayout.of(strategy)
+
+
+def symbols(layout: MicroBatchLayout) -> dict[str, int]:
+    return {"S": SEQ, "T": layout.global_batch_size * SEQ}
+
+
+def executables(text: str):
+    graph, layout = model(text)
+    deduced = deduce(graph, 0)
+    binding = trainer_binding(graph, layout, symbols(layout))
+    return specialize_graph(graph, 0, binding, all_devices(deduced), deduced=deduced).executables
+
+
+EXES = {text: executables(text) for text in (DP_TP, DP_PP, MIXED, HETERO)}
+
+
+def made_order(exe) -> list[int]:
+    return [t.id for ins in exe.backward for t in ins.node.outputs]
+
+
+@settings(max_examples=40)
+@given(text=st.sampled_from([DP_TP, DP_PP, MIXED]), cap=st.integers(1, 40_000), data=st.data())
+def test_buckets_respect_the_cap_and_fill_in_backward_order(text, cap, data):
+    exes = EXES[text]
+    exe = exes[data.draw(st.sampled_from(sorted(exes)))]
+    plan = plan_buckets(exe, cap)
+    order = made_order(exe)
+    chains: dict = {}
+    for bucket in plan.buckets:
+        assert bucket.nbytes <= cap or len(bucket.slots) == 1
+        assert [s.offset for s in bucket.slots] == [sum(s.numel for s in bucket.slots[:i]) for i in range(len(bucket.slots))]
+        chains.setdefault((bucket.group, bucket.dtype), []).append(bucket)
+    for chain in chains.values():
+        slots = [s for b in chain for s in b.slots]
+        assert [order.index(s.tensor_id) for s in slots] == sorted(order.index(s.tensor_id) for s in slots)
+        for before, after in zip(chain, chain[1:]):  # greedy: a bucket closes only when the next gradient overflows it
+            first = after.slots[0].numel * torch.empty((), dtype=after.dtype).element_size()
+            assert before.nbytes + first > cap
+    # buckets are listed in the order the backward completes them
+    last = [max(order.index(s.tensor_id) for s in b.slots) for b in plan.buckets]
+    assert last == sorted(last)
+    # every gradient with an all-reduce plan is in exactly one bucket (the strategies here have no other kind)
+    bucketed = [s.gradient for b in plan.buckets for s in b.slots]
+    assert len(bucketed) == len(set(bucketed)) and not plan.kept
+    syncing = [ins for ins in exe.update if ins.node.id in {t.node.id for t in exe.graph.gradients.values()}
+               and ins.role != "identity"]
+    assert len(bucketed) == len(syncing) > 0
+
+
+@pytest.mark.parametrize("text", [DP_TP, DP_PP, MIXED, HETERO])
+@pytest.mark.parametrize("cap", [1, 3000, 64 * MB])
+def test_every_member_of_a_group_plans_the_same_buckets(text, cap):
+    by_group: dict = {}
+    for device, exe in EXES[text].items():
+        for bucket in plan_buckets(exe, cap).buckets:
+            assert device in bucket.group
+            key = (bucket.group, bucket.dtype)
+            by_group.setdefault(key, {}).setdefault(device, []).append(
+                [(s.gradient, s.shape, s.offset) for s in bucket.slots])
+    for key, members in by_group.items():
+        assert set(members) == set(key[0]), key
+        assert len({repr(v) for v in members.values()}) == 1, key
+
+
+def test_split_synchronisations_keep_their_plan_and_say_why():
+    exe = EXES[HETERO][2]  # rank 2 holds whole layers 0-1 that pipeline A splits over ranks 0, 1
+    plan = plan_buckets(exe, 64 * MB)
+    assert plan.buckets == () and len(plan.kept) > 10
+    reasons = {why for _, why in plan.kept}
+    assert any("differ from the all-reduced box" in why for why in reasons)
+    # the predicate itself: an all-reduce plan qualifies, a split one does not
+    sync = next(ins for ins in exe.update if ins.role == "collective")
+    assert why_not_one_all_reduce(exe.plan(sync.node, exe.binding)) is not None
+    dp = EXES[DP_TP][0]
+    sync = next(ins for ins in dp.update if ins.role == "collective")
+    assert why_not_one_all_reduce(dp.plan(sync.node, dp.binding)) is None
+
+
+@pytest.mark.parametrize("cap", [0, -1.0, float("nan"), float("inf"), True, "25"])
+def test_a_bad_cap_is_refused_clearly(cap):
+    graph, layout = model(DP_TP)
+    with pytest.raises(HSPMDError, match="bucket_cap_mb"):
+        InProcessJob(graph, 0, layout, symbols=symbols(layout), bucket_cap_mb=cap)
+
+
+def batches(layout: MicroBatchLayout, steps: int, seed: int):
+    rows = layout.global_batch_size
+    gen = torch.Generator().manual_seed(seed)
+    return [{"tokens": torch.randint(0, CONFIG["vocab"], (rows, SEQ), generator=gen),
+             "labels": torch.randint(0, CONFIG["vocab"], (rows, SEQ), generator=gen)} for _ in range(steps)]
+
+
+def in_process_run(text: str, cap, schedule: str):
+    graph, layout = model(text)
+    job = InProcessJob(graph, 0, layout, schedule=schedule, symbols=symbols(layout), bucket_cap_mb=cap)
+    grads = []
+    for batch in batches(layout, 2, seed=5):
+        job.step(batch)
+        grads.append(job.gradients())
+    return grads, job.parameters()
+
+
+@pytest.mark.parametrize("text,schedule", [(DP_TP, "1f1b"), (DP_PP, "gpipe"), (MIXED, "1f1b"), (HETERO, "1f1b")])
+def test_buckets_of_any_cap_give_bitwise_the_unbucketed_result(text, schedule):
+    want_grads, want_params = in_process_run(text, None, schedule)
+    for cap in (1e-6, 2e-3, 25):  # one gradient per bucket, a few per bucket, one bucket per group
+        grads, params = in_process_run(text, cap, schedule)
+        for got, want in zip(grads, want_grads):
+            assert set(got) == set(want)
+            for name in want:
+                assert torch.equal(got[name], want[name]), (cap, name)
+        for name in want_params:
+            assert torch.equal(params[name], want_params[name]), (cap, name)
+
+
+# ---- gloo processes -------------------------------------------------------------------------------
+
+def gloo_rank(backend: Backend, text: str, caps):
+    torch.set_num_threads(1)
+    graph, layout = model(text)
+    data = batches(layout, 2, seed=9)
+    out = {}
+    for cap in caps:
+        trainer = Trainer(graph, 0, backend, layout, schedule="1f1b", symbols=symbols(layout), bucket_cap_mb=cap)
+        losses = [trainer.step(data[0])]
+        trainer.tracer = Tracer(backend.rank)
+        losses.append(trainer.step(data[1]))
+        names = [e["name"] for e in trainer.tracer.events]
+        buckets = len(trainer.buckets.plan.buckets) if trainer.buckets else 0
+        out[cap] = (losses, trainer.state_dict(), trainer.gradients(), names, trainer.tracer.events, buckets)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_gloo_buckets_equal_one_device_and_start_inside_the_backward():
+    caps = (None, 1e-6, 2e-3, 25)
+    results = run_multiprocess(gloo_rank, 4, DP_TP, caps, timeout=180)
+    graph, layout = model(DP_TP)
+    data = [(b["tokens"], b["labels"]) for b in batches(layout, 2, seed=9)]
+    baseline = results[0][None]
+    for cap in caps:
+        losses, params, grads, names, events, count = results[0][cap]
+        assert_matches_reference(losses, params, data, layers=2)
+        for name, g in baseline[2].items():  # the same sums in the same order on both paths
+            assert torch.equal(grads[name], g), (cap, name)
+    for rank, result in enumerate(results):
+        assert result[None][5] == 0 and not any(n.startswith("all-reduce bucket") for n in result[None][3])
+        for cap, expected in ((1e-6, 10), (2e-3, 2), (25, 1)):
+            names, events, count = result[cap][3], result[cap][4], result[cap][5]
+            assert count >= expected
+            started = [i for i, n in enumerate(names) if n.startswith("all-reduce bucket")]
+            last_backward = max(i for i, n in enumerate(names) if n.startswith("B"))
+            # events are recorded as they end: every bucket's all-reduce was issued before the step's
+            # last backward ended, and inside it (its span nests in the backward's span)
+            assert len(started) == count and max(started) < last_backward, (rank, cap, names)
+            b = events[last_backward]
+            assert all(b["ts"] <= events[i]["ts"] and events[i]["ts"] + events[i]["dur"] <= b["ts"] + b["dur"]
+                       for i in started)
+            assert names.index("update") > last_backward
