@@ -1,17 +1,29 @@
-"""Specialization time of a Llama-32B-shaped graph (60 layers, hidden 5120, 40 heads, FFN 27648,
-vocab 152064) under the paper's Table 5 strategy (16 H800 + 32 H20 = 48 devices, four 3-stage
-pipelines, ZeRO-1), and per-rank time at 1,024 ranks (64 pipelines of 4 TP4 stages, ZeRO-1).
+"""Specialization time per rank of a Llama-32B-shaped graph (60 layers, hidden 5120, 40 heads, FFN
+27648, vocab 152064) as the job grows: Megatron-style DP x TP4 x PP4 on 48, 1,024 and 4,096 ranks
+(DP 3, 64, 256; ZeRO-1), plus the paper's Table 5 strategy (16 H800 + 32 H20 = 48 devices).
 
-Phases: deduction (once per strategy, shared by every rank), then per rank: instantiation
-(pruning + CommOp substitution, resolving the plans of the rank's CommOps) and pipeline
-discovery (resolving every per-micro-batch CommOp of the graph). "cold" = a rank that resolves
-everything itself; "warm" = later ranks of one process that share the plan cache.
-The paper reports graph specialization within 10 s (dominated by operator instantiation)."""
+Per rank, cold (what one process of the job does, nothing shared with another rank): deduction,
+instantiation of its own program (pruning, CommOp substitution, resolving the plans of its
+CommOps) and pipeline discovery (the patterns of every per-micro-batch CommOp). Each measured rank
+gets a freshly built graph, so no cache survives from another rank; building the graph (making
+the strategy's leaf annotations) is reported apart. The figure to watch is the ratio of the
+per-rank time at 1,024 and 4,096 ranks to the time at 48 (goal: within 2x).
+
+Also: parsing one 16,384-device annotation, and planning one all-to-all (S0 -> S1 on the same
+devices, n^2 messages by nature) on 256 and 1,024 devices.
+Run: python benchmarks/bench_specialize.py [--quick]   (--quick: 48 and 1,024 ranks only)
+"""
 
 from __future__ import annotations
 
+import statistics
+import sys
 import time
 
+from _common import table
+
+from hspmd.annotations import parse
+from hspmd.comm_resolve import resolve
 from hspmd.ir import Binding
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.specialize.deduce import deduce
@@ -30,44 +42,75 @@ def _clock(fn):
     return out, time.perf_counter() - start
 
 
-def bench(strategy, label: str, ranks_to_time) -> None:
+def one_rank(strategy, rank: int) -> dict[str, float]:
+    """Seconds of each phase for `rank` specializing on its own (fresh graph, no shared cache)."""
     model, t_build = _clock(lambda: build_llama(LLAMA_32B, [strategy]))
     deduced, t_deduce = _clock(lambda: deduce(model.graph, 0))
     ratios = strategy.micro_batch_ratios
     binding = Binding.of({"B": sum(ratios), "S": 4096, "T": 4096 * strategy.global_batch_size}, ratios=ratios)
-    live = live_nodes(model.graph)
-    devices = all_devices(deduced)
     plans: dict = {}
+
+    def specialize_rank():
+        live = live_nodes(model.graph)
+        return instantiate(deduced, rank, binding, live=live, plans=plans), live
+
+    (exe, live), t_inst = _clock(specialize_rank)
 
     def discover():
         groups, edges = per_micro_batch_pattern(deduced, binding, live, None, plans)
-        return discover_pipelines(groups, edges, devices)
+        return discover_pipelines(groups, edges, all_devices(deduced))
 
-    (cold_exe, t_cold_inst) = _clock(lambda: instantiate(deduced, ranks_to_time[0], binding, live=live, plans=plans))
     pipelines, t_discover = _clock(discover)
-    assert [p.stages for p in pipelines] == [p.stages for p in expected_pipelines(strategy)]
-    warm = []
-    for r in ranks_to_time[1:]:
-        _, t = _clock(lambda: instantiate(deduced, r, binding, live=live, plans=plans))
-        warm.append(t)
-    print(f"\n{label}: {len(model.graph.nodes)} ops, {len(devices)} devices, {len(pipelines)} pipelines")
-    print(f"  build graph (not part of specialization)     {t_build:8.3f} s")
-    print(f"  deduction (once per strategy)                {t_deduce:8.3f} s")
-    print(f"  rank {ranks_to_time[0]}: instantiation + resolution (cold)   {t_cold_inst:8.3f} s")
-    print(f"  pipeline discovery (all per-micro-batch comms) {t_discover:6.3f} s")
-    print(f"  one rank, cold: deduction + instantiation + discovery = {t_deduce + t_cold_inst + t_discover:.3f} s")
-    if warm:
-        print(f"  {len(warm)} more ranks, warm plan cache: total {sum(warm):.3f} s, mean {sum(warm) / len(warm):.4f} s/rank")
-        total = t_deduce + t_cold_inst + t_discover + sum(warm)
-        print(f"  all {len(ranks_to_time)} ranks in one process: {total:.3f} s")
-    print(f"  ops kept on rank {ranks_to_time[0]}: {len(cold_exe.instructions())} of {len(model.graph.nodes)}")
+    if [p.stages for p in pipelines] != [p.stages for p in expected_pipelines(strategy)]:
+        raise SystemExit(f"rank {rank}: discovered pipelines differ from the strategy's")
+    return {"build": t_build, "deduce": t_deduce, "instantiate": t_inst, "discover": t_discover,
+            "rank": t_deduce + t_inst + t_discover, "ops": len(exe.instructions()), "nodes": len(model.graph.nodes)}
+
+
+def scaling(sizes) -> None:
+    rows, base = [], None
+    for label, strategy in sizes:
+        n = len(strategy.all_ranks)
+        ranks = sorted({0, n // 2 + 1, n - 1})
+        runs = [one_rank(strategy, r) for r in ranks]
+        per_rank = [r["rank"] for r in runs]
+        med = statistics.median(per_rank)
+        base = med if base is None else base
+        phase = {k: statistics.median(r[k] for r in runs) for k in ("build", "deduce", "instantiate", "discover")}
+        rows.append([label, n, f"{med:.3f}", f"{min(per_rank):.3f}-{max(per_rank):.3f}", f"{med / base:.2f}x",
+                     f"{phase['deduce']:.3f}", f"{phase['instantiate']:.3f}", f"{phase['discover']:.3f}",
+                     f"{phase['build']:.2f}", f"{runs[0]['ops']}/{runs[0]['nodes']}"])
+        print(f"  {label}: done", file=sys.stderr, flush=True)
+    print("\nPer-rank specialization, cold (deduction + instantiation + pipeline discovery), ranks first/middle/last:")
+    print(table(["strategy", "ranks", "per rank s", "spread", "vs 48", "deduce", "instantiate", "discover",
+                 "build (apart)", "ops on rank 0"], rows))
+
+
+def parse_and_all_to_all(a2a_sizes) -> None:
+    ids = ",".join(map(str, range(16384)))
+    _, t_list = _clock(lambda: parse(f"S0:16384@[{ids}]"))
+    _, t_range = _clock(lambda: parse("S0:16384@[0-16383]"))
+    union = "H0{" + " | ".join(f"S1:4@[{4 * i}-{4 * i + 3}]" for i in range(4096)) + "}"
+    _, t_union = _clock(lambda: parse(union))
+    print("\nParsing 16,384 devices: "
+          f"one group listed id by id {t_list:.3f} s, as a range {t_range:.4f} s, "
+          f"a union of 4,096 TP4 subgroups {t_union:.3f} s")
+    for n in a2a_sizes:
+        plan, t = _clock(lambda: resolve(f"S0:{n}@[0-{n - 1}]", f"S1:{n}@[0-{n - 1}]", (4 * n, 4 * n)))
+        messages = sum(1 for s in plan.steps for t_ in s.transfers if t_.src != t_.dst)
+        print(f"All-to-all S0:{n} -> S1:{n}: {t:.3f} s to plan, {messages} messages "
+              f"({t / max(messages, 1) * 1e6:.1f} us per message)")
 
 
 def main() -> int:
-    table5 = paper_strategy("table5_32b_16h800_32h20")
-    bench(table5, "Llama-32B, Table 5 (16 H800 + 32 H20)", list(range(48)))
-    big = uniform_strategy(60, dp=64, tp=4, pp=4, micro_batches=4, micro_batch_size=1, zero=True, name="1024")
-    bench(big, "Llama-32B, 1,024 ranks (DP64 x TP4 x PP4)", [0, 517, 1023])
+    quick = "--quick" in sys.argv[1:]
+    sizes = [("DP3 x TP4 x PP4", uniform_strategy(60, dp=3, tp=4, pp=4, micro_batches=4, zero=True)),
+             ("Table 5 (16 H800 + 32 H20)", paper_strategy("table5_32b_16h800_32h20")),
+             ("DP64 x TP4 x PP4", uniform_strategy(60, dp=64, tp=4, pp=4, micro_batches=4, zero=True))]
+    if not quick:
+        sizes.append(("DP256 x TP4 x PP4", uniform_strategy(60, dp=256, tp=4, pp=4, micro_batches=4, zero=True)))
+    scaling(sizes)
+    parse_and_all_to_all([256] if quick else [256, 1024])
     return 0
 
 

@@ -15,6 +15,35 @@ from typing import Literal, Union
 from hspmd.errors import AnnotationError, AnnotationTypeError
 from hspmd.limits import MAX_DEVICES, MAX_DIMS, MAX_RATIO, brief, check_limit
 
+class _Memo:
+    """Values computed once per immutable object (its hash, device lists, derived layouts).
+
+    Specialization asks the same questions of one annotation thousands of times (once per op of a
+    model's repeated layers); answering each in O(1) after the first is what keeps a rank's time
+    flat as unions grow to hundreds of subgroups. The memo lives in the object (no global state)
+    and never enters a pickle: str hashes differ between processes."""
+
+    def _memo(self, key, compute):
+        cache = self.__dict__.get("_memo_cache")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_memo_cache", cache)
+        if key not in cache:
+            cache[key] = compute()
+        return cache[key]
+
+    def _cached_hash(self) -> int | None:
+        cache = self.__dict__.get("_memo_cache")
+        return None if cache is None else cache.get("hash")
+
+    def _hashes_differ(self, other) -> bool:
+        mine, theirs = self._cached_hash(), other._cached_hash()
+        return mine is not None and theirs is not None and mine != theirs
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_memo_cache"}
+
+
 HDup = Literal["D"]
 HPartial = Literal["P"]
 HDim = Union[int, HDup, HPartial]
@@ -92,7 +121,7 @@ def _format_devices(devices: tuple[int, ...]) -> str:
 
 
 @dataclass(frozen=True)
-class DeviceGroup:
+class DeviceGroup(_Memo):
     """An ordered list of distinct device ids (the order matters: it maps devices to pieces)."""
 
     devices: tuple[int, ...]
@@ -121,6 +150,16 @@ class DeviceGroup:
 
     def __iter__(self):
         return iter(self.devices)
+
+    def __hash__(self) -> int:
+        return self._memo("hash", lambda: hash(self.devices))
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self.devices == other.devices
 
     def __str__(self) -> str:
         return _format_devices(self.devices)
@@ -165,7 +204,7 @@ class DistributedStates:
 
 
 @dataclass(frozen=True)
-class Subgroup:
+class Subgroup(_Memo):
     """One sharding subgroup: a device group and how the subgroup's piece is laid out on it."""
 
     dg: DeviceGroup
@@ -182,12 +221,22 @@ class Subgroup:
                 f"{self.dg} has {len(self.dg)}: the product of the axis counts must equal the group size"
             )
 
+    def __hash__(self) -> int:
+        return self._memo("hash", lambda: hash((self.dg, self.ds)))
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self.ds == other.ds and self.dg == other.dg
+
     def __str__(self) -> str:
         return f"{self.ds}@{self.dg}"
 
 
 @dataclass(frozen=True)
-class Annotation:
+class Annotation(_Memo):
     """A union of HSize sharding subgroups related by HDim (the top tier).
 
     hdim: a tensor dim (split across subgroups, in `ratios` or, if None, ratios bound at run time),
@@ -249,26 +298,56 @@ class Annotation:
     @property
     def devices(self) -> tuple[int, ...]:
         """Every device of the union, subgroup by subgroup."""
-        return tuple(d for s in self.subgroups for d in s.dg)
+        return self._memo("devices", lambda: tuple(d for s in self.subgroups for d in s.dg))
+
+    @property
+    def device_set(self) -> frozenset[int]:
+        """The union's devices as a set (membership in O(1))."""
+        return self._memo("device_set", lambda: frozenset(self.devices))
 
     @property
     def dg_union(self) -> tuple[DeviceGroup, ...]:
-        return tuple(s.dg for s in self.subgroups)
+        return self._memo("dg_union", lambda: tuple(s.dg for s in self.subgroups))
 
     @property
     def ds_union(self) -> tuple[DistributedStates, ...]:
-        return tuple(s.ds for s in self.subgroups)
+        return self._memo("ds_union", lambda: tuple(s.ds for s in self.subgroups))
+
+    def same_dg_union(self, other: "Annotation") -> bool:
+        """Whether both unions have the same device groups in the same order (compared as plain
+        int tuples, without a Python call per subgroup)."""
+        if self.dg_union is other.dg_union:
+            return True
+        key = lambda a: a._memo("dg_key", lambda: tuple(dg.devices for dg in a.dg_union))  # noqa: E731
+        return key(self) == key(other)
+
+    @property
+    def uniform_states(self) -> tuple[DistributedStates, int] | None:
+        """(states, group size) when every subgroup has the same states and size, else None: the
+        common case of a homogeneous stage, which deduction handles as one subgroup."""
+        def compute():
+            first = self.subgroups[0]
+            size = len(first.dg)
+            if all(s.ds == first.ds and len(s.dg) == size for s in self.subgroups):
+                return first.ds, size
+            return None
+        return self._memo("uniform", compute)
 
     @property
     def has_partial(self) -> bool:
-        return self.hdim == "P" or any(s.ds.partial_count > 1 for s in self.subgroups)
+        return self._memo("partial", lambda: self.hdim == "P" or any(s.ds.partial_count > 1 for s in self.subgroups))
 
     def subgroup_of(self, device: int) -> int:
         """Index of the subgroup holding `device`."""
-        for k, s in enumerate(self.subgroups):
-            if device in s.dg.devices:
-                return k
-        raise AnnotationError(f"device {device} is not in annotation {self}")
+        index = self._memo("subgroup_of", lambda: {d: k for k, s in enumerate(self.subgroups) for d in s.dg})
+        if device not in index:
+            raise AnnotationError(f"device {device} is not in annotation {self}")
+        return index[device]
+
+    def derived(self, key, compute):
+        """`compute()`, a pure function of this annotation named by `key`, evaluated once per
+        object (e.g. the ZeRO layout or the gradient layout of a parameter's annotation)."""
+        return self._memo(("derived", key), compute)
 
     def with_ratios(self, ratios: tuple[int, ...] | None) -> "Annotation":
         """The same union with its top-tier split ratios bound (e.g. per-pipeline micro-batch sizes)."""
@@ -276,6 +355,8 @@ class Annotation:
 
     def check_rank(self, ndim: int, where: str = "") -> None:
         """Raise if a split dim (bottom or top tier) is outside a tensor of rank `ndim`."""
+        if self._memo("max_dim", self._max_dim) < ndim:
+            return
         at = f" ({where})" if where else ""
         if isinstance(self.hdim, int) and self.hdim >= ndim:
             raise AnnotationError(f"HDim {self.hdim} of {self} is outside a rank-{ndim} tensor{at}")
@@ -283,6 +364,22 @@ class Annotation:
             for d in s.ds.split_dims:
                 if d >= ndim:
                     raise AnnotationError(f"split dim {d} in {s} is outside a rank-{ndim} tensor{at}")
+
+    def _max_dim(self) -> int:
+        dims = [d for s in self.subgroups for d in s.ds.split_dims]
+        return max(dims + ([self.hdim] if isinstance(self.hdim, int) else []), default=-1)
+
+    def __hash__(self) -> int:
+        return self._memo("hash", lambda: hash((self.subgroups, self.hdim, self.ratios)))
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        if self._hashes_differ(other):
+            return False
+        return self.hdim == other.hdim and self.ratios == other.ratios and self.subgroups == other.subgroups
 
     def __str__(self) -> str:
         if self.hsize == 1:

@@ -57,7 +57,12 @@ class CommDef(OpDef):
 
 def gradient_annotation(ann: Annotation) -> Annotation:
     """The layout a gradient takes when it flows back to a tensor laid out as `ann`: the same
-    splits, with every Partial (bottom tier or HDim P) read as Duplicate."""
+    splits, with every Partial (bottom tier or HDim P) read as Duplicate. Computed once per
+    annotation object."""
+    return ann.derived(gradient_annotation, lambda: _gradient_annotation(ann))
+
+
+def _gradient_annotation(ann: Annotation) -> Annotation:
     from hspmd.annotations import DistributedStates, Duplicate, Partial, Subgroup
 
     subs = tuple(

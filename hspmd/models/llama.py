@@ -136,6 +136,25 @@ def _moved_split(ann: Annotation, src: int, dst: int) -> Annotation:
     return Annotation(subs, ann.hdim, ann.ratios)
 
 
+class _SharedByPlacement:
+    """One annotation object per (where a layer lives, kind): layers placed on the same stages get
+    the same (immutable) value, built once. Besides saving the building, it lets specialization
+    recognise repeated layers by identity instead of comparing unions of hundreds of subgroups."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.placement: dict[int, tuple[int, ...]] = {}
+        self.values: dict[tuple, Annotation] = {}
+
+    def __call__(self, layer: int, kind: str, build) -> Annotation:
+        if layer not in self.placement:
+            self.placement[layer] = tuple(self.strategy.stage_of(layer, i) for i in range(len(self.strategy.pipelines)))
+        key = (self.placement[layer], kind)
+        if key not in self.values:
+            self.values[key] = build()
+        return self.values[key]
+
+
 def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = False,
                       vocab_parallel: bool = True) -> dict[str, Annotation]:
     """Every leaf and CommOp annotation of the model under a Strategy (hspmd.specialize.strategy):
@@ -143,8 +162,9 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
     if strategy.num_layers != config.layers:
         raise HSPMDError(f"strategy covers {strategy.num_layers} layers but the model has {config.layers}")
     last = config.layers - 1
-    act = [activation_annotation(strategy, l) for l in range(config.layers)]
-    resid = [_split_replicas(a, 1) if sequence_parallel else a for a in act]
+    shared = _SharedByPlacement(strategy)
+    act = [shared(l, "activation", lambda l=l: activation_annotation(strategy, l)) for l in range(config.layers)]
+    resid = [shared(l, "residual", lambda a=a: _split_replicas(a, 1)) if sequence_parallel else a for a in act]
     kind = "vocab" if vocab_parallel else "replicated"
     out = {"tokens": act[0], "labels": act[last], "embed": embedding_annotation(strategy, kind),
            "embed.out": resid[0], "final_norm": lm_head_annotation(strategy, "replicated"), "final.in": act[last],
@@ -156,15 +176,17 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
         out["lm_head"] = head
     for l in range(config.layers):
         p = f"layers.{l}."
+        column = shared(l, "column", lambda l=l: param_annotation(strategy, l, "column"))
         for name in COLUMN:
-            out[p + name] = param_annotation(strategy, l, "column")
+            out[p + name] = column
         if config.kv_heads != config.heads:
+            kv = shared(l, "kv", lambda: _replicate_unless_divides(column, 1, config.kv_heads))
             for name in ("wk", "wv"):
-                out[p + name] = _replicate_unless_divides(out[p + name], 1, config.kv_heads)
+                out[p + name] = kv
         for name in ROW:
-            out[p + name] = param_annotation(strategy, l, "row")
+            out[p + name] = shared(l, "row", lambda l=l: param_annotation(strategy, l, "row"))
         for name in NORMS:
-            out[p + name] = param_annotation(strategy, l, "replicated")
+            out[p + name] = shared(l, "replicated", lambda l=l: param_annotation(strategy, l, "replicated"))
         out[p + "attn.in"] = act[l]
         out[p + "positions"] = act[l]
         out[p + "segments"] = act[l]
@@ -172,7 +194,7 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
         out[p + "attn.out"] = resid[l]
         out[p + "mlp.out"] = resid[l]
         if config.kv_heads != config.heads:
-            out[p + "k.heads"] = out[p + "v.heads"] = _split_replicas(act[l], 2)
+            out[p + "k.heads"] = out[p + "v.heads"] = shared(l, "kv.heads", lambda l=l: _split_replicas(act[l], 2))
         if l < last:
             out[p + "out"] = resid[l + 1]
     return out

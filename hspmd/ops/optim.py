@@ -25,7 +25,12 @@ from hspmd.ops.rules import elementwise_rule
 
 def zero_annotation(ann: Annotation, dim: int = 0) -> Annotation:
     """ZeRO-1 layout of a parameter: every replica axis becomes a split of `dim` (bottom tier:
-    Duplicate -> Split; top tier: HDim D -> HDim `dim`, equal shares per subgroup)."""
+    Duplicate -> Split; top tier: HDim D -> HDim `dim`, equal shares per subgroup). Computed
+    once per annotation object (every layer's parameter on one stage shares it after deduction)."""
+    return ann.derived((zero_annotation, dim), lambda: _zero_annotation(ann, dim))
+
+
+def _zero_annotation(ann: Annotation, dim: int) -> Annotation:
     subs = tuple(
         Subgroup(s.dg, DistributedStates(tuple(Split(dim, a.n) if isinstance(a, Duplicate) else a for a in s.ds.axes)))
         for s in ann.subgroups

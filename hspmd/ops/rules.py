@@ -95,15 +95,62 @@ def _assemble(dgs: tuple[DeviceGroup, ...], states: tuple[DistributedStates, ...
     return Annotation(tuple(Subgroup(dg, ds) for dg, ds in zip(dgs, states)), hdim, ratios)
 
 
+def _top_tier(anns: Sequence[Annotation], rule: PositionRule):
+    """(HDim, ratios) of the output: the rule applied to the inputs' top-tier axes."""
+    hdim, ratios = "D", None
+    if anns[0].hsize > 1:
+        axis, source = rule([top_axis(a) for a in anns])
+        if isinstance(axis, Split):
+            split_ratios = {anns[i].ratios for i, a in enumerate(anns) if isinstance(a.hdim, int)
+                            and isinstance(top_axis(a), Split)}
+            if len(split_ratios) > 1:
+                raise Mismatch(f"inputs split across subgroups in different ratios {sorted(map(str, split_ratios))}")
+            hdim, ratios = axis.dim, anns[source].ratios
+        elif isinstance(axis, Partial):
+            hdim = "P"
+    return hdim, ratios
+
+
+def _result(anns: Sequence[Annotation], equal_inputs, hdim, ratios) -> Annotation | None:
+    """The first input equal to the output (its states at every subgroup, its HDim and ratios)."""
+    for i in sorted(equal_inputs):
+        if anns[i].hdim == hdim and anns[i].ratios == ratios:
+            return anns[i]
+    return None
+
+
+def _deduce_uniform(anns: Sequence[Annotation], rule: PositionRule) -> Annotation | None:
+    """deduce_union for inputs whose subgroups all have one layout and size (a homogeneous stage):
+    the rule runs once, and the output union is built once per (first input, output layout) and
+    kept with that input, so a model's repeated layers cost O(1) per op whatever the HSize.
+    None when some input is not uniform."""
+    uniform = [a.uniform_states for a in anns]
+    if any(u is None for u in uniform) or len({size for _, size in uniform}) > 1:
+        return None
+    ins = [ds for ds, _ in uniform]
+    out = deduce_subgroup(ins, uniform[0][1], rule)
+    hdim, ratios = _top_tier(anns, rule)
+    same = _result(anns, [i for i, ds in enumerate(ins) if ds == out], hdim, ratios)
+    if same is not None:
+        return same
+    first = anns[0]
+    return first.derived(("deduced", out, hdim, ratios),
+                         lambda: _assemble(first.dg_union, (out,) * first.hsize, hdim, ratios))
+
+
 def deduce_union(anns: Sequence[Annotation], rule: PositionRule) -> Annotation:
     """Apply `rule` to every subgroup's DS and to the top tier of aligned inputs.
 
-    Deduction runs this per op over unions of up to hundreds of subgroups, so it avoids repeated
+    Deduction runs this per op over unions of up to thousands of subgroups, so it avoids repeated
     work without changing the result: subgroups whose inputs have equal states deduce equal states
     (the rule sees only the axes and the group size), so the rule runs once per distinct case
-    (cases are first told apart by the identity of the input states, which `anns` keeps alive for
-    the call, then by value); and an output equal to one of the inputs is returned as that input's
-    (immutable) value rather than rebuilt, layout-preserving ops being the common case."""
+    (inputs with one case throughout take _deduce_uniform; otherwise cases are told apart by the
+    identity of the input states, which `anns` keeps alive for the call, then by value); and an
+    output equal to one of the inputs is returned as that input's (immutable) value rather than
+    rebuilt, layout-preserving ops being the common case."""
+    fast = _deduce_uniform(anns, rule)
+    if fast is not None:
+        return fast
     first = anns[0]
     by_identity: dict[tuple[int, ...], int] = {}
     by_value: dict[tuple, int] = {}
@@ -119,21 +166,11 @@ def deduce_union(anns: Sequence[Annotation], rule: PositionRule) -> Annotation:
                 cases.append((out, frozenset(i for i, ds in enumerate(ins) if ds == out)))
             by_identity[identity] = by_value[value]
         case_of_subgroup.append(by_identity[identity])
-    hdim, ratios = "D", None
-    if first.hsize > 1:
-        axis, source = rule([top_axis(a) for a in anns])
-        if isinstance(axis, Split):
-            split_ratios = {anns[i].ratios for i, a in enumerate(anns) if isinstance(a.hdim, int)
-                            and isinstance(top_axis(a), Split)}
-            if len(split_ratios) > 1:
-                raise Mismatch(f"inputs split across subgroups in different ratios {sorted(map(str, split_ratios))}")
-            hdim, ratios = axis.dim, anns[source].ratios
-        elif isinstance(axis, Partial):
-            hdim = "P"
+    hdim, ratios = _top_tier(anns, rule)
     equal_inputs = frozenset.intersection(*(cases[c][1] for c in set(case_of_subgroup)))
-    for i in sorted(equal_inputs):
-        if anns[i].hdim == hdim and anns[i].ratios == ratios:
-            return anns[i]
+    same = _result(anns, equal_inputs, hdim, ratios)
+    if same is not None:
+        return same
     return _assemble(first.dg_union, tuple(cases[c][0] for c in case_of_subgroup), hdim, ratios)
 
 

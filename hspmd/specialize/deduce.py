@@ -37,16 +37,10 @@ class Deduced:
 
     @cached_property
     def _device_sets(self) -> tuple[frozenset[int], ...]:
-        """Each tensor's device set, built once and shared by every rank's instantiation (a
-        Deduced never changes, so neither do these). Tensors holding the same annotation object
-        (deduction passes layouts through unchanged ops) share one set; the memo is keyed by
-        object identity because hashing a large union costs as much as listing its devices, and
-        ids are stable here since self.annotations keeps every object alive."""
-        by_object: dict[int, frozenset[int]] = {}
-        for a in self.annotations:
-            if a is not None and id(a) not in by_object:
-                by_object[id(a)] = frozenset(a.devices)
-        return tuple(frozenset() if a is None else by_object[id(a)] for a in self.annotations)
+        """Each tensor's device set. Deduction keeps one object per distinct annotation (equal
+        annotations are interned), and each object makes its set once, so tensors with equal
+        layouts share one set."""
+        return tuple(frozenset() if a is None else a.device_set for a in self.annotations)
 
 
 def _inputs_text(node: Node, anns) -> str:
@@ -83,7 +77,7 @@ def deduce_node(node: Node, strategy: int, anns: list) -> list[Annotation]:
                 f"{node.kind} {node.name} (strategy {strategy}): inputs {_inputs_text(node, ins)} have different "
                 f"HSize and cannot be regrouped ({exc}); insert comm() on an input so their device-group unions match"
             ) from exc
-        if any(a.dg_union != aligned[0].dg_union for a in aligned[1:]):
+        if not all(a.same_dg_union(aligned[0]) for a in aligned[1:]):
             raise DeductionError(
                 f"{node.kind} {node.name} (strategy {strategy}): inputs {_inputs_text(node, ins)} live on different "
                 f"device-group unions; insert comm() on an input so they match"
@@ -106,13 +100,21 @@ def deduce_node(node: Node, strategy: int, anns: list) -> list[Annotation]:
 
 
 def deduce(graph: Graph, strategy: int = 0) -> Deduced:
-    """Annotations of every tensor under `strategy` (an explicit index, never a global)."""
+    """Annotations of every tensor under `strategy` (an explicit index, never a global).
+
+    Equal annotations are kept as one object (interned), so that what is computed from an
+    annotation once (its device set, what an op deduces from it, see Annotation.derived) serves
+    every tensor with that layout: a model's repeated layers then cost O(1) per op."""
     if not 0 <= strategy < max(graph.num_strategies, 1):
         raise DeductionError(f"graph {graph.name} has no strategy {strategy}; it has {graph.num_strategies}")
     anns: list[Annotation | None] = [None] * len(graph.tensors)
+    canonical: dict[Annotation, Annotation] = {}
+    seen: dict[int, tuple[Annotation, Annotation]] = {}  # id -> (object, its canonical equal)
     for node in graph.nodes:
         for t, a in zip(node.outputs, deduce_node(node, strategy, anns)):
-            anns[t.id] = a
+            if id(a) not in seen:  # memoised results come back as the same object: compare them once
+                seen[id(a)] = (a, canonical.setdefault(a, a))
+            anns[t.id] = seen[id(a)][1]
     return Deduced(graph, strategy, tuple(anns))
 
 

@@ -88,13 +88,22 @@ def live_nodes(graph: Graph, fetches: Iterable[Tensor] = ()) -> set[int]:
     return live
 
 
-def node_devices(node: Node, deduced: Deduced) -> frozenset[int]:
+def _node_tensors(node: Node) -> list[Tensor]:
     if node.kind == "assign":
-        return deduced.devices_of(node.inputs[0])
-    tensors = list(node.outputs) + ([node.inputs[0]] if node.opdef.is_comm else [])
+        return [node.inputs[0]]
+    return list(node.outputs) + ([node.inputs[0]] if node.opdef.is_comm else [])
+
+
+def node_devices(node: Node, deduced: Deduced) -> frozenset[int]:
+    tensors = _node_tensors(node)
     if len(tensors) == 1:
         return deduced.devices_of(tensors[0])
     return frozenset().union(*(deduced.devices_of(t) for t in tensors))
+
+
+def runs_on(node: Node, deduced: Deduced, device: int) -> bool:
+    """Whether `device` is in node_devices(node) (without building the union of large sets)."""
+    return any(device in deduced.devices_of(t) for t in _node_tensors(node))
 
 
 @dataclass
@@ -184,12 +193,19 @@ def instantiate(deduced: Deduced, device: int, binding: Binding = Binding(), top
     live = live_nodes(graph, fetches) if live is None else live
     exe = ExecutableGraph(device, deduced, (), (), (), topology, binding, {} if plans is None else plans)
     programs: dict[str, list[Instruction]] = {"forward": [], "backward": [], "update": []}
+    roles: dict[int, tuple[object, str]] = {}  # id(plan) -> (plan, this device's role): layers share plans
     for node in graph.nodes:
-        if node.id not in live or device not in node_devices(node, deduced):
+        if node.id not in live or not runs_on(node, deduced, device):
             continue
         if node.opdef.is_comm:
             src, dst = deduced[node.inputs[0]], deduced[node.output]
-            role = "identity" if src == dst else comm_plans.role_of(exe.plan(node, binding), device)
+            if src == dst:
+                role = "identity"
+            else:
+                plan = exe.plan(node, binding)
+                if id(plan) not in roles:
+                    roles[id(plan)] = (plan, comm_plans.role_of(plan, device))
+                role = roles[id(plan)][1]
         elif node.kind == "assign":
             role = "assign"
         else:
@@ -201,4 +217,5 @@ def instantiate(deduced: Deduced, device: int, binding: Binding = Binding(), top
 
 __all__ = [
     "ExecutableGraph", "Instruction", "instantiate", "live_nodes", "node_devices", "resolve_node", "run_time_ratios",
+    "runs_on",
 ]

@@ -62,6 +62,7 @@ def per_micro_batch_pattern(deduced: Deduced, binding: Binding, live: set[int], 
     """(collective groups, P2P edges, devices) of the forward-phase CommOps: what pipeline
     discovery reads (backward mirrors forward; update-phase comms span pipelines once a step)."""
     groups, edges = [], []
+    seen: dict[int, object] = {}  # plans shared by CommOps (a model's repeated layers) count once
     for node in deduced.graph.nodes:
         if node.phase != "forward" or not node.opdef.is_comm or node.id not in live:
             continue
@@ -69,6 +70,9 @@ def per_micro_batch_pattern(deduced: Deduced, binding: Binding, live: set[int], 
         if src == dst:
             continue
         plan = resolve_node(deduced, node, binding, topology, cache)
+        if id(plan) in seen:
+            continue
+        seen[id(plan)] = plan
         g, e = comm_plans.pattern(plan)
         groups += g
         edges += e
