@@ -1,0 +1,100 @@
+"""Specialization's fast path (interned annotations, uniform unions deduced once per layout, layers
+sharing annotation objects, shared plans read once per rank) gives every rank the program the full
+path gives it: the full path deduces every subgroup of every union on its own, interns nothing,
+and makes every Llama annotation afresh per layer."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hspmd.ir import Binding
+from hspmd.models.llama import LlamaConfig, build_llama, llama_annotations
+from hspmd.models.llama_annotations import activation_annotation, param_annotation
+from hspmd.ops import rules
+from hspmd.specialize import comm_plans
+from hspmd.specialize.deduce import Deduced, deduce, deduce_node
+from hspmd.specialize.executable import instantiate, live_nodes
+from hspmd.specialize.strategy import Pipeline, Stage, Strategy
+from hspmd.specialize.strategy_build import balanced_layers
+
+
+def _full_path_deduce(graph, strategy, monkeypatch) -> Deduced:
+    """Deduction without the fast path: every union deduced subgroup by subgroup, nothing interned."""
+    with monkeypatch.context() as m:
+        m.setattr(rules, "_deduce_uniform", lambda anns, rule: None)
+        anns = [None] * len(graph.tensors)
+        for node in graph.nodes:
+            for t, a in zip(node.outputs, deduce_node(node, strategy, anns)):
+                anns[t.id] = a
+    return Deduced(graph, strategy, tuple(anns))
+
+
+def _program(exe, binding):
+    """A rank's program as plain values: per phase, (node, role, this rank's part of its plan)."""
+    out = []
+    for phase in ("forward", "backward", "update"):
+        for ins in getattr(exe, phase):
+            part = ""
+            if ins.node.opdef.is_comm and ins.role != "identity":
+                part = comm_plans.describe_for(exe.plan(ins.node, binding), exe.device)
+            out.append((phase, ins.node.id, ins.role, part))
+    return out
+
+
+@st.composite
+def llama_strategies(draw):
+    """Small strategies: pipelines of 1-3 stages with TP 1-2 each (heterogeneous across pipelines),
+    layers split by random weights, optionally ZeRO-1."""
+    layers = draw(st.integers(2, 4))
+    pipelines, rank = [], 0
+    for _ in range(draw(st.integers(1, 3))):
+        n_stages = draw(st.integers(1, min(3, layers)))
+        tps = [draw(st.sampled_from([1, 2])) for _ in range(n_stages)]
+        weights = [draw(st.integers(1, 3)) for _ in range(n_stages)]
+        try:
+            ranges = balanced_layers(layers, weights)
+        except Exception:
+            ranges = balanced_layers(layers, [1] * n_stages)
+        stages = []
+        for tp, r in zip(tps, ranges):
+            stages.append(Stage(tuple(range(rank, rank + tp)), r))
+            rank += tp
+        pipelines.append(Pipeline(tuple(stages), draw(st.integers(1, 3)), 1))
+    return Strategy(tuple(pipelines), layers, draw(st.booleans()))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(strategy=llama_strategies(), data=st.data())
+def test_every_rank_gets_the_same_program_under_the_fast_and_the_full_path(strategy, data, monkeypatch):
+    config = LlamaConfig(layers=strategy.num_layers, hidden=16, heads=2, ffn=32, vocab=32)
+    model = build_llama(config, [strategy])
+    fast = deduce(model.graph, 0)
+    full = _full_path_deduce(model.graph, 0, monkeypatch)
+    for t in model.graph.tensors:
+        assert fast[t] == full[t], t.name
+    ratios = strategy.micro_batch_ratios
+    binding = Binding.of({"B": sum(ratios), "S": 8, "T": 8 * strategy.global_batch_size}, ratios=ratios)
+    live = live_nodes(model.graph)
+    shared: dict = {}
+    ranks = data.draw(st.lists(st.sampled_from(strategy.all_ranks), min_size=1, max_size=3, unique=True))
+    for r in ranks:
+        quick = instantiate(fast, r, binding, live=live, plans=shared)
+        slow = instantiate(full, r, binding, live=live, plans={})
+        assert _program(quick, binding) == _program(slow, binding)
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(3, 2, 2), (2, 1, 3)])
+def test_llama_layers_on_the_same_stages_share_annotations_equal_to_fresh_ones(dp, tp, pp):
+    from hspmd.specialize.strategy_build import uniform_strategy
+
+    strategy = uniform_strategy(6, dp=dp, tp=tp, pp=pp, micro_batches=2)
+    config = LlamaConfig(layers=6, hidden=16, heads=2, ffn=32, vocab=32)
+    anns = llama_annotations(config, strategy)
+    for l in range(6):
+        assert anns[f"layers.{l}.wq"] == param_annotation(strategy, l, "column")
+        assert anns[f"layers.{l}.wo"] == param_annotation(strategy, l, "row")
+        assert anns[f"layers.{l}.attn_norm"] == param_annotation(strategy, l, "replicated")
+        assert anns[f"layers.{l}.attn.in"] == activation_annotation(strategy, l)
+    same_stage = [l for l in range(6) if strategy.stage_of(l, 0) == strategy.stage_of(0, 0)]
+    assert len(same_stage) > 1
+    assert all(anns[f"layers.{l}.wq"] is anns["layers.0.wq"] for l in same_stage)
