@@ -64,10 +64,11 @@ def llama_strategies(draw):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(strategy=llama_strategies(), data=st.data())
-def test_every_rank_gets_the_same_program_under_the_fast_and_the_full_path(strategy, data, monkeypatch):
-    config = LlamaConfig(layers=strategy.num_layers, hidden=16, heads=2, ffn=32, vocab=32)
-    model = build_llama(config, [strategy])
+@given(strategy=llama_strategies(), sequence_parallel=st.booleans(), kv_heads=st.sampled_from([1, 2]), data=st.data())
+def test_every_rank_gets_the_same_program_under_the_fast_and_the_full_path(strategy, sequence_parallel, kv_heads,
+                                                                           data, monkeypatch):
+    config = LlamaConfig(layers=strategy.num_layers, hidden=16, heads=2, kv_heads=kv_heads, ffn=32, vocab=32)
+    model = build_llama(config, [strategy], sequence_parallel=sequence_parallel)
     fast = deduce(model.graph, 0)
     full = _full_path_deduce(model.graph, 0, monkeypatch)
     for t in model.graph.tensors:

@@ -257,14 +257,16 @@ class Annotation(_Memo):
         for s in subgroups:
             if not isinstance(s, Subgroup):
                 raise AnnotationTypeError(f"union members must be Subgroup values, got {brief(s)}")
-        seen: dict[int, int] = {}
-        for k, s in enumerate(subgroups):
-            for d in s.dg:
-                if d in seen:
-                    raise AnnotationError(
-                        f"device {d} is in subgroup {seen[d]} and subgroup {k}: sharding subgroups must be disjoint"
-                    )
-                seen[d] = k
+        count = sum(len(s.dg.devices) for s in subgroups)
+        if len(frozenset().union(*(s.dg.devices for s in subgroups))) != count:  # set work in C, then the details
+            seen: dict[int, int] = {}
+            for k, s in enumerate(subgroups):
+                for d in s.dg:
+                    if d in seen:
+                        raise AnnotationError(
+                            f"device {d} is in subgroup {seen[d]} and subgroup {k}: sharding subgroups must be disjoint"
+                        )
+                    seen[d] = k
         hdim, ratios = self.hdim, self.ratios
         if not (isinstance(hdim, str) and hdim in ("D", "P")) and (isinstance(hdim, bool) or not isinstance(hdim, int)):
             raise AnnotationTypeError(f"HDim must be a tensor dim (integer >= 0), 'D' or 'P', got {brief(hdim)}")
@@ -366,7 +368,8 @@ class Annotation(_Memo):
                     raise AnnotationError(f"split dim {d} in {s} is outside a rank-{ndim} tensor{at}")
 
     def _max_dim(self) -> int:
-        dims = [d for s in self.subgroups for d in s.ds.split_dims]
+        states = {id(ds): ds for ds in self.ds_union}.values()  # unions repeat a few states objects
+        dims = [d for ds in states for d in ds.split_dims]
         return max(dims + ([self.hdim] if isinstance(self.hdim, int) else []), default=-1)
 
     def __hash__(self) -> int:

@@ -129,6 +129,9 @@ def plan_transfers(
             for e in table[cell]:
                 if e in owners:
                     sender = e
+                elif len(owners) == 1:
+                    sender = owners[0]
+                    load[sender] += nbytes
                 elif not heuristics:
                     sender = min(owners)
                     load[sender] += nbytes

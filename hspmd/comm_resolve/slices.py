@@ -78,6 +78,8 @@ class Grid:
     def merge(self, cells: Iterable[Cell]) -> list[Box]:
         """Disjoint boxes covering exactly `cells` (greedy growth, last dim first)."""
         remaining = set(cells)
+        if len(remaining) == 1:  # the common case of fine grids (e.g. an all-to-all's messages)
+            return [self.cell_box(next(iter(remaining)))]
         boxes = []
         for start in sorted(remaining):
             if start not in remaining:

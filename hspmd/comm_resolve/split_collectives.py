@@ -35,10 +35,14 @@ def _reduction_groups(by_key: dict[tuple, list[int]], needers: list[int]) -> lis
         groups = [[l[0] for l in lists]]
     zeros: list[set[int]] = [set() for _ in groups]
     receivers: list[list[int]] = [[] for _ in groups]
+    group_of = {}
+    for i, g in enumerate(groups):
+        for d in g:
+            group_of.setdefault(d, i)
     for e in needers:
-        where = next((i for i, g in enumerate(groups) if e in g), None)
+        where = group_of.get(e)
         if where is None:
-            where = 0
+            where = group_of[e] = 0
             groups[0].append(e)
             zeros[0].add(e)
         receivers[where].append(e)

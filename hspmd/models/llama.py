@@ -164,7 +164,8 @@ def llama_annotations(config: LlamaConfig, strategy, sequence_parallel: bool = F
     last = config.layers - 1
     shared = _SharedByPlacement(strategy)
     act = [shared(l, "activation", lambda l=l: activation_annotation(strategy, l)) for l in range(config.layers)]
-    resid = [shared(l, "residual", lambda a=a: _split_replicas(a, 1)) if sequence_parallel else a for a in act]
+    resid = [shared(l, "residual", lambda a=a: _split_replicas(a, 1)) if sequence_parallel else a
+             for l, a in enumerate(act)]
     kind = "vocab" if vocab_parallel else "replicated"
     out = {"tokens": act[0], "labels": act[last], "embed": embedding_annotation(strategy, kind),
            "embed.out": resid[0], "final_norm": lm_head_annotation(strategy, "replicated"), "final.in": act[last],
