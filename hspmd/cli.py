@@ -25,6 +25,8 @@ commands:
   simulate STRATEGY [--cluster C] [--model M] [--png F] simulate one step: per-rank compute/comm/idle, memory
   show STRATEGY|TRACE [--trace T] [--png F]             strategy map, simulated and measured timelines
   calibrate [--out calibration.json]                    fit the cost model to this machine
+  compile STRATEGY --out DIR [--print RANK]             one program (JSON) per rank of the tiny Llama
+  run-programs DIR [--steps N]                          run them, one gloo process per rank, from the files alone
   plan --cluster C --model M --global-batch N [--search dp|dfs|mcts|all] [--out plan.yaml]
                                                         search a strategy; compare with the uniform baseline
 """
@@ -57,6 +59,15 @@ def _demo(rest: list[str]) -> int:
     return demo_main(rest)
 
 
+def _programs_command(name: str):
+    def command(rest: list[str]) -> int:
+        from hspmd.runtime import program_tool
+
+        return {"compile": program_tool.compile_main, "run-programs": program_tool.run_main}[name](rest)
+
+    return command
+
+
 def _plan(rest: list[str]) -> int:
     from hspmd.planning.search.command import main as plan_main
 
@@ -78,6 +89,8 @@ COMMANDS = {
     "checkpoint": _checkpoint,
     "demo": _demo,
     "plan": _plan,
+    "compile": _programs_command("compile"),
+    "run-programs": _programs_command("run-programs"),
     "simulate": _show_command("simulate"),
     "show": _show_command("show"),
     "calibrate": _show_command("calibrate"),

@@ -32,25 +32,13 @@ from hspmd.planning.simulator import SimResult  # noqa: E402
 from hspmd.planning.strategy_sim import estimate_strategy, simulate_strategy  # noqa: E402
 from hspmd.runtime.calibrate import Calibration, calibrate  # noqa: E402
 from hspmd.runtime.trace import read_trace  # noqa: E402
-from hspmd.specialize.paper_strategies import PAPER_STRATEGIES, paper_strategy  # noqa: E402
 from hspmd.specialize.strategy import Strategy  # noqa: E402
-from hspmd.specialize.strategy_files import load_strategy  # noqa: E402
-from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
+from hspmd.specialize.strategy_files import strategy_from  # noqa: E402
 
 PIPELINE_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 KIND_COLOURS = {"F": "#6baed6", "B": "#2171b5", "sync": "#e6550d", "comm": "#fd8d3c", "update": "#74c476", "send": "#bdbdbd"}
 
 Segment = tuple[str, float, float, str]  # kind, start s, end s, label
-
-
-def strategy_from(text: str) -> Strategy:
-    """A paper strategy name, a strategy file (.json/.yaml/.txt), or strategy text."""
-    if text in PAPER_STRATEGIES:
-        return paper_strategy(text)
-    path = Path(text)
-    if path.suffix in (".json", ".yaml", ".yml", ".txt", ".strategy") and path.is_file():
-        return load_strategy(path)
-    return parse_strategy(text)
 
 
 # ---- drawing ---------------------------------------------------------------------------------------

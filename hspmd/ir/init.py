@@ -19,9 +19,11 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
+
+from hspmd.errors import HSPMDError
 
 Box = tuple[tuple[int, int], ...]
 _MASK = 0xFFFFFFFF
@@ -107,6 +109,31 @@ class WholeTensor(Initializer):
         return whole[tuple(slice(a, b) for a, b in box)]
 
 
+_KINDS: dict[str, type] = {"normal": Normal, "uniform": Uniform, "constant": Constant}
+
+
+def initializer_key(init: Initializer) -> tuple[tuple[str, object], ...] | None:
+    """The initializer as plain data, ("kind", name) first, then its fields; None for a user's
+    WholeTensor, which is code and cannot be written down."""
+    for kind, cls in _KINDS.items():
+        if type(init) is cls:
+            return (("kind", kind),) + tuple((f, getattr(init, f)) for f in cls.__dataclass_fields__)
+    return None
+
+
+def initializer_from_key(key: Mapping[str, object]) -> Initializer:
+    """The initializer `initializer_key` wrote (as a mapping); an HSPMDError names a bad key."""
+    fields = dict(key)
+    kind = fields.pop("kind", None)
+    if kind not in _KINDS:
+        raise HSPMDError(f"initializer kind {kind!r} is not one of {', '.join(_KINDS)}")
+    cls = _KINDS[kind]
+    names = set(cls.__dataclass_fields__)
+    if not set(fields) <= names or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in fields.values()):
+        raise HSPMDError(f"initializer {kind} takes numbers {sorted(names)}, got {fields!r}")
+    return cls(**{k: float(v) for k, v in fields.items()})
+
+
 def as_initializer(init: object) -> Initializer:
     return init if isinstance(init, Initializer) else WholeTensor(init)
 
@@ -132,6 +159,6 @@ def constant(value: float) -> Initializer:
 
 
 __all__ = [
-    "Constant", "Initializer", "Normal", "Uniform", "WholeTensor", "as_initializer", "constant", "normal", "ones",
-    "uniform", "uniform_bits", "zeros",
+    "Constant", "Initializer", "Normal", "Uniform", "WholeTensor", "as_initializer", "constant", "initializer_from_key",
+    "initializer_key", "normal", "ones", "uniform", "uniform_bits", "zeros",
 ]

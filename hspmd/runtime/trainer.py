@@ -45,7 +45,8 @@ from hspmd.runtime.executor import ScheduleRun, run_schedule
 from hspmd.runtime.sharded_checkpoint import PendingSave, open_checkpoint, save_sharded
 from hspmd.runtime.trace import Tracer
 from hspmd.specialize.schedules import Schedule, schedule_for
-from hspmd.specialize.executable import run_time_ratios
+from hspmd.specialize.deduce import Deduced
+from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 from hspmd.runtime.run import DeviceState, run_update, synced_gradients
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
 from hspmd.specialize.strategy import Strategy
@@ -77,6 +78,29 @@ def summing_devices(ann: Annotation, shape: tuple[int, ...], ratios=None) -> tup
                 seen.add(key)
                 chosen.append(d)
     return tuple(chosen)
+
+
+def batch_hsize(deduced: Deduced) -> int:
+    """Across how many subgroups (pipelines) the placeholders split the batch."""
+    return max(deduced[p.output].hsize for p in deduced.graph.placeholders)
+
+
+def batch_subgroup(deduced: Deduced, devices) -> int:
+    """Index of the batch-annotation subgroup (= strategy pipeline) that holds `devices`."""
+    for p in deduced.graph.placeholders:
+        for k, sub in enumerate(deduced[p.output].subgroups):
+            if set(sub.dg.devices) & set(devices):
+                return k
+    raise HSPMDError(f"no placeholder of graph {deduced.graph.name} is fed to pipeline {list(devices)}")
+
+
+def step_groups(exe: ExecutableGraph, devices: tuple[int, ...], binding: Binding) -> list[tuple[int, ...]]:
+    """The collective groups a rank's step uses (created up front by backends that need it)."""
+    groups = {devices}
+    for ins in exe.instructions():
+        if ins.role == "collective":
+            groups.update(exe.plan(ins.node, binding).collective_groups())
+    return sorted(groups)
 
 
 def as_layout(layout: MicroBatchLayout | Strategy) -> MicroBatchLayout:
@@ -152,26 +176,14 @@ class Trainer:
 
     # ---- layout ---------------------------------------------------------------------------------
 
-    def _placeholder_annotations(self) -> list[tuple[Node, Annotation]]:
-        return [(p, self.spec.deduced[p.output]) for p in self.graph.placeholders]
-
     def _batch_hsize(self) -> int:
-        return max(ann.hsize for _, ann in self._placeholder_annotations())
+        return batch_hsize(self.spec.deduced)
 
     def _batch_subgroup(self, devices) -> int:
-        """Index of the batch-annotation subgroup (= strategy pipeline) that holds `devices`."""
-        for _, ann in self._placeholder_annotations():
-            for k, sub in enumerate(ann.subgroups):
-                if set(sub.dg.devices) & set(devices):
-                    return k
-        raise HSPMDError(f"no placeholder of graph {self.graph.name} is fed to pipeline {list(devices)}")
+        return batch_subgroup(self.spec.deduced, devices)
 
     def _groups(self) -> list[tuple[int, ...]]:
-        groups = {self.devices}
-        for ins in self.exe.instructions():
-            if ins.role == "collective":
-                groups.update(self.exe.plan(ins.node, self.binding).collective_groups())
-        return sorted(groups)
+        return step_groups(self.exe, self.devices, self.binding)
 
     # ---- training -------------------------------------------------------------------------------
 
@@ -414,4 +426,7 @@ class Trainer:
                 f"{self.schedule_name}: {' '.join(map(str, self.order))}")
 
 
-__all__ = ["Trainer", "as_layout", "batch_symbol", "summing_devices", "trainer_binding"]
+__all__ = [
+    "Trainer", "as_layout", "batch_hsize", "batch_subgroup", "batch_symbol", "step_groups", "summing_devices",
+    "trainer_binding",
+]

@@ -24,8 +24,10 @@ import yaml
 
 from hspmd.errors import StrategyError
 from hspmd.limits import MAX_NESTING
+from hspmd.specialize.paper_strategies import PAPER_STRATEGIES, paper_strategy
 from hspmd.specialize.strategy import Strategy
 from hspmd.specialize.strategy_fields import StrategyFieldError, field_context
+from hspmd.specialize.strategy_text import parse_strategy
 
 SUFFIXES = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
 MAX_FILE_BYTES = 16 * 2**20  # a strategy of 65,536 ranks in one-rank stages is about 4 MiB of JSON
@@ -107,6 +109,16 @@ def load_strategies(path: str | FilePath) -> tuple[Strategy, ...]:
     if not data:
         raise StrategyError(f"{path} holds an empty list; give at least one strategy")
     return tuple(_from_data(item, path, i) for i, item in enumerate(data))
+
+
+def strategy_from(text: str) -> Strategy:
+    """A paper strategy name, a strategy file (.json/.yaml/.txt), or strategy text."""
+    if text in PAPER_STRATEGIES:
+        return paper_strategy(text)
+    path = FilePath(text)
+    if path.suffix in (".json", ".yaml", ".yml", ".txt", ".strategy") and path.is_file():
+        return load_strategy(path)
+    return parse_strategy(text)
 
 
 def save_strategy(strategy: Strategy | tuple[Strategy, ...] | list[Strategy], path: str | FilePath) -> None:

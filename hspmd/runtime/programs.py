@@ -1,0 +1,126 @@
+"""Compiling a graph under a strategy into one DeviceProgram per rank (hspmd.specialize.program),
+with the decisions a Trainer makes at construction: the binding, each rank's pipeline, stage and
+schedule order, which box of the global batch each placeholder takes per micro-batch, which rank
+adds its loss into the step loss. Writing and reading a directory of programs:
+
+    programs = compile_programs(graph, 0, MicroBatchLayout.of(strategy), "1f1b", {"S": 8, "T": 64})
+    write_programs(programs, "out/")          # out/rank0.json, out/rank1.json, ...
+    program = read_program("out/", rank)      # what a rank loads; runs with ProgramRunner
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+from hspmd.annotations import box_relative, subgroup_regions
+from hspmd.errors import HSPMDError, ShapeError
+from hspmd.ir.graph import Graph
+from hspmd.ir.shapes import Binding
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.integrity import atomic_write
+from hspmd.runtime.trainer import (
+    as_layout, batch_hsize, batch_subgroup, step_groups, summing_devices, trainer_binding,
+)
+from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
+from hspmd.specialize.program import DeviceProgram, Feed, PipelinePlace, ProgramError, device_program
+from hspmd.specialize.schedules import schedule_for
+from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
+from hspmd.specialize.strategy import Strategy
+
+PROGRAM_FILE = "rank{rank}.json"
+
+
+def _feeds(spec: Specialized, exe: ExecutableGraph, layout: MicroBatchLayout, pipeline: int) -> list[list[Feed]]:
+    """Per micro-batch, each placeholder's box of the global batch (the Trainer's `_piece`)."""
+    binding = spec.binding
+    placeholders = {i.node.name: i.node for i in exe.forward + exe.backward if i.node.kind == "placeholder"}
+    out = []
+    for m in range(layout.counts[pipeline]):
+        start, stop = layout.rows(pipeline, m)
+        feeds = []
+        for name, node in placeholders.items():
+            t = node.output
+            ann = spec.deduced[t]
+            shape = binding.shape(t.shape, name)
+            k = next(k for k, sub in enumerate(ann.subgroups) if exe.device in sub.dg.devices)
+            region = subgroup_regions(ann, shape, run_time_ratios(ann, binding))[k]
+            if stop - start != region[0][1] - region[0][0]:
+                raise ShapeError(f"placeholder {name}: pipeline {pipeline}'s micro-batch has {stop - start} rows, its "
+                                 f"region under {ann} has {region[0][1] - region[0][0]}")
+            rel = box_relative(exe.box(t, binding), region)
+            box = ((start + rel[0].start, start + rel[0].stop),) + tuple((s.start, s.stop) for s in rel[1:])
+            feeds.append(Feed(name, t.id, box))
+        out.append(feeds)
+    return out
+
+
+def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
+                     symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
+                     world_size: int | None = None) -> dict[int, DeviceProgram]:
+    """Every rank's program (ranks 0..world_size-1; by default up to the strategy's highest device;
+    a rank the strategy leaves out gets an idle program). The programs run as Trainers over the
+    same arguments would: same losses, gradients and updated weights."""
+    layout = as_layout(layout)
+    binding: Binding = trainer_binding(graph, layout, symbols)
+    spec = specialize_graph(graph, strategy, binding, topology=topology)
+    devices = all_devices(spec.deduced)
+    if layout.pipelines != batch_hsize(spec.deduced):
+        raise HSPMDError(f"the micro-batch layout has {layout.pipelines} pipeline(s) but the batch of strategy "
+                         f"{strategy} is split across {batch_hsize(spec.deduced)}: give one count and size per pipeline")
+    world = max(devices) + 1 if world_size is None else world_size
+    if world <= max(devices):
+        raise HSPMDError(f"strategy {strategy} uses devices {list(devices)}: world_size {world} is too small")
+    loss = graph.losses[0] if graph.losses else None
+    summands: tuple[int, ...] = ()
+    if loss is not None:
+        ann = spec.deduced[loss]
+        summands = summing_devices(ann, binding.shape(loss.shape, loss.name), run_time_ratios(ann, binding))
+    programs = {}
+    for rank in range(world):
+        if rank not in spec.executables:
+            programs[rank] = DeviceProgram(rank, graph.name, strategy, binding, devices, (devices,), (), (), (), (),
+                                           (), (), (), (), None, False, loss is not None, None, (),
+                                           layout.global_batch_size)
+            continue
+        exe = spec.executables[rank]
+        discovered, stage = spec.locate(rank)
+        stages = spec.pipelines[discovered]
+        pipeline = batch_subgroup(spec.deduced, stages.devices)
+        order = schedule_for(schedule, len(stages.stages), stage, layout.counts[pipeline])
+        place = PipelinePlace(stages.stages, stage, pipeline, schedule, tuple(order))
+        programs[rank] = device_program(
+            exe, seed=seed, place=place, feeds=_feeds(spec, exe, layout, pipeline),
+            global_batch=layout.global_batch_size, devices=devices, groups=step_groups(exe, devices, binding),
+            loss=loss, loss_summand=rank in summands)
+    return programs
+
+
+def write_programs(programs: Mapping[int, DeviceProgram], directory: str | os.PathLike) -> list[Path]:
+    """One JSON file per rank (atomically written); returns the paths."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for rank, program in sorted(programs.items()):
+        path = root / PROGRAM_FILE.format(rank=rank)
+        data = program.to_json().encode()
+        atomic_write(path, lambda tmp, data=data: Path(tmp).write_bytes(data))
+        paths.append(path)
+    return paths
+
+
+def read_program(directory: str | os.PathLike, rank: int) -> DeviceProgram:
+    """Rank `rank`'s program from a directory written by write_programs (or `hspmd compile`)."""
+    path = Path(directory) / PROGRAM_FILE.format(rank=rank)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ProgramError(f"{path}: cannot read rank {rank}'s program ({exc.strerror or exc})") from None
+    program = DeviceProgram.from_json(data, where=str(path))
+    if program.device != rank:
+        raise ProgramError(f"{path}: program field device is {program.device}, not rank {rank}")
+    return program
+
+
+__all__ = ["PROGRAM_FILE", "compile_programs", "read_program", "write_programs"]

@@ -1,0 +1,509 @@
+"""A device's program as plain data: what one rank needs to train, without the IR graph.
+
+    program = device_program(exe, schedule=..., feeds=..., ...)   # from an ExecutableGraph
+    text = program.to_json()                                       # one file per rank
+    again = DeviceProgram.from_json(text)                          # in another process; == program
+    print(again)                                                   # ops, plans, schedule, pieces
+
+A program lists the tensors its ops touch (global shape under the program's binding, dtype, this
+device's box, annotation text), its forward / backward / update ops in execution order (kind,
+role, input and output tensor ids, attributes, the index of the resolved plan of a CommOp), the
+plans themselves (hspmd.comm_resolve.plan, the same JSON), its parameter and optimizer-state
+pieces with their boxes and initialisation keys, which tensors are accumulated over micro-batches,
+the loss and gradient tensors, its pipeline stage and schedule order, and which box of the
+step's global batch each placeholder takes for every micro-batch. hspmd.runtime.program_run
+interprets it, calling each op kind's compute function by name (hspmd.ops.registry).
+
+A program is fixed to one binding of the run-time symbols: shapes and boxes are concrete, and a
+symbolic scalar attribute (e.g. a loss scale 1/T) is evaluated under the binding when the program
+is made. Steps whose micro-batches bind symbols anew (packed rows, Trainer.step_rows) are not
+expressible as one program.
+
+Loading checks everything it reads and raises ProgramError naming the file and the field
+(`rank3.json: program field forward[3].inputs[1]: ...`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import sympy
+
+from hspmd.annotations import Box
+from hspmd.comm_resolve.plan import Plan
+from hspmd.errors import HSPMDError
+from hspmd.ir.dsl import name_seed
+from hspmd.ir.graph import Tensor
+from hspmd.ir.init import initializer_from_key, initializer_key
+from hspmd.ir.shapes import Binding
+from hspmd.ops.registry import OPERATORS
+from hspmd.specialize.executable import ExecutableGraph, Instruction
+from hspmd.specialize.schedules import BACKWARD, FORWARD, Action, check_order
+
+SCHEMA = "hspmd.program/1"
+ROLES = ("leaf", "compute", "assign", "identity", "local", "collective", "send", "recv", "send+recv")
+PHASES = ("forward", "backward", "update")
+
+
+class ProgramError(HSPMDError):
+    """A program file that is not a valid program; the message names the field."""
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor one of the device's ops reads or writes."""
+
+    id: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    box: Box | None
+    annotation: str
+
+
+@dataclass(frozen=True)
+class Op:
+    """One instruction: run `kind`'s compute (or, for a CommOp, this device's part of plans[plan]).
+    Also what an op's compute function reads of its node: `name`, `kind`, `attrs`."""
+
+    name: str
+    kind: str
+    role: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    plan: int | None = None
+
+    def __str__(self) -> str:
+        ins = ", ".join(f"t{i}" for i in self.inputs)
+        outs = ", ".join(f"t{o}" for o in self.outputs)
+        attrs = "".join(f" {k}={v}" for k, v in self.attrs.items())
+        plan = f" plan {self.plan}" if self.plan is not None else ""
+        return f"{self.role:10s} {outs} = {self.kind}({ins}){attrs}{plan}  # {self.name}"
+
+
+@dataclass(frozen=True)
+class LeafPiece:
+    """A parameter or optimizer state this device holds: its tensor (box in the tensor table) and
+    how to make its piece (hspmd.ir.init: the initializer's key and the seed derived from the name)."""
+
+    name: str
+    kind: str
+    tensor: int
+    init: tuple[tuple[str, Any], ...]
+    seed: int
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Placeholder `name` (tensor `tensor`) of one micro-batch: `box` of the step's global batch."""
+
+    name: str
+    tensor: int
+    box: Box
+
+
+@dataclass(frozen=True)
+class PipelinePlace:
+    """Where the device runs: its pipeline's stages, its stage, the batch subgroup (pipeline index
+    of the micro-batch layout), the schedule's name and this stage's order of F/B actions."""
+
+    stages: tuple[tuple[int, ...], ...]
+    stage: int
+    pipeline: int
+    schedule: str
+    order: tuple[Action, ...]
+
+
+@dataclass(frozen=True)
+class DeviceProgram:
+    """One device's whole training step under one strategy, as data (module docstring). An idle
+    device (one the strategy leaves out) has no ops and no place. `loss`: the loss tensor if this
+    device computes it; `loss_summand`: this device's value counts in the step loss (one holder
+    per distinct piece); `step_loss`: the graph has a loss, so every device joins its sum."""
+
+    device: int
+    graph: str
+    strategy: int
+    binding: Binding
+    devices: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...]
+    tensors: tuple[TensorInfo, ...]
+    forward: tuple[Op, ...]
+    backward: tuple[Op, ...]
+    update: tuple[Op, ...]
+    plans: tuple[Plan, ...]
+    leaves: tuple[LeafPiece, ...]
+    accumulated: tuple[int, ...]
+    gradients: tuple[tuple[str, int], ...]
+    loss: int | None
+    loss_summand: bool
+    step_loss: bool
+    place: PipelinePlace | None
+    feeds: tuple[tuple[Feed, ...], ...]
+    global_batch: int
+
+    @property
+    def idle(self) -> bool:
+        return self.place is None
+
+    def tensor(self, tensor_id: int) -> TensorInfo:
+        return self._tensors[tensor_id]
+
+    @property
+    def _tensors(self) -> dict[int, TensorInfo]:
+        cache = self.__dict__.get("_tensor_index")
+        if cache is None:
+            cache = {t.id: t for t in self.tensors}
+            object.__setattr__(self, "_tensor_index", cache)
+        return cache
+
+    # ---- text ----------------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        b = ", ".join(f"{k}={v}" for k, v in self.binding.values)
+        lines = [f"program of device {self.device} (graph {self.graph}, strategy {self.strategy}, binding {b or '-'}"
+                 f"{f', ratios {self.binding.ratios}' if self.binding.ratios else ''})"]
+        if self.place is None:
+            lines.append("  idle: the strategy leaves this device out")
+            return "\n".join(lines)
+        p = self.place
+        lines.append(f"  stage {p.stage + 1} of {len(p.stages)} {list(map(list, p.stages))}, pipeline {p.pipeline}, "
+                     f"{p.schedule}: {' '.join(map(str, p.order))}")
+        lines.append(f"  tensors ({len(self.tensors)})")
+        for t in self.tensors:
+            lines.append(f"    t{t.id} {t.name} {list(t.shape)} {t.dtype} box {t.box and [list(r) for r in t.box]} "
+                         f"{t.annotation}")
+        for title, ops in (("forward", self.forward), ("backward", self.backward), ("update", self.update)):
+            lines.append(f"  {title} ({len(ops)} ops)")
+            lines.extend(f"    {op}" for op in ops)
+        lines.append(f"  plans ({len(self.plans)})")
+        for i, plan in enumerate(self.plans):
+            lines.append(f"    plan {i}: {plan.src} -> {plan.dst} {list(plan.shape)}: {' ; '.join(plan.primitives)}")
+        lines.append(f"  leaves ({len(self.leaves)})")
+        for leaf in self.leaves:
+            init = ", ".join(f"{k}={v}" for k, v in leaf.init)
+            lines.append(f"    {leaf.kind} {leaf.name} t{leaf.tensor} init {init} seed {leaf.seed}")
+        return "\n".join(lines)
+
+    # ---- JSON ----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        def box(b):
+            return None if b is None else [[a, z] for a, z in b]
+
+        def ops(prog):
+            return [{"name": o.name, "kind": o.kind, "role": o.role, "inputs": list(o.inputs), "outputs": list(o.outputs),
+                     "attrs": _json_value(dict(o.attrs)), **({} if o.plan is None else {"plan": o.plan})} for o in prog]
+
+        place = None if self.place is None else {
+            "stages": [list(s) for s in self.place.stages], "stage": self.place.stage, "pipeline": self.place.pipeline,
+            "schedule": self.place.schedule, "order": [str(a) for a in self.place.order],
+        }
+        return {
+            "schema": SCHEMA, "device": self.device, "graph": self.graph, "strategy": self.strategy,
+            "binding": {"symbols": dict(self.binding.values),
+                        "ratios": None if self.binding.ratios is None else list(self.binding.ratios)},
+            "devices": list(self.devices), "groups": [list(g) for g in self.groups],
+            "tensors": [{"id": t.id, "name": t.name, "shape": list(t.shape), "dtype": t.dtype, "box": box(t.box),
+                         "annotation": t.annotation} for t in self.tensors],
+            "forward": ops(self.forward), "backward": ops(self.backward), "update": ops(self.update),
+            "plans": [p.to_dict() for p in self.plans],
+            "leaves": [{"name": l.name, "kind": l.kind, "tensor": l.tensor, "init": dict(l.init), "seed": l.seed}
+                       for l in self.leaves],
+            "accumulated": list(self.accumulated), "gradients": [[n, t] for n, t in self.gradients],
+            "loss": self.loss, "loss_summand": self.loss_summand, "step_loss": self.step_loss, "place": place,
+            "feeds": [[{"name": f.name, "tensor": f.tensor, "box": box(f.box)} for f in mb] for mb in self.feeds],
+            "global_batch": self.global_batch,
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "program") -> "DeviceProgram":
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ProgramError(f"{where}: not JSON ({exc})") from None
+        return cls.from_dict(data, where)
+
+    @classmethod
+    def from_dict(cls, data: object, where: str = "program") -> "DeviceProgram":
+        return _read_program(_Field(data, "", where))
+
+
+# ---- attributes ------------------------------------------------------------------------------------
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_json_value(v) for v in value]
+    return value
+
+
+def _frozen_attr(value: Any, binding: Binding, where: str) -> Any:
+    """An attribute value as a program holds it: JSON scalars and tuples of them; a symbolic scalar
+    becomes its value under `binding`."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_frozen_attr(v, binding, where) for v in value)
+    if isinstance(value, sympy.Basic):
+        return binding.scalar(value, where)
+    raise ProgramError(f"{where}: attribute value {value!r} ({type(value).__name__}) has no plain-data form")
+
+
+# ---- building --------------------------------------------------------------------------------------
+
+
+def device_program(exe: ExecutableGraph, *, seed: int, place: PipelinePlace | None, feeds: Sequence[Sequence[Feed]],
+                   global_batch: int, devices: Sequence[int], groups: Sequence[Sequence[int]],
+                   loss: Tensor | None, loss_summand: bool) -> DeviceProgram:
+    """The program of `exe`'s device under its binding. The caller (hspmd.runtime.programs)
+    decides the pipeline place, feeds and loss holder, as the Trainer does."""
+    binding = exe.binding
+    tensors: dict[int, TensorInfo] = {}
+    plans: dict[Plan, int] = {}
+
+    def note(t: Tensor) -> int:
+        if t.id not in tensors:
+            tensors[t.id] = TensorInfo(t.id, t.name, binding.shape(t.shape, t.name), _dtype_name(t.dtype),
+                                       exe.box(t, binding), str(exe.deduced[t]))
+        return t.id
+
+    def op(ins: Instruction) -> Op:
+        n = ins.node
+        if n.kind not in OPERATORS:
+            raise ProgramError(f"op {n.name}: kind {n.kind!r} is not in hspmd.ops.registry; programs call ops by kind")
+        attrs = {k: _frozen_attr(v, binding, f"op {n.name} attribute {k}") for k, v in n.attrs.items()}
+        index = None
+        if n.opdef.is_comm and ins.role != "identity":
+            index = plans.setdefault(exe.plan(n, binding), len(plans))
+        return Op(n.name, n.kind, ins.role, tuple(note(t) for t in n.inputs), tuple(note(t) for t in n.outputs),
+                  attrs, index)
+
+    forward, backward, update = (tuple(op(i) for i in prog) for prog in (exe.forward, exe.backward, exe.update))
+    leaves = []
+    for node in exe.held_leaves:
+        key = initializer_key(node.init)
+        if key is None:
+            raise ProgramError(f"{node.kind} {node.name} has a custom initializer (code); a program can only name "
+                               f"hspmd.ir.init's normal, uniform or constant")
+        leaves.append(LeafPiece(node.name, node.kind, note(node.output), key, name_seed(node.name, seed)))
+    gradients = tuple((name, t.id) for name, t in exe.graph.gradients.items() if t.id in tensors)
+    return DeviceProgram(
+        exe.device, exe.graph.name, exe.strategy, binding, tuple(devices), tuple(tuple(g) for g in groups),
+        tuple(tensors[i] for i in sorted(tensors)), forward, backward, update, tuple(plans), tuple(leaves),
+        tuple(t.id for t in exe.accumulated if t.id in tensors), gradients,
+        loss.id if loss is not None and loss.id in tensors else None, loss_summand, loss is not None, place,
+        tuple(tuple(mb) for mb in feeds), global_batch,
+    )
+
+
+# ---- reading, with the field named in every error --------------------------------------------------
+
+
+class _Field:
+    """A value read from JSON and its path in the program (for error messages)."""
+
+    def __init__(self, value: object, path: str, source: str):
+        self.value, self.path, self.source = value, path, source
+
+    def error(self, what: str) -> ProgramError:
+        return ProgramError(f"{self.source}: program field {self.path or '(top)'}: {what}")
+
+    def fail(self, what: str) -> ProgramError:
+        shown = json.dumps(self.value)[:80] if _jsonable(self.value) else repr(self.value)[:80]
+        return self.error(f"{what}, got {shown}")
+
+    def _child(self, value: object, key: str) -> "_Field":
+        return _Field(value, f"{self.path}.{key}" if self.path else key, self.source)
+
+    def __getitem__(self, key: str) -> "_Field":
+        if not isinstance(self.value, dict):
+            raise self.fail("expected an object")
+        if key not in self.value:
+            raise self._child(None, key).error("missing")
+        return self._child(self.value[key], key)
+
+    def get(self, key: str) -> "_Field":
+        if not isinstance(self.value, dict):
+            raise self.fail("expected an object")
+        return self._child(self.value.get(key), key)
+
+    def items(self) -> list["_Field"]:
+        if not isinstance(self.value, list):
+            raise self.fail("expected a list")
+        return [_Field(v, f"{self.path}[{i}]", self.source) for i, v in enumerate(self.value)]
+
+    def int(self, minimum: int = 0) -> int:
+        v = self.value
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise self.fail(f"expected an integer >= {minimum}")
+        return v
+
+    def str(self, choices: Sequence[str] | None = None) -> str:
+        if not isinstance(self.value, str) or (choices is not None and self.value not in choices):
+            raise self.fail("expected a string" + (f" among {', '.join(choices)}" if choices else ""))
+        return self.value
+
+    def bool(self) -> bool:
+        if not isinstance(self.value, bool):
+            raise self.fail("expected true or false")
+        return self.value
+
+    def ints(self, minimum: int = 0) -> tuple[int, ...]:
+        return tuple(f.int(minimum) for f in self.items())
+
+    def box(self, optional: bool = False) -> Box | None:
+        if optional and self.value is None:
+            return None
+        out = []
+        for r in self.items():
+            a, z = r.ints() if isinstance(r.value, list) and len(r.value) == 2 else (None, None)
+            if a is None or z < a:
+                raise r.fail("expected a range [start, stop] with start <= stop")
+            out.append((a, z))
+        return tuple(out)
+
+
+def _jsonable(value: object) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _read_attr(f: _Field) -> Any:
+    v = f.value
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return tuple(_read_attr(x) for x in f.items())
+    raise f.fail("expected a JSON scalar or a list")
+
+
+def _read_action(f: _Field) -> Action:
+    text = f.str()
+    if len(text) < 2 or text[0] not in (FORWARD, BACKWARD) or not text[1:].isascii() or not text[1:].isdigit():
+        raise f.fail("expected an action such as F0 or B3")
+    return Action(text[0], int(text[1:]))
+
+
+def _read_ops(f: _Field, known: set[int], plans: int) -> tuple[Op, ...]:
+    out = []
+    for o in f.items():
+        kind = o["kind"].str()
+        if kind not in OPERATORS:
+            raise o["kind"].fail("unknown op kind (hspmd.ops.registry)")
+        refs = []
+        for key in ("inputs", "outputs"):
+            ids = o[key].ints()
+            for i, t in enumerate(ids):
+                if t not in known:
+                    raise o[key].items()[i].error(f"tensor {t} is not in the tensor table")
+            refs.append(ids)
+        attrs = o["attrs"]
+        if not isinstance(attrs.value, dict):
+            raise attrs.fail("expected an object")
+        plan = o.get("plan")
+        index = None if plan.value is None else plan.int()
+        if index is not None and index >= plans:
+            raise plan.fail(f"expected a plan index below {plans}")
+        role = o["role"].str(ROLES)
+        if role in ("local", "collective", "send", "recv", "send+recv") and index is None:
+            raise plan.error(f"a {role} CommOp needs its plan")
+        out.append(Op(o["name"].str(), kind, role, refs[0], refs[1],
+                      {k: _read_attr(attrs[k]) for k in attrs.value}, index))
+    return tuple(out)
+
+
+def _read_program(f: _Field) -> DeviceProgram:
+    if f["schema"].value != SCHEMA:
+        raise f["schema"].fail(f"expected {SCHEMA!r}")
+    binding_f = f["binding"]
+    symbols = binding_f["symbols"]
+    if not isinstance(symbols.value, dict):
+        raise symbols.fail("expected an object of symbol values")
+    ratios = binding_f["ratios"]
+    binding = Binding(tuple(sorted((k, symbols[k].int()) for k in symbols.value)),
+                      None if ratios.value is None else ratios.ints(1))
+    tensors = tuple(TensorInfo(t["id"].int(), t["name"].str(), t["shape"].ints(), t["dtype"].str(),
+                               t["box"].box(optional=True), t["annotation"].str()) for t in f["tensors"].items())
+    known = {t.id for t in tensors}
+    if len(known) != len(tensors):
+        raise f["tensors"].fail("tensor ids must be unique")
+    plans = []
+    for p in f["plans"].items():
+        try:
+            plans.append(Plan.from_dict(p.value))
+        except (HSPMDError, KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise p.error(f"not a plan ({type(exc).__name__}: {exc})") from None
+    ops = {phase: _read_ops(f[phase], known, len(plans)) for phase in PHASES}
+    leaves = []
+    for leaf in f["leaves"].items():
+        init = leaf["init"]
+        if not isinstance(init.value, dict):
+            raise init.fail("expected an object")
+        try:
+            initializer_from_key(init.value)
+        except HSPMDError as exc:
+            raise init.error(str(exc)) from None
+        tensor = leaf["tensor"].int()
+        if tensor not in known:
+            raise leaf["tensor"].fail("expected an id from the tensor table")
+        leaves.append(LeafPiece(leaf["name"].str(), leaf["kind"].str(("parameter", "state")), tensor,
+                                tuple(init.value.items()), leaf["seed"].int()))
+
+    def tensor_id(g: _Field) -> int:
+        t = g.int()
+        if t not in known:
+            raise g.fail("expected an id from the tensor table")
+        return t
+
+    gradients = []
+    for g in f["gradients"].items():
+        name, t = g.items() if isinstance(g.value, list) and len(g.value) == 2 else (None, None)
+        if name is None:
+            raise g.fail("expected [parameter name, tensor id]")
+        gradients.append((name.str(), tensor_id(t)))
+    loss = None if f["loss"].value is None else tensor_id(f["loss"])
+    place_f = f["place"]
+    place = None
+    if place_f.value is not None:
+        stages = tuple(s.ints() for s in place_f["stages"].items())
+        stage = place_f["stage"].int()
+        if stage >= len(stages):
+            raise place_f["stage"].fail(f"expected a stage index below {len(stages)}")
+        order = tuple(_read_action(a) for a in place_f["order"].items())
+        try:
+            check_order(order, len({a.micro_batch for a in order}))
+        except HSPMDError as exc:
+            raise place_f["order"].error(str(exc)) from None
+        place = PipelinePlace(stages, stage, place_f["pipeline"].int(), place_f["schedule"].str(), order)
+    feeds = tuple(tuple(Feed(x["name"].str(), tensor_id(x["tensor"]), x["box"].box()) for x in mb.items())
+                  for mb in f["feeds"].items())
+    if place is not None and len(feeds) != len({a.micro_batch for a in place.order}):
+        raise f["feeds"].fail(f"expected one list of feeds per micro-batch of the order ({len(place.order) // 2})")
+    return DeviceProgram(
+        f["device"].int(), f["graph"].str(), f["strategy"].int(), binding, f["devices"].ints(),
+        tuple(g.ints() for g in f["groups"].items()), tensors, ops["forward"], ops["backward"], ops["update"],
+        tuple(plans), tuple(leaves), tuple(tensor_id(a) for a in f["accumulated"].items()), tuple(gradients), loss,
+        f["loss_summand"].bool(), f["step_loss"].bool(), place, feeds, f["global_batch"].int(),
+    )
+
+
+__all__ = [
+    "DeviceProgram", "Feed", "LeafPiece", "Op", "PipelinePlace", "ProgramError", "SCHEMA", "TensorInfo",
+    "device_program",
+]
