@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
-from hspmd.errors import CommunicationError
+from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.backends.backend import Backend, Group, Shape
 
 T = TypeVar("T")
@@ -29,6 +29,7 @@ class LocalWorld:
         self._reads: dict[tuple, int] = {}
         self._mail: dict[tuple[int, int, int], torch.Tensor] = {}
         self.failed: str | None = None
+        self._communications = 0  # collectives and messages entered so far, by any device
         self.backends = {rank: LocalBackend(self, rank) for rank in self.devices}
 
     def run(self, fn: Callable[[Backend], T]) -> dict[int, T]:
@@ -37,7 +38,8 @@ class LocalWorld:
 
         If any device raises, the others are released (they see CommunicationError), the world
         stays failed, and the first original error is re-raised: a bug in one device's program
-        never hangs the caller."""
+        never hangs the caller. A call that every device refused with an HSPMDError before any of
+        them communicated (a bad argument, checked alike everywhere) leaves the world usable."""
         results: dict[int, T] = {}
         errors: dict[int, BaseException] = {}
 
@@ -50,6 +52,7 @@ class LocalWorld:
 
         if self.failed is not None:
             raise CommunicationError(f"this in-process job failed earlier: {self.failed}")
+        communications = self._communications
         threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in self.devices]
         for t in threads:
             t.start()
@@ -57,6 +60,10 @@ class LocalWorld:
             t.join()
         if errors:
             primary = [e for e in errors.values() if not isinstance(e, CommunicationError)]
+            refused_alike = (len(errors) == len(self.devices) and self._communications == communications
+                             and all(isinstance(e, HSPMDError) for e in primary) and len(primary) == len(errors))
+            if refused_alike:
+                self.failed = None
             raise (primary or list(errors.values()))[0]
         return results
 
@@ -77,6 +84,7 @@ class LocalWorld:
     def rendezvous(self, key: tuple, group: Group, rank: int, value: object) -> dict[int, object]:
         """Deposit `value`; return every member's value once all have deposited."""
         with self._cond:
+            self._communications += 1
             slot = self._slots.setdefault(key, {})
             slot[rank] = value
             self._cond.notify_all()
@@ -88,6 +96,7 @@ class LocalWorld:
 
     def post(self, key: tuple[int, int, int], tensor: torch.Tensor) -> None:
         with self._cond:
+            self._communications += 1
             self._mail[key] = tensor
             self._cond.notify_all()
 

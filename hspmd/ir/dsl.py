@@ -77,9 +77,17 @@ COMM = CommDef()
 
 
 def placeholder(graph: Graph, name: str, shape: Sequence[object], dtype: torch.dtype = torch.float32,
-                annotation: object = None) -> Tensor:
-    """A per-micro-batch input, fed at run time."""
-    node = graph.add_node(PLACEHOLDER, (), [(as_shape(shape, f"placeholder {name}"), dtype)], name=name)
+                annotation: object = None, values: tuple[int, int, tuple[int, ...]] | None = None) -> Tensor:
+    """A per-micro-batch input, fed at run time. `values`: (low, high, extras), the values a feed
+    may hold (low <= v < high, or one of extras; e.g. token ids below the vocabulary size), checked
+    before a step runs so that a bad id fails by name rather than inside one rank's schedule."""
+    if values is not None:
+        low, high, extras = values
+        if not (isinstance(low, int) and isinstance(high, int) and low < high and all(isinstance(e, int) for e in extras)):
+            raise HSPMDError(f"placeholder {name}: values must be (low, high, extras) ints with low < high, got {values}")
+        values = (low, high, tuple(extras))
+    node = graph.add_node(PLACEHOLDER, (), [(as_shape(shape, f"placeholder {name}"), dtype)], name=name,
+                          attrs=None if values is None else {"values": values})
     graph.set_annotation(node, annotation)
     return node.output
 

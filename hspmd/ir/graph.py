@@ -14,6 +14,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import sympy
 import torch
 
 from hspmd.annotations import Annotation, Hierarchy, parse
@@ -299,6 +300,15 @@ class Graph:
 
     def tensor(self, name: str) -> Tensor:
         return self.node(name).output
+
+    def symbol_names(self) -> frozenset[str]:
+        """Names of the run-time symbols in the graph's shapes and op attributes (e.g. B, S and the
+        T of a 1/T loss scale): what a run must bind before it computes anything."""
+        found: set[str] = set()
+        for node in self.nodes:
+            values = [d for t in node.outputs for d in t.shape] + list(node.attrs.values())
+            found.update(s.name for v in values if isinstance(v, sympy.Basic) for s in v.free_symbols)
+        return frozenset(found)
 
     def nodes_of_kind(self, *kinds: str) -> list[Node]:
         return [n for n in self.nodes if n.kind in kinds]

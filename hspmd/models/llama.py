@@ -46,11 +46,12 @@ from hspmd.ops import (
     swiglu,
     transpose,
 )
-from hspmd.ops.nn import RopeScaling
+from hspmd.ops.nn import IGNORE_INDEX, RopeScaling
 
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
 ROW = ("wo", "w_down")
 NORMS = ("attn_norm", "mlp_norm")
+MAX_INDEX = 2**31  # bound on positions and segment ids in a packed row (any real row is far shorter)
 
 
 @dataclass(frozen=True)
@@ -258,12 +259,15 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
     def param(name, shape, initializer=init):
         return cast(parameter(g, name, shape, init=initializer, annotation=ann(name)), compute_dtype)
 
-    tokens = placeholder(g, "tokens", (B, S), torch.int64, annotation=ann("tokens"))
-    labels = placeholder(g, "labels", (B, S), torch.int64, annotation=ann("labels"))
+    tokens = placeholder(g, "tokens", (B, S), torch.int64, annotation=ann("tokens"), values=(0, config.vocab, ()))
+    labels = placeholder(g, "labels", (B, S), torch.int64, annotation=ann("labels"),
+                         values=(0, config.vocab, (IGNORE_INDEX,)))
     positions = segments = pos = seg = None
     if packed:
-        positions = placeholder(g, "positions", (B, S), torch.int64, annotation=ann("positions"))
-        segments = placeholder(g, "segments", (B, S), torch.int64, annotation=ann("segments"))
+        positions = placeholder(g, "positions", (B, S), torch.int64, annotation=ann("positions"),
+                                values=(0, MAX_INDEX, ()))
+        segments = placeholder(g, "segments", (B, S), torch.int64, annotation=ann("segments"),
+                               values=(0, MAX_INDEX, ()))
     table = param("embed", (config.vocab, h))
     x = comm(embedding(tokens, table), ann("embed.out"), name="embed.out")
     for l in range(config.layers):

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hspmd.errors import HSPMDError
+from hspmd.errors import HSPMDError, HSPMDTypeError
+from hspmd.limits import MAX_BATCH_ROWS, MAX_DEVICES, brief, check_limit
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,20 @@ class MicroBatchLayout:
     sizes: tuple[int, ...]
 
     def __post_init__(self):
+        for what in ("counts", "sizes"):
+            if not isinstance(getattr(self, what), (tuple, list)):
+                raise HSPMDTypeError(f"micro-batch {what} must be a tuple of ints (one per pipeline), got "
+                                     f"{brief(getattr(self, what))}")
         counts, sizes = tuple(self.counts), tuple(self.sizes)
         if not counts or len(counts) != len(sizes):
-            raise HSPMDError(f"micro-batch layout needs one count and one size per pipeline, got counts {counts}, sizes {sizes}")
+            raise HSPMDError(f"micro-batch layout needs one count and one size per pipeline, got counts "
+                             f"{brief(counts)}, sizes {brief(sizes)}")
+        check_limit(len(counts), MAX_DEVICES, "the number of pipelines", "micro-batch layout")
         for what, values in (("counts", counts), ("sizes", sizes)):
             bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
             if bad:
-                raise HSPMDError(f"micro-batch {what} must be positive integers, got {values}")
+                raise HSPMDError(f"micro-batch {what} must be positive integers, got {brief(values)}")
+            check_limit(max(values), MAX_BATCH_ROWS, f"a micro-batch {what[:-1]}", "micro-batch layout")
         object.__setattr__(self, "counts", counts)
         object.__setattr__(self, "sizes", sizes)
 

@@ -21,8 +21,9 @@ from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB
+from hspmd.runtime.checks import checked_ranks, checked_symbols
 from hspmd.runtime.trainer import Trainer, as_layout, trainer_binding
-from hspmd.specialize.deduce import deduce
+from hspmd.specialize.deduce import check_strategy_index, deduce
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
 from hspmd.specialize.strategy import Strategy
 
@@ -38,8 +39,8 @@ class InProcessJob:
                  symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None, ranks: int | None = None,
                  timeout: float = 120.0, device: torch.device | str = "cpu",
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB):
-        self.graph, self.symbols, self.seed, self.topology = graph, dict(symbols or {}), seed, topology
-        spec = self._specialize(strategy, as_layout(layout))
+        self.graph, self.symbols, self.seed, self.topology = graph, checked_symbols(symbols, "InProcessJob"), seed, topology
+        spec = self._specialize(check_strategy_index(graph, strategy, "InProcessJob"), as_layout(layout))
         ranks = max(spec.devices) + 1 if ranks is None else ranks
         if ranks <= max(spec.devices):
             raise HSPMDError(f"strategy {strategy} uses devices up to {max(spec.devices)}, the job has {ranks} ranks")
@@ -82,8 +83,8 @@ class InProcessJob:
     def switch(self, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
                failed: Iterable[int] = ()) -> "InProcessJob":
         """Trainer.switch on every rank: this job, now training `strategy` (its trainers replaced)."""
-        spec = self._specialize(strategy, as_layout(layout))
-        failed = tuple(failed)
+        spec = self._specialize(check_strategy_index(self.graph, strategy, "switch()"), as_layout(layout))
+        failed = checked_ranks(failed, len(self.ranks), "failed ranks", "switch()")
         self.trainers = self.world.run(lambda b: self.trainers[b.rank].switch(
             strategy, layout, schedule, failed, spec if b.rank in spec.executables else None))
         return self

@@ -32,7 +32,8 @@ import sympy
 import torch
 
 from hspmd.annotations import Annotation, box_relative, box_shape, device_pieces, subgroup_regions
-from hspmd.errors import HSPMDError, ShapeError
+from hspmd.errors import HSPMDError, HSPMDTypeError, ShapeError
+from hspmd.limits import brief
 from hspmd.ir.graph import Graph, Node
 from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
@@ -42,10 +43,11 @@ from hspmd.runtime.checkpoint import (
     cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
 )
 from hspmd.runtime.executor import ScheduleRun, run_schedule
+from hspmd.runtime.checks import check_bound, check_feeds, check_seed, checked_ranks, checked_symbols
 from hspmd.runtime.sharded_checkpoint import PendingSave, open_checkpoint, save_sharded
 from hspmd.runtime.trace import Tracer
-from hspmd.specialize.schedules import Schedule, schedule_for
-from hspmd.specialize.deduce import Deduced
+from hspmd.specialize.schedules import Schedule, pipeline_schedule, schedule_for
+from hspmd.specialize.deduce import Deduced, check_strategy_index
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 from hspmd.runtime.run import DeviceState, run_update, synced_gradients
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
@@ -104,7 +106,12 @@ def step_groups(exe: ExecutableGraph, devices: tuple[int, ...], binding: Binding
 
 
 def as_layout(layout: MicroBatchLayout | Strategy) -> MicroBatchLayout:
-    return layout if isinstance(layout, MicroBatchLayout) else MicroBatchLayout.of(layout)
+    if isinstance(layout, MicroBatchLayout):
+        return layout
+    if isinstance(layout, Strategy):
+        return MicroBatchLayout.of(layout)
+    raise HSPMDTypeError(f"the micro-batch layout is a MicroBatchLayout or a Strategy with bound micro-batch counts, "
+                         f"got {brief(layout)}")
 
 
 def trainer_binding(graph: Graph, layout: MicroBatchLayout, symbols: Mapping[str, int] | None) -> Binding:
@@ -123,19 +130,25 @@ class Trainer:
     (dim 0 of the placeholders) is bound to the sum of the micro-batch sizes. specialized: a
     specialization of `graph` under `strategy` and trainer_binding(...) holding this rank's program
     (an in-process job specializes once for all of its ranks); by default the trainer specializes
-    for its own rank. Construction is collective: every rank of the job constructs its trainer at
-    the same point. bucket_cap_mb: gradients whose synchronisation is a plain all-reduce are
-    reduced in buckets of at most this many MiB, each started as soon as the backward has made
-    all of its gradients (hspmd.runtime.buckets); None synchronises every gradient in the update."""
+    for its own rank. state: the rank's leaves and step to start from (default: the initial values).
+    bucket_cap_mb: gradients whose synchronisation is a plain all-reduce are reduced in buckets of
+    at most this many MiB, each started as soon as the backward has made all of its gradients
+    (hspmd.runtime.buckets); None synchronises every gradient in the update. Every argument is
+    checked alike on every rank before any communication. Construction is collective: every rank
+    of the job constructs its trainer at the same point."""
 
     def __init__(self, graph: Graph, strategy: int, backend: Backend, layout: MicroBatchLayout | Strategy,
                  schedule: str = "1f1b", symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
-                 specialized: Specialized | None = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB):
+                 specialized: Specialized | None = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+                 state: DeviceState | None = None):
         self.graph, self.backend = graph, backend
+        strategy = check_strategy_index(graph, strategy, "Trainer")
         self.bucket_cap_mb = bucket_cap_mb
         cap = None if bucket_cap_mb is None else cap_bytes_of(bucket_cap_mb)
-        self.symbols, self.seed, self.topology = dict(symbols or {}), seed, topology
+        self.symbols, self.seed, self.topology = checked_symbols(symbols, "Trainer"), check_seed(seed, "Trainer"), topology
         self.layout = as_layout(layout)
+        if not isinstance(schedule, str):
+            raise HSPMDTypeError(f"Trainer: the schedule is a name such as '1f1b', got {brief(schedule)}")
         self.schedule_name = schedule
         self.binding = trainer_binding(graph, self.layout, symbols)
         rank = backend.rank
@@ -158,6 +171,7 @@ class Trainer:
                 f"the micro-batch layout has {self.layout.pipelines} pipeline(s) but the batch of strategy {strategy} "
                 f"is split across {self._batch_hsize()}: give one count and size per pipeline"
             )
+        self._check_schedule()
         self.idle = rank not in self.devices
         self.stages, self.stage, self.pipeline, self.micro_batches, self.order = None, 0, None, 0, ()
         if not self.idle:
@@ -166,7 +180,7 @@ class Trainer:
             self.pipeline = self._batch_subgroup(self.stages.devices)
             self.micro_batches = self.layout.counts[self.pipeline]
             self.order: Schedule = schedule_for(schedule, len(self.stages.stages), self.stage, self.micro_batches)
-        self.state = DeviceState.initial(self.exe, seed, backend.device)
+        self.state = DeviceState.initial(self.exe, seed, backend.device) if state is None else state
         self.buckets = None if cap is None or self.idle else BucketSync(plan_buckets(self.exe, cap), backend.device)
         self.last_run: ScheduleRun | None = None
         self.tracer: Tracer | None = None  # set one to record this rank's F/B/update events (runtime.trace)
@@ -175,6 +189,13 @@ class Trainer:
         backend.prepare_groups(self._groups())
 
     # ---- layout ---------------------------------------------------------------------------------
+
+    def _check_schedule(self) -> None:
+        """The schedule must suit every pipeline, checked on every rank (idle ones too), so that a
+        warm-up vector of the wrong length fails everywhere alike rather than on one pipeline's ranks."""
+        for pipeline in self.spec.pipelines:
+            count = self.layout.counts[self._batch_subgroup(pipeline.devices)]
+            pipeline_schedule(self.schedule_name, len(pipeline.stages), count)
 
     def _batch_hsize(self) -> int:
         return batch_hsize(self.spec.deduced)
@@ -188,15 +209,8 @@ class Trainer:
     # ---- training -------------------------------------------------------------------------------
 
     def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
-        expected = self.layout.global_batch_size
-        for node in self.graph.placeholders:
-            if node.name not in batch:
-                raise HSPMDError(f"step(): the batch has no {node.name!r}; feed every placeholder: "
-                                 f"{', '.join(p.name for p in self.graph.placeholders)}")
-            value = batch[node.name]
-            if value.dim() == 0 or value.shape[0] != expected:
-                raise ShapeError(f"step(): {node.name} has shape {tuple(value.shape)} but its dim 0 must be the global "
-                                 f"batch size {expected} ({self.layout})")
+        check_feeds(self.graph.placeholders, batch, "step()", self.layout.global_batch_size, self.binding.mapping)
+        check_bound(self.graph, self.binding.mapping, "step()")
 
     def _piece(self, node: Node, rows: torch.Tensor, binding: Binding | None = None) -> torch.Tensor:
         """This device's piece of a placeholder, from its pipeline's rows of one micro-batch."""
@@ -296,19 +310,15 @@ class Trainer:
         values = {**self.binding.mapping, **dict(symbols or {})}
         found: dict[str, int] = {}
         size = self.layout.sizes[pipeline]
+        check_feeds(self.graph.placeholders, row, f"step_rows(): micro-batch {m} of pipeline {pipeline}", size)
         for node in self.graph.placeholders:
-            if node.name not in row:
-                raise HSPMDError(f"step_rows(): micro-batch {m} of pipeline {pipeline} has no {node.name!r}; feed every "
-                                 f"placeholder: {', '.join(p.name for p in self.graph.placeholders)}")
             value, shape = row[node.name], node.output.shape
-            if value.dim() != len(shape) or value.shape[0] != size:
-                raise ShapeError(f"step_rows(): {node.name} of micro-batch {m} of pipeline {pipeline} has shape "
-                                 f"{tuple(value.shape)}; it needs {len(shape)} dims, dim 0 = the micro-batch size {size}")
             for d, n in zip(shape[1:], value.shape[1:]):
                 if isinstance(d, sympy.Symbol):
                     if found.setdefault(d.name, int(n)) != n:
                         raise ShapeError(f"step_rows(): micro-batch {m} of pipeline {pipeline} gives symbol {d.name} "
                                          f"two sizes ({found[d.name]} and {n})")
+        check_bound(self.graph, {**values, **found}, f"step_rows(): micro-batch {m} of pipeline {pipeline}")
         return Binding.of({**values, **found}, ratios=self.binding.ratios)
 
     def gradients(self) -> dict[str, torch.Tensor] | None:
@@ -352,6 +362,10 @@ class Trainer:
         `carry`: this rank's synchronised gradient pieces of a step still under way (from
         bucket_rows); they move in the same fused plan as the weights, from the gradient layout of
         this strategy to that of the next, and wait in the new trainer's `carried`."""
+        strategy = check_strategy_index(self.graph, strategy, "switch()")
+        failed = checked_ranks(failed, self.backend.world_size, "failed ranks", "switch()")
+        if schedule is not None and not isinstance(schedule, str):
+            raise HSPMDTypeError(f"switch(): the schedule is a name such as '1f1b', got {brief(schedule)}")
         if carry is None:
             plan = plan_switch(self.graph, self.spec.deduced.strategy, strategy, failed=failed, topology=self.topology)
             moving = {} if self.backend.rank in failed else self.state.leaves
@@ -359,17 +373,17 @@ class Trainer:
             plan = plan_switch_with_gradients(self.graph, self.spec.deduced.strategy, strategy, failed=failed,
                                               topology=self.topology)
             moving = {} if self.backend.rank in failed else {**self.state.leaves, **gradient_leaves(carry)}
+        nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
+                      self.symbols, self.seed, self.topology, specialized, self.bucket_cap_mb,
+                      state=DeviceState({}, step=self.state.step))
         leaves = execute_switch(plan, self.backend, moving)
         carried = {name[len(GRADIENT_PREFIX):]: v for name, v in leaves.items() if name.startswith(GRADIENT_PREFIX)}
         leaves = {name: v for name, v in leaves.items() if not name.startswith(GRADIENT_PREFIX)}
-        nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
-                      self.symbols, self.seed, self.topology, specialized, self.bucket_cap_mb)
-        missing = set(nxt.state.leaves) - set(leaves)
+        missing = {node.name for node in nxt.exe.held_leaves} - set(leaves)
         if missing:
             raise HSPMDError(f"rank {self.backend.rank}: the switch to strategy {strategy} delivered no piece of "
                              f"{sorted(missing)[:3]}; the strategies disagree on the graph's leaves")
-        nxt.state.leaves = {name: leaves[name] for name in nxt.state.leaves}
-        nxt.state.step = self.state.step
+        nxt.state.leaves = {node.name: leaves[node.name] for node in nxt.exe.held_leaves}
         nxt.last_switch = plan
         nxt.carried = carried
         return nxt

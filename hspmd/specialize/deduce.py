@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from hspmd.annotations import Annotation, align_hsize
-from hspmd.errors import AnnotationError, DeductionError, HSPMDError
+from hspmd.errors import AnnotationError, DeductionError, HSPMDError, HSPMDTypeError
 from hspmd.ir.graph import Derived, Graph, Node, Tensor
+from hspmd.limits import brief
 from hspmd.ops.rules import Mismatch
 
 
@@ -99,14 +100,24 @@ def deduce_node(node: Node, strategy: int, anns: list) -> list[Annotation]:
     return out
 
 
+def check_strategy_index(graph: Graph, strategy: object, where: str = "deduce") -> int:
+    """`strategy` if it indexes one of the graph's strategies, else an error naming the valid ones."""
+    if isinstance(strategy, bool) or not isinstance(strategy, int):
+        raise HSPMDTypeError(f"{where}: a strategy is an index into graph {graph.name}'s strategies, "
+                             f"got {brief(strategy)}")
+    if not 0 <= strategy < max(graph.num_strategies, 1):
+        raise DeductionError(f"{where}: graph {graph.name} has no strategy {strategy}; it has strategies "
+                             f"0-{max(graph.num_strategies, 1) - 1}")
+    return strategy
+
+
 def deduce(graph: Graph, strategy: int = 0) -> Deduced:
     """Annotations of every tensor under `strategy` (an explicit index, never a global).
 
     Equal annotations are kept as one object (interned), so that what is computed from an
     annotation once (its device set, what an op deduces from it, see Annotation.derived) serves
     every tensor with that layout: a model's repeated layers then cost O(1) per op."""
-    if not 0 <= strategy < max(graph.num_strategies, 1):
-        raise DeductionError(f"graph {graph.name} has no strategy {strategy}; it has {graph.num_strategies}")
+    check_strategy_index(graph, strategy)
     anns: list[Annotation | None] = [None] * len(graph.tensors)
     canonical: dict[Annotation, Annotation] = {}
     seen: dict[int, tuple[Annotation, Annotation]] = {}  # id -> (object, its canonical equal)
@@ -118,4 +129,4 @@ def deduce(graph: Graph, strategy: int = 0) -> Deduced:
     return Deduced(graph, strategy, tuple(anns))
 
 
-__all__ = ["Deduced", "deduce", "deduce_node"]
+__all__ = ["Deduced", "check_strategy_index", "deduce", "deduce_node"]

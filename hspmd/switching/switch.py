@@ -11,6 +11,7 @@ still holds is a source (a TP group that lost one member still serves the other 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -18,13 +19,29 @@ import torch
 
 from hspmd.annotations import parse
 from hspmd.comm_resolve import FusedPlan, resolve_many
-from hspmd.errors import HSPMDError, WeightLost
+from hspmd.errors import HSPMDError, HSPMDTypeError, WeightLost
+from hspmd.limits import MAX_DEVICES, brief, check_limit
 from hspmd.ir.graph import Graph
 from hspmd.backends.backend import Backend
 from hspmd.backends.plan_executor import execute_fused_plan
 from hspmd.specialize.deduce import deduce
 
 LEAF_KINDS = ("parameter", "state")
+
+
+def checked_failed(failed: object, where: str = "plan_switch") -> frozenset[int]:
+    """The failed ranks a switch is told about, as a set of device ids."""
+    if isinstance(failed, (str, bytes, Mapping)) or not isinstance(failed, Iterable):
+        raise HSPMDTypeError(f"{where}: failed is a collection of device ids, got {brief(failed)}")
+    found = list(itertools.islice(failed, MAX_DEVICES + 1))
+    check_limit(len(found), MAX_DEVICES, "the number of failed devices", where)
+    bad = [d for d in found if isinstance(d, bool) or not isinstance(d, int)]
+    if bad:
+        raise HSPMDTypeError(f"{where}: failed device ids are ints, got {brief(bad[0])}")
+    outside = [d for d in found if not 0 <= d < MAX_DEVICES]
+    if outside:
+        raise HSPMDError(f"{where}: failed device id {brief(outside[0])} is outside 0-{MAX_DEVICES - 1}")
+    return frozenset(found)
 
 
 @dataclass(frozen=True)
@@ -77,7 +94,7 @@ def plan_switch(
             raise HSPMDError(f"{node.kind} {node.name} has a symbolic shape {shape}; switching needs concrete shapes")
         dtype = (dtypes or {}).get(node.name, t.dtype)
         leaves[f"{node.kind} {node.name}"] = (node.name, src[t], dst[t], shape, dtype)
-    return _plan(leaves, src_strategy, dst_strategy, frozenset(failed), topology, choices)
+    return _plan(leaves, src_strategy, dst_strategy, checked_failed(failed), topology, choices)
 
 
 GRADIENT_PREFIX = "grad:"
@@ -100,7 +117,7 @@ def plan_switch_with_gradients(graph: Graph, src_strategy: int, dst_strategy: in
         leaves[f"{node.kind} {node.name}"] = (node.name, src[t], dst[t], _concrete(t), t.dtype)
     for name, t in graph.gradients.items():
         leaves[f"gradient {name}"] = (GRADIENT_PREFIX + name, src[t], dst[t], _concrete(t), t.dtype)
-    return _plan(leaves, src_strategy, dst_strategy, frozenset(failed), topology, choices)
+    return _plan(leaves, src_strategy, dst_strategy, checked_failed(failed), topology, choices)
 
 
 def _concrete(t) -> tuple[int, ...]:
@@ -125,7 +142,7 @@ def plan_layout_switch(
     leaves = {}
     for name, (a, b, shape, *dtype) in layouts.items():
         leaves[name] = (name, parse(a), parse(b), tuple(shape), dtype[0] if dtype else "float32")
-    return _plan(leaves, src_strategy, dst_strategy, frozenset(failed), topology, choices)
+    return _plan(leaves, src_strategy, dst_strategy, checked_failed(failed), topology, choices)
 
 
 def _plan(leaves, src_strategy: int, dst_strategy: int, failed: frozenset, topology, choices) -> SwitchPlan:
@@ -165,6 +182,6 @@ def execute_switch(plan: SwitchPlan, backend: Backend, leaves: Mapping[str, torc
 
 
 __all__ = [
-    "GRADIENT_PREFIX", "LEAF_KINDS", "SwitchPlan", "execute_switch", "gradient_leaves", "plan_layout_switch",
+    "GRADIENT_PREFIX", "LEAF_KINDS", "SwitchPlan", "checked_failed", "execute_switch", "gradient_leaves", "plan_layout_switch",
     "plan_switch", "plan_switch_with_gradients",
 ]
