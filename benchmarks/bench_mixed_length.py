@@ -2,9 +2,10 @@
 sequence to the step's longest, and against one fixed strategy (dispatch + packing, no pool).
 
 Part 1 (measured): the tiny Llama of examples/mixed_length on 4 gloo processes over the shipped
-long-tailed corpus; the three modes train side by side in one run, interleaved step by step
-(ABC, then CBA, ...), each on the same sequences; a step's time is its slowest rank's; tokens/s
-counts real tokens only. Reported: median tokens/s per mode and the median (min-max) of the
+long-tailed corpus; the pool's per-sequence costs and the price of a switch are first calibrated
+on this machine (MixedLengthTrainer.calibrate), then the three modes train side by side in one
+run, interleaved step by step (ABC, then CBA, ...), each on the same sequences; a step's time is
+its slowest rank's; tokens/s counts real tokens only. Reported: median tokens/s per mode and the median (min-max) of the
 per-step ratios.
 
 Part 2 (predicted): the paper's setting, 32B Llama on 32 H20 (003 section 7.3), priced by the
@@ -44,6 +45,7 @@ from hspmd.runtime.trainer import Trainer  # noqa: E402
 
 MODES = ("dispatch", "padding", "fixed")
 TOKENS = 256
+CALIBRATION_LENGTHS = (8, 16, 32, 64, 96, 128)
 
 
 def bench_rank(backend, steps: int, warmup: int):
@@ -51,8 +53,10 @@ def bench_rank(backend, steps: int, warmup: int):
     corpus = LongTailCorpus()
     model = build(corpus.vocab)
     symbols = {"S": 16, "T": 16}
-    pooled = MixedLengthTrainer(model.graph, POOL, backend, symbols=symbols, passes=20)
+    pooled = MixedLengthTrainer(model.graph, POOL, backend, symbols=symbols, passes=20, by_cost=True)
     fixed = MixedLengthTrainer(model.graph, POOL[:1], backend, symbols=symbols, passes=20)
+    calibrated = pooled.calibrate(CALIBRATION_LENGTHS)
+    fixed.pool = calibrated[:1]
     padded = Trainer(model.graph, POOL[0].strategy, backend, MicroBatchLayout((1, 1), (1, 1)), symbols=symbols)
 
     def pad_step(samples):
@@ -71,12 +75,17 @@ def bench_rank(backend, steps: int, warmup: int):
                 times[mode].append(seconds)
     tokens = [counted_tokens(corpus.step(i, TOKENS)) for i in range(warmup, warmup + steps)]
     chosen = [POOL[r.entries[0]].name for r in pooled.history[warmup:]]
-    return times, tokens, chosen
+    return times, tokens, chosen, calibrated, pooled.switch_seconds
 
 
 def measured(steps: int, warmup: int) -> None:
     results = run_multiprocess(bench_rank, 4, steps, warmup, timeout=1800)
-    tokens, chosen = results[0][1], results[0][2]
+    tokens, chosen, calibrated, switch_seconds = results[0][1:]
+    print("per-sequence costs calibrated on this machine (a s^2 + b s + c per micro-batch, slowest rank):")
+    print(table(["strategy", "a", "b", "c"], [[e.name, f"{e.pipelines[0].a:.3g}", f"{e.pipelines[0].b:.3g}",
+                                               f"{e.pipelines[0].c:.3g}"] for e in calibrated]))
+    print(f"measured switch (fused BSR): {switch_seconds * 1e3:.0f} ms; dispatch picks each step's strategy by "
+          f"predicted time plus the switch it needs")
     slowest = {m: [max(r[0][m][k] for r in results) for k in range(steps)] for m in MODES}
     rate = {m: [t / s for t, s in zip(tokens, slowest[m])] for m in MODES}
     rows = [[m, f"{statistics.median(rate[m]):.0f}"] for m in MODES]

@@ -136,3 +136,25 @@ def test_fit_sequence_cost_recovers_a_quadratic():
     assert a == pytest.approx(3e-4) and b == pytest.approx(0.02)
     with pytest.raises(HSPMDError, match="two different lengths"):
         fit_sequence_cost([8, 8], [1.0, 1.0])
+
+
+def test_fit_with_a_constant_recovers_it_and_keeps_every_coefficient_non_negative():
+    lengths = [4, 8, 16, 32, 64]
+    a, b, c = fit_sequence_cost(lengths, [2e-4 * s * s + 0.01 * s + 0.3 for s in lengths], constant=True)
+    assert (a, b, c) == (pytest.approx(2e-4), pytest.approx(0.01), pytest.approx(0.3))
+    # falling times: the unconstrained fit has a negative slope; the kept fit is the constant alone
+    falling = [1.0, 0.9, 0.8, 0.7, 0.6]
+    a, b, c = fit_sequence_cost(lengths, falling, constant=True)
+    assert a == 0 and b == 0 and c == pytest.approx(sum(falling) / len(falling))
+
+
+def test_choosing_by_cost_takes_the_cheaper_entry_unless_the_switch_costs_more_than_it_gains():
+    slow_wide = PoolEntry("wide", 0, 64, (PipelineCost(0, 1.0, 0, 64),))
+    fast_narrow = PoolEntry("narrow", 1, 16, (PipelineCost(0, 0.25, 0, 16),) * 2)
+    pool = [slow_wide, fast_narrow]
+    lengths = [8, 8, 4, 4]  # wide: 24 s; narrow: two pipelines of 3 s
+    assert dispatch(pool, lengths).entry == 1  # the paper's rule: the narrowest bound that fits
+    assert dispatch(pool, lengths, by_cost=True).entry == 1
+    assert dispatch(pool, lengths, by_cost=True, current=0, switch_seconds=30.0).entry == 0
+    assert dispatch(pool, lengths, by_cost=True, current=0, switch_seconds=10.0).entry == 1
+    assert dispatch(pool, [20, 4], by_cost=True, current=1, switch_seconds=1e9).entry == 0  # only one fits

@@ -111,3 +111,31 @@ def test_per_step_strategies_on_four_gloo_processes():
 def test_length_buckets_on_four_gloo_processes():
     results = run_multiprocess(mixed_rank, 4, True, timeout=240)
     _check(dict(enumerate(results)))
+
+
+def _calibrating_rank(backend):
+    torch.set_num_threads(1)
+    model = _graph()
+    trainer = MixedLengthTrainer(model.graph, POOL, backend, symbols={"S": 8, "T": 8}, passes=10, by_cost=True)
+    trainer.step(sequences()[0])
+    before = trainer.parameters()
+    pool = trainer.calibrate(lengths=(2, 4, 8, 12), repeats=1)
+    after = trainer.parameters()
+    losses = [trainer.step(samples) for samples in sequences()[1:3]]
+    return pool, trainer.switch_seconds, before, after, losses, trainer.current
+
+
+def test_calibration_measures_every_entry_without_changing_the_weights():
+    results = LocalWorld(range(4), 120).run(_calibrating_rank)
+    pool, switch_seconds, before, after, losses, current = results[0]
+    assert all(r[0] == pool and r[1] == switch_seconds and r[4] == losses for r in results.values())
+    assert [e.name for e in pool] == [e.name for e in POOL]
+    assert current == 0  # calibration ends where it began (step 0 chose S1)
+    for entry, old in zip(pool, POOL):
+        assert [p.max_tokens for p in entry.pipelines] == [p.max_tokens for p in old.pipelines]
+        assert all(p.a >= 0 and p.b >= 0 and p.c >= 0 for p in entry.pipelines)
+        assert any(p.sequence(12) + p.c > 0 for p in entry.pipelines)  # something was measured
+        assert (entry.pipelines[0].a, entry.pipelines[0].b) != (old.pipelines[0].a, old.pipelines[0].b)
+    assert switch_seconds > 0
+    for name, value in before.items():  # forward, backward and sync only: no update, no drift
+        assert torch.equal(value, after[name]), name

@@ -8,7 +8,8 @@ another inside each step (Hetu-A / HotSPa).
 The pool mirrors the paper's Table 11 on 4 ranks: for steps with a sequence longer than 64 tokens,
 DP2TP2 (two tensor-parallel pipelines, whose halved activations hold long rows); otherwise DP4
 (four single-rank pipelines, more data parallelism for short sequences). The per-sequence costs
-a s^2 + b s (+ c per micro-batch) are rough figures for this CPU, not a calibration.
+a s^2 + b s (+ c per micro-batch) below are rough starting figures; --calibrate measures them and
+the price of a switch on this machine first, and then picks each step's strategy by predicted time.
 Rank 0 prints each step's strategy, dispatch (pipeline: [packed lengths] per micro-batch) and switches.
 """
 
@@ -49,13 +50,23 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--tokens", type=int, default=256, help="tokens per step (whole documents, at least this many)")
     p.add_argument("--buckets", action="store_true", help="Hetu-A: length buckets inside each step")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the pool's costs and the switch price here first; choose strategies by cost")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     backend = init_from_env()
     corpus = LongTailCorpus()
     model = build(corpus.vocab)
-    trainer = MixedLengthTrainer(model.graph, POOL, backend, symbols={"S": 16, "T": 16}, passes=20)
+    trainer = MixedLengthTrainer(model.graph, POOL, backend, symbols={"S": 16, "T": 16}, passes=20,
+                                 by_cost=args.calibrate)
     lead = backend.rank == 0
+    if args.calibrate:
+        pool = trainer.calibrate((8, 16, 32, 64, 96, 128))
+        if lead:
+            for entry in pool:
+                cost = entry.pipelines[0]
+                print(f"calibrated {entry.name}: {cost.a:.3g} s^2 + {cost.b:.3g} s + {cost.c:.3g} seconds")
+            print(f"calibrated switch: {trainer.switch_seconds * 1e3:.0f} ms")
     for i in range(args.steps):
         samples = corpus.step(i, args.tokens)
         began = time.perf_counter()

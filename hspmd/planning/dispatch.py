@@ -26,14 +26,21 @@ describes it -- "from the authors' code":
 During an assignment pass a pipeline's time is estimated without packing (its sequences' cost,
 one c_p per ceil(tokens/limit) micro-batches, and (pp_p - 1) times its costliest sequence);
 every finished pass is then scored exactly, with packing. This estimate is the project's choice.
+
+Choosing the strategy by cost (`by_cost=True`, the project's extension): among the entries that
+can hold the step, the one whose predicted makespan plus the switch it needs is the smallest. On
+hardware where the narrow strategy does not pay for its switch, this keeps the current one.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from hspmd.errors import HSPMDError
 
@@ -122,16 +129,21 @@ class Dispatch:
         return "\n".join(lines)
 
 
-def select_entry(pool: Sequence[PoolEntry], longest: int) -> int:
-    """The pool entry for a step whose longest sequence has `longest` tokens: the one with the
-    smallest length bound that covers it and has a pipeline long enough to hold it."""
+def fitting_entries(pool: Sequence[PoolEntry], longest: int) -> list[int]:
+    """The pool entries that can take a step whose longest sequence has `longest` tokens: its
+    length bound covers it and one of its pipelines holds it."""
     if not pool:
         raise HSPMDError("dispatch: the strategy pool is empty")
     fitting = [i for i, e in enumerate(pool) if longest <= e.max_seq_len and longest <= e.longest_fit]
     if not fitting:
         bounds = ", ".join(f"{e.name}: <= {min(e.max_seq_len, e.longest_fit)}" for e in pool)
         raise HSPMDError(f"dispatch: no strategy in the pool takes a sequence of {longest} tokens ({bounds})")
-    return min(fitting, key=lambda i: (pool[i].max_seq_len, i))
+    return fitting
+
+
+def select_entry(pool: Sequence[PoolEntry], longest: int) -> int:
+    """The paper's rule: of the fitting entries, the one with the smallest length bound."""
+    return min(fitting_entries(pool, longest), key=lambda i: (pool[i].max_seq_len, i))
 
 
 def pack_micro_batches(cost: PipelineCost, lengths: Sequence[int], ids: Sequence[int] | None = None
@@ -251,16 +263,27 @@ def _greedy_pass(pipelines, lengths, forced, seq_order, largest) -> list[int]:
 
 
 def dispatch(pool: Sequence[PoolEntry], lengths: Sequence[int], seed: int = 0, passes: int = SHUFFLED_PASSES,
-             entry: int | None = None) -> Dispatch:
-    """One step's Dispatch: the entry (chosen by select_entry unless given), the assignment and
-    the packed micro-batches. Deterministic for a given seed."""
+             entry: int | None = None, by_cost: bool = False, current: int | None = None,
+             switch_seconds: float = 0.0) -> Dispatch:
+    """One step's Dispatch: the entry, the assignment and the packed micro-batches. Deterministic
+    for a given seed. The entry is `entry` if given; else with `by_cost` the fitting entry whose
+    predicted makespan, plus `switch_seconds` when it is not the `current` one, is the smallest
+    (a strategy switch is only worth its price when the step gains more); else select_entry's."""
     lengths = [int(s) for s in lengths]
     if not lengths:
         raise HSPMDError("dispatch: the step has no sequences")
     bad = [s for s in lengths if s < 1]
     if bad:
         raise HSPMDError(f"dispatch: sequence lengths must be positive, got {bad[:5]}")
-    k = select_entry(pool, max(lengths)) if entry is None else entry
+    if entry is not None:
+        return _dispatch_to(pool, entry, lengths, seed, passes)
+    if not by_cost:
+        return _dispatch_to(pool, select_entry(pool, max(lengths)), lengths, seed, passes)
+    plans = [_dispatch_to(pool, k, lengths, seed, passes) for k in fitting_entries(pool, max(lengths))]
+    return min(plans, key=lambda d: (d.makespan + (switch_seconds if current not in (None, d.entry) else 0.0), d.entry))
+
+
+def _dispatch_to(pool: Sequence[PoolEntry], k: int, lengths: list[int], seed: int, passes: int) -> Dispatch:
     chosen = pool[k]
     where = assign(chosen.pipelines, lengths, seed, passes)
     mbs, times = [], []
@@ -272,28 +295,32 @@ def dispatch(pool: Sequence[PoolEntry], lengths: Sequence[int], seed: int = 0, p
     return Dispatch(k, where, tuple(mbs), tuple(times), chosen.sync)
 
 
-def fit_sequence_cost(lengths: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
-    """(a, b) of a s^2 + b s fitted by least squares to measured times (both kept >= 0)."""
-    if len(lengths) != len(seconds) or len(lengths) < 2:
-        raise HSPMDError("fit_sequence_cost: needs at least two (length, time) measurements of equal count")
-    s2 = sum(s ** 4 for s in lengths)
-    s3 = sum(s ** 3 for s in lengths)
-    s1 = sum(s ** 2 for s in lengths)
-    t2 = sum(s * s * t for s, t in zip(lengths, seconds))
-    t1 = sum(s * t for s, t in zip(lengths, seconds))
-    det = s2 * s1 - s3 * s3
-    if det <= 0:
+def fit_sequence_cost(lengths: Sequence[int], seconds: Sequence[float], constant: bool = False
+                      ) -> tuple[float, ...]:
+    """(a, b) of a s^2 + b s, or (a, b, c) of a s^2 + b s + c with `constant`, fitted by least
+    squares to measured times with every coefficient >= 0: the best fit over the subsets of
+    terms whose unconstrained fit is non-negative (a tiny active-set search; 3 terms, 7 subsets)."""
+    terms = 3 if constant else 2
+    if len(lengths) != len(seconds) or len(lengths) < terms:
+        raise HSPMDError(f"fit_sequence_cost: needs at least {terms} (length, time) measurements of equal count")
+    if len(set(lengths)) < 2:
         raise HSPMDError("fit_sequence_cost: needs at least two different lengths")
-    a = (t2 * s1 - t1 * s3) / det
-    b = (s2 * t1 - s3 * t2) / det
-    if a < 0:
-        a, b = 0.0, t1 / s1
-    if b < 0:
-        a, b = t2 / s2, 0.0
-    return a, b
+    x = np.array([[s * s, s, 1.0][:terms] for s in lengths], dtype=np.float64)
+    y = np.array(seconds, dtype=np.float64)
+    best, best_error = np.zeros(terms), float(np.sum(y * y))
+    for subset in itertools.chain.from_iterable(itertools.combinations(range(terms), k) for k in range(1, terms + 1)):
+        cols = list(subset)
+        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if np.all(coef >= 0):
+            error = float(np.sum((x[:, cols] @ coef - y) ** 2))
+            if error < best_error:
+                best, best_error = np.zeros(terms), error
+                best[cols] = coef
+    return tuple(float(v) for v in best)
 
 
 __all__ = [
-    "Dispatch", "PipelineCost", "PoolEntry", "assign", "dispatch", "fit_sequence_cost", "pack_micro_batches",
+    "Dispatch", "PipelineCost", "PoolEntry", "assign", "dispatch", "fit_sequence_cost", "fitting_entries",
+    "pack_micro_batches",
     "pipeline_time", "select_entry",
 ]

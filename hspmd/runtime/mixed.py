@@ -16,7 +16,9 @@ Each strategy is specialized once; its comm plans are resolved once per micro-ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+import time
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import torch
@@ -25,7 +27,7 @@ from hspmd.backends.backend import Backend
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
 from hspmd.ops.nn import IGNORE_INDEX
-from hspmd.planning.dispatch import SHUFFLED_PASSES, Dispatch, PoolEntry, dispatch, select_entry
+from hspmd.planning.dispatch import SHUFFLED_PASSES, Dispatch, PoolEntry, dispatch, fit_sequence_cost, select_entry
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.packing import Sample, check_sample, counted_tokens, pack_row
 from hspmd.runtime.trainer import Trainer
@@ -50,16 +52,21 @@ class MixedLengthTrainer:
     """One rank's mixed-length training of `graph` (built with every pool strategy, packed) over
     `backend`. pool: PoolEntry per strategy (entry.strategy = its graph index). symbols: the
     reference binding every strategy is specialized under (per-micro-batch values replace it);
-    tokens_symbol: the graph's tokens-per-step symbol. Construction is collective."""
+    tokens_symbol: the graph's tokens-per-step symbol. by_cost: choose each step's strategy by
+    predicted time, a switch priced at `switch_seconds` (hspmd.planning.dispatch), rather than by
+    the paper's length bounds alone; calibrate() measures both on this machine. Construction is
+    collective."""
 
     def __init__(self, graph: Graph, pool: Sequence[PoolEntry], backend: Backend, schedule: str = "1f1b",
                  symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None, dispatch_seed: int = 0,
-                 passes: int = SHUFFLED_PASSES, tokens_symbol: str = "T"):
+                 passes: int = SHUFFLED_PASSES, tokens_symbol: str = "T", by_cost: bool = False,
+                 switch_seconds: float = 0.0):
         if not pool:
             raise HSPMDError("MixedLengthTrainer: the strategy pool is empty")
         self.graph, self.pool, self.backend = graph, tuple(pool), backend
         self.schedule, self.symbols, self.seed, self.topology = schedule, dict(symbols or {"S": 16, "T": 16}), seed, topology
         self.dispatch_seed, self.passes, self.tokens_symbol = dispatch_seed, passes, tokens_symbol
+        self.by_cost, self.switch_seconds = by_cost, switch_seconds
         self._specs: dict[int, Specialized] = {}
         self.trainer: Trainer | None = None
         self.current: int | None = None
@@ -103,7 +110,8 @@ class MixedLengthTrainer:
     def step(self, samples: Sequence[Sample]) -> float | None:
         """Hetu-B: one step on these sequences ((tokens, labels) pairs, the same on every rank)."""
         lengths = self._lengths(samples)
-        d = dispatch(self.pool, lengths, seed=self.dispatch_seed + self.steps, passes=self.passes)
+        d = dispatch(self.pool, lengths, seed=self.dispatch_seed + self.steps, passes=self.passes, by_cost=self.by_cost,
+                     current=self.current, switch_seconds=self.switch_seconds)
         switch = self._enter(d.entry)
         loss = self.trainer.step_rows(self._rows(samples, d, range(len(samples))),
                                       {self.tokens_symbol: counted_tokens(samples)})
@@ -139,6 +147,57 @@ class MixedLengthTrainer:
             dispatches.append(d)
             parts.append(tuple(lengths[i] for i in ids))
         return self._report(entries, dispatches, parts, switches, loss)
+
+    # ---- calibration ----------------------------------------------------------------------------
+
+    def calibrate(self, lengths: Sequence[int] = (8, 16, 32, 64, 128), repeats: int = 3) -> tuple[PoolEntry, ...]:
+        """Collective: fit every pool entry's per-sequence cost a s^2 + b s + c on this machine,
+        through the real runtime, and the price of a switch; keep and return the calibrated pool.
+
+        Each entry's strategy runs forward, backward and gradient synchronisation (no update: the
+        weights do not change) on one sequence of each length per pipeline, all pipelines at once,
+        `repeats` times; a run takes its slowest rank's time, the same on every rank (gathered), so
+        every rank fits the same figures and dispatches alike. Approximate: c absorbs the step's
+        fixed costs (gradient sync, dispatch overhead), and every pipeline of an entry gets the same
+        fit (right for the pools of identical pipelines that a homogeneous machine has)."""
+        if not lengths or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in lengths):
+            raise HSPMDError(f"calibrate: lengths must be positive ints, got {list(lengths)}")
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise HSPMDError(f"calibrate: repeats must be a positive int, got {repeats!r}")
+        start = 0 if self.current is None else self.current
+        calibrated, switches = [], []
+        for k, entry in enumerate(self.pool):
+            if self.current is None:
+                self._enter(k)
+            elif self.current != k:
+                switches.append(self._timed(lambda: self._enter(k)))
+            usable = sorted({s for s in lengths if s <= min(entry.max_seq_len, entry.longest_fit)})
+            if len(usable) < 3:
+                raise HSPMDError(f"calibrate: pool entry {entry.name} holds only {usable} of lengths {list(lengths)}; "
+                                 f"give at least three lengths it takes")
+            seconds = [statistics.median(self._timed(lambda: self.trainer.bucket_rows(
+                [[self._probe_row(s)] for _ in entry.pipelines], {self.tokens_symbol: s})) for _ in range(repeats))
+                for s in usable]
+            a, b, c = fit_sequence_cost(usable, seconds, constant=True)
+            calibrated.append(replace(entry, pipelines=tuple(replace(p, a=a, b=b, c=c) for p in entry.pipelines)))
+        if self.current != start:
+            switches.append(self._timed(lambda: self._enter(start)))
+        self.pool = tuple(calibrated)
+        self.switch_seconds = statistics.median(switches) if switches else 0.0
+        return self.pool
+
+    def _probe_row(self, length: int) -> dict[str, torch.Tensor]:
+        tokens = torch.arange(length, dtype=torch.int64) % 2
+        return pack_row([(tokens, tokens)])
+
+    def _timed(self, fn) -> float:
+        """Seconds of fn() on the slowest rank, started together; the same value on every rank."""
+        world = tuple(range(self.backend.world_size))
+        self.backend.barrier(world)
+        began = time.perf_counter()
+        fn()
+        mine = torch.tensor([time.perf_counter() - began], dtype=torch.float64, device=self.backend.device)
+        return max(float(t) for t in self.backend.all_gather(mine, world, [(1,)] * len(world)))
 
     def _report(self, entries, dispatches, lengths, switches, loss) -> float | None:
         self.history.append(StepReport(self.steps, tuple(entries), tuple(dispatches),
