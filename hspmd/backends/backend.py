@@ -64,11 +64,6 @@ class Backend(abc.ABC):
     def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
         """Every member's tensor, in group order; shapes[i] is member i's shape (may differ)."""
 
-    def all_gather_joined(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> torch.Tensor:
-        """Every member's tensor flattened and joined in group order, as one 1-D tensor: a gather
-        along a leading dim is then the destination itself. Backends that can gather straight
-        into one buffer override it to skip the copy."""
-        return torch.cat([t.reshape(-1) for t in self.all_gather(tensor, group, shapes)])
 
     @abc.abstractmethod
     def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
@@ -83,6 +78,30 @@ class Backend(abc.ABC):
     ) -> dict[int, torch.Tensor]:
         """Batched point-to-point: send sends[peer] to each peer, receive recvs[peer] from each peer.
         Deadlock-free whatever the pattern (the backend batches / orders the operations)."""
+
+    # Writing into the caller's buffers. A plan executor passes views of its destination piece, so
+    # a reshard holds no intermediate whole tensor. `out` must not overlap the inputs. These
+    # defaults go through the methods above (correct, but they allocate the result once more);
+    # the in-process and torch.distributed backends override them to write in place.
+
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor) -> None:
+        """The group's sum of `tensor` written into `out` (same shape; any strides)."""
+        out.copy_(self.all_reduce(tensor, group))
+
+    def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
+        """Member i's tensor written into outs[i] (its shape is member i's; any strides)."""
+        for out, got in zip(outs, self.all_gather(tensor, group, [tuple(o.shape) for o in outs])):
+            out.copy_(got)
+
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
+        """This rank's reduce_scatter result (the sum of every member's part for it) written into `out`."""
+        out.copy_(self.reduce_scatter(parts, group))
+
+    def exchange_into(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        """`exchange` receiving into the caller's buffers: recvs[peer] is filled with peer's message."""
+        got = self.exchange(sends, {peer: (tuple(t.shape), t.dtype) for peer, t in recvs.items()})
+        for peer, out in recvs.items():
+            out.copy_(got[peer])
 
     @abc.abstractmethod
     def barrier(self, group: Group) -> None:

@@ -27,7 +27,7 @@ class LocalWorld:
         self._cond = threading.Condition()
         self._slots: dict[tuple, dict[int, object]] = {}
         self._reads: dict[tuple, int] = {}
-        self._mail: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._mail: dict[tuple, object] = {}  # (src, dst, n): (tensor, sender waits for a copy); ("copied", ...)
         self.failed: str | None = None
         self._communications = 0  # collectives and messages entered so far, by any device
         self.backends = {rank: LocalBackend(self, rank) for rank in self.devices}
@@ -94,15 +94,15 @@ class LocalWorld:
                 del self._slots[key], self._reads[key]
             return dict(slot)
 
-    def post(self, key: tuple[int, int, int], tensor: torch.Tensor) -> None:
+    def post(self, key: tuple, value: object) -> None:
         with self._cond:
             self._communications += 1
-            self._mail[key] = tensor
+            self._mail[key] = value
             self._cond.notify_all()
 
-    def take(self, key: tuple[int, int, int]) -> torch.Tensor:
+    def take(self, key: tuple) -> object:
         with self._cond:
-            self._wait(lambda: key in self._mail, f"receive on device {key[1]} from device {key[0]}")
+            self._wait(lambda: key in self._mail, f"receive on device {key[-2]} from device {key[-3]}")
             return self._mail.pop(key)
 
 
@@ -138,23 +138,83 @@ class LocalBackend(Backend):
         me = group.index(self.rank)
         return sum((values[r][me] for r in group[1:]), values[group[0]][me].clone())
 
+    def _done(self, group: Group) -> None:
+        """Wait until every member has read every input of the collective just run (and dropped
+        its references), so that no caller changes an input another member still reads, and an
+        input is freed when its owner drops it."""
+        self.world.rendezvous(self._key("done", group), group, self.rank, None)
+
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor) -> None:
+        values = self.world.rendezvous(self._key("all_reduce", group), group, self.rank, tensor)
+        out.copy_(values[group[0]])
+        for r in group[1:]:
+            out.add_(values[r])
+        del values
+        self._done(group)
+
+    def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
+        values = self.world.rendezvous(self._key("all_gather", group), group, self.rank, tensor)
+        for r, out in zip(group, outs):
+            if tuple(values[r].shape) != tuple(out.shape):
+                raise CommunicationError(f"all_gather: device {r} sent shape {tuple(values[r].shape)}, "
+                                         f"expected {tuple(out.shape)}")
+            out.copy_(values[r])
+        del values
+        self._done(group)
+
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
+        values = self.world.rendezvous(self._key("reduce_scatter", group), group, self.rank, list(parts))
+        me = group.index(self.rank)
+        out.copy_(values[group[0]][me])
+        for r in group[1:]:
+            out.add_(values[r][me])
+        del values
+        self._done(group)
+
     def exchange(
         self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, tuple[Shape, torch.dtype]]
     ) -> dict[int, torch.Tensor]:
+        """Sends post a copy and return at once (a send never waits for its receiver)."""
         for peer, tensor in sends.items():
-            n = self._sent.get(peer, 0)
-            self._sent[peer] = n + 1
-            self.world.post((self.rank, peer, n), tensor.clone())
-        out = {}
-        for peer, (shape, dtype) in recvs.items():
-            n = self._received.get(peer, 0)
-            self._received[peer] = n + 1
-            got = self.world.take((peer, self.rank, n))
-            if tuple(got.shape) != tuple(shape) or got.dtype != dtype:
-                raise CommunicationError(
-                    f"device {self.rank} expected {tuple(shape)} {dtype} from device {peer}, got {tuple(got.shape)} {got.dtype}"
-                )
-            out[peer] = got
+            self.world.post(self._next(self._sent, self.rank, peer), (tensor.clone(), False))
+        return {peer: self._receive(peer, shape, dtype, None) for peer, (shape, dtype) in recvs.items()}
+
+    def exchange_into(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        """Sends post the tensor itself, without a copy, and wait until the receiver has copied it
+        into its buffer (as a wire transfer would): no buffer beyond the caller's."""
+        posted = []
+        for peer, tensor in sends.items():
+            key = self._next(self._sent, self.rank, peer)
+            self.world.post(key, (tensor, True))
+            posted.append(key)
+        for peer, out in recvs.items():
+            self._receive(peer, tuple(out.shape), out.dtype, out)
+        for key in posted:
+            self.world.take(("copied", *key))
+
+    def _next(self, counts: dict[int, int], src: int, dst: int) -> tuple[int, int, int]:
+        """The mailbox key of the next message from src to dst (counted per peer)."""
+        peer = dst if src == self.rank else src
+        n = counts.get(peer, 0)
+        counts[peer] = n + 1
+        return (src, dst, n)
+
+    def _receive(self, peer: int, shape, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+        key = self._next(self._received, peer, self.rank)
+        got, acknowledge = self.world.take(key)
+        if tuple(got.shape) != tuple(shape) or got.dtype != dtype:
+            raise CommunicationError(
+                f"device {self.rank} expected {tuple(shape)} {dtype} from device {peer}, got {tuple(got.shape)} {got.dtype}"
+            )
+        if out is not None:
+            out.copy_(got)
+        elif acknowledge:
+            out = got.clone()
+        else:
+            out = got  # the sender's copy
+        del got
+        if acknowledge:  # the sender's tensor is no longer referenced here
+            self.world.post(("copied", *key), None)
         return out
 
     def barrier(self, group: Group) -> None:

@@ -1,9 +1,15 @@
 """Run a communication plan (hspmd.comm_resolve) on one rank, over any Backend.
 
 The same per-rank code serves every primitive: for each step a device that assembled_on its piece
-allocates its destination piece (zeros), runs the sub-collectives it is a member of in the plan's
-global order, then does its local copies and one batched exchange for its messages. Results are
-clipped to the destination piece, so a device never allocates more than the boxes it touches.
+allocates its destination piece (empty when the step writes all of it, else zeros), runs the
+sub-collectives it is a member of in the plan's global order, then does its local copies and its
+messages, round by round. Results are clipped to the destination piece.
+
+Memory: collectives write straight into views of the destination piece (Backend.*_into) and
+messages are sent from views of the source and land in views of the destination wherever those
+are contiguous, so during a step a device holds its source piece, its destination piece and at
+most one message-sized buffer each way (`memory_bound` states it per device; tests/test_reshard_
+memory.py checks it over random plans).
 
 With torch.distributed, every rank must first create the plan's groups collectively:
 `backend.prepare_groups(plan.collective_groups())`.
@@ -20,7 +26,7 @@ import torch
 from hspmd.annotations import Annotation, Box, Piece, box_intersection, box_relative, box_shape, device_pieces
 from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, FusedPlan, Plan, Step, Transfer
-from hspmd.comm_resolve.slices import box_volume
+from hspmd.comm_resolve.slices import box_contains, box_volume
 from hspmd.errors import ShapeError, ShapeTypeError
 from hspmd.limits import brief
 from hspmd.backends.backend import Backend
@@ -56,6 +62,7 @@ class Buffers:
         return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
 
 
+
 def _check_local(local: torch.Tensor | None, piece: Piece | None, dtype: torch.dtype, device: int, what: str) -> None:
     if piece is None:
         return
@@ -84,83 +91,85 @@ def _write(out: torch.Tensor, held: Box, region: Box, value: torch.Tensor) -> No
         out[box_relative(common, held)] = value[box_relative(common, region)]
 
 
-def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out, dst: Box, buf: Buffers) -> None:
+def _target(out: torch.Tensor, held: Box, region: Box, buf: Buffers) -> tuple[torch.Tensor, bool]:
+    """Where a result covering `region` is written: the view of `out` when `region` lies inside
+    `held` (no copy), else a buffer of its own (True: clip it into `out` afterwards)."""
+    if box_contains(held, region):
+        return out[box_relative(region, held)], False
+    return buf.empty(box_shape(region)), True
+
+
+def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out, dst: Box, buf: Buffers,
+                    zero: torch.Tensor | None) -> None:
+    """Run one sub-collective straight into this rank's destination piece `out` (holding `dst`);
+    a member without a summand contributes `zero` (one element) broadcast to the shape."""
     me = backend.rank
     gives_zeros = me in c.zero_inputs or src is None
-    if c.kind == "all_reduce":
-        value = buf.zeros(box_shape(c.box)) if gives_zeros else _cut(local, src, c.box, buf)
-        _write(out, dst, c.box, backend.all_reduce(value.contiguous(), c.devices))
-    elif c.kind == "all_gather":
+    if c.kind == "all_gather":
         mine = c.parts[c.devices.index(me)]
-        value = _cut(local, src, mine, buf) if src is not None else buf.zeros(box_shape(mine))
-        shapes = [tuple(box_shape(p)) for p in c.parts]
-        for part, got in zip(c.parts, backend.all_gather(value.contiguous(), c.devices, shapes)):
-            _write(out, dst, part, got)
+        value = zero.expand(box_shape(mine)) if src is None else _cut(local, src, mine, buf)
+        targets = [_target(out, dst, part, buf) for part in c.parts]
+        backend.all_gather_into(value, c.devices, [t for t, _ in targets])
+        for part, (t, own) in zip(c.parts, targets):
+            if own:
+                _write(out, dst, part, t)
+        return
+    if c.kind == "all_reduce":
+        region = c.box
+        value = zero.expand(box_shape(c.box)) if gives_zeros else _cut(local, src, c.box, buf)
     else:
-        parts = [
-            buf.zeros(box_shape(p)) if gives_zeros else _cut(local, src, p, buf).contiguous()
-            for p in c.parts
-        ]
-        _write(out, dst, c.parts[c.devices.index(me)], backend.reduce_scatter(parts, c.devices))
+        region = c.parts[c.devices.index(me)]
+        value = [zero.expand(box_shape(p)) if gives_zeros else _cut(local, src, p, buf) for p in c.parts]
+    target, own = _target(out, dst, region, buf)
+    if c.kind == "all_reduce":
+        backend.all_reduce_into(value, c.devices, target)
+    else:
+        backend.reduce_scatter_into(value, c.devices, target)
+    if own:
+        _write(out, dst, region, target)
 
 
 @lru_cache(maxsize=4096)
-def _tiling_dim(parts: tuple[Box, ...], box: Box) -> int | None:
-    """The dim along which `parts`, in their order, lie back to back and fill `box` exactly (each
-    spanning `box` on every other dim), or None: then concatenating the parts builds `box`."""
-    for d in range(len(box)):
-        edge = box[d][0]
-        for part in parts:
-            if any(part[i] != box[i] for i in range(len(box)) if i != d) or part[d][0] != edge:
-                break
-            edge = part[d][1]
-        else:
-            if edge == box[d][1]:
-                return d
-    return None
+def _covered(step: Step, me: int, dst: Box) -> bool:
+    """True when the step's collectives and messages write every element of this device's
+    destination piece exactly once: it then starts empty, not zero-filled."""
+    regions = []
+    for c in step.collectives:
+        if me in c.devices:
+            if c.kind == "all_reduce":
+                regions.append(box_intersection(c.box, dst))
+            elif c.kind == "all_gather":
+                regions += [box_intersection(p, dst) for p in c.parts]
+            else:
+                regions.append(box_intersection(c.parts[c.devices.index(me)], dst))
+    regions += [box_intersection(b, dst) for t in step.transfers if t.dst == me for b in t.boxes]
+    return _tiled(dst, regions)
+
+
+def _tiled(box: Box, regions) -> bool:
+    """The non-empty regions tile `box` (an empty box needs nothing)."""
+    return box_volume(box) == 0 or tiles(box, [r for r in regions if r is not None])
 
 
 @lru_cache(maxsize=4096)
-def _fills(parts: tuple[Box, ...], box: Box) -> bool:
-    return tiles(box, parts)
-
-
-def _leading(shape: tuple[int, ...], dim: int) -> bool:
-    """True when blocks along `dim` are contiguous runs of a row-major tensor of `shape`."""
-    return all(n == 1 for n in shape[:dim])
-
-
-def _sole_collective(step: Step, me: int) -> Collective | None:
-    """The step's only collective for this device when no message or local copy touches it."""
-    mine = [c for c in step.collectives if me in c.devices]
-    if len(mine) != 1 or any(me in (t.src, t.dst) for t in step.transfers):
-        return None
-    return mine[0]
-
-
-def _collective_result(c: Collective, backend: Backend, local, src: Box | None, dst: Piece, buf: Buffers):
-    """The destination piece straight from the backend, when the collective's result is exactly
-    that piece (no zeros to fill and no copy into them); None when it is not."""
-    me = backend.rank
-    gives_zeros = me in c.zero_inputs or src is None
-    if c.kind == "all_reduce" and c.box == dst.box:
-        value = buf.zeros(box_shape(c.box)) if gives_zeros else _cut(local, src, c.box, buf)
-        return backend.all_reduce(value, c.devices)
-    if c.kind == "reduce_scatter" and c.parts[c.devices.index(me)] == dst.box:
-        parts = [buf.zeros(box_shape(p)) if gives_zeros else _cut(local, src, p, buf) for p in c.parts]
-        return backend.reduce_scatter(parts, c.devices)
-    if c.kind != "all_gather" or not _fills(c.parts, dst.box):
-        return None
-    mine = c.parts[c.devices.index(me)]
-    value = _cut(local, src, mine, buf) if src is not None else buf.zeros(box_shape(mine))
-    shapes = [tuple(box_shape(p)) for p in c.parts]
-    dim = _tiling_dim(c.parts, dst.box)
-    if dim is not None and _leading(dst.shape, dim):
-        return backend.all_gather_joined(value.contiguous(), c.devices, shapes).reshape(dst.shape)
-    out = buf.empty(dst.shape)  # every element is written: the parts tile the piece
-    for part, got in zip(c.parts, backend.all_gather(value.contiguous(), c.devices, shapes)):
-        _write(out, dst.box, part, got)
-    return out
+def message_rounds(transfers: tuple[Transfer, ...]) -> tuple[tuple[Transfer, ...], ...]:
+    """The messages (src != dst) in rounds where each device sends at most one and receives at
+    most one, so a device stages at most one message each way at a time. Greedy in a fixed order
+    (by ring distance, then sender), the same on every device; a cyclic shift pattern takes the
+    fewest rounds. Messages run round by round, each round one batched exchange."""
+    messages = [t for t in transfers if t.src != t.dst]
+    width = 1 + max((max(t.src, t.dst) for t in messages), default=0)
+    rounds: list[list[Transfer]] = []
+    busy: list[tuple[set, set]] = []
+    for t in sorted(messages, key=lambda t: ((t.dst - t.src) % width, t.src, t.dst)):
+        r = next((i for i, (out, into) in enumerate(busy) if t.src not in out and t.dst not in into), len(rounds))
+        if r == len(rounds):
+            rounds.append([])
+            busy.append((set(), set()))
+        rounds[r].append(t)
+        busy[r][0].add(t.src)
+        busy[r][1].add(t.dst)
+    return tuple(tuple(r) for r in rounds)
 
 
 def _exchange(
@@ -170,39 +179,90 @@ def _exchange(
     targets: Mapping[int, tuple[torch.Tensor, Box]],
     bufs: Mapping[int, Buffers],
 ) -> None:
-    """Local copies and one batched exchange; `sources`/`targets` map tensor id -> (tensor, box),
-    `bufs` tensor id -> its buffers (dtype). A message mixing dtypes travels as bytes."""
+    """Local copies, then the messages round by round (message_rounds: every device passes the
+    step's whole transfer list, so all agree on the rounds); `sources`/`targets` map tensor id ->
+    (tensor, box), `bufs` tensor id -> its buffers (dtype). A message mixing dtypes travels as bytes.
+    A message is sent from a view of its source when it is one contiguous box, and lands straight
+    in its destination when that is one contiguous box: otherwise through one buffer."""
     me = backend.rank
-    sends, recvs, incoming = {}, {}, {}
     for t in transfers:
         if t.src == me and t.dst == me:
             for tid, box in zip(t.tensors, t.boxes):
                 if tid in targets:
                     value = _cut(sources[tid][0], sources[tid][1], box, bufs[tid])
                     _write(targets[tid][0], targets[tid][1], box, value)
-        elif t.src == me:
-            wire = _wire_dtype(t, bufs)
-            chunks = [_flat(_cut(sources[tid][0], sources[tid][1], box, bufs[tid]), wire)
-                      for tid, box in zip(t.tensors, t.boxes)]
-            device = next(iter(bufs.values())).device
-            sends[t.dst] = torch.cat(chunks) if chunks else torch.zeros(0, dtype=wire, device=device)
-        elif t.dst == me:
-            n = t.elements if _single_dtype(t, bufs) else _nbytes(t, bufs)
-            recvs[t.src] = ((n,), _wire_dtype(t, bufs))
-            incoming[t.src] = t
-    if not sends and not recvs:
-        return
-    got = backend.exchange(sends, recvs)
-    for peer, t in incoming.items():
-        offset, mixed = 0, not _single_dtype(t, bufs)
-        for tid, box in zip(t.tensors, t.boxes):
-            dtype = bufs[tid].dtype
-            n = box_volume(box) * (_itemsize(dtype) if mixed else 1)
-            chunk = got[peer][offset : offset + n]
-            if mixed:
-                chunk = chunk.clone().view(dtype)
-            _write(targets[tid][0], targets[tid][1], box, chunk.reshape(box_shape(box)))
-            offset += n
+    for round_ in message_rounds(tuple(transfers)):
+        send = next((t for t in round_ if t.src == me), None)
+        recv = next((t for t in round_ if t.dst == me), None)
+        if send is None and recv is None:
+            continue
+        sends = {send.dst: _outgoing(send, sources, bufs)} if send is not None else {}
+        landing, staged = _landing(recv, targets, bufs) if recv is not None else (None, False)
+        backend.exchange_into(sends, {recv.src: landing} if recv is not None else {})
+        if staged:
+            _unpack(recv, landing, targets, bufs)
+        del sends, landing  # before the next round's buffers exist
+
+
+def _outgoing(t: Transfer, sources, bufs: Mapping[int, Buffers]) -> torch.Tensor:
+    """The flat message of transfer `t`: a view of the source when it is one contiguous box of
+    the wire dtype, else one buffer the boxes are copied into."""
+    wire = _wire_dtype(t, bufs)
+    chunks = [_cut(sources[tid][0], sources[tid][1], box, bufs[tid]) for tid, box in zip(t.tensors, t.boxes)]
+    if len(chunks) == 1 and chunks[0].dtype == wire and chunks[0].is_contiguous():
+        return chunks[0].view(-1)
+    message = torch.empty(_wire_length(t, bufs), dtype=wire, device=_device(bufs))
+    offset = 0
+    for chunk in chunks:
+        value = chunk if chunk.dtype == wire else _as_bytes(chunk)
+        n = value.numel()
+        message[offset : offset + n].view(value.shape).copy_(value)
+        offset += n
+    return message
+
+
+def _landing(t: Transfer, targets, bufs: Mapping[int, Buffers]) -> tuple[torch.Tensor, bool]:
+    """Where transfer `t` is received: its box's view of the destination when that is one
+    contiguous box of one dtype (False), else a buffer unpacked afterwards (True)."""
+    if len(t.boxes) == 1 and t.tensors[0] in targets:
+        out, held = targets[t.tensors[0]]
+        if box_contains(held, t.boxes[0]):
+            view = out[box_relative(t.boxes[0], held)]
+            if view.is_contiguous():
+                return view.view(-1), False
+    return torch.empty(_wire_length(t, bufs), dtype=_wire_dtype(t, bufs), device=_device(bufs)), True
+
+
+def _unpack(t: Transfer, message: torch.Tensor, targets, bufs: Mapping[int, Buffers]) -> None:
+    mixed = not _single_dtype(t, bufs)
+    offset = 0
+    for tid, box in zip(t.tensors, t.boxes):
+        dtype = bufs[tid].dtype
+        n = box_volume(box) * (_itemsize(dtype) if mixed else 1)
+        chunk = message[offset : offset + n]
+        offset += n
+        out, held = targets[tid]
+        if not mixed:
+            _write(out, held, box, chunk.view(box_shape(box)))
+        elif box_contains(held, box):
+            region = _as_bytes(out[box_relative(box, held)])
+            region.copy_(chunk.view(region.shape))
+        else:
+            _write(out, held, box, chunk.clone().view(dtype).view(box_shape(box)))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of `t` (last dim widened by the item size), for messages mixing dtypes."""
+    t = t.unsqueeze(0) if t.dim() == 0 else t
+    return (t if t.stride(-1) == 1 else t.contiguous()).view(torch.uint8)
+
+
+def _device(bufs: Mapping[int, Buffers]) -> torch.device:
+    return next(iter(bufs.values())).device
+
+
+def _wire_length(t: Transfer, bufs: Mapping[int, Buffers]) -> int:
+    return t.elements if _single_dtype(t, bufs) else _nbytes(t, bufs)
 
 
 def _single_dtype(t: Transfer, bufs: Mapping[int, Buffers]) -> bool:
@@ -222,11 +282,6 @@ def _nbytes(t: Transfer, bufs: Mapping[int, Buffers]) -> int:
     return sum(box_volume(box) * _itemsize(bufs[tid].dtype) for tid, box in zip(t.tensors, t.boxes))
 
 
-def _flat(value: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-    flat = value.reshape(-1)
-    return flat if flat.dtype == wire else flat.contiguous().view(wire)
-
-
 def _only_copies_own_piece(transfers, me: int, tid: int, src: Piece | None, dst: Piece) -> bool:
     """True when the device's only part in tensor `tid` is copying its whole piece to itself."""
     mine = [(t, b) for t in transfers if me in (t.src, t.dst) for x, b in zip(t.tensors, t.boxes) if x == tid]
@@ -241,22 +296,17 @@ def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend
     buf = Buffers.for_rank(dtype, backend, (local,))
     src, dst = _pieces(step.src, shape).get(me), _pieces(step.dst, shape).get(me)
     if me not in step.assembled_on:
-        sending = [t for t in step.transfers if t.src == me]
-        if sending:
-            _exchange(tuple(sending), backend, {0: (local, src.box)}, {}, {0: buf})
+        if any(t.src == me for t in step.transfers):
+            _exchange(step.transfers, backend, {0: (local, src.box)}, {}, {0: buf})
         return local if dst is not None else None
     if _only_copies_own_piece(step.transfers, me, 0, src, dst) and not any(me in c.devices for c in step.collectives):
         return local
     src_box = src.box if src is not None else None
-    sole = _sole_collective(step, me)
-    if sole is not None:
-        out = _collective_result(sole, backend, local, src_box, dst, buf)
-        if out is not None:
-            return out
-    out = buf.zeros(dst.shape)
-    for c in step.collectives:
-        if me in c.devices:
-            _run_collective(c, backend, local, src_box, out, dst.box, buf)
+    out = buf.empty(dst.shape) if _covered(step, me, dst.box) else buf.zeros(dst.shape)
+    mine = [c for c in step.collectives if me in c.devices]
+    zero = buf.zeros(()) if any(me in c.zero_inputs or src is None for c in mine) else None
+    for c in mine:
+        _run_collective(c, backend, local, src_box, out, dst.box, buf, zero)
     _exchange(step.transfers, backend, {0: (local, src_box)}, {0: (out, dst.box)}, {0: buf})
     return out
 
@@ -291,10 +341,17 @@ def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, 
         if _only_copies_own_piece(plan.transfers, me, tid, src, dst):
             out[tid] = locals_[tid]
         else:
-            out[tid] = bufs[tid].zeros(dst.shape)
+            out[tid] = bufs[tid].empty(dst.shape) if _fused_covered(plan, me, tid, dst.box) else bufs[tid].zeros(dst.shape)
             targets[tid] = (out[tid], dst.box)
     _exchange(plan.transfers, backend, sources, targets, bufs)
     return out
+
+
+def _fused_covered(plan: FusedPlan, me: int, tid: int, dst: Box) -> bool:
+    """True when the messages into this device write every element of tensor `tid`'s piece once."""
+    regions = [box_intersection(b, dst) for t in plan.transfers if t.dst == me
+               for x, b in zip(t.tensors, t.boxes) if x == tid]
+    return _tiled(dst, regions)
 
 
 def run_plan(plan: Plan | FusedPlan, locals_: Mapping[int, object], timeout: float = 60.0) -> dict[int, object]:

@@ -84,6 +84,8 @@ class TorchDistBackend(Backend):
         self._world = world
         self._groups = _GROUPS_BY_WORLD.setdefault(world, {})
         self._native_reduce_scatter = True
+        # NCCL's one-buffer collectives write in place; gloo's stage the whole result (see *_into)
+        self.native_in_place = "nccl" in self.dist_backend
         _LIVE_BACKENDS.add(self)
         self.barrier(tuple(range(self.world_size)))
 
@@ -188,18 +190,6 @@ class TorchDistBackend(Backend):
         by_rank = dict(zip(sorted(group), gathered))
         return [by_rank[r][:n].reshape(s) for r, n, s in zip(group, sizes, shapes)]
 
-    def all_gather_joined(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> torch.Tensor:
-        """Equal pieces in rank order are gathered straight into one buffer (all_gather_into_tensor)."""
-        shapes = [tuple(s) for s in shapes]
-        pg = self._process_group(group, "all_gather")
-        if len(group) == 1 or list(group) != sorted(group) or len(set(shapes)) != 1 or tuple(tensor.shape) != shapes[0]:
-            return super().all_gather_joined(tensor, group, shapes)
-        out = torch.empty(len(group) * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        if out.numel():
-            with self._wrapped("all_gather", group):
-                _ALL_GATHER_SINGLE(out, tensor.detach().reshape(-1).contiguous(), group=pg)
-        return out
-
     def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
         """Uses the backend's reduce_scatter on parts padded to the largest part. Where the backend has
         none (gloo before torch 2.6 or so) it all-reduces the concatenated parts and keeps this rank's
@@ -246,6 +236,86 @@ class TorchDistBackend(Backend):
         start = sum(p.numel() for p in parts[:me])
         return flat[start : start + parts[me].numel()].reshape(parts[me].shape).clone()
 
+    # into the caller's buffers (Backend.*_into) -----------------------------------------------------
+    # NCCL's one-buffer collectives write straight into the destination. Gloo's stage the whole
+    # result in a buffer of their own (a gathered tensor, a joined input), so under gloo, and
+    # wherever the pieces are not one rank-ordered run of equal blocks, pieces travel point to
+    # point in n-1 rounds (round k: to the member k places after, from the member k places
+    # before), landing in the caller's views: at most one piece-sized buffer in and one out.
+
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor) -> None:
+        pg = self._process_group(group, "all_reduce")
+        target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        target.copy_(tensor)
+        if len(group) > 1 and target.numel():
+            with self._wrapped("all_reduce", group):
+                dist.all_reduce(target, group=pg)
+        if target is not out:
+            out.copy_(target)
+
+    def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
+        pg = self._process_group(group, "all_gather")
+        me = group.index(self.rank)
+        if len(outs) != len(group) or tuple(tensor.shape) != tuple(outs[me].shape):
+            raise CommunicationError(
+                f"all_gather on rank {self.rank}: tensor of shape {tuple(tensor.shape)} and {len(outs)} outputs "
+                f"{[tuple(o.shape) for o in outs]} for group {list(group)}; pass one output per member"
+            )
+        joined = _flat_view(outs) if self.native_in_place and list(group) == sorted(group) else None
+        if joined is not None and len({o.numel() for o in outs}) == 1 and len(group) > 1:
+            if joined.numel():
+                with self._wrapped("all_gather", group):
+                    _ALL_GATHER_SINGLE(joined, tensor.detach().reshape(-1).contiguous(), group=pg)
+            return
+        outs[me].copy_(tensor)
+        mine = tensor.detach().contiguous()
+        for to, frm in _rounds(group, me):
+            target = outs[frm]
+            landing = target if target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype, device=target.device)
+            self._p2p_round("all_gather", group, pg, mine, group[to], landing, group[frm])
+            if landing is not target:
+                target.copy_(landing)
+            del landing  # before the next round's
+
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
+        pg = self._process_group(group, "reduce_scatter")
+        if len(parts) != len(group):
+            raise CommunicationError(
+                f"reduce_scatter on rank {self.rank}: {len(parts)} parts for group {list(group)}; pass one per member"
+            )
+        me = group.index(self.rank)
+        joined = _flat_view(parts) if self.native_in_place and list(group) == sorted(group) else None
+        if joined is not None and len({p.numel() for p in parts}) == 1 and out.is_contiguous() and len(group) > 1:
+            if joined.numel():
+                with self._wrapped("reduce_scatter", group):
+                    _REDUCE_SCATTER_SINGLE(out.view(-1), joined, group=pg)
+            return
+        out.copy_(parts[me])
+        landing = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        for to, frm in _rounds(group, me):
+            self._p2p_round("reduce_scatter", group, pg, parts[to].detach().contiguous(), group[to], landing,
+                            group[frm])
+            out.add_(landing)
+
+    def _p2p_round(self, op: str, group: Group, pg, send: torch.Tensor, to: int, into: torch.Tensor, frm: int) -> None:
+        """Send `send` (contiguous) to rank `to` while receiving rank `frm`'s message into `into` (contiguous)."""
+        ops = [dist.P2POp(dist.isend, send, to, group=pg)] if send.numel() else []
+        if into.numel():
+            ops.append(dist.P2POp(dist.irecv, into, frm, group=pg))
+        if ops:
+            with self._wrapped(op, group):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait(self.timeout)
+
+    def exchange_into(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        """`exchange`, receiving straight into the caller's buffers where they are contiguous."""
+        landing = {p: t if t.is_contiguous() or p == self.rank else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                   for p, t in recvs.items()}
+        got = self._exchange(sends, {p: (tuple(t.shape), t.dtype) for p, t in recvs.items()}, landing)
+        for peer, out in recvs.items():
+            if got[peer] is not out:
+                out.copy_(got[peer])
+
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
         pg = self._process_group(group, "broadcast")
         if src not in group:
@@ -270,6 +340,9 @@ class TorchDistBackend(Backend):
     ) -> dict[int, torch.Tensor]:
         """All sends and receives are posted together (batch_isend_irecv) and then awaited, so no
         pattern can deadlock. Empty tensors and messages to this rank itself never touch the wire."""
+        return self._exchange(sends, recvs, {})
+
+    def _exchange(self, sends, recvs, landing: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         for peer in (*sends, *recvs):
             if not 0 <= peer < self.world_size:
                 raise CommunicationError(f"exchange on rank {self.rank}: peer {peer} is not in [0, {self.world_size})")
@@ -289,7 +362,7 @@ class TorchDistBackend(Backend):
             if peer == self.rank:
                 continue
             shape, dtype = recvs[peer]
-            out[peer] = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+            out[peer] = landing[peer] if peer in landing else torch.empty(tuple(shape), dtype=dtype, device=self.device)
             if out[peer].numel():
                 ops.append(dist.P2POp(dist.irecv, out[peer], peer))
         if ops:
@@ -440,15 +513,27 @@ def _padded_flat(tensor: torch.Tensor, width: int) -> torch.Tensor:
 def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """The parts flattened and joined: a flat view when they already lie back to back in one
     buffer (row blocks of one tensor, as a reduce-scatter of a contiguous piece cuts them), else a copy."""
+    flat = _flat_view(parts)
+    return flat if flat is not None else torch.cat([q.detach().reshape(-1) for q in parts])
+
+
+def _flat_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view over the parts when they lie back to back, in order, in one buffer; else None."""
     first = parts[0].detach()
     end = first.data_ptr()
     for p in parts:
         if not p.is_contiguous() or p.dtype != first.dtype or p.data_ptr() != end or (
             p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
         ):
-            return torch.cat([q.detach().reshape(-1) for q in parts])
+            return None
         end += p.numel() * p.element_size()
     return first.as_strided((sum(p.numel() for p in parts),), (1,))
+
+
+def _rounds(group: Group, me: int) -> list[tuple[int, int]]:
+    """(index sent to, index received from) per round of a pairwise exchange over the group."""
+    n = len(group)
+    return [((me + k) % n, (me - k) % n) for k in range(1, n)]
 
 
 def _checked_self_message(tensor: torch.Tensor, shape: Shape, dtype: torch.dtype, rank: int) -> torch.Tensor:

@@ -116,9 +116,21 @@ class FaultInjector(Backend):
         self._tick("all_gather")
         return self.inner.all_gather(tensor, group, shapes)
 
-    def all_gather_joined(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> torch.Tensor:
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor) -> None:
+        self._tick("all_reduce")
+        self.inner.all_reduce_into(tensor, group, out)
+
+    def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
         self._tick("all_gather")
-        return self.inner.all_gather_joined(tensor, group, shapes)
+        self.inner.all_gather_into(tensor, group, outs)
+
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
+        self._tick("reduce_scatter")
+        self.inner.reduce_scatter_into(parts, group, out)
+
+    def exchange_into(self, sends, recvs) -> None:
+        self._tick("exchange")
+        self.inner.exchange_into(sends, recvs)
 
     def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
         self._tick("reduce_scatter")

@@ -44,6 +44,20 @@ class NonBlockingSends(Backend):
             self._pending.append(self._post(dict(sends)))
         return self.inner.exchange({}, recvs) if recvs else {}
 
+    def exchange_into(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        if self._post is None and sends:
+            # the in-process backend's exchange posts copies without waiting (exchange_into would wait)
+            got = self.inner.exchange(sends, {p: (tuple(t.shape), t.dtype) for p, t in recvs.items()})
+            for peer, out in recvs.items():
+                out.copy_(got[peer])
+        elif self._post is None or self.rank in sends:
+            self.inner.exchange_into(sends, recvs)
+        else:
+            if sends:
+                self._pending.append(self._post(dict(sends)))
+            if recvs:
+                self.inner.exchange_into({}, recvs)
+
     def wait_sends(self) -> None:
         pending, self._pending = self._pending, []
         for handle in pending:
@@ -61,8 +75,14 @@ class NonBlockingSends(Backend):
     def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
         return self.inner.all_gather(tensor, group, shapes)
 
-    def all_gather_joined(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> torch.Tensor:
-        return self.inner.all_gather_joined(tensor, group, shapes)
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor) -> None:
+        self.inner.all_reduce_into(tensor, group, out)
+
+    def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
+        self.inner.all_gather_into(tensor, group, outs)
+
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
+        self.inner.reduce_scatter_into(parts, group, out)
 
     def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
         return self.inner.reduce_scatter(parts, group)
