@@ -240,6 +240,10 @@ class _PendingSends:
     def __init__(self, backend: GenerationBackend, works: list, tensors: list[torch.Tensor], peers: list[int]):
         self._backend, self._works, self._tensors, self._peers = backend, works, tensors, peers
 
+    def done(self) -> bool:
+        """True once every send has completed (its buffer may be dropped); never waits."""
+        return all(work.is_completed() for work in self._works)
+
     def wait(self) -> None:
         self._backend._wait(self._works, "post_sends (wait)", self._peers)
         self._works, self._tensors = [], []

@@ -420,6 +420,10 @@ class PendingSends:
     def __init__(self, backend: TorchDistBackend, works: list, tensors: list[torch.Tensor], peers: list[int]):
         self._backend, self._works, self._tensors, self._peers = backend, works, tensors, peers
 
+    def done(self) -> bool:
+        """True once every send has completed (its buffer may be dropped); never waits."""
+        return all(work.is_completed() for work in self._works)
+
     def wait(self) -> None:
         with self._backend._wrapped("post_sends (wait)", self._peers):
             for work in self._works:

@@ -1,9 +1,14 @@
 """Run one stage's schedule (hspmd.specialize.schedules) on a Backend: the forward and backward passes
 of this device's executable graph, micro-batch by micro-batch, in the schedule's order.
 
-Stage-to-stage sends are posted without waiting for the receiver (`NonBlockingSends`), and are
-completed once the whole order has run: with blocking sends, 1F1B's steady state (stage s sends
-micro-batch m+1's activation while stage s+1 sends micro-batch m's gradient back) deadlocks.
+Stage-to-stage sends are posted without waiting for the receiver (`NonBlockingSends`): with
+blocking sends, 1F1B's steady state (stage s sends micro-batch m+1's activation while stage s+1
+sends micro-batch m's gradient back) deadlocks. A send's buffer is kept only until its receiver
+has it: sends the backend reports complete are dropped after every action (gloo reports a send
+only once it is waited for), those of F(m) are completed right after B(m) (its gradient came
+back, so the later stages have received F(m)'s outputs), and those of a backward right after the
+next backward (by then the earlier stages, which wait for that gradient and need nothing else
+from this stage to get there, have taken it); whatever is left is completed at the end.
 The update (gradient synchronisation + optimizer) is not part of a schedule: it runs once per
 step, after every stage's schedule, through hspmd.runtime.run.run_update.
 """
@@ -35,14 +40,39 @@ class NonBlockingSends(Backend):
     def __init__(self, inner: Backend):
         self.inner, self.rank, self.world_size, self.device = inner, inner.rank, inner.world_size, inner.device
         self._post = getattr(inner, "post_sends", None)
-        self._pending: list = []
+        self._pending: list[tuple[object, object, int]] = []  # (tag, handle, bytes)
+        self.tag: object = None  # what the sends posted now belong to (run_schedule: the action)
+
+    def _start(self, sends: Mapping[int, torch.Tensor]) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in sends.values())
+        self._pending.append((self.tag, self._post(dict(sends)), nbytes))
 
     def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, tuple[Shape, torch.dtype]]) -> dict[int, torch.Tensor]:
         if self._post is None or self.rank in sends:
             return self.inner.exchange(sends, recvs)
         if sends:
-            self._pending.append(self._post(dict(sends)))
+            self._start(sends)
         return self.inner.exchange({}, recvs) if recvs else {}
+
+    @property
+    def pending(self) -> int:
+        """Posted sends whose buffers are still held (their receivers may not have them yet)."""
+        return len(self._pending)
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(n for _, _, n in self._pending)
+
+    def release_completed(self) -> None:
+        """Drop the sends that have completed (without waiting for any)."""
+        self._pending = [p for p in self._pending if not (hasattr(p[1], "done") and p[1].done())]
+
+    def complete(self, tag: object) -> None:
+        """Complete the sends posted under `tag` (their receivers are known to have them) and drop them."""
+        for t, handle, _ in self._pending:
+            if t == tag:
+                handle.wait()
+        self._pending = [p for p in self._pending if p[0] != tag]
 
     def exchange_into(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
         if self._post is None and sends:
@@ -54,13 +84,13 @@ class NonBlockingSends(Backend):
             self.inner.exchange_into(sends, recvs)
         else:
             if sends:
-                self._pending.append(self._post(dict(sends)))
+                self._start(sends)
             if recvs:
                 self.inner.exchange_into({}, recvs)
 
     def wait_sends(self) -> None:
         pending, self._pending = self._pending, []
-        for handle in pending:
+        for _, handle, _ in pending:
             handle.wait()
 
     def prepare_groups(self, groups: Iterable[Group]) -> None:
@@ -96,10 +126,16 @@ class NonBlockingSends(Backend):
 
 @dataclass(frozen=True)
 class ScheduleRun:
-    """What running one stage's order measured: micro-batches run and the most kept alive at once."""
+    """What running one stage's order measured, after each action: micro-batches run; the most
+    whose activations were held at once (peak_in_flight); the most posted sends whose buffers
+    were held at once (peak_pending_sends); and the most bytes held at once by both, counted from
+    the tensors themselves (activation storages, shared ones once, weights and fed inputs
+    excluded; send buffers)."""
 
     micro_batches: int
     peak_in_flight: int
+    peak_pending_sends: int = 0
+    peak_held_bytes: int = 0
 
 
 def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, order: Sequence[Action],
@@ -115,19 +151,46 @@ def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, ord
     check_order(order, micro_batches)
     sender = NonBlockingSends(backend)
     live: dict[int, MicroBatch] = {}
-    peak = 0
+    given = {_storage(t) for t in state.leaves.values()}  # weights and fed inputs: not the stage's buffers
+    peak = peak_sends = peak_bytes = 0
     last_backward = max((i for i, a in enumerate(order) if a.kind != FORWARD), default=-1)
+    previous_backward = None
     for i, action in enumerate(order):
         m = action.micro_batch
+        sender.tag = (action.kind, m)
         with tracer.span(str(action), "compute", micro_batch=m) if tracer else nullcontext():
             if action.kind == FORWARD:
-                live[m] = run_forward(exe, sender, state, feeds(m), binding(m) if callable(binding) else binding)
-                peak = max(peak, len(live))
+                fed = feeds(m)
+                given.update(_storage(t) for t in fed.values())
+                live[m] = run_forward(exe, sender, state, fed, binding(m) if callable(binding) else binding)
             else:
                 run_backward(exe, sender, state, live.pop(m), buckets if i == last_backward else None)
+                sender.complete((FORWARD, m))
+                if previous_backward is not None:
+                    sender.complete(previous_backward)
+                previous_backward = (action.kind, m)
+        sender.release_completed()
+        peak = max(peak, sum(1 for mb in live.values() if mb.env))
+        peak_sends = max(peak_sends, sender.pending)
+        peak_bytes = max(peak_bytes, _activation_bytes(live.values(), given) + sender.pending_bytes)
     with tracer.span("wait sends", "comm") if tracer else nullcontext():
         sender.wait_sends()
-    return ScheduleRun(micro_batches, peak)
+    return ScheduleRun(micro_batches, peak, peak_sends, peak_bytes)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _activation_bytes(micro_batches: Iterable[MicroBatch], given: set[int]) -> int:
+    """Bytes of the distinct storages the micro-batches' values hold, `given` ones excluded."""
+    seen: dict[int, int] = {}
+    for mb in micro_batches:
+        for t in mb.env.values():
+            key = _storage(t)
+            if key not in given:
+                seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 __all__ = ["NonBlockingSends", "ScheduleRun", "run_schedule"]
