@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hspmd.ir import Binding, Graph, comm, initial_value, parameter, placeholder
-from hspmd.ops import SGD, relu
+from hspmd.ir import Binding, comm, initial_value, parameter, placeholder
+from hspmd.ops import SGD, Graph, relu
 from hspmd.backends.backend import Backend
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.run import DeviceState, device_feeds, run_backward, run_forward, run_update

@@ -24,8 +24,8 @@ __all__ = [
 
 # Graph IR, DSL, op library and specialization (issue 4).
 from hspmd import ops
-from hspmd.ir import Binding, Derived, Graph, comm, parameter, placeholder, state, symbols
-from hspmd.ops import SGD, AdamW, gradients
+from hspmd.ir import Binding, Derived, comm, parameter, placeholder, state, symbols
+from hspmd.ops import SGD, AdamW, Graph, gradients
 from hspmd.specialize.deduce import deduce
 from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update

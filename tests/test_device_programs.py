@@ -21,10 +21,10 @@ from hspmd.annotations import Annotation, DistributedStates, Duplicate, Subgroup
 from hspmd.backends.backend import Backend
 from hspmd.backends.local import LocalWorld
 from hspmd.errors import HSPMDError
-from hspmd.ir import Binding, Graph, comm, initial_value, parameter, placeholder
+from hspmd.ir import Binding, comm, initial_value, parameter, placeholder
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
-from hspmd.ops import AdamW
+from hspmd.ops import AdamW, Graph
 from hspmd.ops.registry import OPERATORS
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.inprocess import InProcessJob

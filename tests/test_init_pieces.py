@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hspmd.ir import Graph, initial_value, normal, parameter, uniform
+from hspmd.ir import initial_value, normal, parameter, uniform
+from hspmd.ops import Graph
 from hspmd.ir.init import uniform_bits
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ir import Binding

@@ -5,7 +5,8 @@ import torch
 
 import hspmd.ops as O
 from hspmd.errors import AnnotationError, DeductionError, HSPMDError, ShapeError
-from hspmd.ir import Binding, Graph, comm, parameter, placeholder, symbols
+from hspmd.ir import Binding, comm, parameter, placeholder, symbols
+from hspmd.ops import Graph
 from hspmd.specialize.deduce import deduce
 
 
@@ -125,3 +126,21 @@ def test_parameter_initial_values_are_deterministic_per_name():
     assert initial_value(w.node).std() > 0.5, "normal(1.0) draws, not zeros"
     assert not torch.equal(initial_value(w.node), initial_value(v.node))
     assert not torch.equal(initial_value(w.node, seed=1), initial_value(w.node))
+
+
+def test_tensor_operator_methods_come_from_the_graph_not_from_global_state():
+    """hspmd.ops is imported (it once filled a global table at import); a plain IR graph still has
+    no operator methods, a graph given a table uses exactly that table, hspmd.Graph the standard one."""
+    from hspmd.ir.graph import Graph as IRGraph
+
+    plain = IRGraph("plain")
+    x = placeholder(plain, "x", (2, 3))
+    with pytest.raises(HSPMDError, match="graph plain was built without tensor operators"):
+        x + x
+    assert O.add(x, x).node.kind == "add"  # the op itself needs no table
+    own = IRGraph("own", operators={"add": lambda a, b: ("added", a.name, b)})
+    y = placeholder(own, "y", (2, 3))
+    assert y + 1 == ("added", "y", 1)
+    std = Graph("std")
+    z = placeholder(std, "z", (2, 3))
+    assert (z @ placeholder(std, "w", (3, 4))).node.kind == "matmul" and std.operators is O.TENSOR_OPERATORS

@@ -6,7 +6,8 @@ import torch
 import hspmd.ops as O
 from hspmd.annotations import parse
 from hspmd.errors import DeductionError
-from hspmd.ir import Graph, comm, parameter, placeholder, symbols
+from hspmd.ir import comm, parameter, placeholder, symbols
+from hspmd.ops import Graph
 from hspmd.specialize.deduce import deduce
 
 B, S = symbols("B S")

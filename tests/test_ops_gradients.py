@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import hspmd.ops as O
-from hspmd.ir import Binding, Graph, placeholder, symbols
+from hspmd.ir import Binding, placeholder, symbols
+from hspmd.ops import Graph
 from hspmd.ops.nn import RopeScaling, rope_inverse_frequencies
 from hspmd.backends.local import run_on_devices
 from hspmd.specialize.deduce import deduce

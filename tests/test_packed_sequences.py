@@ -9,10 +9,10 @@ import torch.nn.functional as F
 import hspmd.ops as O
 from hspmd.backends.local import run_on_devices
 from hspmd.errors import DeductionError, HSPMDError, ShapeError
-from hspmd.ir import Binding, Graph, initial_value, placeholder
+from hspmd.ir import Binding, initial_value, placeholder
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import _rope, reference_training
-from hspmd.ops import AdamW, causal_attention, rotary
+from hspmd.ops import AdamW, Graph, causal_attention, rotary
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.packing import counted_tokens, pack_row, pad_rows

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import hspmd.ops as O
 from hspmd.annotations import Annotation, DistributedStates, Duplicate, Subgroup, device_pieces, parse, shard, unshard
 from hspmd.errors import DeductionError
-from hspmd.ir import Binding, Graph, comm, placeholder
+from hspmd.ir import Binding, comm, placeholder
+from hspmd.ops import Graph
 from hspmd.backends.local import run_on_devices
 from hspmd.runtime.run import DeviceState, run_forward
 from hspmd.specialize.deduce import deduce

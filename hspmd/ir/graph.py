@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import sympy
@@ -23,15 +24,7 @@ from hspmd.ir.shapes import Shape, format_shape
 
 PHASES = ("forward", "backward", "update")
 
-# Tensor operator methods (x + y, x @ w, x.sum(...)) are filled in by hspmd.ops, which sits above
-# the IR layer; the IR itself knows no concrete op.
-TENSOR_METHODS: dict[str, Callable[..., Any]] = {}
-
-
-def _method(name: str) -> Callable[..., Any]:
-    if name not in TENSOR_METHODS:
-        raise HSPMDError(f"tensor method {name!r} needs hspmd.ops; import hspmd (or hspmd.ops) first")
-    return TENSOR_METHODS[name]
+NO_OPERATORS: Mapping[str, Callable[..., Any]] = MappingProxyType({})
 
 
 class Tensor:
@@ -63,46 +56,55 @@ class Tensor:
     def __eq__(self, other: object) -> bool:
         return self is other
 
+    def _method(self, name: str) -> Callable[..., Any]:
+        """Tensor operator methods (x + y, x @ w, x.sum(...)) come from the graph's operator table:
+        the IR knows no concrete op (hspmd.ops.Graph passes the standard ones)."""
+        graph = self.node.graph
+        if name not in graph.operators:
+            raise HSPMDError(f"tensor method {name!r}: graph {graph.name} was built without tensor operators; build it "
+                             f"with hspmd.Graph (hspmd.ops.Graph) or call the op (hspmd.ops.{name}) directly")
+        return graph.operators[name]
+
     def __add__(self, other):
-        return _method("add")(self, other)
+        return self._method("add")(self, other)
 
     def __radd__(self, other):
-        return _method("add")(other, self)
+        return self._method("add")(other, self)
 
     def __sub__(self, other):
-        return _method("sub")(self, other)
+        return self._method("sub")(self, other)
 
     def __rsub__(self, other):
-        return _method("sub")(other, self)
+        return self._method("sub")(other, self)
 
     def __mul__(self, other):
-        return _method("mul")(self, other)
+        return self._method("mul")(self, other)
 
     def __rmul__(self, other):
-        return _method("mul")(other, self)
+        return self._method("mul")(other, self)
 
     def __truediv__(self, other):
-        return _method("div")(self, other)
+        return self._method("div")(self, other)
 
     def __neg__(self):
-        return _method("neg")(self)
+        return self._method("neg")(self)
 
     def __matmul__(self, other):
-        return _method("matmul")(self, other)
+        return self._method("matmul")(self, other)
 
     def sum(self, dims=None, keepdim: bool = False):
-        return _method("sum")(self, dims, keepdim)
+        return self._method("sum")(self, dims, keepdim)
 
     def mean(self, dims=None, keepdim: bool = False):
-        return _method("mean")(self, dims, keepdim)
+        return self._method("mean")(self, dims, keepdim)
 
     def reshape(self, *shape):
-        return _method("reshape")(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+        return self._method("reshape")(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
 
     view = reshape
 
     def transpose(self, a: int, b: int):
-        return _method("transpose")(self, a, b)
+        return self._method("transpose")(self, a, b)
 
 
 @dataclass(frozen=True)
@@ -192,10 +194,13 @@ def as_strategies(value: object, where: str) -> tuple[Annotation, ...]:
 
 
 class Graph:
-    """A single-device-view program: build it with the DSL (hspmd.ir.dsl / hspmd.ops)."""
+    """A single-device-view program: build it with the DSL (hspmd.ir.dsl / hspmd.ops).
+    `operators`: what tensor operator methods (x + y, x @ w) call, by name (add, sub, mul, div,
+    neg, matmul, sum, mean, reshape, transpose); hspmd.ops.Graph passes the standard table."""
 
-    def __init__(self, name: str = "graph"):
+    def __init__(self, name: str = "graph", operators: Mapping[str, Callable[..., Any]] = NO_OPERATORS):
         self.name = name
+        self.operators = operators
         self.nodes: list[Node] = []
         self.by_name: dict[str, Node] = {}
         self.tensors: list[Tensor] = []
@@ -336,4 +341,4 @@ class Graph:
         return "\n".join(lines)
 
 
-__all__ = ["Derived", "Graph", "Node", "OpDef", "PHASES", "TENSOR_METHODS", "Tensor", "as_annotation", "as_strategies"]
+__all__ = ["Derived", "Graph", "NO_OPERATORS", "Node", "OpDef", "PHASES", "Tensor", "as_annotation", "as_strategies"]

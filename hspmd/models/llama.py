@@ -28,10 +28,11 @@ import torch
 
 from hspmd.annotations import Annotation, DistributedStates, Duplicate, Split, Subgroup
 from hspmd.errors import HSPMDError
-from hspmd.ir import Graph, Tensor, comm, normal, ones, parameter, placeholder, symbols
+from hspmd.ir import Tensor, comm, normal, ones, parameter, placeholder, symbols
 from hspmd.models.llama_annotations import activation_annotation, embedding_annotation, lm_head_annotation, param_annotation
 from hspmd.ops import (
     AdamW,
+    Graph,
     Optimizer,
     cast,
     causal_attention,
