@@ -376,3 +376,29 @@ def test_cupy_nccl_matches_the_in_process_backend(reference):
     results = run_multiprocess(cupy_rank, WORLD, timeout=180)
     for rank in range(WORLD):
         assert_same(results[rank], reference[rank], f"rank {rank}")
+
+
+def groups_follow_the_world_object(backend: Backend) -> tuple[float, str]:
+    """Groups belong to the TorchDistWorld a backend is given (no process-wide table): a second
+    backend over the same world uses a group the first prepared; one over a fresh world has none."""
+    from hspmd.backends.torch_dist import TorchDistBackend, TorchDistWorld
+
+    backend.prepare_groups([(0, 1)])
+    shared = TorchDistBackend(timeout=30, world=backend.world)  # construction is collective: every rank
+    fresh = TorchDistBackend(timeout=30, world=TorchDistWorld())
+    if backend.rank == 2:
+        return 0.0, ""
+    total = float(shared.all_reduce(torch.tensor([backend.rank + 1.0]), (0, 1))[0])
+    try:
+        fresh.all_reduce(torch.tensor([1.0]), (0, 1))
+        message = ""
+    except CommunicationError as exc:
+        message = str(exc)
+    return total, message
+
+
+@pytest.mark.multiprocess
+def test_process_groups_belong_to_the_world_object_they_were_prepared_on():
+    results = run_multiprocess(groups_follow_the_world_object, 3, timeout=60)
+    assert [r[0] for r in results] == [3.0, 3.0, 0.0]
+    assert all("prepare_groups" in r[1] for r in results[:2])

@@ -24,7 +24,6 @@ from math import prod
 import atexit
 import contextlib
 import os
-import weakref
 from datetime import timedelta
 from typing import Iterable, Iterator, Mapping, Sequence
 
@@ -40,26 +39,38 @@ from hspmd.backends.wire import decode_groups, encode_groups
 DEFAULT_TIMEOUT_S = 300.0
 SUPPORTED_BACKENDS = ("gloo", "nccl")
 
-# Process groups per world (keyed by the world group object), shared by every backend instance in
-# the process, so that each set of ranks is created once per world.
-_GROUPS_BY_WORLD: "weakref.WeakKeyDictionary[object, dict[tuple[int, ...], object]]" = weakref.WeakKeyDictionary()
-_LIVE_BACKENDS: "weakref.WeakSet[TorchDistBackend]" = weakref.WeakSet()
-# The job's store (and, on rank 0, its server) must live as long as the process group using it.
-_JOB_STORES: list = []
 # One-buffer collectives: renamed in recent torch (the old names warn), the old names before.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@atexit.register
-def _release_at_exit() -> None:
-    """Destroy the world before interpreter finalisation when a script did not call shutdown():
-    process groups torn down during finalisation can abort the process, failing a finished run."""
-    for backend in list(_LIVE_BACKENDS):
-        backend._world, backend._groups = None, {}
-    _GROUPS_BY_WORLD.clear()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+class TorchDistWorld:
+    """The torch.distributed world this process joined and what must live as long as it: the
+    process groups (each set of ranks created once, shared by every backend given this world) and
+    the job's store. `init_from_env` makes one; pass it to further backends to share its groups.
+
+    Until `release()` the world is registered with atexit: a script that never calls shutdown()
+    still destroys its process groups before interpreter finalisation (groups torn down during
+    finalisation can abort the process, failing a finished run)."""
+
+    def __init__(self, store=None):
+        if not dist.is_initialized():
+            raise CommunicationError(
+                "torch.distributed is not initialised: call hspmd.backends.torch_dist.init_from_env() "
+                "in a script started by `hspmd run` or torchrun, or dist.init_process_group() first"
+            )
+        self.group = dist.group.WORLD
+        self.groups: dict[tuple[int, ...], object] = {}
+        self.store = store
+        atexit.register(self.release)
+
+    def release(self) -> None:
+        """Drop the groups and destroy the world (idempotent). Process groups must not outlive
+        destroy_process_group: one torn down later, at interpreter exit, can abort the process."""
+        atexit.unregister(self.release)
+        self.groups, self.group = {}, None
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class TorchDistBackend(Backend):
@@ -69,24 +80,17 @@ class TorchDistBackend(Backend):
     tiny all_reduce on the world so that dead peers are found at start-up and NCCL's world
     communicator exists before any point-to-point exchange."""
 
-    def __init__(self, timeout: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None):
-        if not dist.is_initialized():
-            raise CommunicationError(
-                "torch.distributed is not initialised: call hspmd.backends.torch_dist.init_from_env() "
-                "in a script started by `hspmd run` or torchrun, or dist.init_process_group() first"
-            )
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None,
+                 world: TorchDistWorld | None = None):
+        self.world = TorchDistWorld() if world is None else world
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.timeout = timedelta(seconds=timeout)
         self.dist_backend = str(dist.get_backend()).lower()
         self.device = torch.device(device) if device is not None else _default_device(self.dist_backend)
-        world = dist.group.WORLD
-        self._world = world
-        self._groups = _GROUPS_BY_WORLD.setdefault(world, {})
         self._native_reduce_scatter = True
         # NCCL's one-buffer collectives write in place; gloo's stage the whole result (see *_into)
         self.native_in_place = "nccl" in self.dist_backend
-        _LIVE_BACKENDS.add(self)
         self.barrier(tuple(range(self.world_size)))
 
     # groups -------------------------------------------------------------------------------------
@@ -99,8 +103,8 @@ class TorchDistBackend(Backend):
             everyone = self._all_gather_bytes(encode_groups(mine))
             keys = {tuple(sorted(k)) for r, data in enumerate(everyone) for k in decode_groups(data, self.world_size, f"rank {r}")}
             for key in sorted(keys):
-                if key not in self._groups and len(key) not in (1, self.world_size):
-                    self._groups[key] = dist.new_group(list(key), timeout=self.timeout)
+                if key not in self.world.groups and len(key) not in (1, self.world_size):
+                    self.world.groups[key] = dist.new_group(list(key), timeout=self.timeout)
 
     def _all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's `data`, as uint8 tensors over the world (plain bytes: nothing is unpickled)."""
@@ -118,14 +122,14 @@ class TorchDistBackend(Backend):
     def _process_group(self, group: Group, op: str):
         key = self._check_group(group, op, require_member=True)
         if len(key) == self.world_size:
-            return self._world
-        if len(key) > 1 and key not in self._groups:
+            return self.world.group
+        if len(key) > 1 and key not in self.world.groups:
             raise CommunicationError(
                 f"{op} on rank {self.rank}: group {list(group)} was never prepared; call "
                 "backend.prepare_groups(groups) on every rank (collectively, each passing the groups it "
                 "uses) before the first collective on it"
             )
-        return self._groups.get(key)
+        return self.world.groups.get(key)
 
     def _check_group(self, group: Group, op: str, require_member: bool) -> tuple[int, ...]:
         key = tuple(sorted(group))
@@ -392,12 +396,7 @@ class TorchDistBackend(Backend):
         which hosts the rendezvous store that group creation needs, alive until all ranks are done."""
         if dist.is_initialized():
             self.barrier(tuple(range(self.world_size)))
-        _GROUPS_BY_WORLD.pop(self._world, None)
-        # Process groups must not outlive destroy_process_group: one torn down later, at
-        # interpreter exit, can abort the process ("terminate called without an active exception").
-        self._world, self._groups = None, {}
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.world.release()
 
 
 class StartedAllReduce:
@@ -461,9 +460,10 @@ def init_from_env(
         if not torch.cuda.is_available():
             raise HSPMDError("backend 'nccl' needs a CUDA GPU and none is visible: use --backend gloo")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    store = None
     if not dist.is_initialized():
-        _join(backend, rank, world_size, timeout, timeout if rendezvous_timeout is None else rendezvous_timeout)
-    return TorchDistBackend(timeout=timeout)
+        store = _join(backend, rank, world_size, timeout, timeout if rendezvous_timeout is None else rendezvous_timeout)
+    return TorchDistBackend(timeout=timeout, world=TorchDistWorld(store))
 
 
 def store_address() -> tuple[str, int]:
@@ -475,20 +475,21 @@ def store_address() -> tuple[str, int]:
     return host, port
 
 
-def _join(backend: str, rank: int, world_size: int, timeout: float, rendezvous_timeout: float) -> None:
+def _join(backend: str, rank: int, world_size: int, timeout: float, rendezvous_timeout: float):
     """init_process_group over the job's store (hspmd.backends.store: bound to MASTER_ADDR only,
     clients prove HSPMD_JOB_SECRET) hosted by rank 0 or, under `hspmd run`, by the launcher; then
-    the rendezvous uses `timeout` too. With HSPMD_HEARTBEAT_S the rank beats (backends.heartbeat)."""
+    the rendezvous uses `timeout` too. With HSPMD_HEARTBEAT_S the rank beats (backends.heartbeat).
+    Returns the store, which must live as long as the world (TorchDistWorld keeps it)."""
     host, port = store_address()
     address = f"{host}:{port}"
     secret = secret_from_env()
     try:
         store = open_store(host, port, rank == 0 and os.environ.get(STORE_HOSTED_ENV) != "1", secret, rendezvous_timeout)
-        _JOB_STORES.append(store)
         interval = float(os.environ.get(HEARTBEAT_ENV, "0") or 0)
         if interval > 0:
             start_beating(store.connect_again(secret), rank, interval)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        return store
     except HSPMDError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised typed
@@ -554,4 +555,4 @@ def _is_unsupported(exc: BaseException | None) -> bool:
     return exc is not None and ("does not support" in text or "not supported" in text)
 
 
-__all__ = ["PendingSends", "TorchDistBackend", "init_from_env", "launch_env", "DEFAULT_TIMEOUT_S", "SUPPORTED_BACKENDS"]
+__all__ = ["PendingSends", "TorchDistBackend", "TorchDistWorld", "init_from_env", "launch_env", "DEFAULT_TIMEOUT_S", "SUPPORTED_BACKENDS"]
