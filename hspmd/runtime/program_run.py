@@ -5,7 +5,8 @@
     runner.pieces()                                                      # {name: (box, tensor)}
 
 The interpreter mirrors hspmd.runtime.run and the Trainer's step: the schedule's order of forward
-and backward passes (sends posted without waiting, as hspmd.runtime.executor does), gradients
+and backward passes (sends posted without waiting and kept only until received, as
+hspmd.runtime.executor does; gradient buckets are not used: gradients synchronise in the update), gradients
 accumulated over micro-batches, the update once a step, the loss summed over its holders. Ops are
 looked up by kind (hspmd.ops.registry) and computed with the program's attributes and boxes;
 CommOps run their resolved plans (hspmd.backends.plan_executor).
@@ -160,8 +161,10 @@ class ProgramRunner:
         live: dict[int, dict[int, torch.Tensor]] = {}
         accum: dict[int, torch.Tensor] = {}
         loss = None
+        previous_backward = None
         for action in program.place.order:
             m = action.micro_batch
+            sender.tag = (action.kind, m)
             if action.kind == FORWARD:
                 env: dict[int, torch.Tensor] = {}
                 self._execute(program.forward, sender, env, self._micro_batch_feeds(batch, m))
@@ -174,6 +177,13 @@ class ProgramRunner:
                 for t in program.accumulated:
                     if t in env:
                         accum[t] = env[t] if t not in accum else accum[t] + env[t]
+                # as runtime.executor: a forward's sends have arrived once its backward ran, a
+                # backward's once the next backward ran
+                sender.complete((FORWARD, m))
+                if previous_backward is not None:
+                    sender.complete(previous_backward)
+                previous_backward = (action.kind, m)
+            sender.release_completed()
         sender.wait_sends()
         self.step_count += 1
         env = dict(accum)
