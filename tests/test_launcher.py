@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from hspmd.backends.from_env import backend_from_env, check_backend
 from hspmd.cli import main as cli_main
+from hspmd.errors import HSPMDError
 from hspmd.runtime.launcher import main as launcher_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,6 +159,59 @@ def test_a_script_joins_the_job_through_init_from_env(tmp_path, capsys, monkeypa
     assert code == 0, err
     assert "[rank 0] rank 0 of 2 sum 3" in out
     assert "[rank 1] rank 1 of 2 sum 3" in out
+
+
+@pytest.mark.multiprocess
+def test_a_script_joins_with_the_backend_hspmd_run_chose(tmp_path, capsys, monkeypatch):
+    script = write_script(tmp_path, """
+        import os, torch
+        from hspmd.backends.from_env import backend_from_env
+        backend = backend_from_env(timeout=30)
+        total = backend.all_reduce(torch.tensor([backend.rank + 1.0]), tuple(range(backend.world_size)))
+        print(os.environ["HSPMD_BACKEND"], type(backend).__name__, backend.device, f"sum {total.item():g}")
+        backend.shutdown()
+    """)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    code = launcher_main(["-n", "2", "--backend", "gloo", str(script)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "[rank 0] gloo TorchDistBackend cpu sum 3" in out and "[rank 1] gloo TorchDistBackend cpu sum 3" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the backends would start")
+@pytest.mark.parametrize("backend", ["nccl", "cupy"])
+def test_a_gpu_backend_without_a_gpu_is_refused_in_one_line_before_any_rank_starts(tmp_path, capsys, backend):
+    started = tmp_path / "started"
+    script = write_script(tmp_path, f"open({str(started)!r}, 'w').close()\n")
+    assert cli_main(["run", "-n", "2", "--backend", backend, str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hspmd: error: backend ") and err.count("\n") == 1, err
+    assert ("CuPy" if backend == "cupy" else "needs a CUDA GPU") in err
+    assert not started.exists()
+
+
+def test_check_backend_says_what_the_machine_lacks():
+    check_backend("gloo", 64, cuda_devices=0, has_cupy=False)
+    check_backend("nccl", 2, cuda_devices=2)
+    check_backend("cupy", 2, cuda_devices=8, has_cupy=True)
+    for args, kwargs, says in [
+        (("nccl", 1), dict(cuda_devices=0), "needs a CUDA GPU and none is visible"),
+        (("cupy", 1), dict(cuda_devices=0, has_cupy=True), "needs a CUDA GPU and none is visible"),
+        (("cupy", 1), dict(cuda_devices=4, has_cupy=False), "needs CuPy with NCCL"),
+        (("nccl", 4), dict(cuda_devices=2), "4 local ranks but 2 GPU"),
+        (("mpi", 1), {}, "unknown backend 'mpi'"),
+    ]:
+        with pytest.raises(HSPMDError, match=says) as info:
+            check_backend(*args, **kwargs)
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_rank_asking_for_nccl_without_a_gpu_gets_one_line(monkeypatch):
+    monkeypatch.setenv("HSPMD_BACKEND", "nccl")
+    with pytest.raises(HSPMDError, match="needs a CUDA GPU") as info:
+        backend_from_env()
+    assert "\n" not in str(info.value)
 
 
 def wait_until_dead(pids: list[int], timeout: float = 60.0) -> list[int]:

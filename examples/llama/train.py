@@ -55,7 +55,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.hf_checkpoint import HFCheckpoint
-from hspmd.backends.torch_dist import init_from_env
+from hspmd.backends.from_env import backend_from_env
 from hspmd.runtime.elastic import ElasticTrainer, KillPoint
 from hspmd.runtime.membership import Membership, is_elastic
 from hspmd.runtime.trainer import Trainer
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         return main_elastic(args)
     if args.kill:
         raise HSPMDError("--kill needs an elastic job: start it with `hspmd run -n N --elastic examples/llama/train.py`")
-    backend = init_from_env()
+    backend = backend_from_env()
     rank = backend.rank
     console = Console(width=100, highlight=False, soft_wrap=True)
     say = console.print if rank == 0 else (lambda *a, **k: None)

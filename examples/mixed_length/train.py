@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from longtail import LongTailCorpus  # noqa: E402
-from hspmd.backends.torch_dist import init_from_env  # noqa: E402
+from hspmd.backends.from_env import backend_from_env  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.ops import AdamW  # noqa: E402
 from hspmd.planning.dispatch import PipelineCost, PoolEntry  # noqa: E402
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
                    help="measure the pool's costs and the switch price here first; choose strategies by cost")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    backend = init_from_env()
+    backend = backend_from_env()
     corpus = LongTailCorpus()
     model = build(corpus.vocab)
     trainer = MixedLengthTrainer(model.graph, POOL, backend, symbols={"S": 16, "T": 16}, passes=20,

@@ -1,8 +1,10 @@
-"""`hspmd run -n N [--backend gloo|nccl] [--port P] script.py args...`: N local ranks, one job.
+"""`hspmd run -n N [--backend gloo|nccl|cupy] [--port P] script.py args...`: N local ranks, one job.
 
 Each rank is `python script.py args...` with the torchrun variables set (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT) plus HSPMD_BACKEND,
-so the same script also runs under torchrun. Every rank runs in its own process group (session),
+so the same script also runs under torchrun; a script joins with hspmd.backends.from_env.backend_from_env()
+(gloo, NCCL through torch, or NCCL through CuPy). A backend this machine cannot run (NCCL or CuPy
+without a GPU, CuPy not installed) is refused in one line before any rank starts. Every rank runs in its own process group (session),
 so stopping a rank also stops whatever it started. The job fails fast: when one rank exits
 non-zero its error is shown and the others are stopped (SIGTERM, then SIGKILL after a grace
 period); Ctrl-C or SIGTERM to the launcher stops every rank as well.
@@ -27,11 +29,11 @@ import time
 from typing import IO, Sequence
 
 from hspmd.arguments import ArgumentParser, non_negative_float, non_negative_int, positive_int
+from hspmd.backends.from_env import BACKENDS, check_backend
 from hspmd.backends.heartbeat import DEFAULT_INTERVAL_S as DEFAULT_HEARTBEAT_S
 from hspmd.limits import MAX_LOCAL_RANKS
 from hspmd.runtime.ports import LOOPBACK
 
-BACKENDS = ("gloo", "nccl")
 DEFAULT_GRACE_S = 3.0
 _KILL_WAIT_S = 5.0
 _TAIL_LINES = 25
@@ -44,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Launch N local processes of one job (rendezvous on 127.0.0.1).",
     )
     parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of ranks to start")
-    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="torch.distributed backend (HSPMD_BACKEND)")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (CPU), nccl (torch.distributed on GPUs) or cupy (NCCL through CuPy); sets HSPMD_BACKEND")
     parser.add_argument("--port", type=positive_int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--grace", type=non_negative_float, default=DEFAULT_GRACE_S,
                         help="seconds between SIGTERM and SIGKILL")
@@ -101,6 +103,8 @@ def launch(
     no rank or grandchild outlives a launcher that is SIGKILLed."""
     from hspmd.backends.heartbeat import HeartbeatMonitor
     from hspmd.backends.store import new_secret  # imports torch: only once a job is launched
+
+    check_backend(backend, nprocs)
 
     out, err = stdout or sys.stdout, stderr or sys.stderr
     secret = new_secret()

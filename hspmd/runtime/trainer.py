@@ -1,7 +1,7 @@
 """Training one strategy, one rank's part: every rank builds the same graph, constructs a Trainer
 over its Backend and calls step(batch) with the same global batch.
 
-    backend = init_from_env()                       # under `hspmd run -n 4` or torchrun
+    backend = backend_from_env()                    # under `hspmd run -n 4 [--backend nccl]` or torchrun
     trainer = Trainer(graph, 0, backend, MicroBatchLayout.of(strategy),
                       schedule="1f1b", symbols={"S": 16, "T": 96})
     loss = trainer.step({"tokens": x, "labels": y})  # the same value on every rank
