@@ -1,20 +1,26 @@
 """Device correctness on a stand-in device: plans run on `meta` tensors (no data; any CPU buffer
-mixed in fails or shows up on the wrong device) keep every buffer and result on that device."""
+mixed in fails or shows up on the wrong device) keep every buffer and result on that device; a
+sharded checkpoint saves and loads there without making a single tensor that holds data."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from hspmd import device_pieces, shard
 from hspmd.backends.plan_executor import run_plan
 from hspmd.comm_resolve import resolve, resolve_many
+from hspmd.errors import CheckpointError, HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
+from hspmd.runtime import sharded_checkpoint
 from hspmd.runtime.inprocess import InProcessJob
 from hspmd.specialize.strategy_text import parse_strategy
 from test_resolve_property import reshards
@@ -70,3 +76,71 @@ def test_a_training_step_and_a_switch_stay_on_the_stand_in_device(schedule):
     job.step(batch)
     leaves = [t for trainer in job.trainers.values() for t in trainer.state.leaves.values()]
     assert leaves and all(t.device == META for t in leaves)
+
+
+class CpuTensors(TorchDispatchMode):
+    """Records every op (in the thread that entered it) that makes a tensor holding data."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and not t.is_meta for t in tree_leaves(out)):
+            self.made.append(str(func))
+        return out
+
+
+def _watched(fn):
+    """fn() with this thread's data-holding tensor creations recorded: (result, ops that made one)."""
+    with CpuTensors() as watch:
+        result = fn()
+    return result, watch.made
+
+
+def test_a_sharded_checkpoint_saves_and_loads_on_the_stand_in_device_without_making_cpu_tensors(tmp_path, monkeypatch):
+    first = parse_strategy("layers=2 ; 2x1: R0,1 L0 | R2 L1 ; 2x1: R3 L0-1")
+    second = parse_strategy("layers=2 ; 1x2: R0,1 L0-1 ; 2x1: R2 L0 | R3 L1")
+    config = LlamaConfig(layers=2, hidden=16, ffn=32, vocab=32, heads=2)
+    graph = build_llama(config, [first, second], optimizer=AdamW(lr=1e-3)).graph
+    rows = first.global_batch_size
+    batch = {"tokens": torch.randint(0, config.vocab, (rows, 6)), "labels": torch.randint(0, config.vocab, (rows, 6))}
+    symbols = {"S": 6, "T": rows * 6}
+
+    # the watch sees the data path: a real (CPU) job's save makes CPU tensors
+    real = InProcessJob(graph, 0, first, symbols=symbols)
+    made = real.world.run(lambda b: _watched(lambda: real.trainers[b.rank].save_sharded(tmp_path / "real", False))[1])
+    assert any(made.values())
+
+    for name in ("save_file", "safe_open"):  # no tensor bytes are written or read on the stand-in path
+        monkeypatch.setattr(sharded_checkpoint, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} called"))
+    job = InProcessJob(graph, 0, first, symbols=symbols, device=META)
+    job.step(batch)
+    saved = job.world.run(lambda b: _watched(lambda: job.trainers[b.rank].save_sharded(tmp_path / "ckpt", False)))
+    assert all(made == [] for _, made in saved.values()), saved
+    folder = tmp_path / "ckpt" / "step-00000001"
+    assert sorted(p.name for p in folder.iterdir()) == ["index.json", "rank-0.json", "rank-1.json", "rank-2.json",
+                                                        "rank-3.json"]
+    index = json.loads((folder / "index.json").read_text())
+    assert index["stand_in"] is True and index["step"] == 1
+
+    # load under the other strategy, still on the stand-in device: pieces of the right shape, no CPU tensor
+    other = InProcessJob(graph, 1, second, symbols=symbols, device=META)
+    loaded = other.world.run(lambda b: _watched(lambda: other.trainers[b.rank].load_checkpoint(tmp_path / "ckpt")))
+    assert all(step == 1 and made == [] for step, made in loaded.values()), loaded
+    for trainer in other.trainers.values():
+        for node in trainer.exe.held_leaves:
+            piece = trainer.state.leaves[node.name]
+            box = trainer.exe.box(node.output, trainer.exe.binding)
+            assert piece.device == META and tuple(piece.shape) == tuple(b - a for a, b in box)
+    other.step(batch)
+
+    # a stand-in checkpoint has no values: a device with data refuses it in one line
+    cpu = InProcessJob(graph, 1, second, symbols=symbols)
+    with pytest.raises(CheckpointError, match="stand-in"):
+        cpu.world.run(lambda b: cpu.trainers[b.rank].load_checkpoint(tmp_path / "ckpt"))
+    with pytest.raises(HSPMDError, match="stand-in"):
+        sharded_checkpoint.consolidate(tmp_path / "ckpt", tmp_path / "whole.safetensors")
+    with pytest.raises(HSPMDError, match="save_sharded"):
+        job.world.run(lambda b: job.trainers[b.rank].save_checkpoint(tmp_path / "whole.safetensors"))

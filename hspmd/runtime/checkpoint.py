@@ -79,16 +79,22 @@ def gather_leaves(exe: ExecutableGraph, backend: Backend, leaves: Mapping[str, t
     return gather_whole(exe, backend, [n.output for n in checkpoint_leaves(exe.graph)], leaves, dst)
 
 
-def cut_leaves(exe: ExecutableGraph, read: Callable[[str, tuple, tuple[int, ...]], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This device's piece of every leaf it holds: read(name, box, whole shape) returns the box
-    (global coordinates) of the named whole tensor."""
+def cut_leaves(exe: ExecutableGraph, read: Callable[[str, tuple, tuple[int, ...]], torch.Tensor],
+               device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """This device's piece of every leaf it holds, on `device`: read(name, box, whole shape)
+    returns the box (global coordinates) of the named whole tensor. A reader of a checkpoint saved
+    from a stand-in device (`read.stand_in`) loads only onto one (it has no values)."""
+    device = torch.device(device)
+    if getattr(read, "stand_in", False) and device.type != "meta":
+        raise CheckpointError(f"{getattr(read, 'folder', 'the checkpoint')} was saved from a stand-in (meta) device and "
+                              f"holds no values: it loads only onto a stand-in device, not {device}")
     out = {}
     for node in exe.held_leaves:
         box = exe.box(node.output, exe.binding)
         piece = read(node.name, box, exe.binding.shape(node.output.shape, node.name))
         if piece.dtype != node.output.dtype:
             raise CheckpointError(f"checkpoint tensor {node.name} is {piece.dtype}, the model expects {node.output.dtype}")
-        out[node.name] = piece.clone()
+        out[node.name] = piece.to(device, copy=True)
     return out
 
 

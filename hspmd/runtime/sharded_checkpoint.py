@@ -13,6 +13,13 @@ being written cannot change underneath). The index is computed from the annotati
 could) and written by the lowest rank once every rank's file is in place. Loading under any
 strategy reads, for each piece a rank needs, only the intersecting part of each stored box
 (safetensors slices), so a rank never reads what it will not hold.
+
+On a stand-in device (`meta` tensors, which hold no values) the same save and load run without
+the data path: each rank checks its pieces against the index and writes a manifest of them
+(`rank-3.json`: name, box, shape, dtype) instead of tensor bytes, and the index says `stand_in`.
+Loading such a checkpoint checks that the manifests cover every requested box and returns `meta`
+pieces of the right shape and dtype; loading it onto a device with data is refused (it has no
+values). No CPU tensor is made on either side.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hspmd.annotations import device_pieces
+from hspmd.comm_resolve.slices import box_volume
 from hspmd.errors import HSPMDError, ShapeError
 from hspmd.runtime.checkpoint import GRAPH_KEY, STEP_KEY, CheckpointReader, checkpoint_leaves, save_checkpoint
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
@@ -43,15 +51,24 @@ def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:08d}")
 
 
-def rank_file(rank: int) -> str:
-    return f"rank-{rank}.safetensors"
+def rank_file(rank: int, stand_in: bool = False) -> str:
+    return f"rank-{rank}.json" if stand_in else f"rank-{rank}.safetensors"
+
+
+def on_stand_in(tensors) -> bool:
+    """True when the tensors live on a device without data (`meta`); a mix is a bug, refused."""
+    kinds = {t.is_meta for t in tensors}
+    if len(kinds) > 1:
+        raise HSPMDError("a checkpoint's pieces are partly on the stand-in (meta) device and partly on a device with "
+                         "data; save from one device")
+    return kinds == {True}
 
 
 def _box_key(box) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in box)
 
 
-def checkpoint_index(exe: ExecutableGraph, step: int) -> dict:
+def checkpoint_index(exe: ExecutableGraph, step: int, stand_in: bool = False) -> dict:
     """Every leaf's shape, dtype and the boxes that tile it once, each with the file of the device
     writing it (the same on every rank: it follows from the annotations alone). A union that
     replicates the tensor across subgroups (HDim D) is written from one subgroup, taken in turn
@@ -70,14 +87,17 @@ def checkpoint_index(exe: ExecutableGraph, step: int) -> dict:
                 writers.setdefault(_box_key(pieces[device].box), device)
         tensors[node.name] = {
             "shape": list(shape), "dtype": str(t.dtype).removeprefix("torch."),
-            "pieces": [{"box": [list(b) for b in box], "file": rank_file(d)} for box, d in writers.items()],
+            "pieces": [{"box": [list(b) for b in box], "file": rank_file(d, stand_in)} for box, d in writers.items()],
         }
-    return {"format": FORMAT, "step": step, "graph": exe.graph.name, "tensors": tensors}
+    index = {"format": FORMAT, "step": step, "graph": exe.graph.name, "tensors": tensors}
+    if stand_in:
+        index["stand_in"] = True
+    return index
 
 
 def own_pieces(exe: ExecutableGraph, leaves: Mapping[str, torch.Tensor], index: dict) -> dict[str, torch.Tensor]:
     """The pieces this device writes: those the index assigns to its file."""
-    mine = rank_file(exe.device)
+    mine = rank_file(exe.device, bool(index.get("stand_in")))
     out = {}
     for name, entry in index["tensors"].items():
         if any(p["file"] == mine for p in entry["pieces"]):
@@ -116,13 +136,16 @@ def save_sharded(exe: ExecutableGraph, leaves: Mapping[str, torch.Tensor], step:
     """This device's part of a sharded checkpoint of `step` under `directory` (not collective).
     `writers`: every device of the strategy; the lowest writes the index once all files exist."""
     directory = os.fspath(directory)
-    index = checkpoint_index(exe, step)
+    stand_in = on_stand_in(leaves.values())
+    index = checkpoint_index(exe, step, stand_in)
     pieces = own_pieces(exe, leaves, index)
 
     def write() -> None:
         folder = step_dir(directory, step)
         os.makedirs(folder, exist_ok=True)
-        if pieces:
+        if pieces and stand_in:
+            _atomic_write(os.path.join(folder, rank_file(exe.device, True)), json.dumps(_manifest(exe, pieces, index)))
+        elif pieces:
             _atomic_save(pieces, os.path.join(folder, rank_file(exe.device)), step, exe.graph.name)
         if exe.device == min(writers):
             _commit(directory, folder, index, timeout)
@@ -131,6 +154,24 @@ def save_sharded(exe: ExecutableGraph, leaves: Mapping[str, torch.Tensor], step:
         write()
         return None
     return PendingSave(write)
+
+
+def _manifest(exe: ExecutableGraph, pieces: Mapping[str, torch.Tensor], index: dict) -> dict:
+    """What a stand-in rank file holds in place of tensor bytes: each piece's box, shape and dtype,
+    checked against the index (a piece of the wrong shape or dtype fails the save, as it would
+    when writing real bytes)."""
+    mine = rank_file(exe.device, True)
+    out = {}
+    for name, value in pieces.items():
+        entry = index["tensors"][name]
+        box = next(p["box"] for p in entry["pieces"] if p["file"] == mine)
+        shape = [b - a for a, b in box]
+        dtype = str(value.dtype).removeprefix("torch.")
+        if list(value.shape) != shape or dtype != entry["dtype"]:
+            raise ShapeError(f"device {exe.device}: its piece of {name} is {tuple(value.shape)} {dtype}, the checkpoint "
+                             f"index gives it {tuple(shape)} {entry['dtype']}")
+        out[name] = {"box": box, "shape": shape, "dtype": dtype}
+    return {"format": FORMAT, "step": index["step"], "device": exe.device, "pieces": out}
 
 
 def _atomic_save(tensors: Mapping[str, torch.Tensor], path: str, step: int, graph: str) -> None:
@@ -173,6 +214,12 @@ class ShardedReader:
     folder: str
     index: dict
     bytes_read: int = 0
+    _manifests: dict | None = None
+
+    @property
+    def stand_in(self) -> bool:
+        """Saved from a stand-in device: manifests, no values (loads only onto `meta`)."""
+        return bool(self.index.get("stand_in"))
 
     @staticmethod
     def open(path) -> "ShardedReader":
@@ -208,6 +255,8 @@ class ShardedReader:
             raise ShapeError(f"sharded checkpoint {self.folder}: {name} has shape {tuple(entry['shape'])}, the model "
                              f"expects {tuple(shape)}")
         box = _box_key(box) if box else tuple((0, s) for s in shape)
+        if self.stand_in:
+            return self._stand_in_piece(name, entry, box)
         out = torch.empty(tuple(b - a for a, b in box), dtype=getattr(torch, entry["dtype"]))
         covered = 0
         for piece in entry["pieces"]:
@@ -225,6 +274,32 @@ class ShardedReader:
             raise HSPMDError(f"sharded checkpoint {self.folder}: the stored pieces of {name} do not cover box {box}")
         return out
 
+    def _stand_in_piece(self, name: str, entry: dict, box) -> torch.Tensor:
+        """A `meta` tensor of the box, once the manifests are found to cover it with pieces of the
+        index's shape and dtype (the checks a real load makes, without any bytes)."""
+        if self._manifests is None:
+            files = sorted({p["file"] for e in self.index["tensors"].values() for p in e["pieces"]})
+            self._manifests = {}
+            for f in files:
+                path = os.path.join(self.folder, f)
+                if not os.path.exists(path):
+                    raise HSPMDError(f"stand-in checkpoint {self.folder}: {f} is missing")
+                with open(path, encoding="utf-8") as handle:
+                    self._manifests[f] = json.load(handle).get("pieces", {})
+        covered = 0
+        for piece in entry["pieces"]:
+            stored = _box_key(piece["box"])
+            listed = self._manifests[piece["file"]].get(name)
+            if listed is None or _box_key(listed["box"]) != stored or listed["dtype"] != entry["dtype"]:
+                raise HSPMDError(f"stand-in checkpoint {self.folder}: {piece['file']} does not list {name}'s piece "
+                                 f"{list(stored)} as {entry['dtype']}")
+            inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, stored))
+            if all(a < b for a, b in inter):
+                covered += box_volume(inter)
+        if covered != box_volume(box):
+            raise HSPMDError(f"stand-in checkpoint {self.folder}: the stored pieces of {name} do not cover box {box}")
+        return torch.empty(tuple(b - a for a, b in box), dtype=getattr(torch, entry["dtype"]), device="meta")
+
     def whole(self) -> dict[str, torch.Tensor]:
         return {name: self(name, (), tuple(e["shape"])) for name, e in self.index["tensors"].items()}
 
@@ -238,6 +313,8 @@ def consolidate(path, out) -> int:
     """Write a sharded checkpoint as one plain safetensors file of whole tensors (loadable by other
     tools, and by hspmd as a single-file checkpoint); returns its step."""
     reader = ShardedReader.open(path)
+    if reader.stand_in:
+        raise HSPMDError(f"{reader.folder} was saved from a stand-in (meta) device: it holds no values to consolidate")
     save_checkpoint(out, reader.whole(), reader.step, reader.index.get("graph", ""))
     return reader.step
 

@@ -397,13 +397,16 @@ class Trainer:
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], step: int | None = None) -> None:
         """Take this device's pieces of whole tensors (every rank passes them; not collective)."""
-        self.state.leaves.update(cut_leaves(self.exe, cut_from_tensors(tensors)))
+        self.state.leaves.update(cut_leaves(self.exe, cut_from_tensors(tensors), self.backend.device))
         self.state.accum.clear()
         if step is not None:
             self.state.step = step
 
     def save_checkpoint(self, path) -> None:
         """Collective: gather to the lowest rank, which writes `path`; returns once it is written."""
+        if self.backend.device.type == "meta":
+            raise HSPMDError("save_checkpoint gathers and writes values, which a stand-in (meta) device has none of: "
+                             "use save_sharded, which writes the stand-in pieces' manifests")
         tensors = self.state_dict()
         if tensors is not None:
             save_checkpoint(path, tensors, self.state.step, self.graph.name)
@@ -424,7 +427,7 @@ class Trainer:
         `step` (e.g. hspmd.runtime.hf_checkpoint.HFCheckpoint over a Hugging Face directory);
         returns the step count it was saved at."""
         reader = source if callable(source) else open_checkpoint(source)
-        self.state.leaves.update(cut_leaves(self.exe, reader))
+        self.state.leaves.update(cut_leaves(self.exe, reader, self.backend.device))
         self.state.accum.clear()
         self.state.step = reader.step
         return reader.step
