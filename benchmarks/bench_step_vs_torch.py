@@ -1,43 +1,57 @@
-"""Training-step time of hspmd against a hand-written torch.distributed Megatron MLP, DP2 x TP2.
+"""Training-step time and memory of hspmd against hand-written torch.distributed, DP2 x TP2 MLP.
 
 The model: L residual blocks x <- x + relu(x @ W1) @ W2 with W1 column-parallel and W2
 row-parallel, loss = mean((x - target)^2), plain SGD. Four gloo processes, ranks 0,1 and 2,3 are
 the TP groups, 0,2 and 1,3 the DP groups. hspmd runs the graph written once from one device's view
-with annotations (specialized per rank, driven by run_forward / run_backward / run_update over
-TorchDistBackend); the baseline is written by hand: an all_reduce on the TP group in the row
-layer's forward and in the column layer's input backward (Megatron's f and g), then the gradient
-all_reduce over the DP group. Both start from the same weights, see the same batches, and must
-report the same loss at every step.
+with annotations, through its Trainer (specialized per rank, gradients all-reduced in size-capped
+buckets that start during the backward, hspmd.runtime.buckets). Two hand-written baselines: an
+all_reduce on the TP group in the row layer's forward and in the column layer's input backward
+(Megatron's f and g), then the gradient all_reduce over the DP group either
+  "torch"          after the backward, one blocking all_reduce per weight (the plain loop), or
+  "torch overlap"  started without blocking as each weight's gradient is accumulated during the
+                   backward (a post-accumulate-grad hook, DDP's idea without its buckets), waited
+                   before the update.
+Every step returns the global loss (an all_reduce of the DP summands). All start from the same
+weights, see the same batches, and must report the same loss at every step.
 
-Both run side by side in one job, interleaved step by step (alternating which goes first) so
-machine noise hits both alike. A step's time is the slowest rank's, each step starting on a world
-barrier; the figure is the median over the timed steps, after warm-up.
+The three run side by side in one job, interleaved step by step (A B C, then B C A, ...) so that
+machine noise hits them alike. A step's time is the slowest rank's, each step starting on a world
+barrier. Reported: the median of the per-step ratios hspmd / baseline with their spread (min-max
+and interquartile range), medians in ms, the median per-step ratio of CPU time (all ranks), and the peak resident memory of each process (VmHWM,
+Linux) when each side runs alone in fresh processes (in one process, memory one side freed
+and the allocator kept would hide the other's).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
+import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from hspmd.ir import Binding, comm, initial_value, parameter, placeholder
+from hspmd.ir import comm, initial_value, parameter, placeholder, symbols
 from hspmd.ops import SGD, Graph, relu
 from hspmd.backends.backend import Backend
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB
 from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.run import DeviceState, device_feeds, run_backward, run_forward, run_update
-from hspmd.specialize.specialized import specialize_graph
+from hspmd.runtime.trainer import Trainer
 
 try:
-    from benchmarks._common import ms, slowest_rank_median, table, timed_on_world
+    from benchmarks._common import ms, table, timed_on_world
 except ImportError:
-    from _common import ms, slowest_rank_median, table, timed_on_world
+    from _common import ms, table, timed_on_world
 
 WORLD, DP, TP = 4, 2, 2
 ACT, COLUMN, ROW = "S0:2,D:2@[0-3]", "D:2,S1:2@[0-3]", "D:2,S0:2@[0-3]"
 LR = 0.05
+SIDES = ("hspmd", "torch", "torch overlap")
 
 
 @dataclass(frozen=True)
@@ -55,11 +69,12 @@ CONFIGS = (
 )
 
 
-def build_mlp(c: Config):
+def build_mlp(c: Config) -> Graph:
     """The model from one device's view; its DP x TP layout comes only from the annotations."""
     g = Graph("megatron_mlp")
-    x = placeholder(g, "x", (c.batch, c.hidden), annotation=ACT)
-    target = placeholder(g, "target", (c.batch, c.hidden), annotation=ACT)
+    (rows,) = symbols("B")  # the batch size: the trainer binds it to the micro-batch size
+    x = placeholder(g, "x", (rows, c.hidden), annotation=ACT)
+    target = placeholder(g, "target", (rows, c.hidden), annotation=ACT)
     for l in range(c.layers):
         w1 = parameter(g, f"w1.{l}", (c.hidden, c.ffn), annotation=COLUMN)
         w2 = parameter(g, f"w2.{l}", (c.ffn, c.hidden), annotation=ROW)
@@ -68,35 +83,12 @@ def build_mlp(c: Config):
     d = x - target
     loss = (d * d).mean()
     SGD(lr=LR).minimize(loss)
-    return g, loss
+    return g
 
 
 def batch(c: Config, step: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     return {"x": torch.randn(c.batch, c.hidden, generator=gen), "target": torch.randn(c.batch, c.hidden, generator=gen)}
-
-
-class HspmdRank:
-    """This rank's executable graph and state; step() runs forward, backward and update."""
-
-    def __init__(self, backend: Backend, c: Config):
-        self.backend, self.config = backend, c
-        graph, self.loss = build_mlp(c)
-        self.spec = specialize_graph(graph, 0, Binding(), devices=[backend.rank])
-        self.exe = self.spec.executables[backend.rank]
-        self.state = DeviceState.initial(self.exe)
-        self.initial = {n.name: initial_value(n) for n in graph.parameters}
-        comms = [ins.node for prog in (self.exe.forward, self.exe.backward, self.exe.update) for ins in prog
-                 if ins.node.opdef.is_comm and ins.role != "identity"]
-        groups = {g for node in comms for g in self.exe.plan(node, self.spec.binding).collective_groups()}
-        backend.prepare_groups(sorted(g for g in groups if backend.rank in g))
-
-    def step(self, feeds: dict[str, torch.Tensor]) -> float:
-        self.state.fetched.clear()
-        mb = run_forward(self.exe, self.backend, self.state, feeds)
-        run_backward(self.exe, self.backend, self.state, mb)
-        run_update(self.exe, self.backend, self.state)
-        return float(self.state.fetched[self.loss.name])
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -129,20 +121,25 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
 
 class TorchRank:
-    """The same model written by hand against torch.distributed."""
+    """The same model written by hand against torch.distributed; `overlap` starts each weight's
+    DP all_reduce as soon as its gradient is accumulated instead of after the backward."""
 
-    def __init__(self, rank: int, c: Config, initial: dict[str, torch.Tensor]):
-        self.config = c
+    def __init__(self, rank: int, c: Config, initial: dict[str, torch.Tensor], groups: dict, overlap: bool):
+        self.config, self.overlap = c, overlap
         self.dp_rank, self.tp_rank = divmod(rank, TP)
-        groups = {}
-        for members in ([0, 1], [2, 3], [0, 2], [1, 3]):  # every rank creates every group, same order
-            groups[tuple(members)] = dist.new_group(members)
         self.tp_group = groups[tuple(r for r in range(WORLD) if r // TP == self.dp_rank)]
         self.dp_group = groups[tuple(r for r in range(WORLD) if r % TP == self.tp_rank)]
         cols = slice(self.tp_rank * c.ffn // TP, (self.tp_rank + 1) * c.ffn // TP)
         self.w1 = [initial[f"w1.{l}"][:, cols].clone().requires_grad_() for l in range(c.layers)]
         self.w2 = [initial[f"w2.{l}"][cols, :].clone().requires_grad_() for l in range(c.layers)]
         self.rows = slice(self.dp_rank * c.batch // DP, (self.dp_rank + 1) * c.batch // DP)
+        self.works: list = []
+        if overlap:
+            for w in (*self.w1, *self.w2):
+                w.register_post_accumulate_grad_hook(self._start)
+
+    def _start(self, w: torch.Tensor) -> None:
+        self.works.append(dist.all_reduce(w.grad, group=self.dp_group, async_op=True))
 
     def step(self, whole: dict[str, torch.Tensor]) -> float:
         c = self.config
@@ -153,28 +150,93 @@ class TorchRank:
         loss = ((x - target) ** 2).sum() / (c.batch * c.hidden)  # this DP rank's summand of the mean
         loss.backward()
         with torch.no_grad():
+            if self.overlap:
+                for work in self.works:
+                    work.wait()
+                self.works = []
             for w in (*self.w1, *self.w2):
-                dist.all_reduce(w.grad, group=self.dp_group)
+                if not self.overlap:
+                    dist.all_reduce(w.grad, group=self.dp_group)
                 w -= LR * w.grad
                 w.grad = None
-        return float(loss.detach())
+            total = loss.detach().to(torch.float64)
+            dist.all_reduce(total, group=self.dp_group)
+        return float(total)
 
 
-def rank_main(backend: Backend, c: Config, warmup: int, steps: int) -> dict:
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def make_sides(backend: Backend, c: Config, cap_mb: float, names=SIDES) -> dict:
+    """{side name: its step function} on this rank (construction is collective: all ranks, same names)."""
+    graph = build_mlp(c)
+    sides = {}
+    if "hspmd" in names:
+        trainer = Trainer(graph, 0, backend, MicroBatchLayout((1,), (c.batch,)), schedule="gpipe", symbols={},
+                          bucket_cap_mb=cap_mb)
+        sides["hspmd"] = trainer.step
+    groups = {}
+    for members in ([0, 1], [2, 3], [0, 2], [1, 3]):  # every rank creates every group, same order
+        groups[tuple(members)] = dist.new_group(members)
+    initial = {n.name: initial_value(n) for n in graph.parameters}
+    for name, overlap in (("torch", False), ("torch overlap", True)):
+        if name in names:
+            sides[name] = TorchRank(backend.rank, c, initial, groups, overlap).step
+    return sides
+
+
+def rank_main(backend: Backend, c: Config, warmup: int, steps: int, cap_mb: float) -> dict:
     torch.set_num_threads(1)
-    hspmd = HspmdRank(backend, c)
-    baseline = TorchRank(backend.rank, c, hspmd.initial)
-    out = {"hspmd": [], "torch": [], "hspmd_loss": [], "torch_loss": []}
+    sides = make_sides(backend, c, cap_mb)
+    out = {name: {"seconds": [], "cpu": [], "loss": []} for name in SIDES}
     for i in range(warmup + steps):
         whole = batch(c, i)
-        mine = device_feeds(hspmd.exe, whole, hspmd.spec.binding)
-        runs = [("hspmd", lambda: hspmd.step(mine)), ("torch", lambda: baseline.step(whole))]
-        for name, run in runs if i % 2 == 0 else runs[::-1]:
-            seconds, loss = timed_on_world(backend, run)
-            out[f"{name}_loss"].append(loss)
+        runs = [(name, sides[name]) for name in SIDES]
+        k = i % len(runs)
+        for name, run in runs[k:] + runs[:k]:
+            cpu = time.process_time()
+            seconds, loss = timed_on_world(backend, lambda: run(whole))
+            cpu = time.process_time() - cpu
+            out[name]["loss"].append(loss)
             if i >= warmup:
-                out[name].append(seconds)
+                out[name]["seconds"].append(seconds)
+                out[name]["cpu"].append(cpu)
     return out
+
+
+def memory_main(backend: Backend, c: Config, side: str, steps: int, cap_mb: float) -> tuple[int, int]:
+    """(peak resident bytes of this fresh process, the part above its size before the side was
+    built): one side alone, so that neither's buffers or freed-but-kept memory count for the other."""
+    torch.set_num_threads(1)
+    start = _status_kib("VmRSS")
+    step = make_sides(backend, c, cap_mb, names=(side,))[side]
+    for i in range(steps):
+        step(batch(c, i))
+    peak = _status_kib("VmHWM")
+    return peak * 1024, (peak - start) * 1024
+
+
+def profile_main(backend: Backend, c: Config, steps: int, cap_mb: float, top: int) -> str:
+    """cProfile of this rank's hspmd steps alone (after 3 untimed ones): the functions that take the time."""
+    torch.set_num_threads(1)
+    trainer = Trainer(build_mlp(c), 0, backend, MicroBatchLayout((1,), (c.batch,)), schedule="gpipe", symbols={},
+                      bucket_cap_mb=cap_mb)
+    data = [batch(c, i) for i in range(steps)]
+    for whole in data[:3]:
+        trainer.step(whole)
+    profile = cProfile.Profile()
+    profile.enable()
+    for whole in data:
+        trainer.step(whole)
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def close(a: list[float], b: list[float]) -> bool:
@@ -182,29 +244,64 @@ def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= 1e-4 * max(1.0, abs(y)) for x, y in zip(a, b))
 
 
+def spread(values: list[float]) -> tuple[float, float, float, float, float]:
+    """(median, min, max, first quartile, third quartile)."""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return statistics.median(values), min(values), max(values), q1, q3
+
+
+def mib(n: float) -> str:
+    return f"{n / (1 << 20):.2f}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB)
+    parser.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))),
+                        help="indices of the configurations to run, e.g. 0 or 0,1")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="instead: cProfile every rank's hspmd steps and print its TOP functions by own time")
     args = parser.parse_args(argv)
-    rows, ok = [], True
-    for c in CONFIGS:
+    if args.profile:
+        for c in (CONFIGS[int(i)] for i in args.configs.split(",")):
+            for rank, text in enumerate(run_multiprocess(profile_main, WORLD, c, args.steps, args.bucket_cap_mb,
+                                                         args.profile, timeout=900, comm_timeout=120)):
+                print(f"==== {c.name}, rank {rank}: {args.steps} hspmd steps ====")
+                print(text)
+        return 0
+    rows, memory, ok = [], [], True
+    for c in (CONFIGS[int(i)] for i in args.configs.split(",")):
         start = time.perf_counter()
-        per_rank = run_multiprocess(rank_main, WORLD, c, args.warmup, args.steps, timeout=600, comm_timeout=120)
-        # the loss is Partial over DP (each DP group holds its rows' summand): add ranks 0 and 2
-        hspmd_loss = [a + b for a, b in zip(per_rank[0]["hspmd_loss"], per_rank[2]["hspmd_loss"])]
-        torch_loss = [a + b for a, b in zip(per_rank[0]["torch_loss"], per_rank[2]["torch_loss"])]
-        same = close(hspmd_loss, torch_loss) and all(close(r["hspmd_loss"], r["torch_loss"]) for r in per_rank)
+        per_rank = run_multiprocess(rank_main, WORLD, c, args.warmup, args.steps, args.bucket_cap_mb,
+                                    timeout=900, comm_timeout=120)
+        losses = {name: per_rank[0][name]["loss"] for name in SIDES}
+        same = all(close(r[name]["loss"], losses["torch"]) for r in per_rank for name in SIDES)
         ok &= same
-        h = slowest_rank_median([r["hspmd"] for r in per_rank])
-        t = slowest_rank_median([r["torch"] for r in per_rank])
-        rows.append([c.name, f"B{c.batch} H{c.hidden} F{c.ffn} L{c.layers}", ms(h), ms(t), f"{h / t:.3f}",
-                     f"{hspmd_loss[0]:.5f} -> {hspmd_loss[-1]:.5f}", "yes" if same else "NO",
-                     f"{time.perf_counter() - start:.0f}s"])
-    print(f"DP{DP} x TP{TP} Megatron MLP, {WORLD} gloo processes, 1 thread each; median of {args.steps} steps "
-          f"after {args.warmup} warm-up (slowest rank per step)")
-    print(table(["config", "shape", "hspmd ms", "torch ms", "ratio", "loss first -> last", "same loss", "wall"], rows))
-    print("goal: ratio <= 1.15")
+        step = {name: [max(ts) for ts in zip(*(r[name]["seconds"] for r in per_rank))] for name in SIDES}
+        cpu = {name: [sum(ts) for ts in zip(*(r[name]["cpu"] for r in per_rank))] for name in SIDES}
+        for base in ("torch", "torch overlap"):
+            med, lo, hi, q1, q3 = spread([h / t for h, t in zip(step["hspmd"], step[base])])
+            cpu_ratio = statistics.median(h / t for h, t in zip(cpu["hspmd"], cpu[base]))
+            rows.append([c.name, base, ms(statistics.median(step["hspmd"])), ms(statistics.median(step[base])),
+                         f"{med:.3f}", f"{lo:.2f}-{hi:.2f}", f"{q1:.3f}-{q3:.3f}", f"{cpu_ratio:.3f}",
+                         "yes" if same else "NO", f"{time.perf_counter() - start:.0f}s"])
+        for name in SIDES:
+            peaks = run_multiprocess(memory_main, WORLD, c, name, 3, args.bucket_cap_mb, timeout=900, comm_timeout=120)
+            memory.append([c.name, name, " ".join(mib(p[1]) for p in peaks), " ".join(mib(p[0]) for p in peaks)])
+    print(f"DP{DP} x TP{TP} Megatron MLP, {WORLD} gloo processes, 1 thread each; {args.steps} steps after "
+          f"{args.warmup} warm-up, interleaved (ABC, BCA, ...); a step's time is its slowest rank's; "
+          f"bucket cap {args.bucket_cap_mb:g} MiB")
+    print(table(["config", "baseline", "hspmd ms", "baseline ms", "ratio (median)", "min-max", "IQR", "CPU ratio",
+                 "same loss", "wall"], rows))
+    print("ratio: per step, hspmd's time / the baseline's (slowest rank each); CPU ratio: the median per-step ratio "
+          "of CPU seconds summed over the ranks' processes (less sensitive to a busy machine)")
+    print("goal: median ratio <= 1.05")
+    print()
+    print("peak memory per process (ranks 0-3), each side alone in fresh processes for 3 steps: above the "
+          "process's size before the side was built, and in all")
+    print(table(["config", "side", "peak above start, MiB", "peak resident, MiB"], memory))
     return 0 if ok else 1
 
 

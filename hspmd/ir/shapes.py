@@ -65,6 +65,14 @@ def format_shape(shape: Shape) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"
 
 
+@lru_cache(maxsize=65536)
+def _substituted(expr: sympy.Expr, values: tuple[tuple[str, int], ...]) -> sympy.Expr:
+    """`expr` with the bound symbols replaced (cached: a trainer evaluates the same few dims and
+    scalars under the same binding every step, and sympy's subs is slow)."""
+    mapping = dict(values)
+    return sympy.sympify(expr).subs({s: mapping[s.name] for s in expr.free_symbols if s.name in mapping})
+
+
 @dataclass(frozen=True)
 class Binding:
     """Values of the run-time symbols for one micro-batch, and ratios for run-time top-tier splits
@@ -85,8 +93,7 @@ class Binding:
     def dim(self, d: Dim, where: str = "") -> int:
         if isinstance(d, int):
             return d
-        subs = {s: self.mapping[s.name] for s in d.free_symbols if s.name in self.mapping}
-        value = sympy.sympify(d).subs(subs)
+        value = _substituted(d, self.values)
         if not value.is_Integer:
             missing = sorted(s.name for s in value.free_symbols)
             raise ShapeError(
@@ -103,8 +110,7 @@ class Binding:
     def scalar(self, value: float | sympy.Expr, where: str = "") -> float:
         if isinstance(value, (int, float)):
             return float(value)
-        subs = {s: self.mapping[s.name] for s in value.free_symbols if s.name in self.mapping}
-        out = sympy.sympify(value).subs(subs)
+        out = _substituted(value, self.values)
         if out.free_symbols:
             raise ShapeError(f"{where or 'scalar'}: {value} needs symbol(s) {sorted(map(str, out.free_symbols))} bound")
         return float(out)

@@ -232,18 +232,18 @@ class BucketSync:
 
 def write_gradient(node, ctx, inputs, target: torch.Tensor, earlier: torch.Tensor | None) -> None:
     """Make `node`'s single output straight into `target` (plus `earlier`, the sum over the
-    step's earlier micro-batches): through the op's compute_into where it has one, else a copy."""
-    with torch.no_grad():
-        if earlier is None and node.opdef.compute_into(node, ctx, inputs, target):
-            return
-        (value,) = node.opdef.compute(node, ctx, inputs)
-        if tuple(value.shape) != tuple(target.shape):
-            raise HSPMDError(f"device {ctx.device}: gradient {node.output.name} has shape {tuple(value.shape)} but its "
-                             f"bucket slot is {tuple(target.shape)}")
-        if earlier is None:
-            target.copy_(value)
-        else:
-            torch.add(earlier, value, out=target)
+    step's earlier micro-batches): through the op's compute_into where it has one, else a copy.
+    Runs inside the executor (under no_grad)."""
+    if earlier is None and node.opdef.compute_into(node, ctx, inputs, target):
+        return
+    (value,) = node.opdef.compute(node, ctx, inputs)
+    if tuple(value.shape) != tuple(target.shape):
+        raise HSPMDError(f"device {ctx.device}: gradient {node.output.name} has shape {tuple(value.shape)} but its "
+                         f"bucket slot is {tuple(target.shape)}")
+    if earlier is None:
+        target.copy_(value)
+    else:
+        torch.add(earlier, value, out=target)
 
 
 __all__ = [

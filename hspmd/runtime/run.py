@@ -92,6 +92,11 @@ def _value(state: DeviceState, env: dict[int, torch.Tensor], t: Tensor) -> torch
 def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Backend, state: DeviceState,
              env: dict[int, torch.Tensor], binding: Binding, feeds: Mapping[str, torch.Tensor] | None = None,
              buckets: BucketSync | None = None) -> None:
+    with torch.no_grad():  # once per program, not per op: ops compute values, never autograd graphs
+        _run_program(exe, program, backend, state, env, binding, feeds, buckets)
+
+
+def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> None:
     for ins in program:
         node = ins.node
         if node.kind == "placeholder":
@@ -125,8 +130,7 @@ def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Back
                 env[t.id] = target
                 buckets.written(t.id, backend)
                 continue
-            with torch.no_grad():
-                outs = node.opdef.compute(node, _OpContext(exe, node, binding, state.step), inputs)
+            outs = node.opdef.compute(node, _OpContext(exe, node, binding, state.step), inputs)
             for t, v in zip(node.outputs, outs):
                 env[t.id] = v
 

@@ -186,6 +186,8 @@ class Trainer:
         self.tracer: Tracer | None = None  # set one to record this rank's F/B/update events (runtime.trace)
         self.last_switch = None
         self.carried: dict[str, torch.Tensor] = {}
+        self._cuts: dict[str, tuple] = {}  # placeholder -> (region shape, this device's slice, annotation)
+        self._sums_loss: bool | None = None  # whether this rank's loss is a summand of the step loss
         backend.prepare_groups(self._groups())
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -215,15 +217,20 @@ class Trainer:
     def _piece(self, node: Node, rows: torch.Tensor, binding: Binding | None = None) -> torch.Tensor:
         """This device's piece of a placeholder, from its pipeline's rows of one micro-batch."""
         binding = binding or self.binding
-        t = node.output
-        ann = self.spec.deduced[t]
-        shape = binding.shape(t.shape, node.name)
-        k = next(k for k, sub in enumerate(ann.subgroups) if self.backend.rank in sub.dg.devices)
-        region = subgroup_regions(ann, shape, run_time_ratios(ann, binding))[k]
-        if tuple(rows.shape) != tuple(box_shape(region)):
+        cut = self._cuts.get(node.name) if binding == self.binding else None
+        if cut is None:
+            t = node.output
+            ann = self.spec.deduced[t]
+            shape = binding.shape(t.shape, node.name)
+            k = next(k for k, sub in enumerate(ann.subgroups) if self.backend.rank in sub.dg.devices)
+            region = subgroup_regions(ann, shape, run_time_ratios(ann, binding))[k]
+            cut = (tuple(box_shape(region)), box_relative(self.exe.box(t, binding), region), str(ann))
+            if binding == self.binding:  # the trainer's own binding: the same cut every step
+                self._cuts[node.name] = cut
+        if tuple(rows.shape) != cut[0]:
             raise ShapeError(f"step(): pipeline {self.pipeline}'s micro-batch of {node.name} has shape "
-                             f"{tuple(rows.shape)}, its region under {ann} is {tuple(box_shape(region))}")
-        return rows[box_relative(self.exe.box(t, binding), region)].to(self.backend.device, non_blocking=True)
+                             f"{tuple(rows.shape)}, its region under {cut[2]} is {cut[0]}")
+        return rows[cut[1]].to(self.backend.device, non_blocking=True)
 
     def step(self, batch: Mapping[str, torch.Tensor]) -> float | None:
         """One training step on the global batch (every rank passes the same one): this rank's
@@ -332,9 +339,11 @@ class Trainer:
         if not self.graph.losses:
             return None
         loss = self.graph.losses[0]
-        ann = self.spec.deduced[loss]
-        shape = self.binding.shape(loss.shape, loss.name)
-        mine = self.backend.rank in summing_devices(ann, shape, run_time_ratios(ann, self.binding))
+        if self._sums_loss is None:
+            ann = self.spec.deduced[loss]
+            shape = self.binding.shape(loss.shape, loss.name)
+            self._sums_loss = self.backend.rank in summing_devices(ann, shape, run_time_ratios(ann, self.binding))
+        mine = self._sums_loss
         local = self.state.fetched.get(loss.name)
         device = self.backend.device
         value = local.detach().reshape(()).to(device, torch.float64) if mine and local is not None else \
