@@ -59,8 +59,11 @@ class CostModelEvaluator:
         return layers * self._layer(device_type, tp, recompute) + self._ends(device_type, tp, first, last)
 
     def stage_memory(self, device_type, tp, layers, recompute, first, last, inflight, dp):
-        shape = StageShape(layers, tp, first, last, dp, self.zero, recompute)
-        return self.cost.memory(shape, inflight, self.mbs).total
+        key = ("memory", tp, layers, recompute, first, last, inflight, dp)
+        if key not in self._memo:
+            shape = StageShape(layers, tp, first, last, dp, self.zero, recompute)
+            self._memo[key] = self.cost.memory(shape, inflight, self.mbs).total
+        return self._memo[key]
 
     def capacity(self, device_type):
         return self.usable * self.cluster.type_named(device_type).hbm_capacity
@@ -79,6 +82,12 @@ class CostModelEvaluator:
     def sync_time(self, dp, pipeline_devices: Mapping[str, int]):
         if dp == 1:
             return 0.0
+        key = ("sync", dp, tuple(sorted(pipeline_devices.items())))
+        if key not in self._memo:
+            self._memo[key] = self._sync_time(dp, pipeline_devices)
+        return self._memo[key]
+
+    def _sync_time(self, dp, pipeline_devices: Mapping[str, int]):
         model = self.cost.model
         share = model.parameters() / sum(pipeline_devices.values())
         firsts: dict[int, int] = {}

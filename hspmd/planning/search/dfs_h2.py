@@ -49,7 +49,8 @@ class _Search:
     def __init__(self, problem: Problem):
         self.problem = problem
         self.price = PriceCache(problem)
-        self.leaves = 0
+        self.costs: dict[tuple, tuple[float, bool, Layout]] = {}
+        self.leaves = self.pruned = 0
 
     def layout(self, d: int, choices: list[BlockChoice], layers: list[int]) -> Layout:
         stages = tuple(
@@ -59,9 +60,15 @@ class _Search:
         return Layout(d, stages, self.problem.global_batch // d)
 
     def cost(self, d, choices, layers) -> tuple[float, bool, Layout]:
-        layout = self.layout(d, choices, layers)
-        p = self.price(layout)
-        return p.time, p.feasible, layout
+        """(time, feasible, layout) of a layering, memoised on the blocks and their layer counts
+        (cheaper to hash than the layout's stages; the refinement revisits its neighbours)."""
+        key = (d, tuple(choices), tuple(layers))
+        hit = self.costs.get(key)
+        if hit is None:
+            layout = self.layout(d, choices, layers)
+            p = self.price(layout)
+            hit = self.costs[key] = (p.time, p.feasible, layout)
+        return hit
 
     def shard_layers(self, d: int, choices: list[BlockChoice]) -> Layout | None:
         L, ev = self.problem.num_layers, self.problem.evaluator
@@ -107,6 +114,23 @@ class _Search:
                         best, layers, layout, improved = t, trial, lay, True
         return layout
 
+    def lower_bound(self, d: int, choices: list[BlockChoice]) -> float:
+        """No layering of these blocks is faster than this (so a leaf above the best is skipped
+        without changing the result). Stage times are affine in their layers with non-negative
+        first/last extras (Evaluator), so with t_k one layer's time on block k and S_k its stages:
+        the layers cost at least L min t_k in all, the bottleneck stage at least L / sum S_k/t_k
+        (a continuous layer split), links are >= 0 and the sync is known exactly."""
+        L, ev = self.problem.num_layers, self.problem.evaluator
+        per_layer = [ev.stage_time(c.block.device_type, c.tp, 1, c.recompute, False, False) for c in choices]
+        devices: dict[str, int] = {}
+        for c in choices:
+            devices[c.block.device_type] = devices.get(c.block.device_type, 0) + c.tp * c.stages
+        bound = L * min(per_layer) + ev.sync_time(d, devices)
+        if min(per_layer) > 0:
+            micro_batches = self.problem.global_batch // d
+            bound += (micro_batches - 1) * L / sum(c.stages / t for c, t in zip(choices, per_layer))
+        return bound
+
     def headroom(self, layout: Layout, choices: list[BlockChoice]):
         """(block over memory, block with the most spare memory) of a priced layout."""
         p = self.price(layout)
@@ -130,6 +154,9 @@ class _Search:
                 nonlocal best
                 if i == len(per_pipeline):
                     self.leaves += 1
+                    if best is not None and self.lower_bound(d, chosen) > best[0] * (1 + 1e-9):
+                        self.pruned += 1
+                        return
                     layout = self.shard_layers(d, chosen)
                     if layout is not None:
                         p = self.price(layout)
@@ -182,7 +209,7 @@ def dfs(problem: Problem, group_size: int = 128, two_stage: bool = True) -> list
             if second is not None and run.price(second).time < run.price(best).time:
                 best, stage = second, 2
     provenance = {"search": "dfs", "space": UNIFORM.name, "seconds": time.perf_counter() - start,
-                  "candidates": run.price.calls, "leaves": run.leaves, "stage": stage}
+                  "candidates": run.price.calls, "leaves": run.leaves, "pruned": run.pruned, "stage": stage}
     return [planned(problem, best, provenance)]
 
 

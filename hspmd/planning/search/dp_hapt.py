@@ -44,6 +44,16 @@ class _Dp:
         self.budget = tuple(problem.counts()[t] // d for t in self.types)
         self.ev = problem.evaluator
         self.stage_cache: dict = {}
+        self.times: dict[tuple, list[float]] = {}  # (type, tp, first, last) -> time by layer count, no recompute
+
+    def time_table(self, t: str, tp: int, first: bool, last: bool) -> list[float]:
+        """Stage times for 0..L layers (the recursion reads them millions of times at scale)."""
+        key = (t, tp, first, last)
+        table = self.times.get(key)
+        if table is None:
+            table = self.times[key] = [self.ev.stage_time(t, tp, n, False, first, last)
+                                       for n in range(self.problem.num_layers + 1)]
+        return table
 
     def stage(self, t: str, tp: int, layers: int, rec: bool, first: bool, last: bool, q: int) -> float:
         """A stage's time, or INF when it does not fit in memory."""
@@ -102,9 +112,10 @@ class _Dp:
                 c = 0.0 if nxt is None else ev.link_time(t, types[nxt])
                 if c > t_max:
                     continue
+                inner, final = self.time_table(t, tp, k == 0, False), self.time_table(t, tp, k == 0, True)
                 for layers in range(1, L - k + 1):
                     last = k + layers == L
-                    if ev.stage_time(t, tp, layers, False, k == 0, last) > t_max:
+                    if (final if last else inner)[layers] > t_max:
                         break  # stage time grows with its layers
                     if last != (nxt is None):
                         continue

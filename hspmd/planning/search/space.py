@@ -36,7 +36,9 @@ class PlanningError(HSPMDError):
 
 
 class Evaluator(Protocol):
-    """Costs of one micro-batch (one sample) for the searches; every method is pure."""
+    """Costs of one micro-batch (one sample) for the searches; every method is pure. A stage's
+    time is affine in its layers (layers x one layer's time + non-negative first/last extras): the
+    searches' lower bounds rely on it."""
 
     def stage_time(self, device_type: str, tp: int, layers: int, recompute: bool, first: bool, last: bool) -> float: ...
 
