@@ -20,7 +20,7 @@ from hspmd.testing import assert_weights_close
 SEQ, LR = 6, 1e-3
 
 
-def _train_with_switch(first, second, failed=()):
+def _train_with_switch(first, second, failed=(), ranks=None):
     config = LlamaConfig(layers=first.num_layers, hidden=16, ffn=32, vocab=32, heads=2)
     model = build_llama(config, [first, second], optimizer=AdamW(lr=LR))
     gen = torch.Generator().manual_seed(11)
@@ -31,7 +31,7 @@ def _train_with_switch(first, second, failed=()):
     initial = {n.name: initial_value(n) for n in model.graph.parameters}
     _, final = reference_training(initial, lambda s: data[s], config.layers, config.heads, 3, lr=LR)
 
-    job = InProcessJob(model.graph, 0, first, symbols={"S": SEQ, "T": total * SEQ})
+    job = InProcessJob(model.graph, 0, first, symbols={"S": SEQ, "T": total * SEQ}, ranks=ranks)
     for step in range(2):
         job.step({"tokens": data[step][0], "labels": data[step][1]})
     job.switch(1, second, failed=failed)
@@ -51,6 +51,15 @@ def test_hot_switch_from_pp_to_tp_keeps_training_exact():
     plan = _train_with_switch(first, second)
     assert plan.fused.messages <= 4 * 3
     assert any(n.startswith("layers.0") for n in plan.names)
+
+
+@pytest.mark.equivalence
+def test_a_rank_idle_under_the_first_strategy_joins_the_second_in_step():
+    # rank 2 sits out two steps, then holds half of a TP pair: it must agree with the others on the
+    # optimizer's step count (Adam's bias correction), or its pieces drift from the reference
+    first = parse_strategy("layers=2 ; 2x1: R0 L0-1 ; 2x1: R1 L0-1")
+    second = parse_strategy("layers=2 ; 2x1: R0 L0-1 ; 1x2: R1,2 L0-1")
+    _train_with_switch(first, second, ranks=3)
 
 
 @pytest.mark.equivalence

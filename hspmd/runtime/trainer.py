@@ -238,6 +238,7 @@ class Trainer:
         (None if the graph has no loss, or on an idle rank that the strategy leaves out)."""
         self._check_batch(batch)
         if self.idle:
+            self.state.step += 1  # counts the job's steps: a later switch that brings it back agrees on them
             return None
         placeholders = {i.node.name: i.node for i in self.exe.forward + self.exe.backward if i.node.kind == "placeholder"}
 
@@ -272,6 +273,7 @@ class Trainer:
         `carried`: synchronised gradients of earlier buckets of this step (see bucket_rows)."""
         buckets = self._begin_buckets()
         if not self._run_rows(micro_batches, symbols, buckets):
+            self.state.step += 1  # an idle rank counts the job's steps too (see step)
             return None
         synced = buckets.finish(self.backend) if buckets else None
         run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), carried=carried,
