@@ -29,6 +29,7 @@ MAX_BATCH_ROWS = 10**9  # micro-batches per step, and rows per micro-batch
 MAX_SYMBOL_VALUE = 10**12  # a run-time size (sequence length, tokens per step)
 MAX_RATIO = 10**12  # a top-tier split weight
 MAX_DIGITS = 18  # decimal digits of one integer written in text (annotations, strategies, CLI)
+MAX_WARMUP = 10**6  # forwards a pipeline stage launches before its first backward (warm-up vectors)
 MAX_NESTING = 64  # nesting depth of a strategy file (JSON/YAML)
 
 

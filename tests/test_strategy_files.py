@@ -60,6 +60,23 @@ def test_dict_accepts_every_spelling_of_ranks_and_layers():
     assert Strategy.from_dict(minimal()).num_layers == 4 and Strategy.from_dict(minimal()).name == ""
 
 
+def test_schedule_warmup_and_recompute_in_yaml(tmp_path):
+    path = tmp_path / "planned.yaml"
+    path.write_text(
+        "num_layers: 4\npipelines:\n"
+        "  - {micro_batches: 8, micro_batch_size: 1, schedule: h1f1b, warmup: [4, 1],\n"
+        "     stages: [{ranks: 0-1, layers: 0-1, recompute: true}, {ranks: 2, layers: 2-3}]}\n"
+        "  - {micro_batches: 8, micro_batch_size: 1, schedule: gpipe, stages: [{ranks: 3, layers: 0-3}]}\n"
+        "  - {micro_batches: 8, micro_batch_size: 1, schedule: eager, warmup: '2', stages: [{ranks: 4, layers: 0-3}]}\n"
+    )
+    s = load_strategy(path)
+    assert s == parse_strategy("8x1 h1f1b=4,1: R0,1 L0-1 recompute | R2 L2-3 ; 8x1 gpipe: R3 L0-3 ; 8x1 eager=2: R4 L0-3")
+    assert [p.schedule_spec for p in s.pipelines] == ["h1f1b:4,1", "gpipe", "eager:2"]
+    save_strategy(s, path)
+    assert load_strategy(path) == s
+    assert "recompute" not in Strategy.from_dict(minimal()).to_dict()["pipelines"][0]["stages"][0]
+
+
 def test_hand_written_yaml(tmp_path):
     path = tmp_path / "c3.yaml"
     path.write_text(
@@ -102,6 +119,18 @@ def _with(change):
         (_with(lambda d: d.update(num_layers="4")), ("num_layers",), "integer"),
         (_with(lambda d: d.update(zero="no")), ("zero",), "true or false"),
         ([1, 2], (), "must be a mapping"),
+        (_with(lambda d: d["pipelines"][0]["stages"][0].update(recompute="yes")), ("pipelines", 0, "stages", 0, "recompute"), "true or false"),
+        (_with(lambda d: d["pipelines"][0]["stages"][0].update(recomute=True)), ("pipelines", 0, "stages", 0, "recomute"), "'recompute'"),
+        (_with(lambda d: d["pipelines"][0].update(schedule="1fb1")), ("pipelines", 0, "schedule"), "did you mean '1f1b'"),
+        (_with(lambda d: d["pipelines"][0].update(schedule=3)), ("pipelines", 0, "schedule"), "one of gpipe"),
+        (_with(lambda d: d["pipelines"][0].update(schedule="h1f1b")), ("pipelines", 0, "warmup"), "give its warm-up vector"),
+        (_with(lambda d: d["pipelines"][0].update(schedule="gpipe", warmup=[1])), ("pipelines", 0, "warmup"), "1F1B-type"),
+        (_with(lambda d: d["pipelines"][0].update(warmup=[1])), ("pipelines", 0, "warmup"), "got schedule null"),
+        (_with(lambda d: d["pipelines"][0].update(schedule="1f1b", warmup=[2, 1])), ("pipelines", 0, "warmup"), "one per stage"),
+        (_with(lambda d: d["pipelines"][0].update(schedule="1f1b", warmup=[0])), ("pipelines", 0, "warmup"), "1-1000000"),
+        (_with(lambda d: d["pipelines"][0].update(schedule="1f1b", warmup=[True])), ("pipelines", 0, "warmup"), "positive integers"),
+        (_with(lambda d: d["pipelines"][0].update(schedule="1f1b", warmup="2;1")), ("pipelines", 0, "warmup"), "not a count"),
+        (_with(lambda d: d["pipelines"][0].update(schedule="1f1b", warmup=5)), ("pipelines", 0, "warmup"), "a list"),
     ],
 )
 def test_dict_errors_name_the_key(data, path, words):

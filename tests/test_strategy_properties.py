@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hspmd.annotations import device_pieces
+from hspmd.specialize.schedules import SCHEDULE_POLICIES, VECTOR_POLICIES
 from hspmd.specialize.pipelines import comm_pattern, discover_pipelines, expected_pipelines
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
@@ -18,7 +19,8 @@ SOME = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 @st.composite
 def strategies(draw):
-    """1-4 pipelines of 1-5 stages (TP 1-4) over a shuffled, gappy rank set; uneven layer cuts."""
+    """1-4 pipelines of 1-5 stages (TP 1-4) over a shuffled, gappy rank set; uneven layer cuts;
+    random recompute flags, schedules and warm-up vectors."""
     num_layers = draw(st.integers(1, 12))
     plans = []
     for _ in range(draw(st.integers(1, 4))):
@@ -31,8 +33,14 @@ def strategies(draw):
     counts = st.one_of(st.none(), st.integers(1, 40))
     pipelines = []
     for tps, bounds in plans:
-        stages = tuple(Stage(tuple(next(ranks) for _ in range(tp)), range(a, b)) for tp, a, b in zip(tps, bounds, bounds[1:]))
-        pipelines.append(Pipeline(stages, draw(counts), draw(counts)))
+        stages = tuple(Stage(tuple(next(ranks) for _ in range(tp)), range(a, b), recompute=draw(st.booleans()))
+                       for tp, a, b in zip(tps, bounds, bounds[1:]))
+        schedule = draw(st.sampled_from((None,) + SCHEDULE_POLICIES))
+        warmup = None
+        if schedule in VECTOR_POLICIES or (schedule not in (None, "gpipe") and draw(st.booleans())):
+            deltas = draw(st.lists(st.integers(0, 3), min_size=len(stages) - 1, max_size=len(stages) - 1))
+            warmup = tuple(1 + sum(deltas[j:]) for j in range(len(stages)))
+        pipelines.append(Pipeline(stages, draw(counts), draw(counts), schedule, warmup))
     name = draw(st.text(alphabet="ab_-. 19", max_size=6))
     return Strategy(tuple(pipelines), num_layers, draw(st.booleans()), name)
 

@@ -36,6 +36,8 @@ def test_rank_order_is_kept_and_runtime_batches_parse():
         "name=c1 ; 16x2: R0-3 L0-59 ; zero",
         "?x?: R0-15 L0-59 ; ?x3: R16-19 L0-59 ; 5x?: R20,22,21 L0-59",
         "1x1: R7 L0",
+        "16x1 h1f1b=5,2,1: R0-3 L0-29 recompute | R4,5 L30-49 | R6 L50-59 recompute ; 4x2 gpipe: R7 L0-59",
+        "3x1 1f1b: R0 L0 recompute ; 3x1 eager=1: R1 L0 ; 3x1 virtual=1: R2 L0",
     ],
 )
 def test_format_parse_round_trip(text):
@@ -77,6 +79,16 @@ def test_format_parse_round_trip(text):
         ("zero ; zero ; 16x2: R0-3 L0-29", "given twice", 7),
         ("0x2: R0-3 L0-29", "micro_batches: must be positive", 0),
         ("3x0: R0-3 L0-29", "micro_batch_size: must be positive", 2),
+        ("3x1 1fb1: R0-3 L0-29", "pipelines[0].schedule: unknown schedule '1fb1'; did you mean '1f1b'", 4),
+        ("3x1 h1f1b: R0-3 L0-29", "pipelines[0].warmup: schedule h1f1b depends on stage and link times", 10),
+        ("3x1 h1f1b=: R0-3 L0-29", "needs its warm-up vector", 10),
+        ("3x1 1f1b=1,2: R0 L0 | R1 L1-29", "increases after stage 0", 9),
+        ("3x1 1f1b=2,x: R0 L0 | R1 L1-29", "'x' in '2,x' is not a count", 9),
+        ("3x1 1f1b=2: R0 L0 | R1 L1-29", "1 count(s) for 2 stage(s)", 9),
+        ("3x1 gpipe=2: R0-3 L0-29", "needs a 1F1B-type schedule", 10),
+        ("3x1 1f1b =2: R0-3 L0-29", "schedule is one word", 9),
+        ("3x1: R0-3 L0-29 recompute recompute", "recompute given twice", 26),
+        ("3x1: R0-3 L0-29 rc", "unexpected 'rc'", 16),
     ],
 )
 def test_errors_point_at_the_offending_part(text, words, at):

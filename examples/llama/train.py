@@ -70,7 +70,9 @@ DEFAULT_CHECKPOINT = os.path.join("runs", "llama", "checkpoint.safetensors")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train a small Llama with a heterogeneous hspmd strategy.")
     p.add_argument("--steps", type=int, default=60, help="train until this many steps are done (default 60)")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
+    p.add_argument("--schedule", default=None,
+                   help="pipeline schedule for every pipeline: gpipe, 1f1b, eager or POLICY:N1,N2,... (default: each "
+                        "pipeline's own schedule in the strategy, else 1f1b)")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help="strategy in hspmd's compact syntax")
     p.add_argument("--strategy-file", default=None,
                    help="a strategy file (.yaml/.json), e.g. what `hspmd plan --out plan.yaml` wrote; wins over --strategy")
@@ -202,7 +204,7 @@ def main(argv=None) -> int:
     model = build_llama(config, strategies, optimizer=AdamW(lr=args.lr),
                         compute_dtype=torch.bfloat16 if args.bf16 else torch.float32)
     rows = layout.global_batch_size
-    trainer = Trainer(model.graph, 0, backend, layout, schedule=args.schedule,
+    trainer = Trainer(model.graph, 0, backend, strategy, schedule=args.schedule,
                                  symbols={"S": args.seq, "T": rows * args.seq}, seed=args.seed)
 
     say(describe_strategy(strategy).rstrip())

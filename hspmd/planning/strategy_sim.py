@@ -35,7 +35,7 @@ def _shape(strategy: Strategy, p: int, s: int) -> StageShape:
     pipe = strategy.pipelines[p]
     stage = pipe.stages[s]
     return StageShape(len(stage.layers), stage.tp, s == 0, s == len(pipe.stages) - 1,
-                      strategy.num_pipelines, strategy.zero, bool(getattr(stage, "recompute", False)))
+                      strategy.num_pipelines, strategy.zero, stage.recompute)
 
 
 def _sync_groups(strategy: Strategy) -> list[list[tuple[int, int]]]:
@@ -86,8 +86,9 @@ def _sync_seconds(strategy: Strategy, cost: CostModel, group: Sequence[tuple[int
 
 def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: int | None = None,
              micro_batch_size: int | None = None, comm: bool = True) -> PlannedRun:
-    """The simulator's pipelines for `strategy` (module docstring). A pipeline's own `schedule`
-    attribute, where the strategy has one, wins over `schedule`. comm=False zeroes every
+    """The simulator's pipelines for `strategy` (module docstring). A pipeline's own schedule (and
+    warm-up vector), where the strategy has one, wins over `schedule`; stages that recompute are
+    priced with one more forward and fewer kept activations. comm=False zeroes every
     communication (transfers, TP collectives, gradient sync)."""
     seq = seq or cost.model.seq_len
     groups = _sync_groups(strategy)
@@ -119,7 +120,7 @@ def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: i
                 nbytes = mbs * seq * cost.model.hidden * cost.model.itemsize
                 t = cost.p2p(nbytes, (stage.ranks[0], pipe.stages[s + 1].ranks[0])) if comm else 0.0
                 links.append(SimLink(t, t))
-        policy = getattr(pipe, "schedule", None) or schedule
+        policy = pipe.schedule_spec or schedule
         pipelines.append(SimPipeline(tuple(stages), tuple(links), m, policy))
     return PlannedRun(tuple(pipelines), tuple(tuple(g) for g in groups))
 

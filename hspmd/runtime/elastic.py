@@ -37,7 +37,6 @@ from hspmd.backends.backend import Backend, Group, Shape
 from hspmd.backends.generation import PeerLost
 from hspmd.errors import HSPMDError, WeightLost
 from hspmd.ir.graph import Graph
-from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.membership import Membership, killed_at, killed_key
 from hspmd.runtime.sharded_checkpoint import ShardedReader, step_dir
 from hspmd.runtime.trainer import Trainer
@@ -194,7 +193,7 @@ class ElasticTrainer:
     files written in the background (hspmd.runtime.sharded_checkpoint), else single files."""
 
     def __init__(self, build_graph: Callable[[Sequence[Strategy]], Graph], strategy: Strategy,
-                 membership: Membership, schedule: str = "1f1b", symbols: Mapping[str, int] | None = None,
+                 membership: Membership, schedule: str | None = None, symbols: Mapping[str, int] | None = None,
                  seed: int = 0, kills: Sequence[KillPoint] = (), describe: Callable[[Strategy], str] = str,
                  sharded: bool = False):
         self._setup(build_graph, strategy, membership, schedule, symbols, seed, kills, describe, sharded)
@@ -203,7 +202,7 @@ class ElasticTrainer:
         self.trainer = self._trainer(0)
         self._commit()
 
-    def _setup(self, build_graph, strategy: Strategy, membership: Membership, schedule: str = "1f1b",
+    def _setup(self, build_graph, strategy: Strategy, membership: Membership, schedule: str | None = None,
                symbols: Mapping[str, int] | None = None, seed: int = 0, kills: Sequence[KillPoint] = (),
                describe: Callable[[Strategy], str] = str, sharded: bool = False) -> None:
         self.build_graph, self.membership = build_graph, membership
@@ -230,7 +229,7 @@ class ElasticTrainer:
 
     def _trainer(self, index: int) -> Trainer:
         strategy = self.strategies[index]
-        return Trainer(self.graph, index, self._backend(), MicroBatchLayout.of(strategy), self.schedule,
+        return Trainer(self.graph, index, self._backend(), strategy, self.schedule,
                                   self.symbols, self.seed)
 
     def _begin(self, phase: str) -> None:

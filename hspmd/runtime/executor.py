@@ -141,12 +141,15 @@ class ScheduleRun:
 def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, order: Sequence[Action],
                  feeds: Callable[[int], Mapping[str, torch.Tensor]],
                  binding: Binding | Callable[[int], Binding] | None = None,
-                 tracer: Tracer | None = None, buckets: BucketSync | None = None) -> ScheduleRun:
+                 tracer: Tracer | None = None, buckets: BucketSync | None = None,
+                 recompute: frozenset[int] | None = None) -> ScheduleRun:
     """Run `order` on this device: F(m) runs the forward pass of micro-batch m fed by feeds(m)
     (this device's pieces), B(m) its backward pass; gradients accumulate in `state`. Sends posted
     along the way are completed before returning. A `tracer` records one event per action.
     `buckets`: the last backward of the order fills them and starts their all-reduces
-    (hspmd.runtime.buckets); the update then waits for them (BucketSync.finish)."""
+    (hspmd.runtime.buckets); the update then waits for them (BucketSync.finish).
+    `recompute`: the devices of this device's stage, to recompute every micro-batch's forward in
+    its backward (hspmd.runtime.run)."""
     micro_batches = len({a.micro_batch for a in order})
     check_order(order, micro_batches)
     sender = NonBlockingSends(backend)
@@ -162,7 +165,8 @@ def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, ord
             if action.kind == FORWARD:
                 fed = feeds(m)
                 given.update(_storage(t) for t in fed.values())
-                live[m] = run_forward(exe, sender, state, fed, binding(m) if callable(binding) else binding)
+                live[m] = run_forward(exe, sender, state, fed, binding(m) if callable(binding) else binding,
+                                      recompute=recompute)
             else:
                 run_backward(exe, sender, state, live.pop(m), buckets if i == last_backward else None)
                 sender.complete((FORWARD, m))

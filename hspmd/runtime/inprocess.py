@@ -35,7 +35,7 @@ class InProcessJob:
     for a later switch to a strategy on more devices); `device`: where every rank's tensors live
     (`meta` checks a job's device placement without data). The other arguments are the Trainer's."""
 
-    def __init__(self, graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
+    def __init__(self, graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
                  symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None, ranks: int | None = None,
                  timeout: float = 120.0, device: torch.device | str = "cpu",
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB):

@@ -7,6 +7,11 @@ between neighbouring stages (the simplest: all forwards, then all backwards, the
     mb = run_forward(exe, backend, state, feeds, binding)    # one micro-batch; keeps activations
     run_backward(exe, backend, state, mb)                    # accumulates gradients into state
     run_update(exe, backend, state)                          # gradient sync + optimizer, once a step
+
+Activation recomputation: run_forward(..., recompute=stage_devices) keeps only the stage's inputs
+(its placeholders' pieces and what it received from other stages) and run_backward runs the
+forward again before the backward, re-running the collectives inside the stage (every rank of a
+stage recomputes, so they stay matched) but never a transfer to or from another stage.
 """
 
 from __future__ import annotations
@@ -47,10 +52,28 @@ class DeviceState:
 
 @dataclass
 class MicroBatch:
-    """One micro-batch's local values on this device (activations kept for its backward)."""
+    """One micro-batch's local values on this device (activations kept for its backward);
+    `rerun`: the forward instructions to run again before the backward (activation
+    recomputation; env then holds only the stage's inputs), empty otherwise."""
 
     binding: Binding
     env: dict[int, torch.Tensor]
+    rerun: tuple[Instruction, ...] = ()
+
+
+def recomputable(exe: ExecutableGraph, ins: Instruction, binding: Binding, stage: frozenset[int]) -> bool:
+    """Whether a forward instruction may run again in the backward: not a placeholder (its piece
+    is kept), not a transfer between stages (its result is kept), not an assignment; a collective
+    only if everything it touches lies inside `stage` (the devices that recompute together)."""
+    node = ins.node
+    if node.kind in ("placeholder", "assign") or ins.is_p2p:
+        return False
+    if ins.role != "collective":
+        return True
+    plan = exe.plan(node, binding)
+    touched = {d for s in plan.steps for c in s.collectives for d in c.devices}
+    touched |= {d for s in plan.steps for t in s.transfers if t.src != t.dst for d in (t.src, t.dst)}
+    return touched <= stage
 
 
 class _OpContext:
@@ -150,23 +173,33 @@ def device_feeds(exe: ExecutableGraph, feeds: Mapping[str, torch.Tensor], bindin
 
 
 def run_forward(exe: ExecutableGraph, backend: Backend, state: DeviceState, feeds: Mapping[str, torch.Tensor],
-                binding: Binding | None = None, fetch: Sequence[Tensor] = ()) -> MicroBatch:
+                binding: Binding | None = None, fetch: Sequence[Tensor] = (),
+                recompute: frozenset[int] | None = None) -> MicroBatch:
     """One micro-batch's forward pass on this device; fetched tensors (and losses) held here are
-    summed into state.fetched."""
+    summed into state.fetched. `recompute`: the devices of this device's stage, to keep only the
+    stage's inputs and run the forward again in run_backward (module docstring)."""
     binding = exe.binding if binding is None else binding
     mb = MicroBatch(binding, {})
     _execute(exe, exe.forward, backend, state, mb.env, binding, feeds)
     for t in list(exe.graph.losses) + list(fetch):
         if t.id in mb.env:
             state.fetched[t.name] = state.fetched.get(t.name, 0) + mb.env[t.id]
+    if recompute is not None:
+        rerun = tuple(ins for ins in exe.forward if recomputable(exe, ins, binding, frozenset(recompute)))
+        again = {t.id for ins in rerun for t in ins.node.outputs}
+        mb.env = {k: v for k, v in mb.env.items() if k not in again}
+        mb.rerun = rerun
     return mb
 
 
 def run_backward(exe: ExecutableGraph, backend: Backend, state: DeviceState, mb: MicroBatch,
                  buckets: BucketSync | None = None) -> None:
-    """The backward pass of micro-batch `mb`; its gradients are added to state.accum. `buckets`
-    (for the step's last backward): bucketed gradients are summed straight into their bucket
-    views and full buckets start their all-reduce as the pass goes on (hspmd.runtime.buckets)."""
+    """The backward pass of micro-batch `mb` (after its forward again, if it was recomputed); its
+    gradients are added to state.accum. `buckets` (for the step's last backward): bucketed
+    gradients are summed straight into their bucket views and full buckets start their
+    all-reduce as the pass goes on (hspmd.runtime.buckets)."""
+    if mb.rerun:
+        _execute(exe, mb.rerun, backend, state, mb.env, mb.binding)
     _execute(exe, exe.backward, backend, state, mb.env, mb.binding, buckets=buckets)
     for t in exe.accumulated:
         if t.id in mb.env:
@@ -234,5 +267,6 @@ def synced_gradients(exe: ExecutableGraph, backend: Backend, state: DeviceState)
 
 
 __all__ = [
-    "DeviceState", "MicroBatch", "device_feeds", "run_backward", "run_forward", "run_update", "synced_gradients",
+    "DeviceState", "MicroBatch", "device_feeds", "recomputable", "run_backward", "run_forward", "run_update",
+    "synced_gradients",
 ]

@@ -51,7 +51,7 @@ from hspmd.specialize.deduce import Deduced, check_strategy_index
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 from hspmd.runtime.run import DeviceState, run_update, synced_gradients
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
-from hspmd.specialize.strategy import Strategy
+from hspmd.specialize.strategy import Pipeline, Strategy
 from hspmd.switching import GRADIENT_PREFIX, execute_switch, gradient_leaves, plan_switch, plan_switch_with_gradients
 
 
@@ -124,8 +124,12 @@ class Trainer:
     """One rank's part of training `graph` under strategy index `strategy`, over `backend`.
 
     layout: how a step's global batch splits across pipelines (a MicroBatchLayout, or a Strategy
-    whose micro-batch counts and sizes are bound). schedule: "gpipe", "1f1b", "eager" or a 1F1B
-    warm-up vector such as "h1f1b:5,2,1" (specialize.schedules). symbols: values of
+    whose micro-batch counts and sizes are bound; a Strategy also gives each pipeline's schedule
+    and each stage's recompute flag). schedule: "gpipe", "1f1b", "eager" or a 1F1B warm-up
+    vector such as "h1f1b:5,2,1" (specialize.schedules); None: the pipeline's own schedule in the
+    Strategy, else "1f1b". recompute: whether this rank's stage recomputes its forward in the
+    backward (keeping only its inputs in between); None: the Strategy's flag for the stage, else
+    False. symbols: values of
     the graph's other run-time symbols (e.g. sequence length, tokens per step); the batch symbol
     (dim 0 of the placeholders) is bound to the sum of the micro-batch sizes. specialized: a
     specialization of `graph` under `strategy` and trainer_binding(...) holding this rank's program
@@ -138,18 +142,21 @@ class Trainer:
     of the job constructs its trainer at the same point."""
 
     def __init__(self, graph: Graph, strategy: int, backend: Backend, layout: MicroBatchLayout | Strategy,
-                 schedule: str = "1f1b", symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
+                 schedule: str | None = None, symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
                  specialized: Specialized | None = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
-                 state: DeviceState | None = None):
+                 state: DeviceState | None = None, recompute: bool | None = None):
         self.graph, self.backend = graph, backend
         strategy = check_strategy_index(graph, strategy, "Trainer")
         self.bucket_cap_mb = bucket_cap_mb
         cap = None if bucket_cap_mb is None else cap_bytes_of(bucket_cap_mb)
         self.symbols, self.seed, self.topology = checked_symbols(symbols, "Trainer"), check_seed(seed, "Trainer"), topology
         self.layout = as_layout(layout)
-        if not isinstance(schedule, str):
+        if schedule is not None and not isinstance(schedule, str):
             raise HSPMDTypeError(f"Trainer: the schedule is a name such as '1f1b', got {brief(schedule)}")
-        self.schedule_name = schedule
+        if recompute is not None and not isinstance(recompute, bool):
+            raise HSPMDTypeError(f"Trainer: recompute is True, False or None (the strategy's), got {brief(recompute)}")
+        self.strategy_value = layout if isinstance(layout, Strategy) else None
+        self.schedule_name, self.recompute_requested = schedule, recompute
         self.binding = trainer_binding(graph, self.layout, symbols)
         rank = backend.rank
         if specialized is None:
@@ -171,15 +178,19 @@ class Trainer:
                 f"the micro-batch layout has {self.layout.pipelines} pipeline(s) but the batch of strategy {strategy} "
                 f"is split across {self._batch_hsize()}: give one count and size per pipeline"
             )
-        self._check_schedule()
+        options = self._pipeline_options()
         self.idle = rank not in self.devices
         self.stages, self.stage, self.pipeline, self.micro_batches, self.order = None, 0, None, 0, ()
+        self.schedule, self.recompute = None, None
         if not self.idle:
             discovered, self.stage = self.spec.locate(rank)
             self.stages = self.spec.pipelines[discovered]
             self.pipeline = self._batch_subgroup(self.stages.devices)
             self.micro_batches = self.layout.counts[self.pipeline]
-            self.order: Schedule = schedule_for(schedule, len(self.stages.stages), self.stage, self.micro_batches)
+            self.schedule, recomputes = options[discovered][0], options[discovered][1][self.stage]
+            # the devices that recompute this stage's forward together (None: no recomputation)
+            self.recompute: frozenset[int] | None = frozenset(self.stages.stages[self.stage]) if recomputes else None
+            self.order: Schedule = schedule_for(self.schedule, len(self.stages.stages), self.stage, self.micro_batches)
         self.state = DeviceState.initial(self.exe, seed, backend.device) if state is None else state
         self.buckets = None if cap is None or self.idle else BucketSync(plan_buckets(self.exe, cap), backend.device)
         self.last_run: ScheduleRun | None = None
@@ -190,14 +201,40 @@ class Trainer:
         self._sums_loss: bool | None = None  # whether this rank's loss is a summand of the step loss
         backend.prepare_groups(self._groups())
 
-    # ---- layout ---------------------------------------------------------------------------------
-
-    def _check_schedule(self) -> None:
-        """The schedule must suit every pipeline, checked on every rank (idle ones too), so that a
-        warm-up vector of the wrong length fails everywhere alike rather than on one pipeline's ranks."""
+    def _pipeline_options(self) -> list[tuple[str, tuple[bool, ...]]]:
+        """Per discovered pipeline: its schedule and each stage's recompute flag (the arguments,
+        else the Strategy's, else 1f1b and none). Checked on every rank (idle ones too), so that a
+        schedule that does not suit a pipeline fails everywhere alike, not on that pipeline's ranks."""
+        out = []
         for pipeline in self.spec.pipelines:
             count = self.layout.counts[self._batch_subgroup(pipeline.devices)]
-            pipeline_schedule(self.schedule_name, len(pipeline.stages), count)
+            declared = self._declared(pipeline)
+            schedule = self.schedule_name or (declared.schedule_spec if declared else None) or "1f1b"
+            pipeline_schedule(schedule, len(pipeline.stages), count)
+            if self.recompute_requested is not None:
+                flags = (self.recompute_requested,) * len(pipeline.stages)
+            else:
+                flags = tuple(s.recompute for s in declared.stages) if declared else (False,) * len(pipeline.stages)
+            out.append((schedule, flags))
+        return out
+
+    def _declared(self, pipeline) -> Pipeline | None:
+        """The Strategy's pipeline that runs on the discovered `pipeline`, where the layout is a
+        Strategy that gives it a schedule or recompute flags (whose stages must then be the ones
+        the graph runs)."""
+        strategy = self.strategy_value
+        if strategy is None or pipeline.devices[0] not in strategy.all_ranks:
+            return None
+        p, _ = strategy.locate(pipeline.devices[0])
+        declared = strategy.pipelines[p]
+        if declared.schedule_spec is None and not any(s.recompute for s in declared.stages):
+            return None
+        stages = tuple(tuple(sorted(s.ranks)) for s in declared.stages)
+        if stages != pipeline.stages:
+            raise HSPMDError(f"pipelines[{p}] of strategy {strategy.name or '(unnamed)'} declares stages {list(stages)} "
+                             f"but the graph runs stages {list(pipeline.stages)}: its schedule and recompute flags cannot "
+                             f"be applied; pass the strategy the graph was built with")
+        return declared
 
     def _batch_hsize(self) -> int:
         return batch_hsize(self.spec.deduced)
@@ -249,7 +286,7 @@ class Trainer:
         self.state.fetched.clear()
         buckets = self._begin_buckets()
         self.last_run = run_schedule(self.exe, self.backend, self.state, self.order, feeds, self.binding, self.tracer,
-                                     buckets)
+                                     buckets, self.recompute)
         with self.tracer.span("update", "update") if self.tracer else nullcontext():
             synced = buckets.finish(self.backend) if buckets else None
             run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), synced=synced)
@@ -308,11 +345,11 @@ class Trainer:
         rows, mine = micro_batches[self.pipeline], bindings[self.pipeline]
         placeholders = {i.node.name: i.node for i in self.exe.forward + self.exe.backward if i.node.kind == "placeholder"}
         self.state.fetched.clear()
-        order = schedule_for(self.schedule_name, len(self.stages.stages), self.stage, len(rows))
+        order = schedule_for(self.schedule, len(self.stages.stages), self.stage, len(rows))
         self.last_run = run_schedule(
             self.exe, self.backend, self.state, order,
             lambda m: {name: self._piece(node, rows[m][name], mine[m]) for name, node in placeholders.items()},
-            lambda m: mine[m], buckets=buckets)
+            lambda m: mine[m], buckets=buckets, recompute=self.recompute)
         return True
 
     def _row_binding(self, pipeline: int, m: int, row: Mapping[str, torch.Tensor], symbols) -> Binding:
@@ -361,7 +398,7 @@ class Trainer:
 
     def switch(self, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
                failed: tuple[int, ...] = (), specialized: Specialized | None = None,
-               carry: Mapping[str, torch.Tensor] | None = None) -> "Trainer":
+               carry: Mapping[str, torch.Tensor] | None = None, recompute: bool | None = None) -> "Trainer":
         """Collective: the trainer of another strategy of the same graph, holding this one's
         parameters and optimizer states, moved by one fused batched send-receive (paper section 6).
         No restart and no checkpoint: training continues at the same step.
@@ -372,7 +409,8 @@ class Trainer:
 
         `carry`: this rank's synchronised gradient pieces of a step still under way (from
         bucket_rows); they move in the same fused plan as the weights, from the gradient layout of
-        this strategy to that of the next, and wait in the new trainer's `carried`."""
+        this strategy to that of the next, and wait in the new trainer's `carried`.
+        `schedule`, `recompute`: as for the constructor; None keeps this trainer's arguments."""
         strategy = check_strategy_index(self.graph, strategy, "switch()")
         failed = checked_ranks(failed, self.backend.world_size, "failed ranks", "switch()")
         if schedule is not None and not isinstance(schedule, str):
@@ -386,7 +424,8 @@ class Trainer:
             moving = {} if self.backend.rank in failed else {**self.state.leaves, **gradient_leaves(carry)}
         nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
                       self.symbols, self.seed, self.topology, specialized, self.bucket_cap_mb,
-                      state=DeviceState({}, step=self.state.step))
+                      state=DeviceState({}, step=self.state.step),
+                      recompute=self.recompute_requested if recompute is None else recompute)
         leaves = execute_switch(plan, self.backend, moving)
         carried = {name[len(GRADIENT_PREFIX):]: v for name, v in leaves.items() if name.startswith(GRADIENT_PREFIX)}
         leaves = {name: v for name, v in leaves.items() if not name.startswith(GRADIENT_PREFIX)}
@@ -451,7 +490,7 @@ class Trainer:
             return f"rank {self.backend.rank}: idle (strategy {self.spec.deduced.strategy} leaves it out)"
         return (f"rank {self.backend.rank}: pipeline {self.pipeline} ({self.stages}), stage {self.stage + 1} of "
                 f"{len(self.stages.stages)}, {self.micro_batches} micro-batch(es) of {self.layout.sizes[self.pipeline]}, "
-                f"{self.schedule_name}: {' '.join(map(str, self.order))}")
+                f"{self.schedule}{', recompute' if self.recompute else ''}: {' '.join(map(str, self.order))}")
 
 
 __all__ = [

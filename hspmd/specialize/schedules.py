@@ -86,6 +86,8 @@ def one_f_one_b(stages: int, stage: int, micro_batches: int, warmup: int | None 
 
 
 WARMUP_POLICIES = ("1f1b", "eager", "h1f1b", "virtual")
+SCHEDULE_POLICIES = ("gpipe",) + WARMUP_POLICIES
+VECTOR_POLICIES = ("h1f1b", "virtual")  # their vectors depend on stage and link times
 
 
 def link_delta(policy: str, link_time: float, t_max: float, eps: float = 0.05) -> int:
@@ -163,7 +165,7 @@ def schedule_for(name: str, stages: int, stage: int, micro_batches: int) -> Sche
         raise HSPMDError(f"unknown pipeline schedule {name!r}: {closest_hint(key, tuple(SCHEDULES) + WARMUP_POLICIES[1:])}")
     if vector_text:
         vector = check_warmup(_parse_vector(name, vector_text), stages)
-    elif key in ("h1f1b", "virtual"):
+    elif key in VECTOR_POLICIES:
         raise HSPMDError(f"schedule {name!r} depends on stage and link times: compute its warm-up vector with "
                          f"warmup_vector({key!r}, stage_times, link_times) and pass it as '{key}:N1,N2,...'")
     else:
@@ -283,7 +285,7 @@ def describe_schedule(name: str, stages: int, micro_batches: int) -> str:
 
 
 __all__ = [
-    "Action", "BACKWARD", "FORWARD", "SCHEDULES", "Schedule", "Timeline", "WARMUP_POLICIES", "check_order",
+    "Action", "BACKWARD", "FORWARD", "SCHEDULES", "SCHEDULE_POLICIES", "Schedule", "Timeline", "VECTOR_POLICIES", "WARMUP_POLICIES", "check_order",
     "check_warmup", "describe_schedule", "gpipe", "link_delta", "one_f_one_b", "peak_in_flight", "pipeline_schedule",
     "render_timeline", "schedule_for", "simulate", "warmup_vector",
 ]

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from hspmd.errors import StrategyError
-from hspmd.limits import MAX_DEVICES, MAX_LAYERS, brief
+from hspmd.errors import StrategyError, closest_hint
+from hspmd.limits import MAX_DEVICES, MAX_LAYERS, MAX_WARMUP, brief
+from hspmd.specialize.schedules import SCHEDULE_POLICIES, VECTOR_POLICIES
 from hspmd.specialize.strategy_fields import (
     Path,
     StrategyFieldError,
@@ -29,24 +30,29 @@ from hspmd.specialize.strategy_fields import (
     format_layers,
     format_ranks,
     is_int,
+    parse_count_list,
     parse_index_list,
     parse_layer_range,
     positive_count,
 )
 
 STRATEGY_KEYS = ("name", "num_layers", "zero", "pipelines")
-PIPELINE_KEYS = ("stages", "micro_batches", "micro_batch_size")
-STAGE_KEYS = ("ranks", "layers", "tp")
+PIPELINE_KEYS = ("stages", "micro_batches", "micro_batch_size", "schedule", "warmup")
+STAGE_KEYS = ("ranks", "layers", "tp", "recompute")
 
 
 @dataclass(frozen=True)
 class Stage:
     """One tensor-parallel group: `ranks` (in TP order) own layers `layers` (a range, or a
-    (first, last) inclusive pair); `tp` defaults to, and must equal, the number of ranks."""
+    (first, last) inclusive pair); `tp` defaults to, and must equal, the number of ranks.
+    `recompute`: keep only the stage's inputs between a micro-batch's forward and backward and
+    run the forward again in the backward (activation recomputation: less memory, one more
+    forward)."""
 
     ranks: tuple[int, ...]
     layers: range
     tp: int | None = None
+    recompute: bool = False
 
     def __post_init__(self):
         ranks = self.ranks
@@ -81,6 +87,8 @@ class Stage:
                 f"(gradients are synchronised between pipelines)",
             )
         object.__setattr__(self, "tp", tp)
+        if not isinstance(self.recompute, bool):
+            raise StrategyFieldTypeError(("recompute",), f"must be true or false, got {brief(self.recompute)}")
 
     @staticmethod
     def _normalise_layers(layers: object) -> range:
@@ -110,17 +118,24 @@ class Stage:
         return self.layers.stop - 1
 
     def __str__(self) -> str:
-        return f"R{format_ranks(self.ranks)} L{format_layers(self.layers)}"
+        return f"R{format_ranks(self.ranks)} L{format_layers(self.layers)}" + (" recompute" if self.recompute else "")
 
 
 @dataclass(frozen=True)
 class Pipeline:
     """A chain of stages covering layers 0..n-1 in order. `micro_batches` and `micro_batch_size`
-    are per step; None means bound at run time (e.g. sequences dispatched by a cost model)."""
+    are per step; None means bound at run time (e.g. sequences dispatched by a cost model).
+
+    `schedule`: the pipeline's schedule policy (hspmd.specialize.schedules: gpipe, 1f1b, eager,
+    h1f1b, virtual), None = the trainer's; `warmup`: its warm-up vector, forwards each stage
+    launches before its first backward (one per stage, never increasing; required by h1f1b and
+    virtual, which depend on stage and link times, e.g. from a planner)."""
 
     stages: tuple[Stage, ...]
     micro_batches: int | None
     micro_batch_size: int | None
+    schedule: str | None = None
+    warmup: tuple[int, ...] | None = None
 
     def __post_init__(self):
         stages = self.stages
@@ -150,6 +165,46 @@ class Pipeline:
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "micro_batches", positive_count(self.micro_batches, ("micro_batches",), True))
         object.__setattr__(self, "micro_batch_size", positive_count(self.micro_batch_size, ("micro_batch_size",), True))
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        schedule, warmup = self.schedule, self.warmup
+        if schedule is not None:
+            if not isinstance(schedule, str):
+                raise StrategyFieldTypeError(("schedule",), f"must be one of {', '.join(SCHEDULE_POLICIES)} or null, got {brief(schedule)}")
+            if schedule not in SCHEDULE_POLICIES:
+                raise StrategyFieldError(("schedule",), f"unknown schedule {brief(schedule)}; {closest_hint(schedule, SCHEDULE_POLICIES)}")
+        if warmup is None:
+            if schedule in VECTOR_POLICIES:
+                raise StrategyFieldError(("warmup",), f"schedule {schedule} depends on stage and link times: give its warm-up "
+                                                      f"vector (one count per stage, e.g. from warmup_vector({schedule!r}, ...))")
+            return
+        if schedule is None or schedule == "gpipe":
+            raise StrategyFieldError(("warmup",), f"a warm-up vector needs a 1F1B-type schedule ({', '.join(SCHEDULE_POLICIES[1:])}), "
+                                                  f"got schedule {schedule or 'null'}")
+        if isinstance(warmup, (str, bytes)) or not isinstance(warmup, (tuple, list)):
+            raise StrategyFieldTypeError(("warmup",), f"must be a list of positive integers, one per stage, got {brief(warmup)}")
+        warmup = tuple(warmup)
+        for n in warmup:
+            if not is_int(n):
+                raise StrategyFieldTypeError(("warmup",), f"must be a list of positive integers, got {brief(n)} in it")
+            if not 1 <= n <= MAX_WARMUP:
+                raise StrategyFieldError(("warmup",), f"counts must lie in 1-{MAX_WARMUP}, got {brief(n)}")
+        if len(warmup) != len(self.stages):
+            raise StrategyFieldError(("warmup",), f"{len(warmup)} count(s) for {len(self.stages)} stage(s): give one per stage")
+        rising = [j for j in range(len(warmup) - 1) if warmup[j] < warmup[j + 1]]
+        if rising:
+            raise StrategyFieldError(("warmup",), f"{list(warmup)} increases after stage {rising[0]}: a stage must launch at least "
+                                                  f"as many forwards before its first backward as the next, or the pipeline deadlocks")
+        object.__setattr__(self, "warmup", warmup)
+
+    @property
+    def schedule_spec(self) -> str | None:
+        """The schedule as the trainer and simulator name it ('gpipe', '1f1b', 'h1f1b:5,2,1'),
+        None if the pipeline leaves it to the trainer."""
+        if self.warmup is None:
+            return self.schedule
+        return f"{self.schedule}:{','.join(map(str, self.warmup))}"
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -268,21 +323,13 @@ class Strategy:
     # ---- conversion ---------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        """Plain data for JSON/YAML: ranks and layers as compact strings ('0-3', '0-14')."""
+        """Plain data for JSON/YAML: ranks and layers as compact strings ('0-3', '0-14'); schedule,
+        warmup and recompute only where set."""
         return {
             "name": self.name,
             "num_layers": self.num_layers,
             "zero": self.zero,
-            "pipelines": [
-                {
-                    "micro_batches": p.micro_batches,
-                    "micro_batch_size": p.micro_batch_size,
-                    "stages": [
-                        {"ranks": format_ranks(s.ranks), "layers": format_layers(s.layers), "tp": s.tp} for s in p.stages
-                    ],
-                }
-                for p in self.pipelines
-            ],
+            "pipelines": [_pipeline_to_dict(p) for p in self.pipelines],
         }
 
     @classmethod
@@ -303,14 +350,35 @@ class Strategy:
         )
 
 
+def _pipeline_to_dict(p: Pipeline) -> dict:
+    out: dict = {"micro_batches": p.micro_batches, "micro_batch_size": p.micro_batch_size}
+    if p.schedule is not None:
+        out["schedule"] = p.schedule
+    if p.warmup is not None:
+        out["warmup"] = list(p.warmup)
+    out["stages"] = [_stage_to_dict(s) for s in p.stages]
+    return out
+
+
+def _stage_to_dict(s: Stage) -> dict:
+    out: dict = {"ranks": format_ranks(s.ranks), "layers": format_layers(s.layers), "tp": s.tp}
+    if s.recompute:
+        out["recompute"] = True
+    return out
+
+
 def _pipeline_from_dict(data: object, path: Path) -> Pipeline:
-    check_keys(data, PIPELINE_KEYS, path, required=PIPELINE_KEYS)
+    check_keys(data, PIPELINE_KEYS, path, required=("stages", "micro_batches", "micro_batch_size"))
     raw_stages = data["stages"]
     if not isinstance(raw_stages, list) or not raw_stages:
         raise StrategyFieldError(path + ("stages",), f"must be a non-empty list of stages, got {brief(raw_stages)}")
     stages = tuple(_stage_from_dict(s, path + ("stages", j)) for j, s in enumerate(raw_stages))
+    warmup = data.get("warmup")
+    if isinstance(warmup, str):
+        with field_context(*path, "warmup"):
+            warmup = parse_count_list(warmup)
     with field_context(*path):
-        return Pipeline(stages, data["micro_batches"], data["micro_batch_size"])
+        return Pipeline(stages, data["micro_batches"], data["micro_batch_size"], data.get("schedule"), warmup)
 
 
 def _stage_from_dict(data: object, path: Path) -> Stage:
@@ -321,7 +389,7 @@ def _stage_from_dict(data: object, path: Path) -> Stage:
     with field_context(*path, "layers"):
         layers = parse_layer_range(layers) if isinstance(layers, str) else (layers, layers) if is_int(layers) else layers
     with field_context(*path):
-        return Stage(ranks, layers, data.get("tp"))
+        return Stage(ranks, layers, data.get("tp"), data.get("recompute", False))
 
 
 __all__ = ["Pipeline", "Stage", "Strategy"]

@@ -98,6 +98,17 @@ def parse_index_list(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def parse_count_list(text: str) -> tuple[int, ...]:
+    """'5,2,1' -> (5, 2, 1): a warm-up vector in text; the values are checked by Pipeline."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not is_ascii_number(item) or len(item) > MAX_DIGITS:
+            raise StrategyFieldError((), f"{item[:12]!r} in {text[:40]!r} is not a count: write positive integers separated by commas, e.g. 5,2,1")
+        out.append(int(item))
+    return tuple(out)
+
+
 def parse_layer_range(text: str) -> range:
     """'0-14' -> range(0, 15); '7' -> range(7, 8)."""
     lo, hi = _bounds(text, "a layer range like 0-14 (first-last, inclusive)", MAX_LAYERS)
@@ -116,4 +127,4 @@ def check_keys(data: object, valid: Sequence[str], path: Path, required: Sequenc
 
 
 __all__ = ["Path", "StrategyFieldError", "StrategyFieldTypeError", "check_keys", "field_context", "format_layers", "format_path", "format_ranks",
-           "is_int", "parse_index_list", "parse_layer_range", "positive_count"]
+           "is_int", "parse_count_list", "parse_index_list", "parse_layer_range", "positive_count"]

@@ -1,18 +1,22 @@
 """The compact one-line strategy syntax, mirroring the paper's appendix tables.
 
     33x1: R0-3 L0-14 | R4-7 L15-29 | R8-11 L30-44 | R12-15 L45-59 ; 31x1: R16-19 L0-15 | R30 L16-59 ; zero
+    16x1 h1f1b=5,2,1: R0-3 L0-29 recompute | R4,5 L30-49 | R6 L50-59
 
 Grammar (whitespace is free between words, none inside a word):
 
     strategy := clause (';' clause)*
     clause   := pipeline | 'zero' | 'name=' TEXT | 'layers=' INT
-    pipeline := batches ':' stage ('|' stage)*
+    pipeline := batches [schedule] ':' stage ('|' stage)*
     batches  := COUNT 'x' SIZE          micro-batch count x micro-batch size; '?' = bound at run time
-    stage    := 'R' ranks 'L' layers ['tp' INT]
+    schedule := POLICY ['=' INT (',' INT)*]   gpipe, 1f1b, eager, h1f1b, virtual; '=' its warm-up vector
+    stage    := 'R' ranks 'L' layers ['tp' INT] ['recompute']
     ranks    := item (',' item)*        item := INT | INT '-' INT     (0-3,8 = 0,1,2,3,8; TP order)
     layers   := INT | INT '-' INT       inclusive, as in the paper (L0-14 = layers 0..14)
 
-A stage is one tensor-parallel group, so `tp` may be left out (it must equal the rank count).
+A stage is one tensor-parallel group, so `tp` may be left out (it must equal the rank count);
+`recompute` re-runs the stage's forward in its backward (Stage.recompute). A pipeline without a
+schedule runs the trainer's.
 `layers=` is an optional check of the model depth (inferred from the pipelines otherwise); TEXT of
 `name=` runs to the next ';'. Errors are StrategySyntaxError with the offending part marked.
 """
@@ -24,12 +28,15 @@ import re
 from hspmd.errors import StrategyError, StrategyTypeError, closest_hint
 from hspmd.limits import MAX_DIGITS, brief, is_ascii_number
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
-from hspmd.specialize.strategy_fields import Path, StrategyFieldError, field_context, parse_index_list, parse_layer_range
+from hspmd.specialize.strategy_fields import (
+    Path, StrategyFieldError, field_context, parse_count_list, parse_index_list, parse_layer_range,
+)
 
 OPTIONS = ("zero", "name", "layers")
-_BATCHES = re.compile(r"\s*([0-9]+|\?)\s*x\s*([0-9]+|\?)\s*:")
+_BATCHES = re.compile(r"\s*([0-9]+|\?)\s*x\s*([0-9]+|\?)([^:|]*):")
 _WORD = re.compile(r"\S+")
 _STAGE_FIELDS = {"R": "ranks", "L": "layers", "tp": "tp"}
+RECOMPUTE = "recompute"
 
 
 class StrategySyntaxError(StrategyError):
@@ -130,13 +137,33 @@ class _Parser:
         self.positions[path + ("micro_batches",)] = start + match.start(1)
         self.positions[path + ("micro_batch_size",)] = start + match.start(2)
         counts = [None if g == "?" else self.number(g, "a micro-batch value", start + match.start(k + 1))
-                  for k, g in enumerate(match.groups())]
+                  for k, g in enumerate(match.groups()[:2])]
+        schedule, warmup = self.schedule(match.group(3), start + match.start(3), path)
         stages = []
         offset = match.end()
         for j, part in enumerate(clause[offset:].split("|")):
             stages.append(self.stage(part, start + offset, path + ("stages", j)))
             offset += len(part) + 1
-        return self.build(lambda: Pipeline(tuple(stages), *counts), path)
+        return self.build(lambda: Pipeline(tuple(stages), *counts, schedule, warmup), path)
+
+    def schedule(self, text: str, at: int, path: Path) -> tuple[str | None, tuple[int, ...] | None]:
+        """The optional 'POLICY[=N1,N2,...]' between a pipeline's batches and its ':'."""
+        words = list(_WORD.finditer(text))
+        if not words:
+            return None, None
+        if len(words) > 1:
+            raise self.fail("a pipeline's schedule is one word, POLICY or POLICY=N1,N2,... (no spaces), "
+                            "e.g. '16x1 h1f1b=3,2,1:'", at + words[1].start())
+        word = words[0]
+        policy, eq, vector = word.group().partition("=")
+        self.positions[path + ("schedule",)] = at + word.start()
+        self.positions[path + ("warmup",)] = at + word.start() + len(policy) + 1
+        if not eq:
+            return policy, None
+        if not vector:
+            raise self.fail(f"schedule {policy}= needs its warm-up vector, e.g. {policy}=3,2,1", at + word.end())
+        with_vector = self.build(lambda: parse_count_list(vector), path + ("warmup",))
+        return policy, with_vector
 
     def stage(self, part: str, start: int, path: Path) -> Stage:
         fields: dict[str, str] = {}
@@ -144,11 +171,18 @@ class _Parser:
         self.positions[path] = start + (words[0].start() if words else 0)
         if not words:
             raise self.fail("empty stage: write R<ranks> L<layers>, e.g. R0-3 L0-14", start)
+        recompute = False
         for word in words:
             text, at = word.group(), start + word.start()
+            if text == RECOMPUTE:
+                if recompute:
+                    raise self.fail("recompute given twice in one stage", at)
+                recompute = True
+                self.positions[path + ("recompute",)] = at
+                continue
             prefix = "tp" if text.startswith("tp") else text[0]
             if prefix not in _STAGE_FIELDS:
-                raise self.fail(f"unexpected {text!r}: a stage is R<ranks> L<layers> [tp<n>], e.g. R0-3 L0-14", at)
+                raise self.fail(f"unexpected {text!r}: a stage is R<ranks> L<layers> [tp<n>] [recompute], e.g. R0-3 L0-14", at)
             field = _STAGE_FIELDS[prefix]
             if field in fields:
                 raise self.fail(f"{prefix} given twice in one stage (ranks are written without spaces: R0-3,8)", at)
@@ -167,7 +201,7 @@ class _Parser:
             with field_context(*path, "layers"):
                 layers = parse_layer_range(fields["layers"])
             with field_context(*path):
-                return Stage(ranks, layers, tp)
+                return Stage(ranks, layers, tp, recompute)
 
         return self.build(make)
 
@@ -186,7 +220,8 @@ def format_strategy(strategy: Strategy) -> str:
         count = "?" if p.micro_batches is None else p.micro_batches
         size = "?" if p.micro_batch_size is None else p.micro_batch_size
         stages = " | ".join(map(str, p.stages))
-        clauses.append(f"{count}x{size}: {stages}")
+        schedule = "" if p.schedule is None else f" {p.schedule}" + ("" if p.warmup is None else "=" + ",".join(map(str, p.warmup)))
+        clauses.append(f"{count}x{size}{schedule}: {stages}")
     if strategy.zero:
         clauses.append("zero")
     return " ; ".join(clauses)
