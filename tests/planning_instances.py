@@ -53,3 +53,13 @@ def capacity_of(problem, rank):
         if rank in pool.ranks:
             return problem.evaluator.capacity(pool.device_type)
     raise KeyError(rank)
+
+
+def tight_memory_problem(recompute=True):
+    """Two types of 2 devices, 8 layers, 8 micro-batches, 6 GB per device: the fast type's stage
+    only fits when it recomputes its activations (1 GB of states and 2 GB of activations per
+    layer and micro-batch; recomputation keeps an eighth of them)."""
+    evaluator = TableEvaluator({("A", 1): 1.0, ("A", 2): 0.55, ("B", 1): 2.0, ("B", 2): 1.1}, {"A": 6 * GB, "B": 6 * GB},
+                               layer_state_bytes=GB, layer_activation_bytes=2 * GB, default_link=0.05)
+    pools = (DevicePool.contiguous("A", 0, 2, 2), DevicePool.contiguous("B", 2, 2, 2))
+    return Problem(pools, 8, 8, evaluator, recompute=recompute)

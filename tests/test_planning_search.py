@@ -5,9 +5,9 @@ import pytest
 from hspmd.planning.search import GENERAL, PERMUTED, UNIFORM, PlanningError, dfs, dp, exhaustive, mcts, price
 from hspmd.planning.search.dfs_h2 import split_groups
 from hspmd.planning.search.mcts_hetauto import reward
-from hspmd.planning.search.space import Priced
+from hspmd.planning.search.space import Priced, price_strategy
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
-from tests.planning_instances import capacity_of, hapt_problem, random_problem
+from tests.planning_instances import capacity_of, hapt_problem, random_problem, tight_memory_problem
 
 
 def best_time(results):
@@ -97,3 +97,17 @@ def test_no_layout_fits_is_a_clear_error():
     for search in (dp, dfs, mcts, exhaustive):
         with pytest.raises(PlanningError, match="memory|feasible"):
             search(problem)
+
+
+@pytest.mark.parametrize("search", [dp, dfs, mcts])
+def test_searches_recompute_where_memory_needs_it_and_the_strategy_says_so(search):
+    with pytest.raises(PlanningError, match="fit|feasible"):
+        search(tight_memory_problem(recompute=False))
+    problem = tight_memory_problem()
+    planned = search(problem)[0]
+    assert_fits(problem, planned)
+    flags = [s.recompute for s in planned.strategy.pipelines[0].stages]
+    assert flags == [s.recompute for s in planned.layout.stages] and any(flags)
+    # the strategy alone (its own recompute flags) prices as the search predicted
+    assert price_strategy(problem, planned.strategy).time == pytest.approx(planned.predicted_time)
+    assert "recompute" in format_strategy(planned.strategy)

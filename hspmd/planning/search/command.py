@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         chosen = best_result(results)
         print(f"chosen: {chosen.provenance['search']} ({time.perf_counter() - start:.1f} s in all), "
               f"schedule {chosen.schedule}, warm-up {list(chosen.warmup[0])}")
-        recompute = [i for i, s in enumerate(chosen.layout.stages) if s.recompute] if chosen.layout else []
+        recompute = [i for i, s in enumerate(chosen.strategy.pipelines[0].stages) if s.recompute]
         if recompute:
-            print(f"recompute activations in stage(s) {recompute} of every pipeline")
+            print(f"recompute activations in stage(s) {recompute} of every pipeline (the strategy says so per stage)")
         print(format_strategy(chosen.strategy))
         print(describe_strategy(chosen.strategy))
         if args.out:

@@ -220,14 +220,15 @@ def strategy_stages(problem: Problem, strategy: Strategy) -> list[tuple[StagePla
             kinds = {type_of.get(r) for r in s.ranks}
             if None in kinds or len(kinds) != 1:
                 raise PlanningError(f"pipelines[{i}].stages[{j}] (ranks {list(s.ranks)}) is not on one device type of the cluster")
-            stages.append(StagePlan(kinds.pop(), s.tp, len(s.layers)))
+            stages.append(StagePlan(kinds.pop(), s.tp, len(s.layers), s.recompute))
         out.append(tuple(stages))
     return out
 
 
 def price_strategy(problem: Problem, strategy: Strategy, recompute: Sequence[Sequence[bool]] | None = None) -> Priced:
     """Any strategy (pipelines may differ) under the objective: the slowest pipeline plus the sync.
-    A pipeline of M micro-batches of size s is priced as M*s samples (size-1 micro-batches)."""
+    A pipeline of M micro-batches of size s is priced as M*s samples (size-1 micro-batches).
+    `recompute[k][j]` overrides the strategy's own recompute flag of stage j of pipeline k."""
     total, times, memory, feasible = 0.0, [], [], True
     pipelines = strategy_stages(problem, strategy)
     devices: dict[str, int] = {}
@@ -295,7 +296,7 @@ def layout_strategy(problem: Problem, layout: Layout, name: str = "") -> Strateg
     for groups in ranks:
         stages, first = [], 0
         for s, group in zip(layout.stages, groups):
-            stages.append(Stage(group, range(first, first + s.layers)))
+            stages.append(Stage(group, range(first, first + s.layers), recompute=s.recompute))
             first += s.layers
         pipelines.append(Pipeline(tuple(stages), layout.micro_batches, 1))
     return Strategy(tuple(pipelines), problem.num_layers, False, name)
