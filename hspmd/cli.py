@@ -27,7 +27,7 @@ commands:
   calibrate [--out calibration.json]                    fit the cost model to this machine
   compile STRATEGY --out DIR [--print RANK]             one program (JSON) per rank of the tiny Llama
   run-programs DIR [--steps N]                          run them, one gloo process per rank, from the files alone
-  plan --cluster C --model M --global-batch N [--search dp|dfs|mcts|all] [--out plan.yaml]
+  plan --cluster C --model M --global-batch N [--search dp|dfs|mcts|all] [--out plan.yaml] [--png plan.png]
                                                         search a strategy; compare with the uniform baseline
 """
 
@@ -71,7 +71,12 @@ def _programs_command(name: str):
 def _plan(rest: list[str]) -> int:
     from hspmd.planning.search.command import main as plan_main
 
-    return plan_main(rest)
+    def draw(strategy, cost, path) -> None:  # matplotlib is loaded only when a picture is asked for
+        from hspmd.show import draw_plan
+
+        draw_plan(strategy, cost, path)
+
+    return plan_main(rest, draw=draw)
 
 
 def _show_command(name: str):

@@ -1,7 +1,7 @@
 """Pictures and the commands that draw them: `hspmd simulate`, `hspmd show`, `hspmd calibrate`.
 
     strategy map   devices x layers, one colour per pipeline, lighter and darker by stage, each
-                   stage block labelled with its stage index and TP degree
+                   stage block labelled with its stage index and TP degree (hatched: recomputed)
     timeline       one row per rank: forward, backward, gradient sync / other communication,
                    optimizer update; idle is the white in between. Drawn from a SimResult or from
                    a run's Chrome trace (hspmd.runtime.trace), side by side for the same strategy.
@@ -44,7 +44,8 @@ Segment = tuple[str, float, float, str]  # kind, start s, end s, label
 # ---- drawing ---------------------------------------------------------------------------------------
 
 def draw_strategy_map(ax, strategy: Strategy, cluster: ClusterSpec | None = None) -> None:
-    """Devices (rows) x layers (columns), coloured by pipeline, shaded by stage."""
+    """Devices (rows) x layers (columns), coloured by pipeline, shaded by stage; recomputed stages
+    hatched and labelled RC."""
     ranks = strategy.all_ranks
     row = {r: i for i, r in enumerate(ranks)}
     for p, pipe in enumerate(strategy.pipelines):
@@ -54,11 +55,11 @@ def draw_strategy_map(ax, strategy: Strategy, cluster: ClusterSpec | None = None
             fill = tuple(1 - shade * (1 - c) for c in colour)
             for r in stage.ranks:
                 ax.add_patch(Rectangle((stage.first_layer, row[r]), len(stage.layers), 1, facecolor=fill,
-                                       edgecolor="white", linewidth=0.5))
+                                       edgecolor="white", linewidth=0.5, hatch="//" if stage.recompute else None))
             top = min(row[r] for r in stage.ranks)
             height = max(row[r] for r in stage.ranks) - top + 1
-            ax.text(stage.first_layer + len(stage.layers) / 2, top + height / 2, f"P{p}S{s}\nTP{stage.tp}",
-                    ha="center", va="center", fontsize=7)
+            label = f"P{p}S{s}\nTP{stage.tp}" + (" RC" if stage.recompute else "")
+            ax.text(stage.first_layer + len(stage.layers) / 2, top + height / 2, label, ha="center", va="center", fontsize=7)
     ax.set_xlim(0, strategy.num_layers)
     ax.set_ylim(len(ranks), 0)
     labels = [f"R{r}" + (f" {cluster.device_type(r).name}" if cluster and r < cluster.n_devices else "") for r in ranks]
@@ -108,6 +109,16 @@ def draw_timeline(ax, segments: Mapping[int, Sequence[Segment]], title: str) -> 
     ax.legend(handles=[Patch(color=KIND_COLOURS[k], label=l) for k, l in
                        (("F", "forward"), ("B", "backward"), ("sync", "gradient sync"), ("comm", "wait / comm"),
                         ("update", "update"))], fontsize=6, loc="lower right", ncol=5)
+
+
+def draw_plan(strategy: Strategy, cost: CostModel, path: str | Path) -> None:
+    """`hspmd plan --png`: the strategy map (device types on the rows) next to its simulated step
+    (level 1, each pipeline under its own schedule)."""
+    result = simulate_strategy(strategy, cost)
+    fig, axes = plt.subplots(1, 2, figsize=(14, min(40, max(3, 0.2 * len(strategy.all_ranks) + 1.5))))
+    draw_strategy_map(axes[0], strategy, cost.cluster)
+    draw_timeline(axes[1], segments_of_result(result), f"simulated step: {result.iteration * 1e3:.1f} ms")
+    save_figure(fig, path)
 
 
 def save_figure(fig, path: str | Path) -> None:

@@ -6,6 +6,7 @@ from hspmd.planning.search import GENERAL, PERMUTED, UNIFORM, PlanningError, dfs
 from hspmd.planning.search.dfs_h2 import split_groups
 from hspmd.planning.search.mcts_hetauto import reward
 from hspmd.planning.search.space import Priced, price_strategy
+from hspmd.specialize.schedules import warmup_vector
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from tests.planning_instances import capacity_of, hapt_problem, random_problem, tight_memory_problem
 
@@ -111,3 +112,26 @@ def test_searches_recompute_where_memory_needs_it_and_the_strategy_says_so(searc
     # the strategy alone (its own recompute flags) prices as the search predicted
     assert price_strategy(problem, planned.strategy).time == pytest.approx(planned.predicted_time)
     assert "recompute" in format_strategy(planned.strategy)
+
+
+def test_plans_carry_an_h1f1b_warmup_where_it_beats_1f1b_and_fits():
+    problem = random_problem(2)  # slow links between the two types: 1F1B leaves bubbles
+    for search in (dp, dfs):
+        planned = search(problem)[0]
+        assert planned.schedule == "h1f1b"
+        seconds = planned.provenance["pipeline_seconds"]
+        assert seconds["h1f1b"] < seconds["1f1b"]
+        stages = planned.layout.stages
+        times = [problem.evaluator.stage_time(s.device_type, s.tp, s.layers, s.recompute, i == 0, i == len(stages) - 1)
+                 for i, s in enumerate(stages)]
+        links = [problem.evaluator.link_time(a.device_type, b.device_type) for a, b in zip(stages, stages[1:])]
+        vector = warmup_vector("h1f1b", times, links)
+        assert vector != warmup_vector("1f1b", times, links)
+        for pipeline, in_flight in zip(planned.strategy.pipelines, planned.warmup):
+            assert (pipeline.schedule, pipeline.warmup) == ("h1f1b", vector)
+            assert in_flight == tuple(min(n, pipeline.micro_batches) for n in vector)
+        assert_fits(problem, planned)  # memory at the larger in-flight counts
+    # cheap links (or no memory to spare): the trainer's 1F1B, no schedule in the strategy
+    for problem in (tight_memory_problem(), hapt_problem()):
+        planned = dp(problem)[0]
+        assert planned.schedule == "1f1b" and {p.schedule for p in planned.strategy.pipelines} == {None}

@@ -39,6 +39,7 @@ from hspmd.planning.search.space import (
     StagePlan,
     price_pipeline,
     price_strategy,
+    scheduled,
     strategy_stages,
 )
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
@@ -261,24 +262,10 @@ def replan(strategy: Strategy, cluster: ClusterSpec, model: ModelSpec | None = N
     tied = [c for c in candidates if c.time <= fastest * (1 + tolerance)]
     chosen = min(tied, key=lambda c: (c.moved, c.kind != "repair"))
     problem = planner.problem(pools, batch)
-    priced = price_strategy(problem, chosen.strategy)
-    peak = {}
-    for p, stages_mem in zip(chosen.strategy.pipelines, _split(priced.stage_memory, chosen.strategy)):
-        for s, mem in zip(p.stages, stages_mem):
-            for r in s.ranks:
-                peak[r] = mem
-    warmup = tuple(tuple(min(len(p.stages) - i, p.micro_batches) for i in range(len(p.stages))) for p in chosen.strategy.pipelines)
+    strategy, policy, in_flight, peak, seconds = scheduled(problem, chosen.strategy)
     provenance = {"search": "replan", "kind": chosen.kind, "moved_layers": chosen.moved, "candidates": len(candidates),
-                  "failed": sorted(failed), "added": sorted(added)}
-    return PlannedStrategy(chosen.strategy, "1f1b", warmup, chosen.time, peak, provenance)
-
-
-def _split(values, strategy: Strategy):
-    out, i = [], 0
-    for p in strategy.pipelines:
-        out.append(values[i:i + len(p.stages)])
-        i += len(p.stages)
-    return out
+                  "failed": sorted(failed), "added": sorted(added), "pipeline_seconds": seconds}
+    return PlannedStrategy(strategy, policy, in_flight, chosen.time, peak, provenance)
 
 
 __all__ = ["moved_share", "proportional_batches", "replan"]

@@ -2,10 +2,13 @@
 Megatron-style baseline a user would otherwise write, print the chosen strategy and save it.
 
     hspmd plan --cluster hetu-h800-h20 --model llama-32b-hetu --global-batch 64 [--search all]
-               [--out plan.yaml] [--iterations 3000] [--seed 0] [--max-tp 8] [--no-recompute]
+               [--out plan.yaml] [--png plan.png] [--iterations 3000] [--seed 0] [--max-tp 8] [--no-recompute]
 
 The file written by --out is a strategy file (hspmd.specialize.strategy_files) that
-`examples/llama/train.py --strategy-file plan.yaml` trains.
+`examples/llama/train.py --strategy-file plan.yaml` trains; it carries the plan's recompute flags
+and schedules. The terminal gets a compact strategy map; --png draws the picture through a
+`draw(strategy, cost, path)` the caller passes (hspmd.show.draw_plan from `hspmd plan`: pictures
+are drawn above the planning layer).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import io
 import sys
 import time
+from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -31,7 +35,7 @@ from hspmd.planning.search.space import PlannedStrategy, PlanningError, Priced, 
 from hspmd.specialize.strategy import Strategy, format_ranks, parse_index_list
 from hspmd.specialize.strategy_build import uniform_strategy
 from hspmd.specialize.strategy_files import save_strategy
-from hspmd.specialize.strategy_render import describe_strategy
+from hspmd.specialize.strategy_render import strategy_map_text
 from hspmd.specialize.strategy_text import format_strategy
 
 SEARCH_NAMES = ("dp", "dfs", "mcts")
@@ -125,19 +129,22 @@ def best_result(results) -> PlannedStrategy:
     return min(found, key=lambda r: r.predicted_time)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str], None] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hspmd plan", description="Search a parallel strategy for a model on a cluster.")
     p.add_argument("--cluster", required=True, help="a preset (hetu-h800-h20, ...), a shape (h800-h20:2+4) or a .yaml file")
     p.add_argument("--model", required=True, help="a model preset (llama-32b-hetu, llama-30b, gpt-13b, h2-100b, llama-tiny)")
     p.add_argument("--global-batch", type=int, required=True, help="samples per step")
     p.add_argument("--search", default="all", choices=SEARCH_NAMES + ("all",))
     p.add_argument("--out", default=None, help="write the chosen strategy here (.yaml, .yml or .json)")
+    p.add_argument("--png", default=None, help="draw the chosen strategy's map and simulated timeline here")
     p.add_argument("--iterations", type=int, default=3000, help="MCTS iteration budget")
     p.add_argument("--seed", type=int, default=0, help="MCTS seed")
     p.add_argument("--max-tp", type=int, default=None, help="largest TP degree to consider (default: a node)")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
     args = p.parse_args(argv)
     try:
+        if args.png and draw is None:
+            raise HSPMDError("--png needs a drawing function: run it as `hspmd plan` (hspmd.cli)")
         cost = CostModel(parse_cluster(args.cluster), model_named(args.model))
         if args.global_batch < 1:
             raise HSPMDError(f"--global-batch must be positive, got {args.global_batch}")
@@ -155,10 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         if recompute:
             print(f"recompute activations in stage(s) {recompute} of every pipeline (the strategy says so per stage)")
         print(format_strategy(chosen.strategy))
-        print(describe_strategy(chosen.strategy))
+        print(strategy_map_text(chosen.strategy, lambda rank: cost.cluster.device_type(rank).name))
         if args.out:
             save_strategy(chosen.strategy, args.out)
             print(f"wrote {args.out}")
+        if args.png:
+            draw(chosen.strategy, cost, args.png)
+            print(f"wrote {args.png}")
     except HSPMDError as exc:
         print(f"hspmd plan: {exc}", file=sys.stderr)
         return 2

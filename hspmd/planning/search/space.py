@@ -22,11 +22,12 @@ reads profile tables (per device type and TP degree), as HAPT and H2 plan from p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Protocol, Sequence
 
 from hspmd.errors import HSPMDError
 from hspmd.planning.ranks import DevicePool, RankAssignmentError, assign_ranks
+from hspmd.planning.search.schedule_choice import choose_schedule
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 from hspmd.specialize.strategy_text import format_strategy
 
@@ -266,9 +267,11 @@ class PriceCache:
 
 @dataclass(frozen=True)
 class PlannedStrategy:
-    """A trainable strategy and what the planner knows of it: the pipeline schedule and each
-    pipeline's warm-up vector (micro-batches in flight per stage under it), predicted iteration
-    time (s), peak memory per device (bytes), and provenance (search, seconds, candidates priced)."""
+    """A trainable strategy and what the planner knows of it: the pipeline schedule ("1f1b", or
+    "h1f1b" whose warm-up vector the strategy's pipelines carry) and each pipeline's micro-batches
+    in flight per stage under it, predicted iteration time (s, the search objective), peak memory
+    per device (bytes), and provenance (search, seconds, candidates priced, simulated pipeline
+    seconds under 1F1B and the chosen schedule)."""
 
     strategy: Strategy
     schedule: str
@@ -321,17 +324,40 @@ def placeable(problem: Problem, layout: Layout) -> Layout:
     return Layout(layout.pipelines, tuple(stages), layout.micro_batches)
 
 
+def scheduled(problem: Problem, strategy: Strategy) -> tuple[Strategy, str, tuple[tuple[int, ...], ...], dict[int, float], dict]:
+    """`strategy` with each pipeline under H-1F1B where that beats 1F1B in the simulator and fits
+    (schedule_choice; other pipelines keep the trainer's 1F1B), the schedule name ("h1f1b" if any
+    pipeline runs it), the in-flight counts per pipeline, peak memory per device at those counts,
+    and the simulated pipeline seconds of the slowest pipeline under 1F1B and as chosen."""
+    pipelines, in_flight, peak, choices = [], [], {}, {}
+    for k, (pipeline, stages) in enumerate(zip(strategy.pipelines, strategy_stages(problem, strategy))):
+        if pipeline.samples_per_step is None:
+            raise PlanningError(f"pipelines[{k}] binds its micro-batches at run time; give counts to schedule it")
+        key = (stages, pipeline.samples_per_step)
+        if key not in choices:
+            choices[key] = choose_schedule(problem.evaluator, stages, pipeline.samples_per_step, strategy.num_pipelines)
+        choice = choices[key]
+        hetero = choice.policy != "1f1b"
+        pipeline = replace(pipeline, schedule=choice.policy if hetero else None, warmup=choice.vector if hetero else None)
+        pipelines.append(pipeline)
+        in_flight.append(choice.in_flight)
+        for s, mem in zip(pipeline.stages, choice.stage_memory):
+            for r in s.ranks:
+                peak[r] = mem
+    used = [choices[key] for key in choices]
+    policy = "h1f1b" if any(c.policy == "h1f1b" for c in used) else "1f1b"
+    seconds = {"1f1b": max(c.one_f_one_b_seconds for c in used), policy: max(c.seconds for c in used)}
+    return replace(strategy, pipelines=tuple(pipelines)), policy, tuple(in_flight), peak, seconds
+
+
 def planned(problem: Problem, layout: Layout, provenance: Mapping[str, object]) -> PlannedStrategy:
+    """The PlannedStrategy of a layout: its Strategy under the schedule `scheduled` picks."""
     layout = placeable(problem, layout)
     priced = price(problem, layout)
     strategy = layout_strategy(problem, layout, str(provenance.get("search", "")))
-    peak = {}
-    for p in strategy.pipelines:
-        for s, mem in zip(p.stages, priced.stage_memory):
-            for r in s.ranks:
-                peak[r] = mem
-    warmup = one_f_one_b_warmup(len(layout.stages), layout.micro_batches)
-    return PlannedStrategy(strategy, "1f1b", (warmup,) * layout.pipelines, priced.time, peak, dict(provenance), layout)
+    strategy, policy, in_flight, peak, seconds = scheduled(problem, strategy)
+    return PlannedStrategy(strategy, policy, in_flight, priced.time, peak, {**provenance, "pipeline_seconds": seconds},
+                           layout)
 
 
 def best_of(priced: Mapping[tuple, tuple[float, Layout]]) -> Layout:
@@ -342,4 +368,5 @@ def best_of(priced: Mapping[tuple, tuple[float, Layout]]) -> Layout:
 __all__ = [
     "Evaluator", "Layout", "PlannedStrategy", "PlanningError", "PriceCache", "Priced", "Problem", "StagePlan",
     "TableEvaluator", "layout_strategy", "price_strategy", "strategy_stages", "one_f_one_b_warmup", "planned", "price", "price_pipeline",
+    "scheduled",
 ]
