@@ -130,9 +130,14 @@ def check_ratios(ratios: Sequence[int] | None) -> tuple[int, ...] | None:
 def subgroup_regions(ann: Annotation, shape: Sequence[Length], ratios: Sequence[int] | None = None) -> list[Box]:
     """The global box each subgroup covers (its top-tier piece).
 
-    `ratios` binds a run-time HDim split (`H0{...}`); it is ignored when the annotation has its own."""
+    `ratios` binds a run-time HDim split (`H0{...}`); it is ignored when the annotation has its own.
+    Kept with the annotation: planners ask for one subgroup's region of a large union per step."""
     shape = check_shape(ann, shape)
     ratios = check_ratios(ratios)
+    return list(ann.derived(("regions", shape, ratios), lambda: tuple(_regions(ann, shape, ratios))))
+
+
+def _regions(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int, ...] | None) -> list[Box]:
     whole = tuple((0, s) for s in shape)
     if not isinstance(ann.hdim, int):
         return [whole] * ann.hsize

@@ -351,13 +351,37 @@ class Annotation(_Memo):
         object (e.g. the ZeRO layout or the gradient layout of a parameter's annotation)."""
         return self._memo(("derived", key), compute)
 
+    _KEPT_BY_WITH_SUBGROUP = ("devices", "device_set", "dg_union", "dg_key", "subgroup_of")
+
+    def with_subgroup(self, k: int, sub: Subgroup) -> "Annotation":
+        """This union with subgroup k replaced by `sub` (same HDim and ratios).
+
+        A planner stepping through every subgroup of a large union makes one such union per step.
+        When `sub` keeps subgroup k's device group, the result is valid by construction (nothing
+        to check again) and keeps what this union knows of its devices and regions, so a step
+        costs a tuple copy rather than a revalidation of every device."""
+        subs = self.subgroups[:k] + (sub,) + self.subgroups[k + 1 :]
+        if not isinstance(sub, Subgroup) or not 0 <= k < self.hsize or sub.dg != self.subgroups[k].dg:
+            return Annotation(subs, self.hdim, self.ratios)
+        new = object.__new__(Annotation)
+        for name, value in (("subgroups", subs), ("hdim", self.hdim), ("ratios", self.ratios)):
+            object.__setattr__(new, name, value)
+        known = self.__dict__.get("_memo_cache") or {}
+        kept = {key: known[key] for key in self._KEPT_BY_WITH_SUBGROUP if key in known}
+        kept.update((key, v) for key, v in known.items() if isinstance(key, tuple) and key[:1] == ("derived",)
+                    and isinstance(key[1], tuple) and key[1][:1] == ("regions",))  # regions: HDim, ratios, HSize only
+        if "dim_bound" in known:
+            kept["dim_bound"] = max(known["dim_bound"], max(sub.ds.split_dims, default=-1))
+        object.__setattr__(new, "_memo_cache", kept)
+        return new
+
     def with_ratios(self, ratios: tuple[int, ...] | None) -> "Annotation":
         """The same union with its top-tier split ratios bound (e.g. per-pipeline micro-batch sizes)."""
         return Annotation(self.subgroups, self.hdim, None if ratios is None else tuple(ratios))
 
     def check_rank(self, ndim: int, where: str = "") -> None:
         """Raise if a split dim (bottom or top tier) is outside a tensor of rank `ndim`."""
-        if self._memo("max_dim", self._max_dim) < ndim:
+        if self._memo("dim_bound", self._max_dim) < ndim:  # at least the largest split dim (see with_subgroup)
             return
         at = f" ({where})" if where else ""
         if isinstance(self.hdim, int) and self.hdim >= ndim:

@@ -78,9 +78,7 @@ def tiles(box: Box, parts: Sequence[Box]) -> bool:
 
 def with_subgroup(union: Annotation, k: int, sub: Subgroup) -> Annotation:
     """The union with subgroup k replaced (same HDim and ratios)."""
-    subs = list(union.subgroups)
-    subs[k] = sub
-    return Annotation(tuple(subs), union.hdim, union.ratios)
+    return union.with_subgroup(k, sub)
 
 
 def _replace(union: Annotation, k: int, ds: DistributedStates) -> Annotation:
