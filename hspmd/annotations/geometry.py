@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 from math import prod
-from typing import Sequence, Union
+from typing import Iterable, Sequence, Union
 
 import sympy
 
@@ -214,6 +214,16 @@ def _device_pieces(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int
     return out
 
 
+def device_pieces_of(ann: Annotation, shape: Sequence[Length], devices: Iterable[int],
+                     ratios: Sequence[int] | None = None) -> dict[int, Piece]:
+    """device_pieces restricted to `devices` (those of the union, in the order given), read from the
+    cached whole without copying it: a planner asking once per subgroup stays linear."""
+    if not isinstance(ann, Annotation):
+        raise ShapeTypeError(f"device_pieces needs an Annotation (parse text first), got {brief(ann)}")
+    pieces = _device_pieces(ann, check_shape(ann, shape), check_ratios(ratios))
+    return {d: pieces[d] for d in devices if d in pieces}
+
+
 def subgroup_device_pieces(
     ann: Annotation, k: int, shape: Sequence[Length], ratios: Sequence[int] | None = None
 ) -> dict[int, Piece]:
@@ -235,6 +245,7 @@ __all__ = [
     "split_index",
     "summand_index",
     "device_pieces",
+    "device_pieces_of",
     "subgroup_device_pieces",
     "check_shape",
     "check_ratios",

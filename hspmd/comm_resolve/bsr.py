@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from hspmd.annotations import Annotation, Box, device_pieces
+from hspmd.annotations.geometry import device_pieces_of
 from hspmd.comm_resolve.cost import itemsize_of
 from hspmd.comm_resolve.plan import Transfer
 from hspmd.comm_resolve.slices import Cell, Grid, box_contains, box_volume
@@ -54,9 +55,7 @@ def destination_needs(
     slice goes to one summand of each group whose summands add up to the tensor (all subgroups
     under HDim P, else each subgroup): the one whose holders own most of it already; the other
     summands stay zero."""
-    pieces = device_pieces(dst, shape)
-    chosen = set(pieces) if devices is None else set(devices)
-    pieces = {d: p for d, p in pieces.items() if d in chosen}
+    pieces = device_pieces(dst, shape) if devices is None else device_pieces_of(dst, shape, dict.fromkeys(devices))
     if not any(p.is_partial for p in pieces.values()):
         return {d: [p.box] for d, p in pieces.items() if box_volume(p.box) > 0}
     families = [list(pieces)] if dst.hdim == "P" else [[d for d in s.dg if d in pieces] for s in dst.subgroups]

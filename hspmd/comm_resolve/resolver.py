@@ -123,7 +123,7 @@ def resolve(
     src = bind_ratios(parse(src), src_ratios, "source", "src_ratios")
     dst = bind_ratios(parse(dst), dst_ratios, "destination", "dst_ratios")
     shape = concrete_shape(shape, src, dst)
-    topology = cluster_for(topology, set(src.devices) | set(dst.devices), f"reshard {src} -> {dst}")
+    topology = cluster_for(topology, src.device_set | dst.device_set, lambda: f"reshard {src} -> {dst}")
     name = dtype_name(dtype)
     ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial)
     if via is not None:

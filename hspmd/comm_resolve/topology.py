@@ -9,16 +9,24 @@ node holding every device the plan touches: all links equal).
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 from hspmd.cluster import ClusterSpec, parse_cluster, single_node
+from hspmd.errors import ClusterError
 
 
-def cluster_for(topology: "ClusterSpec | str | None", devices: Iterable[int], where: str = "") -> ClusterSpec:
-    """The ClusterSpec named by `topology` (see the module docstring), checked to hold `devices`."""
+def cluster_for(topology: "ClusterSpec | str | None", devices: Iterable[int],
+                where: "str | Callable[[], str]" = "") -> ClusterSpec:
+    """The ClusterSpec named by `topology` (see the module docstring), checked to hold `devices`.
+    `where` may be a function giving the text, called only for the error (printing a union of
+    thousands of devices for every plan would cost more than planning it)."""
     devices = sorted(set(devices))
     cluster = single_node(max(devices, default=0) + 1) if topology is None else parse_cluster(topology)
-    cluster.check_devices(devices, where)
+    try:
+        cluster.check_devices(devices)
+    except ClusterError:
+        cluster.check_devices(devices, where() if callable(where) else where)
+        raise
     return cluster
 
 

@@ -55,7 +55,8 @@ class Specialized:
 
 
 def all_devices(deduced: Deduced) -> tuple[int, ...]:
-    return tuple(sorted(frozenset().union(*set(deduced.devices_of(t) for t in deduced.graph.tensors))))
+    distinct = {id(s): s for s in (deduced.devices_of(t) for t in deduced.graph.tensors)}  # shared sets once
+    return tuple(sorted(frozenset().union(*distinct.values())))
 
 
 def per_micro_batch_pattern(deduced: Deduced, binding: Binding, live: set[int], topology=None, cache=None):
