@@ -1,6 +1,7 @@
 """Specialization time per rank of a Llama-32B-shaped graph (60 layers, hidden 5120, 40 heads, FFN
 27648, vocab 152064) as the job grows: Megatron-style DP x TP4 x PP4 on 48, 1,024 and 4,096 ranks
-(DP 3, 64, 256; ZeRO-1), plus the paper's Table 5 strategy (16 H800 + 32 H20 = 48 devices).
+(DP 3, 64, 256), without and with ZeRO-1, plus the paper's Table 5 strategy (16 H800 + 32 H20 =
+48 devices, ZeRO-1).
 
 Per rank, cold (what one process of the job does, nothing shared with another rank): deduction,
 instantiation of its own program (pruning, CommOp substitution, resolving the plans of its
@@ -104,12 +105,13 @@ def parse_and_all_to_all(a2a_sizes) -> None:
 
 def main() -> int:
     quick = "--quick" in sys.argv[1:]
-    sizes = [("DP3 x TP4 x PP4", uniform_strategy(60, dp=3, tp=4, pp=4, micro_batches=4, zero=True)),
-             ("Table 5 (16 H800 + 32 H20)", paper_strategy("table5_32b_16h800_32h20")),
-             ("DP64 x TP4 x PP4", uniform_strategy(60, dp=64, tp=4, pp=4, micro_batches=4, zero=True))]
-    if not quick:
-        sizes.append(("DP256 x TP4 x PP4", uniform_strategy(60, dp=256, tp=4, pp=4, micro_batches=4, zero=True)))
-    scaling(sizes)
+    dps = (3, 64) if quick else (3, 64, 256)
+    for zero in (False, True):
+        sizes = [(f"DP{dp} x TP4 x PP4{', ZeRO-1' if zero else ''}",
+                  uniform_strategy(60, dp=dp, tp=4, pp=4, micro_batches=4, zero=zero)) for dp in dps]
+        if zero:
+            sizes.insert(1, ("Table 5 (16 H800 + 32 H20), ZeRO-1", paper_strategy("table5_32b_16h800_32h20")))
+        scaling(sizes)
     parse_and_all_to_all([256] if quick else [256, 1024])
     return 0
 
