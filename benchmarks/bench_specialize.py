@@ -7,8 +7,10 @@ Per rank, cold (what one process of the job does, nothing shared with another ra
 instantiation of its own program (pruning, CommOp substitution, resolving the plans of its
 CommOps) and pipeline discovery (the patterns of every per-micro-batch CommOp). Each measured rank
 gets a freshly built graph, so no cache survives from another rank; building the graph (making
-the strategy's leaf annotations) is reported apart. The figure to watch is the ratio of the
-per-rank time at 1,024 and 4,096 ranks to the time at 48 (goal: within 2x).
+the strategy's leaf annotations) is reported apart. Times are CPU seconds of the process (the
+work is single-threaded; on a shared machine wall time also counts waiting for a core), the sizes
+are interleaved (each repetition runs every size once) and the ratio to 48 ranks is the median of
+the per-repetition ratios. The figure to watch is that ratio at 1,024 and 4,096 (goal: within 2x).
 
 Also: parsing one 16,384-device annotation, and planning one all-to-all (S0 -> S1 on the same
 devices, n^2 messages by nature) on 256 and 1,024 devices.
@@ -38,9 +40,11 @@ LLAMA_32B = LlamaConfig(vocab=152064, hidden=5120, layers=60, heads=40, ffn=2764
 
 
 def _clock(fn):
-    start = time.perf_counter()
+    """(fn(), CPU seconds of this process): specialization is single-threaded, and on a shared
+    machine CPU time measures the work where wall time also counts waiting for a core."""
+    start = time.process_time()
     out = fn()
-    return out, time.perf_counter() - start
+    return out, time.process_time() - start
 
 
 def one_rank(strategy, rank: int) -> dict[str, float]:
@@ -68,23 +72,30 @@ def one_rank(strategy, rank: int) -> dict[str, float]:
             "rank": t_deduce + t_inst + t_discover, "ops": len(exe.instructions()), "nodes": len(model.graph.nodes)}
 
 
-def scaling(sizes) -> None:
-    rows, base = [], None
+def scaling(sizes, reps: int = 3) -> None:
+    """Interleaved: each repetition times one rank (first, middle, last in turn) of every size, so
+    that the per-repetition ratios to the first size see the same machine load."""
+    runs: dict[str, list[dict]] = {label: [] for label, _ in sizes}
+    for rep in range(reps):
+        for label, strategy in sizes:
+            n = len(strategy.all_ranks)
+            runs[label].append(one_rank(strategy, (0, n // 2 + 1, n - 1)[rep % 3]))
+        print(f"  repetition {rep + 1} of {reps} done", file=sys.stderr, flush=True)
+    base = runs[sizes[0][0]]
+    rows = []
     for label, strategy in sizes:
-        n = len(strategy.all_ranks)
-        ranks = sorted({0, n // 2 + 1, n - 1})
-        runs = [one_rank(strategy, r) for r in ranks]
-        per_rank = [r["rank"] for r in runs]
-        med = statistics.median(per_rank)
-        base = med if base is None else base
-        phase = {k: statistics.median(r[k] for r in runs) for k in ("build", "deduce", "instantiate", "discover")}
-        rows.append([label, n, f"{med:.3f}", f"{min(per_rank):.3f}-{max(per_rank):.3f}", f"{med / base:.2f}x",
+        mine = runs[label]
+        per_rank = [r["rank"] for r in mine]
+        ratios = sorted(r["rank"] / b["rank"] for r, b in zip(mine, base))
+        phase = {k: statistics.median(r[k] for r in mine) for k in ("build", "deduce", "instantiate", "discover")}
+        rows.append([label, len(strategy.all_ranks), f"{statistics.median(per_rank):.3f}",
+                     f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})",
                      f"{phase['deduce']:.3f}", f"{phase['instantiate']:.3f}", f"{phase['discover']:.3f}",
-                     f"{phase['build']:.2f}", f"{runs[0]['ops']}/{runs[0]['nodes']}"])
-        print(f"  {label}: done", file=sys.stderr, flush=True)
-    print("\nPer-rank specialization, cold (deduction + instantiation + pipeline discovery), ranks first/middle/last:")
-    print(table(["strategy", "ranks", "per rank s", "spread", "vs 48", "deduce", "instantiate", "discover",
-                 "build (apart)", "ops on rank 0"], rows))
+                     f"{phase['build']:.2f}", f"{mine[0]['ops']}/{mine[0]['nodes']}"])
+    print(f"\nPer-rank specialization, cold, CPU s (deduction + instantiation + pipeline discovery), "
+          f"{reps} interleaved repetitions (ranks first/middle/last):")
+    print(table(["strategy", "ranks", "per rank s", f"vs {sizes[0][0]} (spread)", "deduce", "instantiate",
+                 "discover", "build (apart)", "ops on rank 0"], rows))
 
 
 def parse_and_all_to_all(a2a_sizes) -> None:
