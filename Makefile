@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast equivalence multiprocess elastic bench clean
+.PHONY: demo test test-fast equivalence multiprocess elastic bench mutation clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ calibration: $(STAMP)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+# Mutation testing of the core modules against their fast tests (slow; not part of `make test`):
+# `make mutation MODULES="schedules geometry"` for some; scores in mutation-scores.txt.
+mutation: $(STAMP)
+	$(PY) -m pip install -q -e ".[test,mutation]"
+	nice -n 19 $(PY) tools/mutation.py $(MODULES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

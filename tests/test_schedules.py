@@ -136,3 +136,20 @@ def test_executor_keeps_exactly_the_schedules_peak_of_micro_batches_alive(schedu
     for stage, peak, _ in results.values():
         assert peak == (min(3 - stage, 5) if schedule == "1f1b" else 5)
     assert len({loss for _, _, loss in results.values()}) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(stages=st.integers(1, 5), m=st.integers(1, 8), f=st.integers(1, 3), b=st.integers(1, 4),
+       name=st.sampled_from(["gpipe", "1f1b"]))
+def test_simulated_gpipe_and_1f1b_take_the_textbook_time_and_bubble(stages, m, f, b, name):
+    """On the ideal machine both schedules take (m + p - 1)(f + b) with bubble (p - 1) / (m + p - 1)
+    (Narayanan et al.); every stage runs each action once, F(m) of stage s at the earliest s*f."""
+    timeline = simulate(pipeline_schedule(name, stages, m), forward_cost=f, backward_cost=b)
+    assert timeline.makespan == (m + stages - 1) * (f + b)
+    assert timeline.bubble_fraction() == pytest.approx((stages - 1) / (m + stages - 1))
+    for s, starts in enumerate(timeline.starts):
+        assert sorted(str(a) for _, a in starts) == sorted([f"F{j}" for j in range(m)] + [f"B{j}" for j in range(m)])
+        first_forward = min(t for t, a in starts if a.kind == "F")
+        assert first_forward == s * f
+        last_backward_end = max(t for t, a in starts if a.kind == "B") + b
+        assert last_backward_end == timeline.makespan - s * b
