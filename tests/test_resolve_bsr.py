@@ -132,3 +132,27 @@ def test_fused_plan_refuses_partial_sources_and_round_trips_json():
         raise AssertionError("a partial source went through BSR")
     plan = resolve_many(MOVES, "2x2")
     assert type(plan).from_json(plan.to_json()) == plan
+
+
+def test_demand_and_send_lower_bound_by_hand():
+    """Owner sets and the min-max send bound on cases worked by hand (float32; rows of 1 element)."""
+    from hspmd.comm_resolve.bsr import TensorSlices, demand_by_owner_set, max_send_lower_bound
+
+    whole = ((0, 8),)
+    # device 0 already owns what it needs; device 2 takes 8 elements from {0, 1}: 16 bytes each at best
+    a = TensorSlices(0, 1, {0: whole, 1: whole}, {0: [whole], 2: [whole]})
+    assert demand_by_owner_set([a], 4) == {frozenset({0, 1}): 32}
+    assert max_send_lower_bound([a], 4) == 16
+    # halves owned by 0 and 1, the whole by 2; device 3 needs it all: 32 bytes over 3 senders, but 2
+    # is the only one for both halves' rest: the best cap is 11 (0: 11, 1: 11, 2: 5 + 5)
+    b = TensorSlices(1, 1, {0: ((0, 4),), 1: ((4, 8),), 2: whole}, {3: [whole]})
+    assert demand_by_owner_set([b], 4) == {frozenset({0, 2}): 16, frozenset({1, 2}): 16}
+    assert max_send_lower_bound([b], 4) == 11
+    # on two nodes of two ({0, 1}, {2, 3}) only 2 shares 3's node: the fastest owners are {2}
+    nodes = uniform(2, 2)
+    assert demand_by_owner_set([b], 4, nodes) == {frozenset({2}): 32}
+    assert max_send_lower_bound([b], 4, nodes) == 32
+    # per-tensor item sizes add up per owner set
+    assert demand_by_owner_set([a, TensorSlices(2, 1, {0: whole, 1: whole}, {2: [((0, 3),)]})], [4, 4, 2]) == {
+        frozenset({0, 1}): 32 + 6}
+    assert max_send_lower_bound([TensorSlices(3, 1, {0: whole}, {0: [whole]})], 4) == 0  # nothing to move

@@ -153,3 +153,16 @@ def test_simulated_gpipe_and_1f1b_take_the_textbook_time_and_bubble(stages, m, f
         assert first_forward == s * f
         last_backward_end = max(t for t, a in starts if a.kind == "B") + b
         assert last_backward_end == timeline.makespan - s * b
+
+
+def test_peak_in_flight_and_the_rendered_timeline_by_hand():
+    assert peak_in_flight([Action(FORWARD, 0), Action(FORWARD, 1), Action(BACKWARD, 0), Action(FORWARD, 2),
+                           Action(FORWARD, 3)]) == 3
+    # GPipe, 2 stages, 2 micro-batches, F=1, B=2: stage 1 runs F0 F1 at 1, 2, B0 B1 at 3, 5; stage 0
+    # waits for them: B0 at 5, B1 at 7; 9 units, 6 of 18 stage-units idle
+    timeline = simulate(pipeline_schedule("gpipe", 2, 2))
+    assert render_timeline(timeline) == "stage 0 |F0 F1          B0 .. B1 ..\nstage 1 |   F0 F1 B0 .. B1 .."
+    text = describe_schedule("gpipe", 2, 2)
+    assert text.splitlines()[0] == "gpipe: 2 stage(s), 2 micro-batch(es)"
+    assert "  stage 1: F0 F1 B0 B1   (peak in flight 2)" in text
+    assert text.endswith("makespan 9 units (F=1, B=2), bubble 33%")

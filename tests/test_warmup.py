@@ -114,3 +114,16 @@ def test_every_warmup_policy_trains_equal_to_one_device():
         assert [r[policy][2] for r in results] == peaks[policy]
         for r in results:  # the trace holds the schedule's actions in order, then the update
             assert r[policy][3] == r[policy][4] + ["wait sends", "update"]
+
+
+def test_warmup_vector_edges():
+    """Zero-time stages are allowed; omitted link times are zero (no slow link: deltas of 1);
+    `eps` decides which links are slow; errors name the policy hint and the expected count."""
+    assert warmup_vector("1f1b", [0.0, 1.0]) == (2, 1)
+    assert warmup_vector("h1f1b", [1.0, 1.0, 1.0]) == (3, 2, 1)
+    assert warmup_vector("h1f1b", [1.0, 1.0], [0.04]) == (2, 1)            # 0.04 <= 0.05 t_max: fast
+    assert warmup_vector("h1f1b", [1.0, 1.0], [0.04], eps=0.01) == (3, 1)  # slow, <= t_max / 2: delta 2
+    with pytest.raises(HSPMDError, match="did you mean '1f1b'"):
+        warmup_vector("1fib", [1.0])
+    with pytest.raises(HSPMDError, match=r"give 1 non-negative link time\(s\) for 2 stages"):
+        warmup_vector("1f1b", [1.0, 1.0], [0.1, 0.1])
