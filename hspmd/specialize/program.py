@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 import sympy
@@ -156,13 +157,9 @@ class DeviceProgram:
     def tensor(self, tensor_id: int) -> TensorInfo:
         return self._tensors[tensor_id]
 
-    @property
+    @cached_property
     def _tensors(self) -> dict[int, TensorInfo]:
-        cache = self.__dict__.get("_tensor_index")
-        if cache is None:
-            cache = {t.id: t for t in self.tensors}
-            object.__setattr__(self, "_tensor_index", cache)
-        return cache
+        return {t.id: t for t in self.tensors}
 
     # ---- text ----------------------------------------------------------------------------------
 
