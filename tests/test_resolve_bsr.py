@@ -156,3 +156,13 @@ def test_demand_and_send_lower_bound_by_hand():
     assert demand_by_owner_set([a, TensorSlices(2, 1, {0: whole, 1: whole}, {2: [((0, 3),)]})], [4, 4, 2]) == {
         frozenset({0, 1}): 32 + 6}
     assert max_send_lower_bound([TensorSlices(3, 1, {0: whole}, {0: [whole]})], 4) == 0  # nothing to move
+
+
+def test_unowned_boxes_are_the_needed_parts_nobody_holds():
+    from hspmd.comm_resolve.bsr import TensorSlices, unowned_boxes
+
+    fam = TensorSlices(0, 2, {0: ((0, 2), (0, 4)), 1: ((2, 3), (0, 2))}, {2: [((0, 4), (0, 4))], 3: [((1, 1), (0, 4))]})
+    lost = unowned_boxes(fam)
+    assert sum(box_volume(b) for b in lost) == 16 - 8 - 2
+    assert all(box_intersection(b, o) is None for b in lost for o in fam.owners.values())
+    assert unowned_boxes(TensorSlices(1, 1, {0: ((0, 4),)}, {1: [((1, 3),)]})) == []
