@@ -166,3 +166,23 @@ def test_peak_in_flight_and_the_rendered_timeline_by_hand():
     assert text.splitlines()[0] == "gpipe: 2 stage(s), 2 micro-batch(es)"
     assert "  stage 1: F0 F1 B0 B1   (peak in flight 2)" in text
     assert text.endswith("makespan 9 units (F=1, B=2), bubble 33%")
+
+
+def test_schedule_checks_name_what_is_wrong():
+    F, B = FORWARD, BACKWARD
+    with pytest.raises(HSPMDError, match=r"step 2 \(F3\) names a micro-batch outside 0-2"):
+        check_order([Action(F, 0), Action(B, 0), Action(F, 3)], 3)
+    check_order([Action(F, 0), Action(F, 1), Action(B, 0), Action(B, 1)], 2)
+    with pytest.raises(HSPMDError, match="warm-up vector after ':' must be integers separated by commas"):
+        schedule_for("h1f1b:2,x", 2, 0, 4)
+    from hspmd.specialize.schedules import check_warmup
+
+    for bad in ([2.0, 1], [True, 1], [2, 0]):
+        with pytest.raises(HSPMDError):
+            check_warmup(bad, 2)
+    assert check_warmup([2, 1], 2) == (2, 1)
+    # a finished stage next to two that wait for each other: the stuck ones are named
+    with pytest.raises(HSPMDError, match=r"deadlocks: stage 1 at B0, stage 2 at F0 wait"):
+        simulate([[Action(F, 0)], [Action(B, 0), Action(F, 0)], [Action(F, 0), Action(B, 0)]])
+    empty = simulate([])
+    assert (empty.makespan, empty.bubble_fraction()) == (0, 0.0)
