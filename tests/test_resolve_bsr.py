@@ -166,3 +166,22 @@ def test_unowned_boxes_are_the_needed_parts_nobody_holds():
     assert sum(box_volume(b) for b in lost) == 16 - 8 - 2
     assert all(box_intersection(b, o) is None for b in lost for o in fam.owners.values())
     assert unowned_boxes(TensorSlices(1, 1, {0: ((0, 4),)}, {1: [((1, 3),)]})) == []
+
+
+def test_destination_needs_by_hand():
+    """Values: every device its non-empty box (only the chosen devices); partial summands: one
+    summand per group that adds up to the tensor, the one an owner already holds."""
+    from hspmd.comm_resolve.bsr import destination_needs
+
+    whole = ((0, 4),)
+    assert destination_needs(parse("S0:2@[0,1]"), (4,), {}) == {0: [((0, 2),)], 1: [((2, 4),)]}
+    assert destination_needs(parse("S0:2@[0,1]"), (4,), {}, devices=[1]) == {1: [((2, 4),)]}
+    uneven = destination_needs(parse("S0:4@[0-3]"), (2,), {})  # two rows over four devices: two get none
+    pieces = device_pieces(parse("S0:4@[0-3]"), (2,))
+    assert uneven == {d: [p.box] for d, p in pieces.items() if box_volume(p.box) > 0} and len(uneven) == 2
+    # P:2 over [0, 1]: one summand carries the value; device 1 owns it already, device 0 stays zero
+    assert destination_needs(parse("P:2@[0,1]"), (4,), {1: whole}) == {1: [whole]}
+    # HP: the subgroups' summands add up together: one of them carries it; HD of partial subgroups: one per subgroup
+    assert destination_needs(parse("HP{@[0] | @[1]}"), (4,), {1: whole}) == {1: [whole]}
+    both = destination_needs(parse("HD{P:2@[0,1] | P:2@[2,3]}"), (4,), {1: whole, 2: ((0, 2),)})
+    assert both == {1: [whole], 2: [whole]}
