@@ -72,8 +72,10 @@ def test_data_parallel():
 
 
 def test_megatron_tensor_parallel():
-    spec = _check("layers=2 ; 2x2: R0,1 L0-1", expect={"forward": ["AllReduce", "AllGather"]})
+    spec = _check("layers=2 ; 2x2: R0,1 L0-1", expect={"forward": ["AllReduce"]})
     assert [p.stages for p in spec.pipelines] == [((0, 1),)]
+    # the loss is vocabulary-parallel: per-token statistics are all-reduced, the logits never gathered
+    assert "AllGather" not in _primitives(spec, "forward")
 
 
 def test_sequence_parallel():

@@ -15,6 +15,8 @@ from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 
+from hspmd.errors import CommunicationError
+
 Group = tuple[int, ...]
 Shape = tuple[int, ...]
 
@@ -84,9 +86,16 @@ class Backend(abc.ABC):
     # defaults go through the methods above (correct, but they allocate the result once more);
     # the in-process and torch.distributed backends override them to write in place.
 
-    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor) -> None:
-        """The group's sum of `tensor` written into `out` (same shape; any strides)."""
-        out.copy_(self.all_reduce(tensor, group))
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor, op: str = "sum") -> None:
+        """The group's sum (op="max": elementwise maximum) of `tensor` written into `out` (same
+        shape; any strides). The default maximum gathers every member's tensor first."""
+        if op == "sum":
+            out.copy_(self.all_reduce(tensor, group))
+        elif op == "max":
+            shapes = [tuple(tensor.shape)] * len(group)
+            out.copy_(torch.stack(self.all_gather(tensor.contiguous(), group, shapes)).amax(0))
+        else:
+            raise CommunicationError(f"all_reduce: op must be 'sum' or 'max', got {op!r}")
 
     def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
         """Member i's tensor written into outs[i] (its shape is member i's; any strides)."""

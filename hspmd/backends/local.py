@@ -144,11 +144,16 @@ class LocalBackend(Backend):
         input is freed when its owner drops it."""
         self.world.rendezvous(self._key("done", group), group, self.rank, None)
 
-    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor) -> None:
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor, op: str = "sum") -> None:
+        if op not in ("sum", "max"):
+            raise CommunicationError(f"all_reduce: op must be 'sum' or 'max', got {op!r}")
         values = self.world.rendezvous(self._key("all_reduce", group), group, self.rank, tensor)
         out.copy_(values[group[0]])
         for r in group[1:]:
-            out.add_(values[r])
+            if op == "sum":
+                out.add_(values[r])
+            else:
+                torch.maximum(out, values[r], out=out)
         del values
         self._done(group)
 

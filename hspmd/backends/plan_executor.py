@@ -27,7 +27,7 @@ from hspmd.annotations import Annotation, Box, Piece, box_intersection, box_rela
 from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, FusedPlan, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_contains, box_volume
-from hspmd.errors import ShapeError, ShapeTypeError
+from hspmd.errors import HSPMDError, ShapeError, ShapeTypeError
 from hspmd.limits import brief
 from hspmd.backends.backend import Backend
 from hspmd.backends.local import run_on_devices
@@ -100,7 +100,7 @@ def _target(out: torch.Tensor, held: Box, region: Box, buf: Buffers) -> tuple[to
 
 
 def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out, dst: Box, buf: Buffers,
-                    zero: torch.Tensor | None) -> None:
+                    zero: torch.Tensor | None, reduce: str = "sum") -> None:
     """Run one sub-collective straight into this rank's destination piece `out` (holding `dst`);
     a member without a summand contributes `zero` (one element) broadcast to the shape."""
     me = backend.rank
@@ -122,7 +122,7 @@ def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out
         value = [zero.expand(box_shape(p)) if gives_zeros else _cut(local, src, p, buf) for p in c.parts]
     target, own = _target(out, dst, region, buf)
     if c.kind == "all_reduce":
-        backend.all_reduce_into(value, c.devices, target)
+        backend.all_reduce_into(value, c.devices, target, reduce)
     else:
         backend.reduce_scatter_into(value, c.devices, target)
     if own:
@@ -291,7 +291,7 @@ def _only_copies_own_piece(transfers, me: int, tid: int, src: Piece | None, dst:
     )
 
 
-def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend: Backend, local):
+def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend: Backend, local, reduce: str = "sum"):
     me = backend.rank
     buf = Buffers.for_rank(dtype, backend, (local,))
     src, dst = _pieces(step.src, shape).get(me), _pieces(step.dst, shape).get(me)
@@ -304,20 +304,26 @@ def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend
     src_box = src.box if src is not None else None
     out = buf.empty(dst.shape) if _covered(step, me, dst.box) else buf.zeros(dst.shape)
     mine = [c for c in step.collectives if me in c.devices]
-    zero = buf.zeros(()) if any(me in c.zero_inputs or src is None for c in mine) else None
+    zero = None  # the reduction's identity, one element, for a member without a value
+    if any(me in c.zero_inputs or src is None for c in mine):
+        zero = buf.zeros(()) if reduce == "sum" else torch.full((), -torch.inf, dtype=dtype, device=buf.device)
     for c in mine:
-        _run_collective(c, backend, local, src_box, out, dst.box, buf, zero)
+        _run_collective(c, backend, local, src_box, out, dst.box, buf, zero, reduce)
     _exchange(step.transfers, backend, {0: (local, src_box)}, {0: (out, dst.box)}, {0: buf})
     return out
 
 
-def execute_plan(plan: Plan, backend: Backend, local: torch.Tensor | None) -> torch.Tensor | None:
+def execute_plan(plan: Plan, backend: Backend, local: torch.Tensor | None, reduce: str = "sum") -> torch.Tensor | None:
     """This rank's part of `plan`: its source piece in, its destination piece out (None if the
-    rank holds no destination piece)."""
+    rank holds no destination piece). reduce="max" combines partial values by their maximum
+    (a plan whose collectives are all all-reduces: Partial -> Duplicate, SplitAllReduce)."""
     me, dtype = backend.rank, _torch_dtype(plan.dtype)
     _check_local(local, _pieces(plan.src, plan.shape).get(me), dtype, me, f"source {plan.src}")
+    if reduce != "sum" and any(c.kind != "all_reduce" for step in plan.steps for c in step.collectives):
+        raise HSPMDError(f"a {reduce} reduction runs on all-reduces only, and {plan.src} -> {plan.dst} resolves to "
+                         f"{' + '.join(plan.primitives)}; reshard to a layout the partial values all-reduce into")
     for step in plan.steps:
-        local = execute_step(step, plan.shape, dtype, backend, local)
+        local = execute_step(step, plan.shape, dtype, backend, local, reduce)
     return local if me in plan.dst.devices else None
 
 

@@ -42,6 +42,7 @@ SUPPORTED_BACKENDS = ("gloo", "nccl")
 # One-buffer collectives: renamed in recent torch (the old names warn), the old names before.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 class TorchDistWorld:
@@ -247,13 +248,15 @@ class TorchDistBackend(Backend):
     # point in n-1 rounds (round k: to the member k places after, from the member k places
     # before), landing in the caller's views: at most one piece-sized buffer in and one out.
 
-    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor) -> None:
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor, op: str = "sum") -> None:
         pg = self._process_group(group, "all_reduce")
+        if op not in _REDUCE_OPS:
+            raise CommunicationError(f"all_reduce on rank {self.rank}: op must be 'sum' or 'max', got {op!r}")
         target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
         target.copy_(tensor)
         if len(group) > 1 and target.numel():
             with self._wrapped("all_reduce", group):
-                dist.all_reduce(target, group=pg)
+                dist.all_reduce(target, op=_REDUCE_OPS[op], group=pg)
         if target is not out:
             out.copy_(target)
 

@@ -41,14 +41,19 @@ class CommDef(OpDef):
 
     Its value is its input's; specialization replaces it by the resolved primitives. Its gradient
     is the reverse reshard: back to the input's annotation, with Partial read as Duplicate (the
-    gradient of a sum reaches every summand whole)."""
+    gradient of a sum reaches every summand whole). With attrs reduce="max" the partial values
+    are combined by their maximum instead of their sum (only all-reduces do that); such a comm
+    has no gradient (a maximum used as a shift is a constant to its result)."""
 
     kind = "comm"
     is_comm = True
 
+    def describe(self, node: Node) -> str:
+        return "reduce=max" if node.attrs.get("reduce") == "max" else ""
+
     def gradient(self, node: Node, grads):
         (g,) = grads
-        if g is None:
+        if g is None or node.attrs.get("reduce") == "max":
             return [None]
         x = node.inputs[0]
         return [comm(g, Derived((x,), lambda _, refs: gradient_annotation(refs[0]), f"grad layout of {x.name}"),
@@ -74,6 +79,7 @@ def _gradient_annotation(ann: Annotation) -> Annotation:
 
 
 COMM = CommDef()
+REDUCTIONS = ("sum", "max")
 
 
 def placeholder(graph: Graph, name: str, shape: Sequence[object], dtype: torch.dtype = torch.float32,
@@ -113,11 +119,15 @@ def state(graph: Graph, name: str, like: Tensor, annotation: object, init: Initi
     return node.output
 
 
-def comm(x: Tensor, annotation: object, name: str | None = None) -> Tensor:
-    """Reshard `x` to `annotation` (one per strategy, or a Derived rule)."""
+def comm(x: Tensor, annotation: object, name: str | None = None, reduce: str = "sum") -> Tensor:
+    """Reshard `x` to `annotation` (one per strategy, or a Derived rule). `reduce`: how partial
+    values combine, "sum" (what Partial means) or "max" (partial maxima, e.g. hspmd.ops.class_max)."""
     if not isinstance(x, Tensor):
         raise HSPMDError(f"comm: expected a graph tensor, got {x!r}")
-    node = x.graph.add_node(COMM, (x,), [(x.shape, x.dtype)], name=name)
+    if reduce not in REDUCTIONS:
+        raise HSPMDError(f"comm: reduce must be one of {', '.join(REDUCTIONS)}, got {reduce!r}")
+    node = x.graph.add_node(COMM, (x,), [(x.shape, x.dtype)], name=name,
+                            attrs={"reduce": reduce} if reduce != "sum" else None)
     x.graph.set_annotation(node, annotation)
     return node.output
 

@@ -46,6 +46,7 @@ from hspmd.ops import (
     scale,
     swiglu,
     transpose,
+    vocab_parallel_cross_entropy,
 )
 from hspmd.ops.nn import IGNORE_INDEX, RopeScaling
 
@@ -303,8 +304,13 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
         head = transpose(comm(table, ann("lm_head.tied"), name="lm_head.tied"), 0, 1)
     else:
         head = param("lm_head", (h, config.vocab))
-    logits = cast(comm(matmul(f, head), ann("logits.out"), name="logits.out"), torch.float32)
-    loss = scale(cross_entropy(logits, labels, reduction="sum"), sympy.Integer(1) / T)
+    if vocab_parallel:  # the loss over the vocabulary-split logits: no rank gathers the vocabulary
+        logits = cast(matmul(f, head), torch.float32)
+        token_losses = vocab_parallel_cross_entropy(logits, labels)
+    else:
+        logits = cast(comm(matmul(f, head), ann("logits.out"), name="logits.out"), torch.float32)
+        token_losses = cross_entropy(logits, labels, reduction="sum")
+    loss = scale(token_losses, sympy.Integer(1) / T)
     zero = any(getattr(s, "zero", False) for s in strategies)
     (optimizer or AdamW(lr=1e-3, zero=zero)).minimize(loss)
     return LlamaGraph(g, tokens, labels, loss, config, B, S, T, logits, positions, segments)

@@ -22,6 +22,7 @@ from hspmd.ops.shape_ops import (
     expand_as, fill_like, group_sum, mean, reduce_sum, repeat_interleave, reshape, transpose, unbroadcast,
 )
 from hspmd.ops.unary import cast, neg, relu, scale, silu
+from hspmd.ops.vocab import vocab_parallel_cross_entropy
 
 # What tensor operator methods call (x + y, x @ w, x.sum(...)): a read-only table each Graph holds.
 TENSOR_OPERATORS = MappingProxyType(dict(
@@ -43,5 +44,5 @@ __all__ = [
     "exp",
     "expand_as", "fill_like", "gradients", "group_sum", "layernorm", "linear", "matmul", "mean", "mul", "neg",
     "reduce_sum", "relu", "repeat_interleave", "reshape", "rmsnorm", "rotary", "scale", "silu", "softmax", "sub",
-    "swiglu", "transpose", "unbroadcast", "zero_annotation",
+    "swiglu", "transpose", "unbroadcast", "vocab_parallel_cross_entropy", "zero_annotation",
 ]

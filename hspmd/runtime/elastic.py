@@ -115,9 +115,9 @@ class FaultInjector(Backend):
         self._tick("all_gather")
         return self.inner.all_gather(tensor, group, shapes)
 
-    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor) -> None:
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor, op: str = "sum") -> None:
         self._tick("all_reduce")
-        self.inner.all_reduce_into(tensor, group, out)
+        self.inner.all_reduce_into(tensor, group, out, op)
 
     def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
         self._tick("all_gather")

@@ -105,8 +105,8 @@ class NonBlockingSends(Backend):
     def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
         return self.inner.all_gather(tensor, group, shapes)
 
-    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor) -> None:
-        self.inner.all_reduce_into(tensor, group, out)
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor, op: str = "sum") -> None:
+        self.inner.all_reduce_into(tensor, group, out, op)
 
     def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
         self.inner.all_gather_into(tensor, group, outs)

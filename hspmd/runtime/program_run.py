@@ -117,7 +117,8 @@ class ProgramRunner:
                 self.leaves[self._leaf_of[target]] = self._value(env, value)
             elif op.kind == "comm":
                 local = self._value(env, op.inputs[0])
-                out = local if op.role == "identity" else execute_plan(program.plans[op.plan], backend, local)
+                out = local if op.role == "identity" else execute_plan(program.plans[op.plan], backend, local,
+                                                                       op.attrs.get("reduce", "sum"))
                 if out is not None:
                     env[op.outputs[0]] = out
             else:

@@ -141,7 +141,7 @@ def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> 
             if ins.role == "identity":
                 out = local
             else:
-                out = execute_plan(exe.plan(node, binding), backend, local)
+                out = execute_plan(exe.plan(node, binding), backend, local, node.attrs.get("reduce", "sum"))
             if out is not None:
                 env[node.output.id] = out
         else:
