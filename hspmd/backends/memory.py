@@ -17,11 +17,10 @@ torch's profiler.
 
 from __future__ import annotations
 
+import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-import torch
 
 from hspmd.annotations import device_pieces
 from hspmd.comm_resolve.plan import DTYPE_SIZES, FusedPlan, Plan, Step, Transfer

@@ -245,8 +245,9 @@ class TorchDistBackend(Backend):
     # NCCL's one-buffer collectives write straight into the destination. Gloo's stage the whole
     # result in a buffer of their own (a gathered tensor, a joined input), so under gloo, and
     # wherever the pieces are not one rank-ordered run of equal blocks, pieces travel point to
-    # point in n-1 rounds (round k: to the member k places after, from the member k places
-    # before), landing in the caller's views: at most one piece-sized buffer in and one out.
+    # point, landing in the caller's views: all at once when every view is contiguous, else in
+    # n-1 rounds (round k: to the member k places after, from the member k places before) with
+    # at most one piece-sized buffer in and one out.
 
     def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor, op: str = "sum") -> None:
         pg = self._process_group(group, "all_reduce")
@@ -276,6 +277,15 @@ class TorchDistBackend(Backend):
             return
         outs[me].copy_(tensor)
         mine = tensor.detach().contiguous()
+        if all(o.is_contiguous() for o in outs):  # nothing to stage: every piece at once
+            ops = [dist.P2POp(dist.isend, mine, peer, group=pg) for peer in group if peer != self.rank and mine.numel()]
+            ops += [dist.P2POp(dist.irecv, out, peer, group=pg) for peer, out in zip(group, outs)
+                    if peer != self.rank and out.numel()]
+            if ops:
+                with self._wrapped("all_gather", group):
+                    for work in dist.batch_isend_irecv(ops):
+                        work.wait(self.timeout)
+            return
         for to, frm in _rounds(group, me):
             target = outs[frm]
             landing = target if target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype, device=target.device)
@@ -298,6 +308,8 @@ class TorchDistBackend(Backend):
                     _REDUCE_SCATTER_SINGLE(out.view(-1), joined, group=pg)
             return
         out.copy_(parts[me])
+        if len(group) == 1:
+            return
         landing = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         for to, frm in _rounds(group, me):
             self._p2p_round("reduce_scatter", group, pg, parts[to].detach().contiguous(), group[to], landing,
