@@ -14,8 +14,9 @@ all_reduce on the TP group in the row layer's forward and in the column layer's 
 Every step returns the global loss (an all_reduce of the DP summands). All start from the same
 weights, see the same batches, and must report the same loss at every step.
 
-The three run side by side in one job, interleaved step by step (A B C, then B C A, ...) so that
-machine noise hits them alike. A step's time is the slowest rank's, each step starting on a world
+All sides (hspmd once per bucket cap given, default 25 MiB and 0.05 MiB, and the two baselines)
+run side by side in one job, interleaved step by step (A B C D, then B C D A, ...) so that machine
+noise hits them alike. A step's time is the slowest rank's, each step starting on a world
 barrier. Reported: the median of the per-step ratios hspmd / baseline with their spread (min-max
 and interquartile range), medians in ms, the median per-step ratio of CPU time (all ranks), and the peak resident memory of each process (VmHWM,
 Linux) when each side runs alone in fresh processes (in one process, memory one side freed
@@ -51,7 +52,7 @@ except ImportError:
 WORLD, DP, TP = 4, 2, 2
 ACT, COLUMN, ROW = "S0:2,D:2@[0-3]", "D:2,S1:2@[0-3]", "D:2,S0:2@[0-3]"
 LR = 0.05
-SIDES = ("hspmd", "torch", "torch overlap")
+BASELINES = ("torch", "torch overlap")
 
 
 @dataclass(frozen=True)
@@ -172,14 +173,19 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def make_sides(backend: Backend, c: Config, cap_mb: float, names=SIDES) -> dict:
+def hspmd_side(cap_mb: float) -> str:
+    return f"hspmd, buckets {cap_mb:g} MiB"
+
+
+def make_sides(backend: Backend, c: Config, caps: tuple[float, ...], names: tuple[str, ...]) -> dict:
     """{side name: its step function} on this rank (construction is collective: all ranks, same names)."""
     graph = build_mlp(c)
     sides = {}
-    if "hspmd" in names:
-        trainer = Trainer(graph, 0, backend, MicroBatchLayout((1,), (c.batch,)), schedule="gpipe", symbols={},
-                          bucket_cap_mb=cap_mb)
-        sides["hspmd"] = trainer.step
+    for cap in caps:
+        if hspmd_side(cap) in names:
+            trainer = Trainer(graph, 0, backend, MicroBatchLayout((1,), (c.batch,)), schedule="gpipe", symbols={},
+                              bucket_cap_mb=cap)
+            sides[hspmd_side(cap)] = trainer.step
     groups = {}
     for members in ([0, 1], [2, 3], [0, 2], [1, 3]):  # every rank creates every group, same order
         groups[tuple(members)] = dist.new_group(members)
@@ -190,13 +196,14 @@ def make_sides(backend: Backend, c: Config, cap_mb: float, names=SIDES) -> dict:
     return sides
 
 
-def rank_main(backend: Backend, c: Config, warmup: int, steps: int, cap_mb: float) -> dict:
+def rank_main(backend: Backend, c: Config, warmup: int, steps: int, caps: tuple[float, ...]) -> dict:
     torch.set_num_threads(1)
-    sides = make_sides(backend, c, cap_mb)
-    out = {name: {"seconds": [], "cpu": [], "loss": []} for name in SIDES}
+    names = tuple(hspmd_side(cap) for cap in caps) + BASELINES
+    sides = make_sides(backend, c, caps, names)
+    out = {name: {"seconds": [], "cpu": [], "loss": []} for name in names}
     for i in range(warmup + steps):
         whole = batch(c, i)
-        runs = [(name, sides[name]) for name in SIDES]
+        runs = [(name, sides[name]) for name in names]
         k = i % len(runs)
         for name, run in runs[k:] + runs[:k]:
             cpu = time.process_time()
@@ -209,12 +216,12 @@ def rank_main(backend: Backend, c: Config, warmup: int, steps: int, cap_mb: floa
     return out
 
 
-def memory_main(backend: Backend, c: Config, side: str, steps: int, cap_mb: float) -> tuple[int, int]:
+def memory_main(backend: Backend, c: Config, side: str, steps: int, caps: tuple[float, ...]) -> tuple[int, int]:
     """(peak resident bytes of this fresh process, the part above its size before the side was
     built): one side alone, so that neither's buffers or freed-but-kept memory count for the other."""
     torch.set_num_threads(1)
     start = _status_kib("VmRSS")
-    step = make_sides(backend, c, cap_mb, names=(side,))[side]
+    step = make_sides(backend, c, caps, (side,))[side]
     for i in range(steps):
         step(batch(c, i))
     peak = _status_kib("VmHWM")
@@ -258,15 +265,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB)
+    parser.add_argument("--bucket-cap-mb", default=f"{DEFAULT_BUCKET_CAP_MB:g},0.05",
+                        help="bucket caps in MiB, comma-separated: one hspmd side per cap")
     parser.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))),
                         help="indices of the configurations to run, e.g. 0 or 0,1")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="instead: cProfile every rank's hspmd steps and print its TOP functions by own time")
     args = parser.parse_args(argv)
+    caps = tuple(float(c) for c in args.bucket_cap_mb.split(","))
     if args.profile:
         for c in (CONFIGS[int(i)] for i in args.configs.split(",")):
-            for rank, text in enumerate(run_multiprocess(profile_main, WORLD, c, args.steps, args.bucket_cap_mb,
+            for rank, text in enumerate(run_multiprocess(profile_main, WORLD, c, args.steps, caps[0],
                                                          args.profile, timeout=900, comm_timeout=120)):
                 print(f"==== {c.name}, rank {rank}: {args.steps} hspmd steps ====")
                 print(text)
@@ -274,27 +283,27 @@ def main(argv=None) -> int:
     rows, memory, ok = [], [], True
     for c in (CONFIGS[int(i)] for i in args.configs.split(",")):
         start = time.perf_counter()
-        per_rank = run_multiprocess(rank_main, WORLD, c, args.warmup, args.steps, args.bucket_cap_mb,
-                                    timeout=900, comm_timeout=120)
-        losses = {name: per_rank[0][name]["loss"] for name in SIDES}
-        same = all(close(r[name]["loss"], losses["torch"]) for r in per_rank for name in SIDES)
+        per_rank = run_multiprocess(rank_main, WORLD, c, args.warmup, args.steps, caps, timeout=900, comm_timeout=120)
+        names = [name for name in per_rank[0]]
+        losses = {name: per_rank[0][name]["loss"] for name in names}
+        same = all(close(r[name]["loss"], losses["torch"]) for r in per_rank for name in names)
         ok &= same
-        step = {name: [max(ts) for ts in zip(*(r[name]["seconds"] for r in per_rank))] for name in SIDES}
-        cpu = {name: [sum(ts) for ts in zip(*(r[name]["cpu"] for r in per_rank))] for name in SIDES}
-        for base in ("torch", "torch overlap"):
-            med, lo, hi, q1, q3 = spread([h / t for h, t in zip(step["hspmd"], step[base])])
-            cpu_ratio = statistics.median(h / t for h, t in zip(cpu["hspmd"], cpu[base]))
-            rows.append([c.name, base, ms(statistics.median(step["hspmd"])), ms(statistics.median(step[base])),
-                         f"{med:.3f}", f"{lo:.2f}-{hi:.2f}", f"{q1:.3f}-{q3:.3f}", f"{cpu_ratio:.3f}",
-                         "yes" if same else "NO", f"{time.perf_counter() - start:.0f}s"])
-        for name in SIDES:
-            peaks = run_multiprocess(memory_main, WORLD, c, name, 3, args.bucket_cap_mb, timeout=900, comm_timeout=120)
+        step = {name: [max(ts) for ts in zip(*(r[name]["seconds"] for r in per_rank))] for name in names}
+        cpu = {name: [sum(ts) for ts in zip(*(r[name]["cpu"] for r in per_rank))] for name in names}
+        for side in (hspmd_side(cap) for cap in caps):
+            for base in BASELINES:
+                med, lo, hi, q1, q3 = spread([h / t for h, t in zip(step[side], step[base])])
+                cpu_ratio = statistics.median(h / t for h, t in zip(cpu[side], cpu[base]))
+                rows.append([c.name, side, base, ms(statistics.median(step[side])), ms(statistics.median(step[base])),
+                             f"{med:.3f}", f"{lo:.2f}-{hi:.2f}", f"{q1:.3f}-{q3:.3f}", f"{cpu_ratio:.3f}",
+                             "yes" if same else "NO", f"{time.perf_counter() - start:.0f}s"])
+        for name in names:
+            peaks = run_multiprocess(memory_main, WORLD, c, name, 3, caps, timeout=900, comm_timeout=120)
             memory.append([c.name, name, " ".join(mib(p[1]) for p in peaks), " ".join(mib(p[0]) for p in peaks)])
     print(f"DP{DP} x TP{TP} Megatron MLP, {WORLD} gloo processes, 1 thread each; {args.steps} steps after "
-          f"{args.warmup} warm-up, interleaved (ABC, BCA, ...); a step's time is its slowest rank's; "
-          f"bucket cap {args.bucket_cap_mb:g} MiB")
-    print(table(["config", "baseline", "hspmd ms", "baseline ms", "ratio (median)", "min-max", "IQR", "CPU ratio",
-                 "same loss", "wall"], rows))
+          f"{args.warmup} warm-up, every side once per step in rotating order; a step's time is its slowest rank's")
+    print(table(["config", "hspmd", "baseline", "hspmd ms", "baseline ms", "ratio (median)", "min-max", "IQR",
+                 "CPU ratio", "same loss", "wall"], rows))
     print("ratio: per step, hspmd's time / the baseline's (slowest rank each); CPU ratio: the median per-step ratio "
           "of CPU seconds summed over the ranks' processes (less sensitive to a busy machine)")
     print("goal: median ratio <= 1.05")

@@ -33,9 +33,10 @@ MIXED = "layers=2 ; 2x1: R0,1 L0-1 ; 2x1: R2,3 L0 | R4,5 L1"          # TP2 x 1 
 HETERO = "layers=4 ; 2x2: R0,1 L0-3 ; 3x1: R2 L0-1 | R3 L2-3"         # TP2 next to TP1: split syncs
 
 
-def model(text: str):
+def model(text: str, tied: bool = False):
     strategy = parse_strategy(text)
-    built = build_llama(LlamaConfig(layers=strategy.num_layers, **CONFIG), [strategy], optimizer=AdamW(lr=LR))
+    config = LlamaConfig(layers=strategy.num_layers, tie_embeddings=tied, **CONFIG)
+    built = build_llama(config, [strategy], optimizer=AdamW(lr=LR))
     return built.graph, MicroBatchLayout.of(strategy)
 
 
@@ -129,8 +130,8 @@ def batches(layout: MicroBatchLayout, steps: int, seed: int):
              "labels": torch.randint(0, CONFIG["vocab"], (rows, SEQ), generator=gen)} for _ in range(steps)]
 
 
-def in_process_run(text: str, cap, schedule: str):
-    graph, layout = model(text)
+def in_process_run(text: str, cap, schedule: str, tied: bool):
+    graph, layout = model(text, tied)
     job = InProcessJob(graph, 0, layout, schedule=schedule, symbols=symbols(layout), bucket_cap_mb=cap)
     grads = []
     for batch in batches(layout, 2, seed=5):
@@ -139,11 +140,12 @@ def in_process_run(text: str, cap, schedule: str):
     return grads, job.parameters()
 
 
-@pytest.mark.parametrize("text,schedule", [(DP_TP, "1f1b"), (DP_PP, "gpipe"), (MIXED, "1f1b"), (HETERO, "1f1b")])
-def test_buckets_of_any_cap_give_bitwise_the_unbucketed_result(text, schedule):
-    want_grads, want_params = in_process_run(text, None, schedule)
+@pytest.mark.parametrize("text,schedule,tied", [(DP_TP, "1f1b", False), (DP_PP, "gpipe", False),
+                                                (DP_PP, "1f1b", True), (MIXED, "1f1b", False), (HETERO, "1f1b", False)])
+def test_buckets_of_any_cap_give_bitwise_the_unbucketed_result(text, schedule, tied):
+    want_grads, want_params = in_process_run(text, None, schedule, tied)
     for cap in (1e-6, 2e-3, 25):  # one gradient per bucket, a few per bucket, one bucket per group
-        grads, params = in_process_run(text, cap, schedule)
+        grads, params = in_process_run(text, cap, schedule, tied)
         for got, want in zip(grads, want_grads):
             assert set(got) == set(want)
             for name in want:

@@ -43,6 +43,10 @@ class Backend(abc.ABC):
     rank: int
     world_size: int
     device: torch.device = torch.device("cpu")  # where this rank's buffers live
+    # True when all_reduce_start returns before the peers join (torch.distributed). Gradient
+    # buckets start during the backward only then: a blocking start could wait on a peer that
+    # first needs this rank's later sends (a weight tied across pipeline stages).
+    overlaps_collectives: bool = False
 
     def prepare_groups(self, groups: Iterable[Group]) -> None:
         """Set up communicators for `groups` before their first use. Collective over the whole job:

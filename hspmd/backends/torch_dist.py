@@ -164,6 +164,8 @@ class TorchDistBackend(Backend):
                 dist.all_reduce(out, group=pg)
         return out
 
+    overlaps_collectives = True
+
     def all_reduce_start(self, tensor: torch.Tensor, group: Group) -> "Pending":
         """An asynchronous in-place all_reduce (async_op=True): no copy in or out."""
         pg = self._process_group(group, "all_reduce")

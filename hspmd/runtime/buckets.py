@@ -17,7 +17,10 @@ backward the op that makes a bucketed gradient writes it straight into its view 
 accumulation `earlier + last` is the write). Once a bucket's last gradient is in, and the buckets
 before it on the same group have started, its all-reduce starts without blocking
 (Backend.all_reduce_start) and runs while the backward goes on. The update waits for them all
-and reads the summed views in place of running those gradients' plans.
+and reads the summed views in place of running those gradients' plans. On a backend whose start
+blocks until the peers join (`overlaps_collectives` False: the in-process backend), every bucket
+starts at the update instead: a blocking start mid-backward could wait on a peer that first needs
+this rank's later sends (a weight tied across pipeline stages).
 
 The synchronised gradients the update reads (and a trainer's fetched gradients) are views of the
 buffers: valid until the next step's backward writes them again.
@@ -195,10 +198,12 @@ class BucketSync:
         return self._views.get(tensor_id)
 
     def written(self, tensor_id: int, backend: Backend) -> None:
-        """The gradient is final in its view: start every bucket of its chain that is full, in order."""
+        """The gradient is final in its view: start every bucket of its chain that is full, in
+        order, if the backend's start does not block (else they all start in finish())."""
         k = self._bucket_of[tensor_id]
         self._missing[k] -= 1
-        self._start(self._chain_of[k], backend, only_full=True)
+        if backend.overlaps_collectives:
+            self._start(self._chain_of[k], backend, only_full=True)
 
     def _start(self, c: int, backend: Backend, only_full: bool) -> None:
         chain = self._chains[c]

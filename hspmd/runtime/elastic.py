@@ -87,6 +87,7 @@ class FaultInjector(Backend):
 
     def __init__(self, inner: Backend, kills: Sequence[KillPoint], store: dist.Store | None = None):
         self.inner, self.rank, self.world_size, self.device = inner, inner.rank, inner.world_size, inner.device
+        self.overlaps_collectives = inner.overlaps_collectives
         self.kills = [k for k in kills if k.rank == inner.rank]
         self.store, self.step, self.calls, self.phase = store, 0, 0, "step"
         if hasattr(inner, "post_sends"):
@@ -110,6 +111,10 @@ class FaultInjector(Backend):
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         self._tick("all_reduce")
         return self.inner.all_reduce(tensor, group)
+
+    def all_reduce_start(self, tensor: torch.Tensor, group: Group):
+        self._tick("all_reduce")
+        return self.inner.all_reduce_start(tensor, group)
 
     def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
         self._tick("all_gather")
