@@ -3,6 +3,7 @@
 run          one device's forward / backward / update over its executable graph, on any Backend
 inprocess    InProcessJob: the Trainer with every rank as a thread, over the in-process backend
 executor     runs a stage's schedule on a backend (non-blocking sends, measured in-flight peak)
+buckets      gradient buckets: size-capped flat buffers all-reduced while the backward goes on
 batches      how a global batch is laid out over pipelines and micro-batches
 trainer      Trainer: one rank's specialized graph, schedule, gradient sync, checkpoints
 checkpoint   safetensors checkpoints that load under any strategy

@@ -117,9 +117,9 @@ def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
         raise HSPMDError(f"the bucket cap must be positive, got {cap_bytes} bytes")
     graph, binding = exe.graph, exe.binding
     names = {t.node.id: name for name, t in graph.gradients.items()}
-    readers: dict[int, int] = {}
-    for ins in exe.instructions():
-        for t in ins.node.inputs:
+    readers: dict[int, int] = {}  # over the whole graph, so that every rank decides alike
+    for node in graph.nodes:
+        for t in node.inputs:
             readers[t.id] = readers.get(t.id, 0) + 1
     syncs = {ins.node.inputs[0].id: ins for ins in exe.update if ins.node.id in names and ins.node.opdef.is_comm}
     chains: dict[tuple[Group, torch.dtype], list[list[tuple[int, BucketSlot]]]] = {}
