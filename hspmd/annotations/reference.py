@@ -154,7 +154,7 @@ def unshard(
             if not _agree(values[0], values[k], rtol, atol):
                 raise ReplicaMismatch(
                     f"unshard {ann}: subgroups 0 and {k} should both hold the whole tensor but differ "
-                    f"(max abs diff {_max_diff(values[0], values[k]):g})"
+                    f"(max abs diff {_max_diff(values[0], values[k]):g}){_culprits(ann, pieces, locals_, values[0], k, rtol, atol)}"
                 )
         return values[0]
     out = torch.zeros(shape, dtype=dtype)
@@ -162,6 +162,22 @@ def unshard(
     for region, value in zip(regions, values):
         out[box_relative(region, whole)] = value
     return out
+
+
+def _culprits(ann: Annotation, pieces, locals_, first: torch.Tensor, k: int, rtol: float, atol: float) -> str:
+    """Which devices disagree, for a message: a device of subgroup k whose piece differs from
+    subgroup 0's values there, and the devices of subgroup 0 holding that box (one side is wrong)."""
+    for device in ann.subgroups[k].dg:
+        box = pieces[device].box
+        whole = tuple((0, n) for n in first.shape)
+        if not _agree(first[box_relative(box, whole)], locals_[device], rtol, atol):
+            others = [d for d in ann.subgroups[0].dg if _overlaps(pieces[d].box, box)]
+            return f": device {device} holds box {box} unlike device(s) {others} of subgroup 0"
+    return ""
+
+
+def _overlaps(a: tuple, b: tuple) -> bool:
+    return all(max(lo1, lo2) < min(hi1, hi2) for (lo1, hi1), (lo2, hi2) in zip(a, b))
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
