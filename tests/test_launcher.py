@@ -45,7 +45,9 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def wait_for_files(folder: Path, names: list[str], timeout: float = 30.0) -> None:
+def wait_for_files(folder: Path, names: list[str], timeout: float = 120.0) -> None:
+    """A start-up hang detector (ranks import torch, which takes seconds alone and far longer on a
+    busy machine), not a timing."""
     end = time.monotonic() + timeout
     while not all((folder / n).exists() and (folder / n).read_text() for n in names):
         assert time.monotonic() < end, f"ranks never wrote {names} to {folder}"
