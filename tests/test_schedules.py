@@ -186,3 +186,21 @@ def test_schedule_checks_name_what_is_wrong():
         simulate([[Action(F, 0)], [Action(B, 0), Action(F, 0)], [Action(F, 0), Action(B, 0)]])
     empty = simulate([])
     assert (empty.makespan, empty.bubble_fraction()) == (0, 0.0)
+
+
+def test_schedule_arguments_are_checked_by_name():
+    with pytest.raises(HSPMDError, match="stages"):
+        gpipe(0, 0, 2)
+    with pytest.raises(HSPMDError, match="stage"):
+        gpipe(2, -1, 2)
+    with pytest.raises(HSPMDError):
+        gpipe(2.0, 0, 2)
+    for bad in (2.0, 0, True):
+        with pytest.raises(HSPMDError, match="warm-up must be an integer >= 1"):
+            one_f_one_b(2, 0, 4, warmup=bad)
+    with pytest.raises(HSPMDError, match="did you mean 'eager'"):
+        schedule_for("eagr", 2, 0, 2)
+    assert schedule_for("h1f1b:3,2,1", 3, 0, 4) == schedule_for("1f1b", 3, 0, 4)  # 1F1B's own vector
+    # ten micro-batches: two-character and three-character actions line up left
+    row = render_timeline(simulate(pipeline_schedule("gpipe", 1, 11))).splitlines()[0]
+    assert row.startswith("stage 0 |F0  F1  ") and "F10 B0  ..." in row
