@@ -69,3 +69,16 @@ def test_trace_file_round_trip(tmp_path):
     (tmp_path / "empty.json").write_text('{"traceEvents": []}')
     with pytest.raises(HSPMDError, match="no complete"):
         read_trace(tmp_path / "empty.json")
+
+
+def test_the_probes_run_on_this_machine_and_fit():
+    # the real micro-benchmarks (one process, no gloo): every probe gives a positive time and the
+    # fit gives a usable calibration; nothing here is a timing assertion
+    from hspmd.runtime.calibrate import Probe
+
+    probe = Probe(None)
+    runs = [probe.once() for _ in range(2)]
+    assert all(t > 0 for run in runs for key in ("matmul", "add") for t in run[key])
+    assert all(run["executor"] > 0 and "pingpong" not in run for run in runs)
+    calibration = fit(runs)
+    assert calibration.peak_flops > 0 and calibration.bandwidth > 0 and calibration.overhead >= 0

@@ -142,7 +142,7 @@ class Probe:
         self.matrices = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
         self.vectors = [(torch.randn(n), torch.randn(n)) for n in ADD_SIZES]
         self.exe, self.binding = probe_program()
-        self.local = LocalWorld([0]).backend(0)
+        self.local = LocalWorld([0]).backends[0]
         self.state = DeviceState.initial(self.exe)
         self.feeds = {"tokens": torch.randint(0, 48, (2, 16)), "labels": torch.randint(0, 48, (2, 16))}
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
