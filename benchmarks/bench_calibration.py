@@ -36,7 +36,7 @@ from hspmd.planning import from_llama_config  # noqa: E402
 from hspmd.planning.device_sim import simulate_specialized  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
 from hspmd.runtime.batches import MicroBatchLayout  # noqa: E402
-from hspmd.runtime.calibrate import Calibration, Probe, fit  # noqa: E402
+from hspmd.runtime.calibrate import Calibration, Probe, ProbeShape, fit  # noqa: E402
 from hspmd.runtime.multiprocess import run_multiprocess  # noqa: E402
 from hspmd.runtime.trace import Tracer, write_trace  # noqa: E402
 from hspmd.runtime.trainer import Trainer  # noqa: E402
@@ -45,6 +45,9 @@ from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 
 SEQ = 32
 CONFIG = dict(vocab=64, hidden=64, heads=4, ffn=128, layers=4)
+# the executor probe runs ONE layer of the demo's shapes (hidden, heads, FFN, a micro-batch of 4 x 32),
+# not the 4-layer model predicted below: per-layer profiling, as HeteroSim profiles operators
+PROBE = ProbeShape(hidden=CONFIG["hidden"], heads=CONFIG["heads"], ffn=CONFIG["ffn"], vocab=CONFIG["vocab"], rows=4, seq=SEQ)
 STRATEGIES = {  # name: (strategy text, schedule)
     "DP2": ("layers=4 ; 2x4: R0 L0-3 ; 2x4: R1 L0-3", "1f1b"),
     "TP2": ("layers=4 ; 4x4: R0,1 L0-3", "1f1b"),
@@ -65,7 +68,7 @@ def trainer_for(backend, text: str, schedule: str) -> Trainer:
 
 def measure_rank(backend, rounds: int, warmup: int, traced: bool = False):
     torch.set_num_threads(1)
-    probe = Probe(backend)
+    probe = Probe(backend, PROBE)
     probes = []
     trainers = {name: trainer_for(backend, text, schedule) for name, (text, schedule) in STRATEGIES.items()}
     gen = torch.Generator().manual_seed(0)
@@ -134,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--trace", default=None, help="write one traced step per strategy here (NAME.json per strategy)")
     args = p.parse_args(argv)
     results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), timeout=1200)
-    calibration = Calibration.load(args.calibration) if args.calibration else fit(results[0][3])
+    calibration = Calibration.load(args.calibration) if args.calibration else fit(results[0][3], PROBE)
     print("calibration:", calibration.describe())
     if args.save_calibration:
         calibration.save(args.save_calibration)

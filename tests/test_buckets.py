@@ -15,7 +15,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.buckets import MB, plan_buckets, why_not_one_all_reduce
+from hspmd.runtime.buckets import MB, plan_buckets
 from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.trace import Tracer
@@ -110,10 +110,10 @@ def test_split_synchronisations_keep_their_plan_and_say_why():
     assert any("differ from the all-reduced box" in why for why in reasons)
     # the predicate itself: an all-reduce plan qualifies, a split one does not
     sync = next(ins for ins in exe.update if ins.role == "collective")
-    assert why_not_one_all_reduce(exe.plan(sync.node, exe.binding)) is not None
+    assert exe.plan(sync.node, exe.binding).why_not_one_all_reduce() is not None
     dp = EXES[DP_TP][0]
     sync = next(ins for ins in dp.update if ins.role == "collective")
-    assert why_not_one_all_reduce(dp.plan(sync.node, dp.binding)) is None
+    assert dp.plan(sync.node, dp.binding).why_not_one_all_reduce() is None
 
 
 @pytest.mark.parametrize("cap", [0, -1.0, float("nan"), float("inf"), True, "25"])

@@ -14,7 +14,7 @@ from hspmd.runtime.trace import Tracer, read_trace, write_trace
 
 def synthetic_probe(peak=50e9, bandwidth=20e9, d_gemm=3e-6, d_elem=2e-6, per_instruction=40e-6, alpha=30e-6, beta=2e9):
     exe, binding = probe_program()
-    program = exe.forward + exe.backward
+    program = exe.forward + exe.backward + exe.update
     roofline = 0.0
     for ins in program:
         k = op_kernel(exe, ins, binding)

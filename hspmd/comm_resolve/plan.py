@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Mapping
 
-from hspmd.annotations import Annotation, Box, parse
+from hspmd.annotations import Annotation, Box, device_pieces, parse
 from hspmd.comm_resolve.cost import DTYPE_SIZES, Traffic, collective_traffic, transfer_traffic
 from hspmd.comm_resolve.render import fused_plan_text, plan_text
 from hspmd.comm_resolve.slices import box_volume
@@ -253,6 +253,30 @@ class Plan(_Stats):
 
     def step_bytes(self) -> list[int]:
         return [sum(t.sent.values()) for t in self._traffics]
+
+    def why_not_one_all_reduce(self) -> str | None:
+        """None when every device's part of the plan is one all-reduce of exactly the piece it
+        holds before and after (a gradient sync that can share a bucket with others, and that a
+        simulator may price as part of one); otherwise what differs."""
+        if len(self.steps) != 1:
+            return f"its plan has {len(self.steps)} steps"
+        step = self.steps[0]
+        if step.transfers:
+            return "its plan moves pieces point to point"
+        src, dst = device_pieces(self.src, self.shape), device_pieces(self.dst, self.shape)
+        seen: set[int] = set()
+        for c in step.collectives:
+            if c.kind != "all_reduce" or c.zero_inputs:
+                return f"its plan has a {c.kind}" + (" with zero inputs" if c.zero_inputs else "")
+            for d in c.devices:
+                if d in seen:
+                    return f"device {d} takes part in two all-reduces"
+                seen.add(d)
+                if d not in src or d not in dst or src[d].box != c.box or dst[d].box != c.box:
+                    return f"device {d}'s pieces differ from the all-reduced box"
+        if seen != set(self.src.devices) | set(self.dst.devices):
+            return "some device of the plan takes part in no all-reduce"
+        return None
 
     def explain(self) -> str:
         return plan_text(self)

@@ -30,6 +30,7 @@ from hspmd.planning.model import ModelSpec
 from hspmd.specialize.specialized import Specialized, specialize_graph
 from hspmd.specialize.strategy import Strategy
 
+BUCKET_BYTES = 25 * 2**20  # the trainer's default gradient bucket cap (runtime.buckets)
 DISPATCHED = ("compute", "collective", "send", "recv", "send+recv", "local")  # roles that cost the framework a dispatch
 VIEWS = ("reshape", "transpose", "expand_as", "expand", "view", "squeeze", "unsqueeze", "fill_like", "zeros_like")
 
@@ -89,8 +90,12 @@ class DeviceCost:
     kernels: int
 
 
-def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: bool = True) -> DeviceCost:
-    """Price one device's program (module docstring); comm=False zeroes every communication."""
+def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: bool = True,
+                bucket_bytes: float | None = BUCKET_BYTES) -> DeviceCost:
+    """Price one device's program (module docstring); comm=False zeroes every communication.
+    bucket_bytes: gradient syncs that are one all-reduce of the device's own piece are priced as
+    the trainer runs them, joined per group into all-reduces of at most this many bytes (one
+    latency per bucket rather than per gradient); None prices each on its own."""
     cluster = cost.cluster
     d = exe.device
     totals = {}
@@ -99,6 +104,7 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
         compute = comm_time = send = 0.0
         program = getattr(exe, phase)
         compute += cost.overhead * sum(1 for ins in program if ins.role in DISPATCHED)
+        bucketed: dict[tuple[int, ...], list[float]] = {}
         for ins in program:
             kernel = op_kernel(exe, ins, binding)
             if kernel is not None:
@@ -109,6 +115,10 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                 continue
             plan = exe.plan(ins.node, binding)
             itemsize = plan.itemsize
+            if phase == "update" and bucket_bytes is not None and plan.why_not_one_all_reduce() is None:
+                mine = next(c for c in plan.steps[0].collectives if d in c.devices)
+                bucketed.setdefault(mine.devices, []).append(math.prod(b - a for a, b in mine.box) * itemsize)
+                continue
             for step in plan.steps:
                 if ins.is_p2p:
                     own = sum(cluster.seconds(t.src, t.dst, t.elements * itemsize) for t in step.transfers
@@ -116,9 +126,22 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                     send += own
                 else:
                     comm_time += step.traffic(cluster, itemsize).busy.get(d, 0.0)
+        for group, sizes in bucketed.items():
+            comm_time += sum(cost.collective("all_reduce", b, group) for b in _buckets(sizes, bucket_bytes))
         totals[phase] = (compute + comm_time, comm_time, send)
     (f, fc, fs), (b, bc, bs), (u, uc, _) = totals["forward"], totals["backward"], totals["update"]
     return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels)
+
+
+def _buckets(sizes: list[float], cap: float) -> list[float]:
+    """Byte counts of the buckets that gradients of `sizes` (in backward order) fill greedily."""
+    out: list[float] = []
+    for size in reversed(sizes):
+        if out and out[-1] + size <= cap:
+            out[-1] += size
+        else:
+            out.append(size)
+    return out
 
 
 def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,

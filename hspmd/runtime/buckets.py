@@ -33,8 +33,6 @@ from math import prod
 
 import torch
 
-from hspmd.annotations import device_pieces
-from hspmd.comm_resolve.plan import Plan
 from hspmd.errors import HSPMDError
 from hspmd.backends.backend import Backend, Group, Pending
 from hspmd.specialize.executable import ExecutableGraph
@@ -87,30 +85,6 @@ class BucketPlan:
     kept: tuple[tuple[str, str], ...]
 
 
-def why_not_one_all_reduce(plan: Plan) -> str | None:
-    """None when every device's part of `plan` is one all-reduce of exactly the piece it holds
-    (before and after); otherwise what differs."""
-    if len(plan.steps) != 1:
-        return f"its plan has {len(plan.steps)} steps"
-    step = plan.steps[0]
-    if step.transfers:
-        return "its plan moves pieces point to point"
-    src, dst = device_pieces(plan.src, plan.shape), device_pieces(plan.dst, plan.shape)
-    seen: set[int] = set()
-    for c in step.collectives:
-        if c.kind != "all_reduce" or c.zero_inputs:
-            return f"its plan has a {c.kind}" + (" with zero inputs" if c.zero_inputs else "")
-        for d in c.devices:
-            if d in seen:
-                return f"device {d} takes part in two all-reduces"
-            seen.add(d)
-            if d not in src or d not in dst or src[d].box != c.box or dst[d].box != c.box:
-                return f"device {d}'s pieces differ from the all-reduced box"
-    if seen != set(plan.src.devices) | set(plan.dst.devices):
-        return "some device of the plan takes part in no all-reduce"
-    return None
-
-
 def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
     """This device's gradient buckets (see the module docstring); pure."""
     if cap_bytes <= 0:
@@ -132,7 +106,7 @@ def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
                 continue
             name = names[sync.node.id]
             plan = exe.plan(sync.node, binding)
-            reason = why_not_one_all_reduce(plan)
+            reason = plan.why_not_one_all_reduce()
             if reason is None and ins.role != "compute":
                 reason = f"the backward makes it with a {ins.role} instruction"
             if reason is None and readers.get(t.id, 0) != 1:
@@ -253,5 +227,5 @@ def write_gradient(node, ctx, inputs, target: torch.Tensor, earlier: torch.Tenso
 
 __all__ = [
     "Bucket", "BucketPlan", "BucketSlot", "BucketSync", "DEFAULT_BUCKET_CAP_MB", "cap_bytes_of", "plan_buckets",
-    "why_not_one_all_reduce", "write_gradient",
+    "write_gradient",
 ]

@@ -2,8 +2,9 @@
 
     torch micro-benchmarks   matmuls of growing size: time = F / peak + delta_gemm (least squares);
                              additions of growing size: time = bytes / bandwidth + delta_elementwise
-    executor overhead        a one-layer Llama (not the model being predicted) run forward and
-                             backward on one device: (measured - roofline of its kernels) per
+    executor overhead        a one-layer Llama (not the model being predicted) run forward,
+                             backward and AdamW update on one device, as a training step does:
+                             (measured - roofline of its kernels) per
                              dispatched instruction (ops and communication; leaves, assignments
                              and identity comms are nearly free) = the framework's dispatch cost
     gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
@@ -38,7 +39,8 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, ModelSpec
 from hspmd.planning.device_sim import DISPATCHED, op_kernel
 from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.run import DeviceState, run_backward, run_forward
+from hspmd.ops import AdamW
+from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
 from hspmd.specialize.specialized import specialize_graph
 from hspmd.specialize.strategy_text import parse_strategy
 
@@ -124,11 +126,24 @@ ADD_SIZES = (64, 4096, 32768, 131072, 262144, 524288)
 MESSAGE_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 
 
-def probe_program():
+@dataclass(frozen=True)
+class ProbeShape:
+    """The executor probe's one Llama layer and micro-batch: the framework's per-instruction cost
+    is fitted on it, so a benchmark may probe at its model's layer shapes (never its whole model)."""
+
+    hidden: int = 32
+    heads: int = 2
+    ffn: int = 48
+    vocab: int = 48
+    rows: int = 2
+    seq: int = 16
+
+
+def probe_program(shape: ProbeShape = ProbeShape()):
     """The executor probe: a one-layer Llama (not a model the benchmark predicts) on one device."""
-    config = LlamaConfig(vocab=48, hidden=32, layers=1, heads=2, ffn=48)
-    graph = build_llama(config, [parse_strategy("layers=1 ; 1x2: R0 L0")]).graph
-    binding = Binding.of({"B": 2, "S": 16, "T": 32}, ratios=(2,))
+    config = LlamaConfig(vocab=shape.vocab, hidden=shape.hidden, layers=1, heads=shape.heads, ffn=shape.ffn)
+    graph = build_llama(config, [parse_strategy("layers=1 ; 1x2: R0 L0")], optimizer=AdamW(lr=1e-3)).graph
+    binding = Binding.of({"B": shape.rows, "S": shape.seq, "T": shape.rows * shape.seq}, ratios=(shape.rows,))
     return specialize_graph(graph, 0, binding).executables[0], binding
 
 
@@ -136,20 +151,22 @@ class Probe:
     """One rank's micro-benchmarks, set up once and run any number of times (`once()`), so that a
     benchmark can interleave them with what it measures and both see the same machine load."""
 
-    def __init__(self, backend: Backend | None):
+    def __init__(self, backend: Backend | None, shape: ProbeShape = ProbeShape()):
         torch.set_num_threads(1)
         self.backend = backend
         self.matrices = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
         self.vectors = [(torch.randn(n), torch.randn(n)) for n in ADD_SIZES]
-        self.exe, self.binding = probe_program()
+        self.exe, self.binding = probe_program(shape)
         self.local = LocalWorld([0]).backends[0]
         self.state = DeviceState.initial(self.exe)
-        self.feeds = {"tokens": torch.randint(0, 48, (2, 16)), "labels": torch.randint(0, 48, (2, 16))}
+        rows = (shape.rows, shape.seq)
+        self.feeds = {"tokens": torch.randint(0, shape.vocab, rows), "labels": torch.randint(0, shape.vocab, rows)}
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
 
     def _executor_step(self) -> None:
         mb = run_forward(self.exe, self.local, self.state, self.feeds, self.binding)
         run_backward(self.exe, self.local, self.state, mb)
+        run_update(self.exe, self.local, self.state)
 
     def once(self) -> dict:
         """Raw seconds of every probe, measured once (short inner loops)."""
@@ -176,7 +193,7 @@ class Probe:
         return out
 
 
-def fit(probes: list[dict]) -> Calibration:
+def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     """Fit a Calibration to the per-entry medians of several Probe.once() results (module docstring)."""
     med = lambda key: [statistics.median(p[key][i] for p in probes) for i in range(len(probes[0][key]))]  # noqa: E731
     slope_f, delta_gemm = fit_line([2.0 * n ** 3 for n in MATMUL_SIZES], med("matmul"))
@@ -185,11 +202,11 @@ def fit(probes: list[dict]) -> Calibration:
     delta = {"gemm": delta_gemm, "attn": delta_gemm, "elementwise": delta_elem, "norm": delta_elem, "misc": 0.0}
     measured = statistics.median(p["executor"] for p in probes)
     # the probe's own roofline, then the rest per instruction
-    exe, binding = probe_program()
+    exe, binding = probe_program(shape)
     cpu = DeviceType("cpu", (("float32", peak),), bandwidth, 16e9)
-    cost = CostModel(ClusterSpec((Node("cpu", 1),), (cpu,), (), (), ()), ModelSpec("probe", 1, 32, 48, 2, 2, 48, 16, "float32"),
+    cost = CostModel(ClusterSpec((Node("cpu", 1),), (cpu,), (), (), ()), ModelSpec("probe", 1, shape.hidden, shape.ffn, shape.heads, shape.heads, shape.vocab, shape.seq, "float32"),
                      {"*": Efficiency(delta=tuple(delta.items()))})
-    program = exe.forward + exe.backward
+    program = exe.forward + exe.backward + exe.update  # what a training step dispatches (the probe runs all three)
     roofline = sum(cost.kernel_time(k, cpu) for k in (op_kernel(exe, i, binding) for i in program) if k is not None)
     overhead = max(0.0, (measured - roofline) / sum(1 for ins in program if ins.role in DISPATCHED))
     alpha, beta = 1e-5, 1e9
@@ -212,4 +229,4 @@ def calibrate(repeats: int = 7) -> Calibration:
     return fit(results[0])
 
 
-__all__ = ["Calibration", "Probe", "calibrate", "fit", "fit_line", "median_seconds"]
+__all__ = ["Calibration", "Probe", "ProbeShape", "calibrate", "fit", "fit_line", "median_seconds"]
