@@ -111,13 +111,21 @@ def draw_timeline(ax, segments: Mapping[int, Sequence[Segment]], title: str) -> 
                         ("update", "update"))], fontsize=6, loc="lower right", ncol=5)
 
 
+def strategy_figure(strategy: Strategy, result: SimResult, cluster: ClusterSpec | None = None,
+                    title: str = "simulated step", panels: int = 2):
+    """The one layout of every strategy picture: its map, then its simulated step, then
+    (panels > 2) room for more timelines; returns (figure, axes)."""
+    height = min(40, max(3, 0.25 * len(strategy.all_ranks) + 1.5))
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, height))
+    draw_strategy_map(axes[0], strategy, cluster)
+    draw_timeline(axes[1], segments_of_result(result), f"{title}: {result.iteration * 1e3:.1f} ms")
+    return fig, axes
+
+
 def draw_plan(strategy: Strategy, cost: CostModel, path: str | Path) -> None:
     """`hspmd plan --png`: the strategy map (device types on the rows) next to its simulated step
     (level 1, each pipeline under its own schedule)."""
-    result = simulate_strategy(strategy, cost)
-    fig, axes = plt.subplots(1, 2, figsize=(14, min(40, max(3, 0.2 * len(strategy.all_ranks) + 1.5))))
-    draw_strategy_map(axes[0], strategy, cost.cluster)
-    draw_timeline(axes[1], segments_of_result(result), f"simulated step: {result.iteration * 1e3:.1f} ms")
+    fig, _ = strategy_figure(strategy, simulate_strategy(strategy, cost), cost.cluster)
     save_figure(fig, path)
 
 
@@ -184,9 +192,7 @@ def simulate_main(argv: Sequence[str]) -> int:
         return 2
     print_result(result, f"{strategy.name or 'strategy'} on {cost.cluster.describe()}, {cost.model.name}, {args.schedule}", closed)
     if args.png:
-        fig, axes = plt.subplots(1, 2, figsize=(13, max(3, 0.25 * len(strategy.all_ranks) + 1.5)))
-        draw_strategy_map(axes[0], strategy, cost.cluster)
-        draw_timeline(axes[1], segments_of_result(result), f"simulated step: {result.iteration * 1e3:.1f} ms")
+        fig, _ = strategy_figure(strategy, result, cost.cluster)
         save_figure(fig, args.png)
         print(f"wrote {args.png}")
     return 0
@@ -212,11 +218,8 @@ def show_main(argv: Sequence[str]) -> int:
             args.strategy = args.target
             strategy = strategy_from(args.target)
             result = _simulate(strategy, _cost_model(args), args.schedule, None, args.level)
-            panels = 3 if args.trace else 2
-            height = max(3, 0.3 * len(strategy.all_ranks) + 1.5)
-            fig, axes = plt.subplots(1, panels, figsize=(6 * panels, height))
-            draw_strategy_map(axes[0], strategy)
-            draw_timeline(axes[1], segments_of_result(result), f"simulated (level {args.level}): {result.iteration * 1e3:.1f} ms")
+            fig, axes = strategy_figure(strategy, result, title=f"simulated (level {args.level})",
+                                        panels=3 if args.trace else 2)
             if args.trace:
                 segs = segments_of_trace(read_trace(args.trace))
                 end = max(s[2] for v in segs.values() for s in v)
@@ -243,6 +246,6 @@ def calibrate_main(argv: Sequence[str]) -> int:
 
 
 __all__ = [
-    "calibrate_main", "draw_strategy_map", "draw_timeline", "print_result", "segments_of_result", "segments_of_trace",
-    "show_main", "simulate_main", "strategy_from",
+    "calibrate_main", "draw_plan", "draw_strategy_map", "draw_timeline", "print_result", "segments_of_result", "segments_of_trace",
+    "show_main", "simulate_main", "strategy_figure", "strategy_from",
 ]
