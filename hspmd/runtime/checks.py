@@ -16,7 +16,7 @@ import sympy
 import torch
 
 from hspmd.errors import HSPMDError, HSPMDTypeError, ShapeError, closest_hint
-from hspmd.ir.graph import Graph, Node
+from hspmd.ir.graph import Node
 from hspmd.limits import MAX_SYMBOL_VALUE, brief, check_limit
 from hspmd.switching import checked_failed
 
@@ -82,11 +82,12 @@ def check_feeds(placeholders: Sequence[Node], batch: object, where: str, rows: i
         _check_value(node, batch[node.name], where, rows, symbols or {})
 
 
-def check_bound(graph: Graph, bound: Mapping[str, int], where: str) -> None:
-    """Raise FeedError unless `bound` gives every run-time symbol of the graph a value."""
-    unbound = sorted(graph.symbol_names() - set(bound))
+def check_bound(needed: frozenset[str], bound: Mapping[str, int], where: str) -> None:
+    """Raise FeedError unless `bound` gives every needed run-time symbol (Graph.symbol_names, read
+    once by the caller: it walks the whole graph) a value."""
+    unbound = sorted(needed - set(bound))
     if unbound:
-        raise FeedError(f"{where}: symbol(s) {', '.join(unbound)} of graph {graph.name} have no value; pass them "
+        raise FeedError(f"{where}: symbol(s) {', '.join(unbound)} have no value; pass them "
                         f"in the trainer's symbols (e.g. symbols={{{unbound[0]!r}: ...}})")
 
 

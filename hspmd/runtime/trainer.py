@@ -151,6 +151,7 @@ class Trainer:
         cap = None if bucket_cap_mb is None else cap_bytes_of(bucket_cap_mb)
         self.symbols, self.seed, self.topology = checked_symbols(symbols, "Trainer"), check_seed(seed, "Trainer"), topology
         self.layout = as_layout(layout)
+        self.symbols_needed = graph.symbol_names()
         if schedule is not None and not isinstance(schedule, str):
             raise HSPMDTypeError(f"Trainer: the schedule is a name such as '1f1b', got {brief(schedule)}")
         if recompute is not None and not isinstance(recompute, bool):
@@ -205,12 +206,14 @@ class Trainer:
         """Per discovered pipeline: its schedule and each stage's recompute flag (the arguments,
         else the Strategy's, else 1f1b and none). Checked on every rank (idle ones too), so that a
         schedule that does not suit a pipeline fails everywhere alike, not on that pipeline's ranks."""
-        out = []
+        out, checked = [], set()
         for pipeline in self.spec.pipelines:
             count = self.layout.counts[self._batch_subgroup(pipeline.devices)]
             declared = self._declared(pipeline)
             schedule = self.schedule_name or (declared.schedule_spec if declared else None) or "1f1b"
-            pipeline_schedule(schedule, len(pipeline.stages), count)
+            if (schedule, len(pipeline.stages), count) not in checked:  # thousands of equal pipelines at scale
+                checked.add((schedule, len(pipeline.stages), count))
+                pipeline_schedule(schedule, len(pipeline.stages), count)
             if self.recompute_requested is not None:
                 flags = (self.recompute_requested,) * len(pipeline.stages)
             else:
@@ -249,7 +252,7 @@ class Trainer:
 
     def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
         check_feeds(self.graph.placeholders, batch, "step()", self.layout.global_batch_size, self.binding.mapping)
-        check_bound(self.graph, self.binding.mapping, "step()")
+        check_bound(self.symbols_needed, self.binding.mapping, "step()")
 
     def _piece(self, node: Node, rows: torch.Tensor, binding: Binding | None = None) -> torch.Tensor:
         """This device's piece of a placeholder, from its pipeline's rows of one micro-batch."""
@@ -364,7 +367,7 @@ class Trainer:
                     if found.setdefault(d.name, int(n)) != n:
                         raise ShapeError(f"step_rows(): micro-batch {m} of pipeline {pipeline} gives symbol {d.name} "
                                          f"two sizes ({found[d.name]} and {n})")
-        check_bound(self.graph, {**values, **found}, f"step_rows(): micro-batch {m} of pipeline {pipeline}")
+        check_bound(self.symbols_needed, {**values, **found}, f"step_rows(): micro-batch {m} of pipeline {pipeline}")
         return Binding.of({**values, **found}, ratios=self.binding.ratios)
 
     def gradients(self) -> dict[str, torch.Tensor] | None:
