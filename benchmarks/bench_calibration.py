@@ -129,7 +129,7 @@ def spearman(xs, ys) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--calibration", default=None, help="use this calibration file instead of calibrating now")
     p.add_argument("--json", default=None, help="write the figures here")

@@ -7,23 +7,29 @@ import pytest
 from hspmd.errors import HSPMDError
 from hspmd.planning import from_llama_config
 from hspmd.models.llama import LlamaConfig
-from hspmd.runtime.calibrate import ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, Calibration, fit, fit_line, probe_program
-from hspmd.planning.device_sim import DISPATCHED, op_kernel
+from hspmd.cluster import ClusterSpec, DeviceType, Node
+from hspmd.planning import CostModel, Efficiency, ModelSpec
+from hspmd.runtime.calibrate import (
+    ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, Calibration, ProbeShape, fit, fit_line, probe_trainer, step_work,
+)
 from hspmd.runtime.trace import Tracer, read_trace, write_trace
 
 
-def synthetic_probe(peak=50e9, bandwidth=20e9, d_gemm=3e-6, d_elem=2e-6, per_instruction=40e-6, alpha=30e-6, beta=2e9):
-    exe, binding = probe_program()
-    program = exe.forward + exe.backward + exe.update
-    roofline = 0.0
-    for ins in program:
-        k = op_kernel(exe, ins, binding)
-        if k is not None:
-            work = k.flops / peak if k.cls in ("gemm", "attn") else k.bytes / bandwidth
-            roofline += k.count * (work + {"gemm": d_gemm, "attn": d_gemm, "misc": 0.0}.get(k.cls, d_elem))
+def synthetic_probe(peak=50e9, bandwidth=20e9, d_gemm=3e-6, d_elem=2e-6, per_instruction=40e-6, per_step=2e-3,
+                    alpha=30e-6, beta=2e9):
+    cpu = DeviceType("cpu", (("float32", peak),), bandwidth, 16e9)
+    delta = {"gemm": d_gemm, "attn": d_gemm, "elementwise": d_elem, "norm": d_elem, "misc": 0.0}
+    shape = ProbeShape()
+    cost = CostModel(ClusterSpec((Node("cpu", 1),), (cpu,), (), (), ()),
+                     ModelSpec("probe", 1, shape.hidden, shape.ffn, shape.heads, shape.heads, shape.vocab, shape.seq, "float32"),
+                     {"*": Efficiency(delta=tuple(delta.items()))})
+    steps = []
+    for layers, micro_batches in PROBE_RUNS:
+        roofline, instructions = step_work(probe_trainer(shape, layers, micro_batches)[0], cost)
+        steps.append(roofline + per_instruction * instructions + per_step)
     return {"matmul": [2.0 * n ** 3 / peak + d_gemm for n in MATMUL_SIZES],
             "add": [12.0 * n / bandwidth + d_elem for n in ADD_SIZES],
-            "executor": roofline + per_instruction * sum(1 for ins in program if ins.role in DISPATCHED),
+            "steps": steps,
             "pingpong": [alpha + n / beta for n in MESSAGE_SIZES],
             "allreduce": [2 * alpha + n / beta for n in MESSAGE_SIZES]}
 
@@ -33,10 +39,36 @@ def test_fit_recovers_the_parameters_of_synthetic_probes():
     d = dict(cal.delta)
     assert cal.peak_flops == pytest.approx(50e9) and cal.bandwidth == pytest.approx(20e9)
     assert d["gemm"] == pytest.approx(3e-6) and d["elementwise"] == pytest.approx(2e-6)
-    assert cal.overhead == pytest.approx(40e-6)
+    assert cal.overhead == pytest.approx(40e-6) and cal.step_overhead == pytest.approx(2e-3)
     assert cal.link_latency == pytest.approx(30e-6) and cal.link_bandwidth == pytest.approx(2e9)
     cost = cal.cost_model(from_llama_config(LlamaConfig(), 8), 2)
     assert cost.cluster.link(0, 1).latency == pytest.approx(30e-6) and cost.overhead == pytest.approx(40e-6)
+    assert cost.step_overhead == pytest.approx(2e-3)
+
+
+def test_the_step_overhead_and_the_loss_all_reduce_are_priced_once_per_step():
+    # one more fixed millisecond per step moves both simulator levels by exactly that much (every
+    # device pays it once, in the update phase); with several devices the step loss's all-reduce
+    # is priced on the link too
+    from dataclasses import replace
+
+    from hspmd.planning.device_sim import simulate_llama
+    from hspmd.planning.strategy_sim import simulate_strategy
+    from hspmd.specialize.strategy_text import parse_strategy
+
+    cal = fit([synthetic_probe()])
+    model = from_llama_config(LlamaConfig(vocab=64, hidden=32, layers=2, heads=2, ffn=48), 16)
+    for text in ("layers=2 ; 2x2: R0 L0-1", "layers=2 ; 2x2: R0 L0 | R1 L1 ; 2x2: R2 L0 | R3 L1"):
+        strategy = parse_strategy(text)
+        devices = len(strategy.all_ranks)
+        base = cal.cost_model(model, devices)
+        more = replace(base, step_overhead=base.step_overhead + 1e-3)
+        for simulate in (simulate_strategy, simulate_llama):
+            a, b = simulate(strategy, base).iteration, simulate(strategy, more).iteration
+            assert b - a == pytest.approx(1e-3, rel=1e-6)
+        loss = base.collective("all_reduce", 8.0, strategy.all_ranks) if devices > 1 else 0.0
+        assert base.step_fixed(strategy.all_ranks) == pytest.approx(base.step_overhead + loss)
+        assert (loss > 0) == (devices > 1)
 
 
 def test_calibration_file_round_trip(tmp_path):
@@ -79,6 +111,7 @@ def test_the_probes_run_on_this_machine_and_fit():
     probe = Probe(None)
     runs = [probe.once() for _ in range(2)]
     assert all(t > 0 for run in runs for key in ("matmul", "add") for t in run[key])
-    assert all(run["executor"] > 0 and "pingpong" not in run for run in runs)
+    assert all(len(run["steps"]) == len(PROBE_RUNS) and min(run["steps"]) > 0 and "pingpong" not in run for run in runs)
     calibration = fit(runs)
-    assert calibration.peak_flops > 0 and calibration.bandwidth > 0 and calibration.overhead >= 0
+    assert calibration.peak_flops > 0 and calibration.bandwidth > 0
+    assert calibration.overhead >= 0 and calibration.step_overhead >= 0

@@ -134,13 +134,16 @@ class Memory:
 class CostModel:
     """Prices `model` on `cluster`. `efficiency` maps a device type name (or "*") to its Efficiency;
     `profile` overrides layer times where it has them; `overhead` is the framework's seconds per
-    program instruction (Python dispatch: matters on CPU, 0 where launches are asynchronous)."""
+    program instruction (Python dispatch: matters on CPU, 0 where launches are asynchronous);
+    `step_overhead` its seconds per training step outside the programs (argument checks, feeding
+    the micro-batches, reading the loss), paid once per step by every device."""
 
     cluster: ClusterSpec
     model: ModelSpec
     efficiency: tuple[tuple[str, Efficiency], ...] = (("*", Efficiency()),)
     profile: ProfileTable | None = None
     overhead: float = 0.0
+    step_overhead: float = 0.0
     _eff: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -265,6 +268,12 @@ class CostModel:
             a, b = link
             return self.cluster.seconds(a, b, nbytes)
         return link.seconds(nbytes)
+
+    def step_fixed(self, devices: Sequence[int]) -> float:
+        """What a training step costs every device once, outside its programs: the framework's
+        per-step work and the all-reduce of the step loss over the strategy's devices."""
+        loss = self.collective("all_reduce", 8.0, tuple(devices)) if len(devices) > 1 else 0.0
+        return self.step_overhead + loss
 
     def collective(self, kind: str, nbytes: float, group: Sequence[int]) -> float:
         """A ring collective of `nbytes` (the whole tensor) over devices `group` in ring order,

@@ -2,11 +2,13 @@
 
     torch micro-benchmarks   matmuls of growing size: time = F / peak + delta_gemm (least squares);
                              additions of growing size: time = bytes / bandwidth + delta_elementwise
-    executor overhead        a one-layer Llama (not the model being predicted) run forward,
-                             backward and AdamW update on one device, as a training step does:
-                             (measured - roofline of its kernels) per
-                             dispatched instruction (ops and communication; leaves, assignments
-                             and identity comms are nearly free) = the framework's dispatch cost
+    framework overhead       real Trainer steps on one device of small Llamas (not the model
+                             being predicted: 1 layer x 1 micro-batch, 1 x 2, 2 x 1) at the
+                             probe's layer shapes; (measured - roofline of the step's kernels)
+                             against the step's dispatched instructions (ops and communication;
+                             leaves, assignments and identity comms are nearly free) is a line:
+                             its slope is the dispatch cost per instruction, its intercept the
+                             trainer's fixed work per step (checks, feeds, reading the loss)
     gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
     all-reduce               alpha + bytes / beta, an all-reduce = 2 alpha + bytes / beta
                              (one least-squares fit over both)
@@ -14,7 +16,7 @@
 Everything runs on both processes at once, as in training (they share the machine's cores).
 
 The result is a device type "cpu" (peak = the fitted matmul rate, bandwidth = the fitted add rate,
-gamma = 1), deltas per kernel class, the per-instruction overhead and one link class; saved as
+gamma = 1), deltas per kernel class, the per-instruction and per-step overheads and one link class; saved as
 JSON and turned back into a ClusterSpec + CostModel for predictions. Timings use one thread per
 process, like the trainers. Measurements are medians of repeats; they move with machine load.
 """
@@ -34,14 +36,13 @@ from hspmd.backends.backend import Backend
 from hspmd.backends.local import LocalWorld
 from hspmd.cluster import ClusterSpec, DeviceType, LinkClass, Node
 from hspmd.errors import HSPMDError
-from hspmd.ir.shapes import Binding
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, ModelSpec
 from hspmd.planning.device_sim import DISPATCHED, op_kernel
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.ops import AdamW
-from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
-from hspmd.specialize.specialized import specialize_graph
+from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
 
@@ -55,6 +56,7 @@ class Calibration:
     overhead: float
     link_latency: float
     link_bandwidth: float
+    step_overhead: float = 0.0
 
     def device_type(self) -> DeviceType:
         return DeviceType("cpu", (("float32", self.peak_flops),), self.bandwidth, 16e9)
@@ -71,11 +73,13 @@ class Calibration:
                            (("*", "gloo"),), name=f"calibrated-cpu:{devices}")
 
     def cost_model(self, model: ModelSpec, devices: int) -> CostModel:
-        return CostModel(self.cluster(devices), model, {"*": self.efficiency()}, overhead=self.overhead)
+        return CostModel(self.cluster(devices), model, {"*": self.efficiency()}, overhead=self.overhead,
+                         step_overhead=self.step_overhead)
 
     def to_dict(self) -> dict:
         return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "delta": dict(self.delta),
-                "overhead": self.overhead, "link_latency": self.link_latency, "link_bandwidth": self.link_bandwidth}
+                "overhead": self.overhead, "step_overhead": self.step_overhead, "link_latency": self.link_latency,
+                "link_bandwidth": self.link_bandwidth}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
@@ -85,7 +89,8 @@ class Calibration:
         try:
             d = json.loads(Path(path).read_text())
             return cls(float(d["peak_flops"]), float(d["bandwidth"]), tuple(dict(d["delta"]).items()),
-                       float(d["overhead"]), float(d["link_latency"]), float(d["link_bandwidth"]))
+                       float(d["overhead"]), float(d["link_latency"]), float(d["link_bandwidth"]),
+                       float(d.get("step_overhead", 0.0)))  # files written before it was fitted: none
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HSPMDError(f"cannot read calibration file {path}: {e}") from None
 
@@ -93,7 +98,7 @@ class Calibration:
         d = dict(self.delta)
         return (f"cpu: matmul {self.peak_flops / 1e9:.2f} GFLOP/s (+{d['gemm'] * 1e6:.1f} us), elementwise "
                 f"{self.bandwidth / 1e9:.2f} GB/s (+{d['elementwise'] * 1e6:.1f} us), executor "
-                f"{self.overhead * 1e6:.1f} us/instruction; gloo link alpha {self.link_latency * 1e6:.1f} us, "
+                f"{self.overhead * 1e6:.1f} us/instruction + {self.step_overhead * 1e3:.2f} ms/step; gloo link alpha {self.link_latency * 1e6:.1f} us, "
                 f"beta {self.link_bandwidth / 1e9:.3f} GB/s")
 
 
@@ -139,12 +144,33 @@ class ProbeShape:
     seq: int = 16
 
 
-def probe_program(shape: ProbeShape = ProbeShape()):
-    """The executor probe: a one-layer Llama (not a model the benchmark predicts) on one device."""
-    config = LlamaConfig(vocab=shape.vocab, hidden=shape.hidden, layers=1, heads=shape.heads, ffn=shape.ffn)
-    graph = build_llama(config, [parse_strategy("layers=1 ; 1x2: R0 L0")], optimizer=AdamW(lr=1e-3)).graph
-    binding = Binding.of({"B": shape.rows, "S": shape.seq, "T": shape.rows * shape.seq}, ratios=(shape.rows,))
-    return specialize_graph(graph, 0, binding).executables[0], binding
+PROBE_RUNS = ((1, 1), (1, 2), (2, 1))  # (layers, micro-batches) of the framework probe's steps
+
+
+def probe_trainer(shape: ProbeShape = ProbeShape(), layers: int = 1, micro_batches: int = 1):
+    """A one-device Trainer of a small Llama at the probe's layer shapes (never a model a benchmark
+    predicts) and the global batch of one step, for the framework-overhead probe."""
+    config = LlamaConfig(vocab=shape.vocab, hidden=shape.hidden, layers=layers, heads=shape.heads, ffn=shape.ffn)
+    strategy = parse_strategy(f"layers={layers} ; {micro_batches}x{shape.rows}: R0 L0-{layers - 1}")
+    graph = build_llama(config, [strategy], optimizer=AdamW(lr=1e-3)).graph
+    layout = MicroBatchLayout.of(strategy)
+    rows = layout.global_batch_size
+    trainer = Trainer(graph, 0, LocalWorld([0]).backends[0], layout, schedule="1f1b",
+                      symbols={"S": shape.seq, "T": rows * shape.seq})
+    gen = torch.Generator().manual_seed(0)
+    batch = {name: torch.randint(0, shape.vocab, (rows, shape.seq), generator=gen) for name in ("tokens", "labels")}
+    return trainer, batch
+
+
+def step_work(trainer: Trainer, cost: CostModel) -> tuple[float, int]:
+    """(roofline seconds of the kernels, dispatched instructions) of one step of a probe trainer."""
+    exe, binding, micro_batches = trainer.exe, trainer.binding, trainer.layout.counts[0]
+    roofline, instructions = 0.0, 0
+    for program, times in ((exe.forward + exe.backward, micro_batches), (exe.update, 1)):
+        kernels = (op_kernel(exe, i, binding) for i in program)
+        roofline += times * sum(cost.kernel_time(k, exe.device) for k in kernels if k is not None)
+        instructions += times * sum(1 for ins in program if ins.role in DISPATCHED)
+    return roofline, instructions
 
 
 class Probe:
@@ -156,23 +182,14 @@ class Probe:
         self.backend = backend
         self.matrices = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
         self.vectors = [(torch.randn(n), torch.randn(n)) for n in ADD_SIZES]
-        self.exe, self.binding = probe_program(shape)
-        self.local = LocalWorld([0]).backends[0]
-        self.state = DeviceState.initial(self.exe)
-        rows = (shape.rows, shape.seq)
-        self.feeds = {"tokens": torch.randint(0, shape.vocab, rows), "labels": torch.randint(0, shape.vocab, rows)}
+        self.trainers = [probe_trainer(shape, layers, m) for layers, m in PROBE_RUNS]
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
-
-    def _executor_step(self) -> None:
-        mb = run_forward(self.exe, self.local, self.state, self.feeds, self.binding)
-        run_backward(self.exe, self.local, self.state, mb)
-        run_update(self.exe, self.local, self.state)
 
     def once(self) -> dict:
         """Raw seconds of every probe, measured once (short inner loops)."""
         out = {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2))) for a, b in self.matrices],
                "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0])) for a, b in self.vectors],
-               "executor": median_seconds(self._executor_step, 1, 2)}
+               "steps": [median_seconds(lambda: trainer.step(batch), 1, 2) for trainer, batch in self.trainers]}
         if self.backend is not None and self.backend.world_size >= 2:
             backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
             backend.barrier(group)
@@ -200,22 +217,18 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     slope_b, delta_elem = fit_line([12.0 * n for n in ADD_SIZES], med("add"))
     peak, bandwidth = 1.0 / slope_f, 1.0 / slope_b
     delta = {"gemm": delta_gemm, "attn": delta_gemm, "elementwise": delta_elem, "norm": delta_elem, "misc": 0.0}
-    measured = statistics.median(p["executor"] for p in probes)
-    # the probe's own roofline, then the rest per instruction
-    exe, binding = probe_program(shape)
     cpu = DeviceType("cpu", (("float32", peak),), bandwidth, 16e9)
     cost = CostModel(ClusterSpec((Node("cpu", 1),), (cpu,), (), (), ()), ModelSpec("probe", 1, shape.hidden, shape.ffn, shape.heads, shape.heads, shape.vocab, shape.seq, "float32"),
                      {"*": Efficiency(delta=tuple(delta.items()))})
-    program = exe.forward + exe.backward + exe.update  # what a training step dispatches (the probe runs all three)
-    roofline = sum(cost.kernel_time(k, cpu) for k in (op_kernel(exe, i, binding) for i in program) if k is not None)
-    overhead = max(0.0, (measured - roofline) / sum(1 for ins in program if ins.role in DISPATCHED))
+    work = [step_work(probe_trainer(shape, layers, m)[0], cost) for layers, m in PROBE_RUNS]
+    overhead, step_overhead = fit_line([n for _, n in work], [t - r for t, (r, _) in zip(med("steps"), work)])
     alpha, beta = 1e-5, 1e9
     if "pingpong" in probes[0]:
         xs = [float(n) for n in MESSAGE_SIZES] + [n / 2 for n in MESSAGE_SIZES]
         ys = med("pingpong") + [t / 2 for t in med("allreduce")]  # 2-process all-reduce: 2 alpha + B / beta
         slope, alpha = fit_line(xs, ys)
         beta = 1.0 / slope
-    return Calibration(peak, bandwidth, tuple(delta.items()), overhead, alpha, beta)
+    return Calibration(peak, bandwidth, tuple(delta.items()), overhead, alpha, beta, step_overhead)
 
 
 def _calibrate_rank(backend: Backend, repeats: int) -> list[dict]:
