@@ -133,7 +133,7 @@ def test_calibration_measures_every_entry_without_changing_the_weights():
     assert current == 0  # calibration ends where it began (step 0 chose S1)
     for entry, old in zip(pool, POOL):
         assert [p.max_tokens for p in entry.pipelines] == [p.max_tokens for p in old.pipelines]
-        assert all(p.a >= 0 and p.b >= 0 and p.c >= 0 for p in entry.pipelines)
+        assert all(p.a >= 0 and p.b >= 0 and p.c >= 0 for p in entry.pipelines) and entry.sync >= 0
         assert any(p.sequence(12) + p.c > 0 for p in entry.pipelines)  # something was measured
         assert (entry.pipelines[0].a, entry.pipelines[0].b) != (old.pipelines[0].a, old.pipelines[0].b)
     assert switch_seconds > 0

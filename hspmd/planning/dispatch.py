@@ -298,15 +298,34 @@ def _dispatch_to(pool: Sequence[PoolEntry], k: int, lengths: list[int], seed: in
 def fit_sequence_cost(lengths: Sequence[int], seconds: Sequence[float], constant: bool = False
                       ) -> tuple[float, ...]:
     """(a, b) of a s^2 + b s, or (a, b, c) of a s^2 + b s + c with `constant`, fitted by least
-    squares to measured times with every coefficient >= 0: the best fit over the subsets of
-    terms whose unconstrained fit is non-negative (a tiny active-set search; 3 terms, 7 subsets)."""
+    squares to measured times with every coefficient >= 0."""
     terms = 3 if constant else 2
     if len(lengths) != len(seconds) or len(lengths) < terms:
         raise HSPMDError(f"fit_sequence_cost: needs at least {terms} (length, time) measurements of equal count")
     if len(set(lengths)) < 2:
         raise HSPMDError("fit_sequence_cost: needs at least two different lengths")
-    x = np.array([[s * s, s, 1.0][:terms] for s in lengths], dtype=np.float64)
-    y = np.array(seconds, dtype=np.float64)
+    return _nonnegative_fit([[s * s, s, 1.0][:terms] for s in lengths], seconds)
+
+
+def fit_step_cost(lengths: Sequence[int], micro_batches: Sequence[int], seconds: Sequence[float]
+                  ) -> tuple[float, float, float, float]:
+    """(a, b, c, sync) of  k (a s^2 + b s + c) + sync, fitted with every coefficient >= 0 to the
+    times of steps of k micro-batches of one sequence of s tokens each: c is paid per micro-batch,
+    sync once per step (the gradient synchronisation), so measurements need at least two lengths
+    and two micro-batch counts to tell them apart."""
+    if not len(lengths) == len(micro_batches) == len(seconds) or len(lengths) < 4:
+        raise HSPMDError("fit_step_cost: needs at least 4 (length, micro-batches, time) measurements of equal count")
+    if len(set(lengths)) < 2 or len(set(micro_batches)) < 2:
+        raise HSPMDError("fit_step_cost: needs at least two different lengths and two different micro-batch counts")
+    a, b, c, sync = _nonnegative_fit([[k * s * s, k * s, k, 1.0] for s, k in zip(lengths, micro_batches)], seconds)
+    return a, b, c, sync
+
+
+def _nonnegative_fit(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[float, ...]:
+    """Least squares with every coefficient >= 0: the best fit over the subsets of terms whose
+    unconstrained fit is non-negative (a tiny active-set search: at most 4 terms, 15 subsets)."""
+    x, y = np.array(rows, dtype=np.float64), np.array(seconds, dtype=np.float64)
+    terms = x.shape[1]
     best, best_error = np.zeros(terms), float(np.sum(y * y))
     for subset in itertools.chain.from_iterable(itertools.combinations(range(terms), k) for k in range(1, terms + 1)):
         cols = list(subset)
@@ -320,7 +339,7 @@ def fit_sequence_cost(lengths: Sequence[int], seconds: Sequence[float], constant
 
 
 __all__ = [
-    "Dispatch", "PipelineCost", "PoolEntry", "assign", "dispatch", "fit_sequence_cost", "fitting_entries",
+    "Dispatch", "PipelineCost", "PoolEntry", "assign", "dispatch", "fit_sequence_cost", "fit_step_cost", "fitting_entries",
     "pack_micro_batches",
     "pipeline_time", "select_entry",
 ]

@@ -27,7 +27,7 @@ from hspmd.backends.backend import Backend
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
 from hspmd.ops.nn import IGNORE_INDEX
-from hspmd.planning.dispatch import SHUFFLED_PASSES, Dispatch, PoolEntry, dispatch, fit_sequence_cost, select_entry
+from hspmd.planning.dispatch import SHUFFLED_PASSES, Dispatch, PoolEntry, dispatch, fit_step_cost, select_entry
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.packing import Sample, check_sample, counted_tokens, pack_row
 from hspmd.runtime.trainer import Trainer
@@ -151,15 +151,17 @@ class MixedLengthTrainer:
     # ---- calibration ----------------------------------------------------------------------------
 
     def calibrate(self, lengths: Sequence[int] = (8, 16, 32, 64, 128), repeats: int = 3) -> tuple[PoolEntry, ...]:
-        """Collective: fit every pool entry's per-sequence cost a s^2 + b s + c on this machine,
-        through the real runtime, and the price of a switch; keep and return the calibrated pool.
+        """Collective: fit every pool entry's costs on this machine, through the real runtime:
+        per sequence a s^2 + b s, per micro-batch c, per step `sync`; and the price of a switch.
+        Keep and return the calibrated pool.
 
         Each entry's strategy runs forward, backward and gradient synchronisation (no update: the
-        weights do not change) on one sequence of each length per pipeline, all pipelines at once,
-        `repeats` times; a run takes its slowest rank's time, the same on every rank (gathered), so
-        every rank fits the same figures and dispatches alike. Approximate: c absorbs the step's
-        fixed costs (gradient sync, dispatch overhead), and every pipeline of an entry gets the same
-        fit (right for the pools of identical pipelines that a homogeneous machine has)."""
+        weights do not change) on one micro-batch of one sequence of each length per pipeline, and
+        on two micro-batches at the shortest and longest lengths (which tells the per-micro-batch c
+        from the per-step sync), all pipelines at once, `repeats` times; a run takes its slowest
+        rank's time, the same on every rank (gathered), so every rank fits the same figures and
+        dispatches alike. Approximate: every pipeline of an entry gets the same fit (right for the
+        pools of identical pipelines that a homogeneous machine has)."""
         if not lengths or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in lengths):
             raise HSPMDError(f"calibrate: lengths must be positive ints, got {list(lengths)}")
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -175,11 +177,13 @@ class MixedLengthTrainer:
             if len(usable) < 3:
                 raise HSPMDError(f"calibrate: pool entry {entry.name} holds only {usable} of lengths {list(lengths)}; "
                                  f"give at least three lengths it takes")
+            runs = [(s, 1) for s in usable] + [(usable[0], 2), (usable[-1], 2)]
             seconds = [statistics.median(self._timed(lambda: self.trainer.bucket_rows(
-                [[self._probe_row(s)] for _ in entry.pipelines], {self.tokens_symbol: s})) for _ in range(repeats))
-                for s in usable]
-            a, b, c = fit_sequence_cost(usable, seconds, constant=True)
-            calibrated.append(replace(entry, pipelines=tuple(replace(p, a=a, b=b, c=c) for p in entry.pipelines)))
+                [[self._probe_row(s)] * m for _ in entry.pipelines], {self.tokens_symbol: s * m}))
+                for _ in range(repeats)) for s, m in runs]
+            a, b, c, sync = fit_step_cost([s for s, _ in runs], [m for _, m in runs], seconds)
+            calibrated.append(replace(entry, pipelines=tuple(replace(p, a=a, b=b, c=c) for p in entry.pipelines),
+                                      sync=sync))
         if self.current != start:
             switches.append(self._timed(lambda: self._enter(start)))
         self.pool = tuple(calibrated)
