@@ -110,6 +110,14 @@ def test_zero1_with_different_tp_degrees():
            expect={"update": ["SplitReduceScatter", "SplitAllGather"]})
 
 
+def test_zero1_over_data_and_tensor_parallel_shards_inside_each_tp_piece():
+    """DP2 x TP2: a row-parallel weight's ZeRO shards split the columns its TP piece keeps whole."""
+    spec = _check("layers=2 ; 2x2: R0,1 L0-1 ; 2x2: R2,3 L0-1 ; zero",
+                  expect={"update": ["SplitReduceScatter", "SplitAllGather"]})
+    wo = spec.graph.node("layers.0.wo.exp_avg").output
+    assert str(spec.deduced[wo]) == "H1(1:1){S0:2@[0,1] | S0:2@[2,3]}"
+
+
 # Grouped-query attention (2 K/V heads for 4 Q heads), an explicit head_dim (12, not 32 / 4),
 # tied embeddings and Llama 3.1 RoPE scaling (original context 32: head_dim 12 has a wavelength in every band).
 GQA_TIED = dict(kv_heads=2, head_dim=12, tie_embeddings=True, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 32))

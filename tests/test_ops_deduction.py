@@ -5,6 +5,7 @@ import torch
 
 import hspmd.ops as O
 from hspmd.annotations import parse
+from hspmd.comm_resolve import resolve
 from hspmd.errors import DeductionError
 from hspmd.ir import comm, parameter, placeholder, symbols
 from hspmd.ops import Graph
@@ -214,9 +215,28 @@ def test_gradient_contributions_in_different_layouts_are_aligned():
 
 
 def test_zero_annotation_shards_replicas():
-    assert str(O.zero_annotation(parse("D:2,S1:2@[0-3]"))) == "S0:2,S1:2@[0-3]"
-    het = O.zero_annotation(parse("HD{S1:2@[0,1] | @[2]}"))
+    assert str(O.zero_annotation(parse("D:2,S1:2@[0-3]"), 2)) == "S0:2,S1:2@[0-3]"
+    het = O.zero_annotation(parse("HD{S1:2@[0,1] | @[2]}"), 2)
     assert str(het) == "H0(1:1){S1:2@[0,1] | @[2]}"
+
+
+@pytest.mark.parametrize("ann, ndim, expected", [
+    ("HD{S0:2@[0,1] | S0:2@[2,3]}", 2, "H1(1:1){S0:2@[0,1] | S0:2@[2,3]}"),  # row-parallel: shard the columns
+    ("HD{S1:2@[0,1] | S1:2@[2,3]}", 2, "H0(1:1){S1:2@[0,1] | S1:2@[2,3]}"),
+    ("HD{D:2@[0,1] | D:2@[2,3]}", 1, "HD{S0:2@[0,1] | S0:2@[2,3]}"),  # a 1-D norm on TP2: sharded in TP only
+    ("HD{D:2@[0,1] | D:2@[2,3]}", 2, "H1(1:1){S0:2@[0,1] | S0:2@[2,3]}"),
+    ("HD{@[0] | @[1]}", 1, "H0(1:1){@[0] | @[1]}"),  # a 1-D norm on TP1: sharded across pipelines
+])
+def test_zero_shards_lie_inside_each_devices_bottom_tier_piece(ann, ndim, expected):
+    assert str(O.zero_annotation(parse(ann), ndim)) == expected
+
+
+def test_zero_gradient_sync_is_one_reduce_scatter_per_bottom_tier_position():
+    subgroups = " | ".join(f"S0:4@[{4 * k}-{4 * k + 3}]" for k in range(8))
+    plan = resolve(parse(f"HP{{{subgroups}}}"), O.zero_annotation(parse(f"HD{{{subgroups}}}"), 2), (64, 32))
+    assert plan.primitives == ("SplitReduceScatter",)
+    groups = [c.devices for s in plan.steps for c in s.collectives]
+    assert sorted(groups) == [tuple(range(j, 32, 4)) for j in range(4)]
 
 
 @pytest.mark.parametrize(

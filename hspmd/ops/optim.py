@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from hspmd.annotations import Annotation, DistributedStates, Duplicate, Split, Subgroup
+from hspmd.annotations import Annotation, Axis, DistributedStates, Duplicate, Split, Subgroup
 from hspmd.errors import DeductionError, HSPMDError
 from hspmd.ir.dsl import comm, state
 from hspmd.ir.graph import Derived, Node, OpDef, Tensor
@@ -23,20 +23,29 @@ from hspmd.ops.base import RuleOp, make
 from hspmd.ops.rules import elementwise_rule
 
 
-def zero_annotation(ann: Annotation, dim: int = 0) -> Annotation:
-    """ZeRO-1 layout of a parameter: every replica axis becomes a split of `dim` (bottom tier:
-    Duplicate -> Split; top tier: HDim D -> HDim `dim`, equal shares per subgroup). Computed
-    once per annotation object (every layer's parameter on one stage shares it after deduction)."""
-    return ann.derived((zero_annotation, dim), lambda: _zero_annotation(ann, dim))
+def zero_annotation(ann: Annotation, ndim: int) -> Annotation:
+    """ZeRO-1 layout of a parameter of rank `ndim`: replicas hold disjoint shards.
+
+    Bottom tier: Duplicate axes become splits of dim 0. Top tier: HDim D becomes a split (equal
+    shares per subgroup) of the first dim that no subgroup then splits, so that each device's
+    shard lies inside its own bottom-tier piece and the gradient sync from HP{S0:tp} is one
+    reduce-scatter per bottom-tier position over the data-parallel members. Splitting a dim
+    the bottom tier splits would cut across those pieces: one collective per slice over every
+    member, O(DP^2 x TP) at scale, costlier than the memory it saves; so when every dim is split
+    below (a 1-D norm weight on a TP stage), the top tier keeps whole copies of its subgroup's
+    shards. Computed once per annotation object (layers on one stage share it)."""
+    return ann.derived((zero_annotation, ndim), lambda: _zero_annotation(ann, ndim))
 
 
-def _zero_annotation(ann: Annotation, dim: int) -> Annotation:
-    subs = tuple(
-        Subgroup(s.dg, DistributedStates(tuple(Split(dim, a.n) if isinstance(a, Duplicate) else a for a in s.ds.axes)))
-        for s in ann.subgroups
-    )
-    if ann.hdim == "D" and ann.hsize > 1:
-        return Annotation(subs, dim, (1,) * ann.hsize)
+def _zero_annotation(ann: Annotation, ndim: int) -> Annotation:
+    def shard(axis: Axis) -> Axis:
+        return Split(0, axis.n) if isinstance(axis, Duplicate) else axis
+
+    subs = tuple(Subgroup(s.dg, DistributedStates(tuple(map(shard, s.ds.axes)))) for s in ann.subgroups)
+    split = {d for s in subs for d in s.ds.split_dims}
+    top = next((d for d in range(ndim) if d not in split), None)
+    if ann.hdim == "D" and ann.hsize > 1 and top is not None:
+        return Annotation(subs, top, (1,) * ann.hsize)
     return Annotation(subs, ann.hdim, ann.ratios)
 
 
@@ -110,7 +119,7 @@ def assign(target: Tensor, value: Tensor) -> Node:
 
 
 def _follow(param: Tensor, zero: bool, what: str) -> Derived:
-    fn = (lambda _, refs: zero_annotation(refs[0])) if zero else (lambda _, refs: refs[0])
+    fn = (lambda _, refs: zero_annotation(refs[0], param.ndim)) if zero else (lambda _, refs: refs[0])
     return Derived((param,), fn, f"{'ZeRO-1 shard' if zero else 'layout'} of {param.name} ({what})")
 
 
