@@ -1,19 +1,21 @@
 """Mixed-length training throughput: dispatch + packing over a strategy pool, against padding every
-sequence to the step's longest, and against one fixed strategy (dispatch + packing, no pool).
+sequence to the step's longest, and against one fixed strategy (the pool's widest, TP4, the only
+one that holds the corpus's longest sequences; dispatch + packing, no switching).
 
 Part 1 (measured): the tiny Llama of examples/mixed_length on 4 gloo processes over the shipped
-long-tailed corpus; the pool's per-sequence costs and the price of a switch are first calibrated
-on this machine (MixedLengthTrainer.calibrate), then the three modes train side by side in one
-run, interleaved step by step (ABC, then CBA, ...), each on the same sequences; a step's time is
-its slowest rank's; tokens/s counts real tokens only. Reported: median tokens/s per mode and the median (min-max) of the
-per-step ratios.
+long-tailed corpus; the pool's costs and the price of a switch are first calibrated on this
+machine (MixedLengthTrainer.calibrate), then the three modes train side by side in one run,
+interleaved step by step (ABC, then CBA, ...), each on the same sequences, in several passes over
+the same steps; a step's time is its slowest rank's; tokens/s counts real tokens only. Reported:
+tokens/s per pass and mode (tokens over seconds), the median (min-max) over passes of the ratios,
+and the median (min-max) of the per-step ratios.
 
 Part 2 (predicted): the paper's setting, 32B Llama on 32 H20 (003 section 7.3), priced by the
 cost model (hspmd.planning.cost) in the dispatcher's closed form (L0, not the event simulator):
 long-tailed steps of ~200K tokens up to 32K, Table 11's pool (Hetu-B) against Table 10's
 homogeneous strategies (Hetu-A buckets within the step, and DP2TP16 for everything).
 
-    python benchmarks/bench_mixed_length.py [--steps 8]
+    python benchmarks/bench_mixed_length.py [--steps 12] [--passes 3]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, str(ROOT / "examples" / "mixed_length"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table, timed_on_world  # noqa: E402
 from longtail import LongTailCorpus  # noqa: E402
-from train import POOL, build  # noqa: E402  (the example's pool and model)
+from train import CALIBRATION_LENGTHS, POOL, build  # noqa: E402  (the example's pool and model)
 from hspmd.cluster import h800_h20  # noqa: E402
 from hspmd.planning.cost import CostModel  # noqa: E402
 from hspmd.planning.dispatch import dispatch, select_entry  # noqa: E402
@@ -45,10 +47,9 @@ from hspmd.runtime.trainer import Trainer  # noqa: E402
 
 MODES = ("dispatch", "padding", "fixed")
 TOKENS = 256
-CALIBRATION_LENGTHS = (8, 16, 32, 64, 96, 128)
 
 
-def bench_rank(backend, steps: int, warmup: int):
+def bench_rank(backend, steps: int, warmup: int, passes: int):
     torch.set_num_threads(1)
     corpus = LongTailCorpus()
     model = build(corpus.vocab)
@@ -57,45 +58,55 @@ def bench_rank(backend, steps: int, warmup: int):
     fixed = MixedLengthTrainer(model.graph, POOL[:1], backend, symbols=symbols, passes=20)
     calibrated = pooled.calibrate(CALIBRATION_LENGTHS)
     fixed.pool = calibrated[:1]
-    padded = Trainer(model.graph, POOL[0].strategy, backend, MicroBatchLayout((1, 1), (1, 1)), symbols=symbols)
+    pipelines = len(POOL[0].pipelines)
+    padded = Trainer(model.graph, POOL[0].strategy, backend, MicroBatchLayout((1,) * pipelines, (1,) * pipelines),
+                     symbols=symbols)
 
     def pad_step(samples):
         longest = max(len(t) for t, _ in samples)
-        rows = [[pack_row([s], longest) for s in samples[p::2]] for p in range(2)]
+        rows = [[pack_row([s], longest) for s in samples[p::pipelines]] for p in range(pipelines)]
         return padded.step_rows(rows, {"T": counted_tokens(samples)})
 
     run = {"dispatch": pooled.step, "fixed": fixed.step, "padding": pad_step}
-    times = {m: [] for m in MODES}
-    for i in range(warmup + steps):
-        samples = corpus.step(i, TOKENS)
-        order = MODES if i % 2 == 0 else MODES[::-1]
-        for mode in order:
-            seconds, _ = timed_on_world(backend, lambda: run[mode](samples))
-            if i >= warmup:
-                times[mode].append(seconds)
-    tokens = [counted_tokens(corpus.step(i, TOKENS)) for i in range(warmup, warmup + steps)]
-    chosen = [POOL[r.entries[0]].name for r in pooled.history[warmup:]]
+    for i in range(warmup):
+        for mode in MODES:
+            run[mode](corpus.step(steps + i, TOKENS))
+    times = {m: [[] for _ in range(passes)] for m in MODES}
+    for r in range(passes):
+        for i in range(steps):
+            samples = corpus.step(i, TOKENS)
+            order = MODES if (r * steps + i) % 2 == 0 else MODES[::-1]
+            for mode in order:
+                seconds, _ = timed_on_world(backend, lambda: run[mode](samples))
+                times[mode][r].append(seconds)
+    tokens = [counted_tokens(corpus.step(i, TOKENS)) for i in range(steps)]
+    chosen = [POOL[report.entries[0]].name for report in pooled.history[warmup:warmup + steps]]
     return times, tokens, chosen, calibrated, pooled.switch_seconds
 
 
-def measured(steps: int, warmup: int) -> None:
-    results = run_multiprocess(bench_rank, 4, steps, warmup, timeout=1800)
+def measured(steps: int, warmup: int, passes: int) -> None:
+    results = run_multiprocess(bench_rank, 4, steps, warmup, passes, timeout=1800)
     tokens, chosen, calibrated, switch_seconds = results[0][1:]
-    print("per-sequence costs calibrated on this machine (a s^2 + b s + c per micro-batch, slowest rank):")
-    print(table(["strategy", "a", "b", "c"], [[e.name, f"{e.pipelines[0].a:.3g}", f"{e.pipelines[0].b:.3g}",
-                                               f"{e.pipelines[0].c:.3g}"] for e in calibrated]))
-    print(f"measured switch (fused BSR): {switch_seconds * 1e3:.0f} ms; dispatch picks each step's strategy by "
-          f"predicted time plus the switch it needs")
-    slowest = {m: [max(r[0][m][k] for r in results) for k in range(steps)] for m in MODES}
-    rate = {m: [t / s for t, s in zip(tokens, slowest[m])] for m in MODES}
-    rows = [[m, f"{statistics.median(rate[m]):.0f}"] for m in MODES]
-    print(f"tiny Llama (examples/mixed_length), 4 gloo processes, {steps} steps of >= {TOKENS} tokens "
-          f"(+{warmup} warm-up), strategies chosen: {' '.join(chosen)}")
-    print(table(["mode", "tokens/s (median)"], rows))
+    print("per-sequence costs calibrated on this machine (a s^2 + b s + c per micro-batch of the first pipeline, "
+          "slowest rank; sync per step):")
+    print(table(["strategy", "a", "b", "c", "sync per step"],
+                [[e.name, f"{e.pipelines[0].a:.3g}", f"{e.pipelines[0].b:.3g}", f"{e.pipelines[0].c:.3g}",
+                  f"{e.sync:.3g}"] for e in calibrated]))
+    print(f"measured switch (fused BSR, planned): {switch_seconds * 1e3:.0f} ms; dispatch picks each step's strategy "
+          f"by predicted time plus the switch it needs")
+    # a step's time is its slowest rank's; a pass's throughput is its tokens over its seconds
+    slowest = {m: [[max(res[0][m][r][k] for res in results) for k in range(steps)] for r in range(passes)] for m in MODES}
+    rate = {m: [sum(tokens) / sum(slowest[m][r]) for r in range(passes)] for m in MODES}
+    print(f"tiny Llama (examples/mixed_length), 4 gloo processes, {steps} steps of >= {TOKENS} tokens, {passes} "
+          f"passes interleaved step by step (+{warmup} warm-up steps); strategies chosen in the first pass: "
+          f"{' '.join(chosen)}")
+    print(table(["mode", "tokens/s (median of passes)"], [[m, f"{statistics.median(rate[m]):.0f}"] for m in MODES]))
     for other in ("padding", "fixed"):
         ratios = [a / b for a, b in zip(rate["dispatch"], rate[other])]
-        print(f"dispatch / {other}: {statistics.median(ratios):.2f}x median "
-              f"(min {min(ratios):.2f}, max {max(ratios):.2f}) over {steps} interleaved steps")
+        per_step = [b / a for r in range(passes) for a, b in zip(slowest["dispatch"][r], slowest[other][r])]
+        print(f"dispatch / {other}: tokens/s {statistics.median(ratios):.2f}x median over {passes} passes "
+              f"(min {min(ratios):.2f}, max {max(ratios):.2f}); per step {statistics.median(per_step):.2f}x median "
+              f"(min {min(per_step):.2f}, max {max(per_step):.2f})")
 
 
 def long_tailed_step(rng: random.Random, tokens: int = 200_000, longest: int = 32 * 1024) -> list[int]:
@@ -130,12 +141,13 @@ def predicted(steps: int = 20) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--passes", type=int, default=3)
     p.add_argument("--skip-measured", action="store_true")
     args = p.parse_args(argv)
     if not args.skip_measured:
-        measured(args.steps, args.warmup)
+        measured(args.steps, args.warmup, args.passes)
     predicted()
     return 0
 

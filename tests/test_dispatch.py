@@ -13,7 +13,6 @@ from hspmd.planning.dispatch import (
     PoolEntry,
     dispatch,
     fit_sequence_cost,
-    fit_step_cost,
     pack_micro_batches,
     pipeline_time,
     select_entry,
@@ -147,20 +146,6 @@ def test_fit_with_a_constant_recovers_it_and_keeps_every_coefficient_non_negativ
     falling = [1.0, 0.9, 0.8, 0.7, 0.6]
     a, b, c = fit_sequence_cost(lengths, falling, constant=True)
     assert a == 0 and b == 0 and c == pytest.approx(sum(falling) / len(falling))
-
-
-def test_fit_step_cost_tells_the_per_micro_batch_constant_from_the_per_step_sync():
-    runs = [(4, 1), (8, 1), (16, 1), (32, 1), (4, 2), (32, 2)]
-    truth = (2e-4, 0.01, 0.05, 0.3)
-    seconds = [k * (truth[0] * s * s + truth[1] * s + truth[2]) + truth[3] for s, k in runs]
-    fitted = fit_step_cost([s for s, _ in runs], [k for _, k in runs], seconds)
-    assert fitted == tuple(pytest.approx(v) for v in truth)
-    # one micro-batch count cannot separate c from sync: refused, not guessed
-    with pytest.raises(HSPMDError, match="two different micro-batch counts"):
-        fit_step_cost([4, 8, 16, 32], [1, 1, 1, 1], seconds[:4])
-    # a second micro-batch that costs nothing more: everything is per-step sync, nothing negative
-    flat = fit_step_cost([4, 8, 4, 8], [1, 1, 2, 2], [0.5, 0.5, 0.5, 0.5])
-    assert flat[:3] == (0.0, 0.0, 0.0) and flat[3] == pytest.approx(0.5)
 
 
 def test_choosing_by_cost_takes_the_cheaper_entry_unless_the_switch_costs_more_than_it_gains():

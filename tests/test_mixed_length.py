@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hspmd.backends.local import LocalWorld
+from hspmd.errors import HSPMDError
 from hspmd.ir import initial_value
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
@@ -97,6 +98,32 @@ def test_length_buckets_inside_a_step_in_process():
     # each step's first bucket runs under the strategy the last step ended with where it has one
     assert total == sum(len(n) for n, _ in history) - 1 - sum(
         1 for (names, _), (prev, _) in zip(history[1:], history) if names[0] == prev[-1])
+
+
+def _switching_rank(backend):
+    torch.set_num_threads(1)
+    trainer = MixedLengthTrainer(_graph().graph, POOL, backend, symbols={"S": 8, "T": 8}, passes=10)
+    data = sequences()
+    trainer.step(data[0])  # S1
+    trainer.step(data[1])  # S1 -> S2: planned
+    first = trainer.trainer.last_switch
+    trainer.step(data[2])  # S2 -> S1: planned
+    trainer.step(data[4])  # S1 -> S2 again: the kept plan
+    again = trainer.trainer.last_switch
+    refused = None
+    try:  # a plan between other strategies is refused before anything moves
+        trainer.trainer.switch(0, trainer._layout(0), plan=again)
+    except HSPMDError as e:
+        refused = str(e)
+    return first is again, sorted(trainer._switch_plans), refused, trainer.parameters()
+
+
+def test_a_switch_back_reuses_its_plan_and_a_plan_for_other_strategies_is_refused():
+    results = LocalWorld(range(4), 120).run(_switching_rank)
+    same, keys, refused, params = results[0]
+    assert same and keys == [(0, 1, False), (1, 0, False)]
+    assert all(r[2] and "not a switch plan from strategy 1 to 0" in r[2] for r in results.values())
+    assert params is not None  # the refused switch left a working trainer (parameters gathered)
 
 
 @pytest.mark.multiprocess

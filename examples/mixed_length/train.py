@@ -5,11 +5,13 @@ another inside each step (Hetu-A / HotSPa).
 
     hspmd run -n 4 examples/mixed_length/train.py [--steps 8] [--tokens 256] [--buckets]
 
-The pool mirrors the paper's Table 11 on 4 ranks: for steps with a sequence longer than 64 tokens,
-DP2TP2 (two tensor-parallel pipelines, whose halved activations hold long rows); otherwise DP4
-(four single-rank pipelines, more data parallelism for short sequences). The per-sequence costs
-a s^2 + b s (+ c per micro-batch) below are rough starting figures; --calibrate measures them and
-the price of a switch on this machine first, and then picks each step's strategy by predicted time.
+The pool mirrors the paper's Table 11 on 4 ranks. A rank holds the activations of at most UNIT
+(48) tokens per micro-batch (a stand-in for GPU memory; tensor parallelism shares them), so a
+sequence of up to 4 x UNIT tokens needs TP4, up to 2 x UNIT DP2TP2 (two tensor-parallel
+pipelines), up to UNIT DP4 (four single-rank pipelines, the most data parallelism). The per-sequence
+costs a s^2 + b s (+ c per micro-batch) below are rough starting figures; --calibrate measures them
+and the price of a switch on this machine first, and then picks each step's strategy by predicted
+time.
 Rank 0 prints each step's strategy, dispatch (pipeline: [packed lengths] per micro-batch) and switches.
 """
 
@@ -31,17 +33,21 @@ from hspmd.planning.dispatch import PipelineCost, PoolEntry  # noqa: E402
 from hspmd.runtime.mixed import MixedLengthTrainer  # noqa: E402
 from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 
-LONG = "name=DP2TP2 ; layers=2 ; ?x?: R0,1 L0-1 ; ?x?: R2,3 L0-1"
-SHORT = "name=DP4 ; layers=2 ; ?x?: R0 L0-1 ; ?x?: R1 L0-1 ; ?x?: R2 L0-1 ; ?x?: R3 L0-1"
-THRESHOLD, LONGEST = 64, 128
-SINGLE = PipelineCost(a=1e-4, b=1e-2, c=0.2, max_tokens=THRESHOLD)
-TP2 = PipelineCost(a=0.5e-4, b=0.6e-2, c=0.3, max_tokens=LONGEST)
-POOL = (PoolEntry("DP2TP2", 0, LONGEST, (TP2, TP2)), PoolEntry("DP4", 1, THRESHOLD, (SINGLE,) * 4))
+UNIT = 48
+WIDE = "name=TP4 ; layers=2 ; ?x?: R0,1,2,3 L0-1"
+MIDDLE = "name=DP2TP2 ; layers=2 ; ?x?: R0,1 L0-1 ; ?x?: R2,3 L0-1"
+NARROW = "name=DP4 ; layers=2 ; ?x?: R0 L0-1 ; ?x?: R1 L0-1 ; ?x?: R2 L0-1 ; ?x?: R3 L0-1"
+TP4 = PipelineCost(a=2e-5, b=2e-4, c=0.12, max_tokens=4 * UNIT)
+TP2 = PipelineCost(a=2e-5, b=2e-4, c=0.06, max_tokens=2 * UNIT)
+TP1 = PipelineCost(a=2e-5, b=2e-4, c=0.03, max_tokens=UNIT)
+POOL = (PoolEntry("TP4", 0, 4 * UNIT, (TP4,)), PoolEntry("DP2TP2", 1, 2 * UNIT, (TP2, TP2)),
+        PoolEntry("DP4", 2, UNIT, (TP1,) * 4))
+CALIBRATION_LENGTHS = (8, 16, 32, 48, 64, 96, 128, 192)
 CONFIG = dict(layers=2, hidden=64, heads=4, ffn=128)
 
 
 def build(vocab: int):
-    return build_llama(LlamaConfig(vocab=vocab, **CONFIG), [parse_strategy(LONG), parse_strategy(SHORT)],
+    return build_llama(LlamaConfig(vocab=vocab, **CONFIG), [parse_strategy(t) for t in (WIDE, MIDDLE, NARROW)],
                        optimizer=AdamW(lr=3e-3), packed=True)
 
 
@@ -61,11 +67,12 @@ def main(argv=None) -> int:
                                  by_cost=args.calibrate)
     lead = backend.rank == 0
     if args.calibrate:
-        pool = trainer.calibrate((8, 16, 32, 64, 96, 128))
+        pool = trainer.calibrate(CALIBRATION_LENGTHS)
         if lead:
             for entry in pool:
                 cost = entry.pipelines[0]
-                print(f"calibrated {entry.name}: {cost.a:.3g} s^2 + {cost.b:.3g} s + {cost.c:.3g} seconds")
+                print(f"calibrated {entry.name}: {cost.a:.3g} s^2 + {cost.b:.3g} s + {cost.c:.3g} seconds per "
+                      f"micro-batch, {entry.sync * 1e3:.0f} ms per step")
             print(f"calibrated switch: {trainer.switch_seconds * 1e3:.0f} ms")
     for i in range(args.steps):
         samples = corpus.step(i, args.tokens)

@@ -100,7 +100,12 @@ class TorchDistBackend(Backend):
         """Create the process groups that any rank needs (see the module docstring for the rule)."""
         mine = sorted({self._check_group(tuple(g), "prepare_groups", require_member=False) for g in groups})
         world = tuple(range(self.world_size))
+        new = sum(1 for key in mine if key not in self.world.groups and len(key) not in (1, self.world_size))
         with self._wrapped("prepare_groups", world):
+            anyone = torch.tensor([new], dtype=torch.int64, device=self.device)
+            dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
+            if int(anyone.item()) == 0:  # every rank has all it needs (e.g. a strategy entered before): done
+                return
             everyone = self._all_gather_bytes(encode_groups(mine))
             keys = {tuple(sorted(k)) for r, data in enumerate(everyone) for k in decode_groups(data, self.world_size, f"rank {r}")}
             for key in sorted(keys):

@@ -43,6 +43,14 @@ SCHEMA = "hspmd.plan/1"
 FUSED_SCHEMA = "hspmd.fused-plan/1"
 
 
+def _inside(inner: Box, outer: Box) -> bool:
+    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
+
+
+def _overlap(x: Box, y: Box) -> bool:
+    return all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(x, y))
+
+
 def _box_json(box: Box) -> list[list[int]]:
     return [[int(a), int(b)] for a, b in box]
 
@@ -258,24 +266,43 @@ class Plan(_Stats):
         """None when every device's part of the plan is one all-reduce of exactly the piece it
         holds before and after (a gradient sync that can share a bucket with others, and that a
         simulator may price as part of one); otherwise what differs."""
+        reason = self.why_not_all_reduces()
+        if reason is not None:
+            return reason
+        seen: set[int] = set()
+        for c in self.steps[0].collectives:
+            for d in c.devices:
+                if d in seen:
+                    return f"device {d} takes part in two all-reduces"
+                seen.add(d)
+        return None
+
+    def why_not_all_reduces(self) -> str | None:
+        """None when the plan is all-reduces alone in which every device keeps its piece and the
+        boxes it reduces tile that piece: a plain or a split all-reduce (a gradient that pipelines
+        of different TP degrees hold in different pieces), which buckets can carry; otherwise
+        what differs."""
         if len(self.steps) != 1:
             return f"its plan has {len(self.steps)} steps"
         step = self.steps[0]
         if step.transfers:
             return "its plan moves pieces point to point"
         src, dst = device_pieces(self.src, self.shape), device_pieces(self.dst, self.shape)
-        seen: set[int] = set()
+        boxes: dict[int, list[Box]] = {}
         for c in step.collectives:
             if c.kind != "all_reduce" or c.zero_inputs:
                 return f"its plan has a {c.kind}" + (" with zero inputs" if c.zero_inputs else "")
             for d in c.devices:
-                if d in seen:
-                    return f"device {d} takes part in two all-reduces"
-                seen.add(d)
-                if d not in src or d not in dst or src[d].box != c.box or dst[d].box != c.box:
-                    return f"device {d}'s pieces differ from the all-reduced box"
-        if seen != set(self.src.devices) | set(self.dst.devices):
+                if d not in src or d not in dst or src[d].box != dst[d].box:
+                    return f"device {d}'s piece changes"
+                if not _inside(c.box, src[d].box) or any(_overlap(c.box, b) for b in boxes.get(d, ())):
+                    return f"device {d} reduces a box outside its piece or twice"
+                boxes.setdefault(d, []).append(c.box)
+        if set(boxes) != set(self.src.devices) | set(self.dst.devices):
             return "some device of the plan takes part in no all-reduce"
+        for d, mine in boxes.items():
+            if sum(box_volume(b) for b in mine) != box_volume(src[d].box):
+                return f"device {d}'s all-reduced boxes do not tile its piece"
         return None
 
     def explain(self) -> str:

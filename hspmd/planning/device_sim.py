@@ -115,9 +115,10 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                 continue
             plan = exe.plan(ins.node, binding)
             itemsize = plan.itemsize
-            if phase == "update" and bucket_bytes is not None and plan.why_not_one_all_reduce() is None:
-                mine = next(c for c in plan.steps[0].collectives if d in c.devices)
-                bucketed.setdefault(mine.devices, []).append(math.prod(b - a for a, b in mine.box) * itemsize)
+            if phase == "update" and bucket_bytes is not None and plan.why_not_all_reduces() is None:
+                for c in plan.steps[0].collectives:
+                    if d in c.devices:
+                        bucketed.setdefault(c.devices, []).append(math.prod(b - a for a, b in c.box) * itemsize)
                 continue
             for step in plan.steps:
                 if ins.is_p2p:

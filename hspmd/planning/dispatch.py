@@ -307,20 +307,6 @@ def fit_sequence_cost(lengths: Sequence[int], seconds: Sequence[float], constant
     return _nonnegative_fit([[s * s, s, 1.0][:terms] for s in lengths], seconds)
 
 
-def fit_step_cost(lengths: Sequence[int], micro_batches: Sequence[int], seconds: Sequence[float]
-                  ) -> tuple[float, float, float, float]:
-    """(a, b, c, sync) of  k (a s^2 + b s + c) + sync, fitted with every coefficient >= 0 to the
-    times of steps of k micro-batches of one sequence of s tokens each: c is paid per micro-batch,
-    sync once per step (the gradient synchronisation), so measurements need at least two lengths
-    and two micro-batch counts to tell them apart."""
-    if not len(lengths) == len(micro_batches) == len(seconds) or len(lengths) < 4:
-        raise HSPMDError("fit_step_cost: needs at least 4 (length, micro-batches, time) measurements of equal count")
-    if len(set(lengths)) < 2 or len(set(micro_batches)) < 2:
-        raise HSPMDError("fit_step_cost: needs at least two different lengths and two different micro-batch counts")
-    a, b, c, sync = _nonnegative_fit([[k * s * s, k * s, k, 1.0] for s, k in zip(lengths, micro_batches)], seconds)
-    return a, b, c, sync
-
-
 def _nonnegative_fit(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[float, ...]:
     """Least squares with every coefficient >= 0: the best fit over the subsets of terms whose
     unconstrained fit is non-negative (a tiny active-set search: at most 4 terms, 15 subsets)."""
@@ -339,7 +325,7 @@ def _nonnegative_fit(rows: Sequence[Sequence[float]], seconds: Sequence[float]) 
 
 
 __all__ = [
-    "Dispatch", "PipelineCost", "PoolEntry", "assign", "dispatch", "fit_sequence_cost", "fit_step_cost", "fitting_entries",
+    "Dispatch", "PipelineCost", "PoolEntry", "assign", "dispatch", "fit_sequence_cost", "fitting_entries",
     "pack_micro_batches",
     "pipeline_time", "select_entry",
 ]

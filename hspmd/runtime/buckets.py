@@ -1,17 +1,22 @@
 """Gradient synchronisation in size-capped buckets, started while the backward still runs.
 
-Planning (`plan_buckets`, pure data). A gradient joins a bucket when its synchronisation plan is,
-for every device of it, one all-reduce of exactly the piece the device holds (data parallelism
-over whatever else splits the gradient: HP -> HD with equal pieces, the common case). Those
-gradients are grouped by (all-reduce group, dtype) in the order the backward makes them, each
-bucket holding at most `cap_bytes` (a gradient larger than the cap is a bucket by itself). Every
-member of a group derives the same buckets with no message: the predicate reads only the global
-plan, the order is the graph's, the sizes are the plan's boxes. Every other gradient (a plan
-that splits, moves or gathers pieces, e.g. between pipelines of different TP degrees in a
-heterogeneous strategy) keeps its plan in the update program; `BucketPlan.kept` says which and why.
+Planning (`plan_buckets`, pure data). A gradient joins buckets when its synchronisation plan is
+all-reduces alone in which every device keeps its piece and the boxes it reduces tile that piece
+(Plan.why_not_all_reduces): data parallelism over whatever else splits the gradient, HP -> HD,
+either one all-reduce of each device's whole piece (the common case) or a split all-reduce
+(pipelines of different TP degrees in a heterogeneous strategy: a device holding the whole
+gradient reduces one box with each TP rank of the other pipeline). Each (all-reduce, box) is a
+slot; slots are grouped by (all-reduce group, dtype) in the order the backward makes the
+gradients, each bucket holding at most `cap_bytes` (a slot larger than the cap is a bucket by
+itself). Every member of a group derives the same buckets with no message: the predicate reads
+only the global plan, the order is the graph's, the sizes are the plan's boxes. Every other
+gradient (a plan that moves or gathers pieces) keeps its plan in the update program;
+`BucketPlan.kept` says which and why.
 
-Execution (`BucketSync`, one per trainer). Each bucket is one flat buffer kept across steps and
-its gradients are views of it, so the all-reduce needs no copy in or out. In the step's last
+Execution (`BucketSync`, one per trainer). Each bucket is one flat buffer kept across steps; a
+gradient that is one slot is a view of it, so the all-reduce needs no copy in or out; a gradient
+of several slots (split) has a buffer of its own, kept too, whose boxes are copied into their
+buckets when it is final and back when they are reduced. In the step's last
 backward the op that makes a bucketed gradient writes it straight into its view (ops with
 `compute_into`, e.g. matmul; any other op's result is copied in; with several micro-batches the
 accumulation `earlier + last` is the write). Once a bucket's last gradient is in, and the buckets
@@ -33,6 +38,7 @@ from math import prod
 
 import torch
 
+from hspmd.annotations import device_pieces
 from hspmd.errors import HSPMDError
 from hspmd.backends.backend import Backend, Group, Pending
 from hspmd.specialize.executable import ExecutableGraph
@@ -52,6 +58,7 @@ class BucketSlot:
     sync_node_id: int
     shape: tuple[int, ...]
     offset: int
+    box: tuple[tuple[int, int], ...] | None = None  # within the device's piece; None: the whole piece
 
     @property
     def numel(self) -> int:
@@ -106,7 +113,7 @@ def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
                 continue
             name = names[sync.node.id]
             plan = exe.plan(sync.node, binding)
-            reason = plan.why_not_one_all_reduce()
+            reason = plan.why_not_all_reduces()
             if reason is None and ins.role != "compute":
                 reason = f"the backward makes it with a {ins.role} instruction"
             if reason is None and readers.get(t.id, 0) != 1:
@@ -114,19 +121,23 @@ def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
             if reason is not None:
                 kept.append((name, reason))
                 continue
-            c = next(c for c in plan.steps[0].collectives if exe.device in c.devices)
-            shape = tuple(b - a for a, b in c.box)
-            key = (c.devices, t.dtype)
-            nbytes = prod(shape) * torch.empty((), dtype=t.dtype).element_size()
-            chain = chains.setdefault(key, [[]])
-            if chain[-1] and sizes[key] + nbytes > cap_bytes:
-                chain.append([])
-                sizes[key] = 0
-            offset = sum(s.numel for _, s in chain[-1])
-            chain[-1].append((position, BucketSlot(name, t.id, sync.node.id, shape, offset)))
-            sizes[key] = sizes.get(key, 0) + nbytes
+            piece = device_pieces(plan.src, plan.shape)[exe.device].box
+            mine = [c for c in plan.steps[0].collectives if exe.device in c.devices]
+            for c in mine:
+                shape = tuple(b - a for a, b in c.box)
+                box = None if len(mine) == 1 else tuple((a - p, b - p) for (a, b), (p, _) in zip(c.box, piece))
+                key = (c.devices, t.dtype)
+                nbytes = prod(shape) * torch.empty((), dtype=t.dtype).element_size()
+                chain = chains.setdefault(key, [[]])
+                if chain[-1] and sizes[key] + nbytes > cap_bytes:
+                    chain.append([])
+                    sizes[key] = 0
+                offset = sum(s.numel for _, s in chain[-1])
+                chain[-1].append((position, BucketSlot(name, t.id, sync.node.id, shape, offset, box)))
+                sizes[key] = sizes.get(key, 0) + nbytes
     buckets = [(slots[-1][0], Bucket(group, dtype, tuple(s for _, s in slots)))
-               for (group, dtype), chain in chains.items() for slots in chain]
+               for (group, dtype), chain in sorted(chains.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))
+               for slots in chain]
     buckets.sort(key=lambda pb: pb[0])
     return BucketPlan(cap_bytes, tuple(b for _, b in buckets), tuple(kept))
 
@@ -146,15 +157,25 @@ class BucketSync:
         self.plan = plan
         self.tracer: Tracer | None = None
         self.buffers = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in plan.buckets]
-        self._views: dict[int, torch.Tensor] = {}
-        self._bucket_of: dict[int, int] = {}
+        self._views: dict[int, torch.Tensor] = {}  # where the backward writes each gradient
+        self._bucket_of: dict[int, list[int]] = {}
+        self._copies: dict[int, list[tuple[torch.Tensor, tuple[slice, ...]]]] = {}  # split: (slot view, box)
+        self._sync_of: dict[int, int] = {}
         chains: dict[tuple[Group, torch.dtype], list[int]] = {}
         for k, (bucket, buffer) in enumerate(zip(plan.buckets, self.buffers)):
             chains.setdefault((bucket.group, bucket.dtype), []).append(k)
             for s in bucket.slots:
-                self._views[s.tensor_id] = buffer[s.offset: s.offset + s.numel].view(s.shape)
-                self._bucket_of[s.tensor_id] = k
-        self._chains = list(chains.values())
+                slot = buffer[s.offset: s.offset + s.numel].view(s.shape)
+                self._bucket_of.setdefault(s.tensor_id, []).append(k)
+                self._sync_of[s.tensor_id] = s.sync_node_id
+                if s.box is None:
+                    self._views[s.tensor_id] = slot
+                else:
+                    self._copies.setdefault(s.tensor_id, []).append((slot, tuple(slice(a, b) for a, b in s.box)))
+        for tensor_id, copies in self._copies.items():  # a split gradient's own buffer: its whole piece
+            shape = tuple(max(box[d].stop for _, box in copies) for d in range(copies[0][0].dim()))
+            self._views[tensor_id] = torch.empty(shape, dtype=copies[0][0].dtype, device=device)
+        self._chains = [chains[key] for key in sorted(chains, key=lambda key: (key[0], str(key[1])))]  # one order everywhere
         self._chain_of = {k: i for i, chain in enumerate(self._chains) for k in chain}
         self.begin()
 
@@ -174,10 +195,12 @@ class BucketSync:
     def written(self, tensor_id: int, backend: Backend) -> None:
         """The gradient is final in its view: start every bucket of its chain that is full, in
         order, if the backend's start does not block (else they all start in finish())."""
-        k = self._bucket_of[tensor_id]
-        self._missing[k] -= 1
-        if backend.overlaps_collectives:
-            self._start(self._chain_of[k], backend, only_full=True)
+        for slot, box in self._copies.get(tensor_id, ()):
+            slot.copy_(self._views[tensor_id][box])
+        for k in self._bucket_of[tensor_id]:
+            self._missing[k] -= 1
+            if backend.overlaps_collectives:
+                self._start(self._chain_of[k], backend, only_full=True)
 
     def _start(self, c: int, backend: Backend, only_full: bool) -> None:
         chain = self._chains[c]
@@ -204,7 +227,10 @@ class BucketSync:
             self._start(c, backend, only_full=False)
         for pending in self._pending:
             pending.wait()
-        out = {s.sync_node_id: self._views[s.tensor_id] for b in self.plan.buckets for s in b.slots}
+        for tensor_id, copies in self._copies.items():
+            for slot, box in copies:
+                self._views[tensor_id][box].copy_(slot)
+        out = {self._sync_of[tensor_id]: view for tensor_id, view in self._views.items()}
         self.begin()
         return out
 

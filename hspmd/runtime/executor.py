@@ -15,6 +15,7 @@ step, after every stage's schedule, through hspmd.runtime.run.run_update.
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
@@ -131,12 +132,14 @@ class ScheduleRun:
     whose activations were held at once (peak_in_flight); the most posted sends whose buffers
     were held at once (peak_pending_sends); and the most bytes held at once by both, counted from
     the tensors themselves (activation storages, shared ones once, weights and fed inputs
-    excluded; send buffers)."""
+    excluded; send buffers); and the wall seconds from the first action to the last send
+    completed (what a pipeline's share of a step costs, without the gradient sync and update)."""
 
     micro_batches: int
     peak_in_flight: int
     peak_pending_sends: int = 0
     peak_held_bytes: int = 0
+    seconds: float = 0.0
 
 
 def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, order: Sequence[Action],
@@ -151,6 +154,7 @@ def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, ord
     (hspmd.runtime.buckets); the update then waits for them (BucketSync.finish).
     `recompute`: the devices of this device's stage, to recompute every micro-batch's forward in
     its backward (hspmd.runtime.run)."""
+    began = time.perf_counter()
     micro_batches = len({a.micro_batch for a in order})
     check_order(order, micro_batches)
     sender = NonBlockingSends(backend)
@@ -180,7 +184,7 @@ def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, ord
         peak_bytes = max(peak_bytes, _activation_bytes(live.values(), given) + sender.pending_bytes)
     with tracer.span("wait sends", "comm") if tracer else nullcontext():
         sender.wait_sends()
-    return ScheduleRun(micro_batches, peak, peak_sends, peak_bytes)
+    return ScheduleRun(micro_batches, peak, peak_sends, peak_bytes, time.perf_counter() - began)
 
 
 def _storage(t: torch.Tensor) -> int:

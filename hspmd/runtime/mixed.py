@@ -11,7 +11,8 @@ gradients synchronised and moved with the weights at each bucket boundary; one u
 The loss is token-weighted over the whole step (T = the step's counted tokens), so the gradient
 equals the single-device gradient of the same sequences whatever the dispatch or bucketing.
 Each strategy is specialized once; its comm plans are resolved once per micro-batch binding
-(sequence length) and kept, so a switch back, or a length seen before, resolves nothing anew.
+(sequence length) and kept, and each switch is planned once per pair of strategies, so a switch
+back, or a length seen before, resolves nothing anew.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from hspmd.backends.backend import Backend
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
 from hspmd.ops.nn import IGNORE_INDEX
-from hspmd.planning.dispatch import SHUFFLED_PASSES, Dispatch, PoolEntry, dispatch, fit_step_cost, select_entry
+from hspmd.planning.dispatch import SHUFFLED_PASSES, Dispatch, PoolEntry, dispatch, fit_sequence_cost, select_entry
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.packing import Sample, check_sample, counted_tokens, pack_row
 from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.specialized import Specialized
+from hspmd.switching import SwitchPlan
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class MixedLengthTrainer:
         self.dispatch_seed, self.passes, self.tokens_symbol = dispatch_seed, passes, tokens_symbol
         self.by_cost, self.switch_seconds = by_cost, switch_seconds
         self._specs: dict[int, Specialized] = {}
+        self._switch_plans: dict[tuple[int, int, bool], SwitchPlan] = {}  # (from, to, carrying gradients)
         self.trainer: Trainer | None = None
         self.current: int | None = None
         self.steps = 0
@@ -88,8 +91,10 @@ class MixedLengthTrainer:
         elif self.current == k:
             return None
         else:
+            key = (self.trainer.spec.deduced.strategy, entry.strategy, carry is not None)
             self.trainer = self.trainer.switch(entry.strategy, self._layout(k), specialized=self._specs.get(entry.strategy),
-                                               carry=carry)
+                                               carry=carry, plan=self._switch_plans.get(key))
+            self._switch_plans[key] = self.trainer.last_switch
         self._specs[entry.strategy] = self.trainer.spec
         before, self.current = self.current, k
         return None if before is None else (self.pool[before].name, entry.name)
@@ -152,16 +157,17 @@ class MixedLengthTrainer:
 
     def calibrate(self, lengths: Sequence[int] = (8, 16, 32, 64, 128), repeats: int = 3) -> tuple[PoolEntry, ...]:
         """Collective: fit every pool entry's costs on this machine, through the real runtime:
-        per sequence a s^2 + b s, per micro-batch c, per step `sync`; and the price of a switch.
-        Keep and return the calibrated pool.
+        per pipeline a s^2 + b s + c (a sequence of s tokens; c per micro-batch), per step the
+        entry's `sync`; and the price of a switch. Keep and return the calibrated pool.
 
         Each entry's strategy runs forward, backward and gradient synchronisation (no update: the
-        weights do not change) on one micro-batch of one sequence of each length per pipeline, and
-        on two micro-batches at the shortest and longest lengths (which tells the per-micro-batch c
-        from the per-step sync), all pipelines at once, `repeats` times; a run takes its slowest
-        rank's time, the same on every rank (gathered), so every rank fits the same figures and
-        dispatches alike. Approximate: every pipeline of an entry gets the same fit (right for the
-        pools of identical pipelines that a homogeneous machine has)."""
+        weights do not change) on one sequence of each length per pipeline, all pipelines at
+        once, `repeats` times. A pipeline's time is its slowest rank's schedule (forward and
+        backward, ScheduleRun.seconds), so pipelines of different widths (a heterogeneous
+        strategy) get their own fits; the sync is what the step takes beyond the slowest
+        pipeline. The switch price is the median of switches there and back between the first
+        entry and each other, planned beforehand (the trainer keeps each pair's plan). Every rank
+        gathers the same figures, fits the same pool and dispatches alike."""
         if not lengths or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in lengths):
             raise HSPMDError(f"calibrate: lengths must be positive ints, got {list(lengths)}")
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -169,23 +175,29 @@ class MixedLengthTrainer:
         start = 0 if self.current is None else self.current
         calibrated, switches = [], []
         for k, entry in enumerate(self.pool):
-            if self.current is None:
-                self._enter(k)
-            elif self.current != k:
-                switches.append(self._timed(lambda: self._enter(k)))
+            self._enter(k)
             usable = sorted({s for s in lengths if s <= min(entry.max_seq_len, entry.longest_fit)})
             if len(usable) < 3:
                 raise HSPMDError(f"calibrate: pool entry {entry.name} holds only {usable} of lengths {list(lengths)}; "
                                  f"give at least three lengths it takes")
-            runs = [(s, 1) for s in usable] + [(usable[0], 2), (usable[-1], 2)]
-            seconds = [statistics.median(self._timed(lambda: self.trainer.bucket_rows(
-                [[self._probe_row(s)] * m for _ in entry.pipelines], {self.tokens_symbol: s * m}))
-                for _ in range(repeats)) for s, m in runs]
-            a, b, c, sync = fit_step_cost([s for s, _ in runs], [m for _, m in runs], seconds)
-            calibrated.append(replace(entry, pipelines=tuple(replace(p, a=a, b=b, c=c) for p in entry.pipelines),
-                                      sync=sync))
+            per_pipeline = [[] for _ in entry.pipelines]  # [pipeline][length] median schedule seconds
+            syncs = []
+            for s in usable:
+                runs = [self._timed_parts(lambda: self.trainer.bucket_rows(
+                    [[self._probe_row(s)] for _ in entry.pipelines], {self.tokens_symbol: s}))
+                    for _ in range(repeats)]
+                for p, times in enumerate(per_pipeline):
+                    times.append(statistics.median(max(t for q, t in schedules if q == p) for _, schedules in runs))
+                syncs.extend(total - max(t for _, t in schedules) for total, schedules in runs)
+            fits = [fit_sequence_cost(usable, times, constant=True) for times in per_pipeline]
+            calibrated.append(replace(entry, sync=max(0.0, statistics.median(syncs)), pipelines=tuple(
+                replace(p, a=a, b=b, c=c) for p, (a, b, c) in zip(entry.pipelines, fits))))
         if self.current != start:
-            switches.append(self._timed(lambda: self._enter(start)))
+            self._enter(start)
+        for k in range(len(self.pool)):  # the price of a switch once it is planned (plans are kept): there and back
+            if k != start:
+                switches.append(self._timed(lambda: self._enter(k)))
+                switches.append(self._timed(lambda: self._enter(start)))
         self.pool = tuple(calibrated)
         self.switch_seconds = statistics.median(switches) if switches else 0.0
         return self.pool
@@ -196,12 +208,22 @@ class MixedLengthTrainer:
 
     def _timed(self, fn) -> float:
         """Seconds of fn() on the slowest rank, started together; the same value on every rank."""
+        return self._timed_parts(fn)[0]
+
+    def _timed_parts(self, fn) -> tuple[float, list[tuple[int, float]]]:
+        """fn() started together on every rank: (the slowest rank's seconds, [(pipeline, schedule
+        seconds) of every rank that ran one]), the same on every rank (gathered)."""
         world = tuple(range(self.backend.world_size))
         self.backend.barrier(world)
         began = time.perf_counter()
+        self.trainer.last_run = None
         fn()
-        mine = torch.tensor([time.perf_counter() - began], dtype=torch.float64, device=self.backend.device)
-        return max(float(t) for t in self.backend.all_gather(mine, world, [(1,)] * len(world)))
+        elapsed = time.perf_counter() - began
+        run = self.trainer.last_run
+        mine = torch.tensor([elapsed, -1.0 if run is None else float(self.trainer.pipeline),
+                             0.0 if run is None else run.seconds], dtype=torch.float64, device=self.backend.device)
+        rows = [row.tolist() for row in self.backend.all_gather(mine, world, [(3,)] * len(world))]
+        return max(r[0] for r in rows), [(int(r[1]), r[2]) for r in rows if r[1] >= 0]
 
     def _report(self, entries, dispatches, lengths, switches, loss) -> float | None:
         self.history.append(StepReport(self.steps, tuple(entries), tuple(dispatches),

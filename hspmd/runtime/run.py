@@ -247,18 +247,22 @@ def run_update(exe: ExecutableGraph, backend: Backend, state: DeviceState, fetch
     state.accum.clear()
 
 
-def synced_gradients(exe: ExecutableGraph, backend: Backend, state: DeviceState) -> dict[str, torch.Tensor]:
+def synced_gradients(exe: ExecutableGraph, backend: Backend, state: DeviceState,
+                     synced: Mapping[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The gradient-synchronisation part of the update alone (HP -> HD), then accumulators reset:
     this device's synchronised gradient pieces by parameter name, what a mid-step switch carries
     to the next strategy with the weights. Every rank runs the same subsequence of its update
     program, so collectives stay matched; each result is copied at once (a backend may reuse
-    its buffers in the next collective)."""
+    its buffers in the next collective). `synced`: as in run_update (bucketed all-reduces done)."""
     env = dict(state.accum)
     names = {t.node.id: (name, t) for name, t in exe.graph.gradients.items()}
     out = {}
     for ins in exe.update:
         if ins.node.id in names:
-            _execute(exe, (ins,), backend, state, env, exe.binding)
+            if synced and ins.node.id in synced:
+                env[ins.node.output.id] = synced[ins.node.id]
+            else:
+                _execute(exe, (ins,), backend, state, env, exe.binding)
             name, t = names[ins.node.id]
             if t.id in env:
                 out[name] = env[t.id].clone()

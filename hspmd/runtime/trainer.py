@@ -52,7 +52,9 @@ from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 from hspmd.runtime.run import DeviceState, run_update, synced_gradients
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
 from hspmd.specialize.strategy import Pipeline, Strategy
-from hspmd.switching import GRADIENT_PREFIX, execute_switch, gradient_leaves, plan_switch, plan_switch_with_gradients
+from hspmd.switching import (
+    GRADIENT_PREFIX, SwitchPlan, execute_switch, gradient_leaves, plan_switch, plan_switch_with_gradients,
+)
 
 
 def batch_symbol(graph: Graph) -> sympy.Symbol:
@@ -326,9 +328,10 @@ class Trainer:
         """One bucket of a step that runs under several strategies in turn (Hetu-A): step_rows
         without the update. Returns the bucket's loss and this rank's synchronised gradient pieces
         (plus `carried`), which switch(carry=...) moves with the weights to the next strategy."""
-        if not self._run_rows(micro_batches, symbols):
+        buckets = self._begin_buckets()
+        if not self._run_rows(micro_batches, symbols, buckets):
             return None, {}
-        synced = synced_gradients(self.exe, self.backend, self.state)
+        synced = synced_gradients(self.exe, self.backend, self.state, buckets.finish(self.backend) if buckets else None)
         loss = self._reduce_loss()
         return loss, {k: v + carried[k] if carried and k in carried else v for k, v in synced.items()}
 
@@ -401,7 +404,8 @@ class Trainer:
 
     def switch(self, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
                failed: tuple[int, ...] = (), specialized: Specialized | None = None,
-               carry: Mapping[str, torch.Tensor] | None = None, recompute: bool | None = None) -> "Trainer":
+               carry: Mapping[str, torch.Tensor] | None = None, recompute: bool | None = None,
+               plan: SwitchPlan | None = None) -> "Trainer":
         """Collective: the trainer of another strategy of the same graph, holding this one's
         parameters and optimizer states, moved by one fused batched send-receive (paper section 6).
         No restart and no checkpoint: training continues at the same step.
@@ -413,17 +417,23 @@ class Trainer:
         `carry`: this rank's synchronised gradient pieces of a step still under way (from
         bucket_rows); they move in the same fused plan as the weights, from the gradient layout of
         this strategy to that of the next, and wait in the new trainer's `carried`.
-        `schedule`, `recompute`: as for the constructor; None keeps this trainer's arguments."""
+        `schedule`, `recompute`: as for the constructor; None keeps this trainer's arguments.
+        `plan`: the switch plan of an earlier switch between the same strategies with the same
+        failed ranks and carry (its `last_switch`), for a caller that switches back and forth:
+        planning is pure, so it is reused rather than made again."""
         strategy = check_strategy_index(self.graph, strategy, "switch()")
         failed = checked_ranks(failed, self.backend.world_size, "failed ranks", "switch()")
         if schedule is not None and not isinstance(schedule, str):
             raise HSPMDTypeError(f"switch(): the schedule is a name such as '1f1b', got {brief(schedule)}")
+        here = self.spec.deduced.strategy
+        if plan is not None and (not isinstance(plan, SwitchPlan)
+                                 or (plan.src_strategy, plan.dst_strategy) != (here, strategy)):
+            raise HSPMDError(f"switch(): the plan given is not a switch plan from strategy {here} to {strategy}")
         if carry is None:
-            plan = plan_switch(self.graph, self.spec.deduced.strategy, strategy, failed=failed, topology=self.topology)
+            plan = plan or plan_switch(self.graph, here, strategy, failed=failed, topology=self.topology)
             moving = {} if self.backend.rank in failed else self.state.leaves
         else:
-            plan = plan_switch_with_gradients(self.graph, self.spec.deduced.strategy, strategy, failed=failed,
-                                              topology=self.topology)
+            plan = plan or plan_switch_with_gradients(self.graph, here, strategy, failed=failed, topology=self.topology)
             moving = {} if self.backend.rank in failed else {**self.state.leaves, **gradient_leaves(carry)}
         nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
                       self.symbols, self.seed, self.topology, specialized, self.bucket_cap_mb,
