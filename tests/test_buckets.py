@@ -15,7 +15,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.buckets import MB, plan_buckets
+from hspmd.runtime.buckets import MB, chain_cap, plan_buckets
 from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.trace import Tracer
@@ -59,7 +59,8 @@ def made_order(exe) -> list[int]:
 
 
 @settings(max_examples=60)
-@given(text=st.sampled_from([DP_TP, DP_PP, MIXED, HETERO]), cap=st.integers(1, 40_000), data=st.data())
+@given(text=st.sampled_from([DP_TP, DP_PP, MIXED, HETERO]), cap=st.integers(1, 40_000) | st.integers(MB, 64 * MB),
+       data=st.data())
 def test_buckets_respect_the_cap_and_fill_in_backward_order(text, cap, data):
     exes = EXES[text]
     exe = exes[data.draw(st.sampled_from(sorted(exes)))]
@@ -67,15 +68,21 @@ def test_buckets_respect_the_cap_and_fill_in_backward_order(text, cap, data):
     order = made_order(exe)
     chains: dict = {}
     for bucket in plan.buckets:
-        assert bucket.nbytes <= cap or len(bucket.slots) == 1
         assert [s.offset for s in bucket.slots] == [sum(s.numel for s in bucket.slots[:i]) for i in range(len(bucket.slots))]
         chains.setdefault((bucket.group, bucket.dtype), []).append(bucket)
     for chain in chains.values():
         slots = [s for b in chain for s in b.slots]
         assert [order.index(s.tensor_id) for s in slots] == sorted(order.index(s.tensor_id) for s in slots)
+        # the group's cap: the one given, lowered (not under 1 MiB) so that a small model gets >= 4 buckets
+        total = sum(b.nbytes for b in chain)
+        group_cap = chain_cap(total, cap)
+        assert group_cap <= cap and (group_cap == cap or group_cap >= MB)
+        assert group_cap == cap or total <= 4 * cap
+        for bucket in chain:
+            assert bucket.nbytes <= group_cap or len(bucket.slots) == 1
         for before, after in zip(chain, chain[1:]):  # greedy: a bucket closes only when the next gradient overflows it
             first = after.slots[0].numel * torch.empty((), dtype=after.dtype).element_size()
-            assert before.nbytes + first > cap
+            assert before.nbytes + first > group_cap
     # buckets are listed in the order the backward completes them
     last = [max(order.index(s.tensor_id) for s in b.slots) for b in plan.buckets]
     assert last == sorted(last)
@@ -115,6 +122,13 @@ def test_every_member_of_a_group_plans_the_same_buckets(text, cap):
     for key, members in by_group.items():
         assert set(members) == set(key[0]), key
         assert len({repr(v) for v in members.values()}) == 1, key
+
+
+def test_a_model_smaller_than_the_cap_still_gets_several_buckets_of_at_least_one_mib():
+    assert chain_cap(16 * MB, 25 * MB) == 4 * MB  # the benchmark's medium MLP: 4 buckets, not 1
+    assert chain_cap(200 * MB, 25 * MB) == 25 * MB  # a large model: the cap as given
+    assert chain_cap(100_000, 25 * MB) == MB  # a tiny one: one bucket (no 25 KB all-reduces)
+    assert chain_cap(100_000, 3000) == 3000  # a cap below the floor is the caller's choice
 
 
 def test_split_synchronisations_join_buckets_one_slot_per_all_reduce():

@@ -8,7 +8,8 @@ either one all-reduce of each device's whole piece (the common case) or a split 
 gradient reduces one box with each TP rank of the other pipeline). Each (all-reduce, box) is a
 slot; slots are grouped by (all-reduce group, dtype) in the order the backward makes the
 gradients, each bucket holding at most `cap_bytes` (a slot larger than the cap is a bucket by
-itself). Every member of a group derives the same buckets with no message: the predicate reads
+itself), or less for a group whose gradients would fill fewer than MIN_BUCKETS buckets
+(`chain_cap`: otherwise a small model syncs in one bucket after the whole backward). Every member of a group derives the same buckets with no message: the predicate reads
 only the global plan, the order is the graph's, the sizes are the plan's boxes. Every other
 gradient (a plan that moves or gathers pieces) keeps its plan in the update program;
 `BucketPlan.kept` says which and why.
@@ -33,7 +34,7 @@ buffers: valid until the next step's backward writes them again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 import torch
@@ -103,8 +104,7 @@ def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
         for t in node.inputs:
             readers[t.id] = readers.get(t.id, 0) + 1
     syncs = {ins.node.inputs[0].id: ins for ins in exe.update if ins.node.id in names and ins.node.opdef.is_comm}
-    chains: dict[tuple[Group, torch.dtype], list[list[tuple[int, BucketSlot]]]] = {}
-    sizes: dict[tuple[Group, torch.dtype], int] = {}
+    slots: dict[tuple[Group, torch.dtype], list[tuple[int, BucketSlot, int]]] = {}  # (position, slot, bytes)
     kept: list[tuple[str, str]] = []
     for position, ins in enumerate(exe.backward):
         for t in ins.node.outputs:
@@ -126,20 +126,36 @@ def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
             for c in mine:
                 shape = tuple(b - a for a, b in c.box)
                 box = None if len(mine) == 1 else tuple((a - p, b - p) for (a, b), (p, _) in zip(c.box, piece))
-                key = (c.devices, t.dtype)
                 nbytes = prod(shape) * torch.empty((), dtype=t.dtype).element_size()
-                chain = chains.setdefault(key, [[]])
-                if chain[-1] and sizes[key] + nbytes > cap_bytes:
-                    chain.append([])
-                    sizes[key] = 0
-                offset = sum(s.numel for _, s in chain[-1])
-                chain[-1].append((position, BucketSlot(name, t.id, sync.node.id, shape, offset, box)))
-                sizes[key] = sizes.get(key, 0) + nbytes
-    buckets = [(slots[-1][0], Bucket(group, dtype, tuple(s for _, s in slots)))
-               for (group, dtype), chain in sorted(chains.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))
-               for slots in chain]
+                slots.setdefault((c.devices, t.dtype), []).append(
+                    (position, BucketSlot(name, t.id, sync.node.id, shape, 0, box), nbytes))
+    buckets = []
+    for (group, dtype), chain in sorted(slots.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        cap = chain_cap(sum(n for _, _, n in chain), cap_bytes)
+        filled: list[list[tuple[int, BucketSlot]]] = [[]]
+        size = 0
+        for position, slot, nbytes in chain:
+            if filled[-1] and size + nbytes > cap:
+                filled.append([])
+                size = 0
+            offset = sum(s.numel for _, s in filled[-1])
+            filled[-1].append((position, replace(slot, offset=offset)))
+            size += nbytes
+        buckets.extend((bucket[-1][0], Bucket(group, dtype, tuple(s for _, s in bucket))) for bucket in filled)
     buckets.sort(key=lambda pb: pb[0])
     return BucketPlan(cap_bytes, tuple(b for _, b in buckets), tuple(kept))
+
+
+MIN_BUCKETS = 4  # per group, where the cap allows: the first can start while the backward still runs
+MIN_BUCKET_BYTES = 1 << 20
+
+
+def chain_cap(total_bytes: int, cap_bytes: int) -> int:
+    """The cap a group's buckets fill to: `cap_bytes`, or less when the group's gradients fit in
+    fewer than MIN_BUCKETS buckets of it (a model smaller than the cap would otherwise sync in one
+    bucket after the whole backward, with nothing left to overlap), but never under
+    MIN_BUCKET_BYTES (each all-reduce pays a latency)."""
+    return min(cap_bytes, max(MIN_BUCKET_BYTES, -(-total_bytes // MIN_BUCKETS)))
 
 
 def cap_bytes_of(cap_mb: float) -> int:
@@ -252,6 +268,6 @@ def write_gradient(node, ctx, inputs, target: torch.Tensor, earlier: torch.Tenso
 
 
 __all__ = [
-    "Bucket", "BucketPlan", "BucketSlot", "BucketSync", "DEFAULT_BUCKET_CAP_MB", "cap_bytes_of", "plan_buckets",
+    "Bucket", "BucketPlan", "BucketSlot", "BucketSync", "DEFAULT_BUCKET_CAP_MB", "cap_bytes_of", "chain_cap", "plan_buckets",
     "write_gradient",
 ]
