@@ -1,8 +1,9 @@
 """Exhaustive boxing matrix (after OneFlow's boxing test): every pair of S0, S1, D, P layouts over
 device sets [0,1], [0,1,2], [1,2,3], [0,1,2,3], same sets and different sets alike, on an uneven
-shape. Each plan must be structurally sound and reproduce the tensor; on one device set the
-primitive must be the one of paper figure 5; a Partial source on other devices is reduced where
-it lies first, and refused in paper-strict mode."""
+shape. Each plan (the default, chosen by cost, and the hierarchical one) must be structurally sound
+and reproduce the tensor; on one device set the hierarchical primitive must be the one of paper
+figure 5; a Partial source on other devices is reduced where it lies first, and refused in
+paper-strict mode."""
 
 from __future__ import annotations
 
@@ -40,10 +41,13 @@ CASES = [
 
 @pytest.mark.parametrize("src, dst, a, b, da, db", CASES, ids=[f"{c[0]}->{c[1]}" for c in CASES])
 def test_boxing(src, dst, a, b, da, db):
-    plan = resolve(src, dst, SHAPE, "2x2", dtype="float64")
-    check_plan(plan)
     x = torch.randn(SHAPE, dtype=torch.float64, generator=torch.Generator().manual_seed(len(CASES)))
-    torch.testing.assert_close(reshard_tensor(plan, x, seed=7), x)
+    chosen = resolve(src, dst, SHAPE, "2x2", dtype="float64")
+    plan = resolve(src, dst, SHAPE, "2x2", dtype="float64", via="hierarchical")
+    for p in (chosen, plan):
+        check_plan(p)
+        torch.testing.assert_close(reshard_tensor(p, x, seed=7), x)
+    assert chosen.estimated_seconds <= plan.estimated_seconds
     if da == db:
         assert plan.primitives == (SAME_SET.get((a, b), "Identity"),)
     elif a != "P":

@@ -9,7 +9,7 @@ import torch
 
 from hspmd import Plan, parse_cluster, resolve
 from hspmd.cluster import cluster_from_dict, cluster_to_dict, uniform
-from hspmd.cluster.presets import GENERIC_INTER, INFINIBAND, NVLINK
+from hspmd.cluster.presets import GENERIC_INTER, GENERIC_INTRA, INFINIBAND, NVLINK
 from hspmd.cli import main as cli_main
 from hspmd.comm_resolve.explain import main as explain_main
 from hspmd.errors import AnnotationError, ClusterError, ShapeError
@@ -42,12 +42,17 @@ def test_ring_allgather_traffic_and_time():
     """4 members, 2 floats each: every member sends the 3 chunks but its successor's (24 B);
     on 2 nodes of 2 the ring 0-1-2-3-0 crosses nodes twice."""
     topo = uniform(2, 2)
-    plan = resolve("S0:4@[0-3]", "D:4@[0-3]", (8,), topo)
+    plan = resolve("S0:4@[0-3]", "D:4@[0-3]", (8,), topo, via="hierarchical")
     assert plan.primitives == ("AllGather",)
     assert plan.bytes_sent == {d: 24 for d in range(4)} == plan.bytes_received
     assert plan.bytes_by_link == {"inter-node": 48, "intra-node": 48}
     expected = 3 * GENERIC_INTER.latency + 24 / GENERIC_INTER.bandwidth
     assert plan.estimated_seconds == pytest.approx(expected)
+    # the default BatchedSendRecv: each device receives 1 piece over its node's link and 2 across
+    bsr = resolve("S0:4@[0-3]", "D:4@[0-3]", (8,), topo)
+    assert bsr.primitives == ("BatchedSendRecv",)
+    expected = GENERIC_INTRA.seconds(8) + 2 * GENERIC_INTER.seconds(8)
+    assert bsr.estimated_seconds == pytest.approx(expected) and expected < plan.estimated_seconds
 
 
 def test_allreduce_and_sendrecv_traffic():

@@ -118,9 +118,13 @@ def test_split_collectives_over_tp4_tp2_tp1_on_any_split_dim(dim):
     rs = planned(f"HP{{{subs}}}", f"H{other}(4:2:1){{{subs}}}", shape)
     assert rs.primitives == ("SplitReduceScatter",)
     assert {c.kind for c in rs.steps[0].collectives} == {"reduce_scatter"}
-    ag = planned(f"H{other}(4:2:1){{{subs}}}", f"HD{{{subs}}}", shape)
+    ag = planned(f"H{other}(4:2:1){{{subs}}}", f"HD{{{subs}}}", shape, via="hierarchical")
     assert ag.primitives == ("SplitAllGather",)
     assert {c.kind for c in ag.steps[0].collectives} == {"all_gather"}
+    # by default the one BatchedSendRecv wins: each device receives every piece it lacks at once,
+    # where the ring AllGathers of the slices it joins run one after another
+    chosen = planned(f"H{other}(4:2:1){{{subs}}}", f"HD{{{subs}}}", shape)
+    assert chosen.primitives == ("BatchedSendRecv",) and chosen.estimated_seconds < ag.estimated_seconds
 
 
 def test_figure7_reduce_scatter_and_identity_then_split_allreduce():

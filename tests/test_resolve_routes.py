@@ -2,18 +2,23 @@
 choice by estimated cost; 002 App. E's 20 combinations of (inner DP, CP x TP) across two stages."""
 
 import itertools
+import json
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
+from test_resolve_property import reshards
 
-from hspmd import parse, resolve
+from hspmd import parse, resolve, shard, unshard
 from hspmd.annotations import box_intersection, device_pieces
-from hspmd.comm_resolve.slices import box_volume
-from hspmd.backends.plan_executor import reshard_tensor
-from hspmd.cluster import LinkClass, uniform
+from hspmd.backends.plan_executor import reshard_tensor, run_plan
+from hspmd.cluster import ClusterSpec, DeviceType, LinkClass, Node, uniform
+from hspmd.comm_resolve import Plan
 from hspmd.comm_resolve.compare import alternatives, chosen_route
 from hspmd.comm_resolve.explain import main as explain_main
+from hspmd.comm_resolve.resolver import VIAS, cheaper
+from hspmd.comm_resolve.slices import box_volume
+from hspmd.comm_resolve.verify import check_plan
 from hspmd.errors import UnsupportedReshard
 
 # 002 App. E: two clusters of 16 devices, one stage each; d_inner * (c t) = 16 per stage, d1 != d2
@@ -75,12 +80,28 @@ MERGE = ("H0(1:1){S0:2@[0,1] | S0:2@[2,3]}", "HD{D:2@[0,1] | D:2@[2,3]}", (8, 4)
 
 def test_consecutive_allgathers_merge_when_cheaper():
     src, dst, shape = MERGE
-    alts = alternatives(src, dst, shape, "2x2")
+    alts = alternatives(src, dst, shape)  # one node: every link alike
     assert alts["hierarchical"].primitives == ("AllGather", "AllGather", "SplitAllGather")
     assert alts["merged-allgather"].primitives == ("AllGather",)
-    plan = resolve(src, dst, shape, "2x2")
-    assert plan.estimated_seconds == min(alts[v].estimated_seconds for v in ("hierarchical", "merged-allgather"))
+    plan = resolve(src, dst, shape)
+    assert plan.estimated_seconds < alts["hierarchical"].estimated_seconds
+    # on equal links the ring and the one BatchedSendRecv tie; the tie goes to the earlier route
+    assert alts["direct"].estimated_seconds == pytest.approx(plan.estimated_seconds, rel=1e-12)
     assert chosen_route(alts, plan) == "merged-allgather"
+    x = torch.randn(shape)
+    assert torch.equal(reshard_tensor(plan, x), x)
+
+
+def test_across_nodes_fewer_slow_messages_win():
+    # 2 nodes of 2, 16 B pieces (latency-bound): 3 steps of rings (45 us) > one ring across the
+    # nodes (30 us) > one BatchedSendRecv, 2 of each device's 3 messages across (25 us) > HetAuto's
+    # root inside each node: gather, one message across, broadcast (20 us)
+    src, dst, shape = MERGE
+    alts = alternatives(src, dst, shape, "2x2")
+    times = [alts[v].estimated_seconds for v in ("hierarchical", "merged-allgather", "direct", "root")]
+    assert times == sorted(times, reverse=True)
+    plan = resolve(src, dst, shape, "2x2")
+    assert chosen_route(alts, plan) == "root"
     x = torch.randn(shape)
     assert torch.equal(reshard_tensor(plan, x), x)
 
@@ -98,22 +119,84 @@ def test_hierarchical_kept_when_the_merge_costs_more():
 
 
 def test_routes_that_do_not_apply_say_why():
-    with pytest.raises(UnsupportedReshard, match="single-subgroup"):
-        resolve(*MERGE, via="representatives")
     with pytest.raises(UnsupportedReshard, match="tile the tensor once"):
         resolve("D:2@[0,1]", "D:2@[0,1]", (4,), via="merged-allgather")
     with pytest.raises(UnsupportedReshard, match="partial sums"):
         resolve("P:2@[0,1]", "D:2@[2,3]", (4,), via="root")
+    with pytest.raises(UnsupportedReshard, match="destination .* holds partial sums"):
+        resolve("D:2@[0,1]", "P:2@[2,3]", (4,), via="representatives")
     with pytest.raises(UnsupportedReshard, match="unknown route"):
         resolve("D:2@[0,1]", "D:2@[0,1]", (4,), via="sideways")
+
+
+def test_root_and_representatives_gather_inside_each_subgroup():
+    """HetAuto gathers inside an outer-DP partition (an hspmd subgroup), never across them."""
+    src, dst = "H0(1:1){S0:2,S1:2@[0-3] | S0:2,S1:2@[4-7]}", "H0(1:1){S1:4@[8-11] | S1:4@[12-15]}"
+    for via in ("root", "representatives"):
+        plan = resolve(src, dst, (8, 8), CLUSTERS, via=via)
+        gather = plan.steps[0]
+        assert all((t.src < 4) == (t.dst < 4) for t in gather.transfers), via
+        x = torch.randn((8, 8))
+        assert torch.equal(reshard_tensor(plan, x), x)
 
 
 def test_explain_compare_prints_every_route(capsys):
     src, dst, shape = MERGE
     assert explain_main([src, dst, "--shape", "8,4", "--topology", "2x2", "--compare"]) == 0
     out = capsys.readouterr().out
-    for via in ("hierarchical", "merged-allgather *", "direct", "root"):
+    for via in ("hierarchical", "merged-allgather", "direct", "root *", "representatives"):
         assert via in out
-    assert "representatives: not applicable" in out
     assert explain_main([src, dst, "--shape", "8,4", "--compare", "--json"]) == 0
-    assert '"chosen"' in capsys.readouterr().out
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"] == "merged-allgather" and set(data["alternatives"]) == set(VIAS)
+
+
+# the default picks the cheapest route ------------------------------------------------------------
+
+
+def two_sites(nodes: int = 2, per_node: int = 4, cross: LinkClass = LinkClass("wan", 1.25e9, 1e-3)) -> ClusterSpec:
+    """Two sites (HetAuto's clusters) of `nodes` nodes each, NVLink inside a node, InfiniBand
+    between nodes of a site and a slow, high-latency link between the sites."""
+    gpu = DeviceType("gpu", (("float32", 20e12),), 2e12, 80e9)
+    nvlink, ib = LinkClass("nvlink", 300e9, 3e-6), LinkClass("ib", 12.5e9, 6e-6)
+    sites = (Node("gpu", per_node, "a"),) * nodes + (Node("gpu", per_node, "b"),) * nodes
+    return ClusterSpec(sites, (gpu,), (nvlink, ib, cross), (("gpu", "nvlink"),), (("*", "ib"),), cross.name)
+
+
+PROPERTY_CLUSTERS = [None, "4x4", "h800-h20:1+1", two_sites(), two_sites(4, 2, LinkClass("wan", 1.25e9, 50e-6))]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(reshards(), st.sampled_from(PROPERTY_CLUSTERS), st.integers(0, 2**16))
+def test_the_default_plan_is_the_cheapest_route(case, cluster, seed):
+    src, dst, shape = case
+    plan = resolve(src, dst, shape, cluster, dtype="float64")
+    alts = alternatives(src, dst, shape, cluster, dtype="float64")
+    times = {via: p.estimated_seconds for via, p in alts.items() if isinstance(p, Plan)}
+    assert plan.estimated_seconds == pytest.approx(min(times.values()), rel=1e-8, abs=1e-15)
+    via = chosen_route(alts, plan)  # the pick is one of the routes --compare lists
+    assert not any(cheaper(t, times[via]) for v, t in times.items() if VIAS.index(v) < VIAS.index(via))
+    assert resolve(src, dst, shape, cluster, dtype="float64") == plan  # the same on every device
+    check_plan(plan)
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    result = run_plan(plan, shard(x, src, seed=seed))
+    torch.testing.assert_close(unshard(result, dst, shape=shape), x, rtol=1e-9, atol=1e-9)
+
+
+def test_the_root_route_wins_across_a_slow_high_latency_link():
+    """Stage 1 (inner DP 4, 2 nodes of site a) to stage 2 (sequence split 8, site b) of a small
+    activation: one message over the 1 ms link beats four per device (HetAuto's S2)."""
+    src, dst, shape = "S0:4,S1:2@[0-7]", "S1:8@[8-15]", (4, 64, 16)
+    alts = alternatives(src, dst, shape, two_sites(), dtype="bfloat16")
+    plan = resolve(src, dst, shape, two_sites(), dtype="bfloat16")
+    assert chosen_route(alts, plan) == "root"
+    hierarchical = alts["hierarchical"]
+    assert _between_sites(plan, 8) == 1 < _between_sites(hierarchical, 8)
+    assert plan.estimated_seconds < hierarchical.estimated_seconds
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    assert torch.equal(reshard_tensor(plan, x), x)
+
+
+def _between_sites(plan, first_of_b: int) -> int:
+    """Messages between the two sites (devices below `first_of_b` are site a)."""
+    return sum(1 for s in plan.steps for t in s.transfers if (t.src < first_of_b) != (t.dst < first_of_b))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from hspmd.comm_resolve.slices import box_volume
+from hspmd.cluster import LinkClass
 from hspmd.comm_resolve.topology import ClusterSpec
 from hspmd.errors import ShapeError, ShapeTypeError
 from hspmd.limits import brief
@@ -50,14 +51,15 @@ class Traffic:
     sent_by_link: dict[tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
     busy: dict[int, float] = field(default_factory=lambda: defaultdict(float))
 
-    def edge(self, topology: ClusterSpec, a: int, b: int, nbytes: int) -> None:
+    def edge(self, topology: ClusterSpec, a: int, b: int, nbytes: int, link: LinkClass | None = None) -> None:
+        """Count `nbytes` from a to b (`link`: their link class, when the caller has it already)."""
         if a == b or nbytes <= 0:
             return
         self.sent[a] += nbytes
         self.received[b] += nbytes
-        link = topology.link(a, b).name
-        self.by_link[link] += nbytes
-        self.sent_by_link[(a, link)] += nbytes
+        name = (link or topology.link(a, b)).name
+        self.by_link[name] += nbytes
+        self.sent_by_link[(a, name)] += nbytes
 
     @property
     def seconds(self) -> float:
@@ -109,8 +111,9 @@ def transfer_traffic(traffic: Traffic, topology: ClusterSpec, itemsize, transfer
         if t.src == t.dst:
             continue
         nbytes = sum(box_volume(b) * sizes(k) for b, k in zip(t.boxes, t.tensors))
-        traffic.edge(topology, t.src, t.dst, nbytes)
-        seconds = topology.link(t.src, t.dst).seconds(nbytes)
+        link = topology.link(t.src, t.dst)
+        traffic.edge(topology, t.src, t.dst, nbytes, link)
+        seconds = link.seconds(nbytes)
         send_time[t.src] += seconds
         recv_time[t.dst] += seconds
     for d in set(send_time) | set(recv_time):

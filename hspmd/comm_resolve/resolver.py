@@ -20,27 +20,34 @@ each slice to one summand and zeros to the others (no reduction needed).
 Steps of different subgroups in one round run side by side (the time estimate overlaps them);
 the plan lists them subgroup by subgroup so that each step's src is the previous step's dst.
 
-Where several correct plans exist the resolver picks by estimated time (cost.py): a source whose
-pieces tile the tensor once, gathered whole onto the same devices, may go in one AllGather over
-the union instead of AllGathers per subgroup followed by a SplitAllGather ("merged AllGather").
-`via` asks for one route: "hierarchical" (the decision order above), "merged-allgather", or one of
-HetAuto's resharding routes (002 section 5.2, App. E):
+Several correct plans exist for most reshards; by default the resolver returns the one of least
+estimated time (cost.py, the same alpha-beta pricing for all) among these routes (VIAS), ties going
+to the earlier one:
 
-* "direct": one BatchedSendRecv over all devices (S1: every overlapping pair exchanges);
-* "root": gather onto the source's first device, one message to the destination's first device,
-  scatter from there (S2);
-* "representatives": gather along dim 0 (the batch, inner DP) onto the source devices at batch
-  index 0, exchange between them and the destination's batch-index-0 devices, scatter along dim 0
-  inside the destination (S3: bottom-tier gather, top-tier send, bottom-tier split).
+* "hierarchical": the decision order above;
+* "merged-allgather": a source whose pieces tile the tensor once, gathered whole onto the same
+  devices, in one AllGather over the union instead of AllGathers per subgroup followed by a
+  SplitAllGather;
+* HetAuto's resharding routes (002 section 5.2, App. E), for value layouts:
+  "direct": one BatchedSendRecv over all devices (S1: every overlapping pair exchanges);
+  "root": each subgroup gathers onto its first device, the roots exchange, each destination
+  subgroup's first device scatters (S2; one message per subgroup pair of one stage each);
+  "representatives": each subgroup gathers along dim 0 (the batch, inner DP) onto its devices at
+  batch index 0, those exchange with the destination's batch-index-0 devices, which scatter along
+  dim 0 (S3: bottom-tier gather, top-tier send, bottom-tier split).
+
+`via` forces one route. Lower bounds (bounds.py) keep the choice cheap: routes that cannot win
+are not built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from hspmd.annotations import Annotation, Split, Subgroup, device_pieces, parse, subgroup_regions
 from hspmd.annotations.geometry import check_ratios
+from hspmd.comm_resolve.bounds import reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
@@ -62,6 +69,7 @@ class _Reshard:
     topology: ClusterSpec
     itemsize: int
     reduce_partial: bool
+    planned: dict = field(default_factory=dict, compare=False)  # BSR transfers already planned, by hop
 
     def refuse(self, why: str) -> UnsupportedReshard:
         return UnsupportedReshard(
@@ -127,57 +135,140 @@ def resolve(
     name = dtype_name(dtype)
     ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial)
     if via is not None:
-        return Plan(src, dst, shape, tuple(_via(via, src, dst, ctx)), topology, name)
-    plan = Plan(src, dst, shape, tuple(_route(src, dst, ctx)), topology, name)
-    merged = _merged_all_gather(src, dst, ctx)
-    if merged is not None and len(plan.steps) > 1:
-        other = Plan(src, dst, shape, (merged,), topology, name)
-        if other.estimated_seconds < plan.estimated_seconds:
-            return other
-    return plan
+        return _plan(ctx, name, _via(via, src, dst, ctx))
+    return _cheapest(ctx, name)
 
 
 VIAS = ("hierarchical", "merged-allgather", "direct", "root", "representatives")
 
 
 def _via(via: str, src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
+    """The steps of route `via`, or UnsupportedReshard saying why it does not apply."""
     if via not in VIAS:
         raise UnsupportedReshard(f"unknown route via={via!r}; use one of {', '.join(VIAS)} (or None: the cheapest)")
     if via == "hierarchical":
         return _route(src, dst, ctx)
+    steps = _alternative(via, ctx)
+    if steps is not None:
+        return steps
     if via == "merged-allgather":
-        step = _merged_all_gather(src, dst, ctx)
-        if step is None:
-            raise UnsupportedReshard(
-                f"via='merged-allgather' needs a source whose pieces tile the tensor once (no replicas, no partial "
-                f"sums) and a destination holding the whole tensor on the same devices; {src} -> {dst} is not"
-            )
-        return [step]
+        raise UnsupportedReshard(
+            f"via='merged-allgather' needs a source whose pieces tile the tensor once (no replicas, no partial "
+            f"sums) and a destination holding the whole tensor on the same devices; {src} -> {dst} is not"
+        )
     if src.has_partial:
         raise ctx.refuse(f"via={via!r} moves values and the source holds partial sums")
+    raise UnsupportedReshard(
+        f"via={via!r} gathers values onto a few devices of each destination subgroup, and the destination {dst} "
+        f"holds partial sums; use 'direct' or the hierarchical route"
+    )
+
+
+def _alternative(via: str, ctx: _Reshard) -> list[Step] | None:
+    """The steps of a route other than the hierarchical one, or None where it does not apply."""
+    if via == "merged-allgather":
+        step = _merged_all_gather(ctx.src, ctx.dst, ctx)
+        return None if step is None else [step]
+    hops = _hops(via, ctx)
+    return None if hops is None else _hop_steps(hops, ctx)
+
+
+def _hops(via: str, ctx: _Reshard) -> tuple[Annotation, ...] | None:
+    """The layouts HetAuto's route `via` passes through, src first and dst last, or None where it
+    does not apply: the routes move values, so they need a source without partial sums, and root
+    and representatives, which gather values onto a few devices, a destination without them."""
+    src, dst = ctx.src, ctx.dst
+    if src.has_partial:
+        return None
     if via == "direct":
-        return [_transfer_step(src, dst, ctx)]
-    if via == "root":
-        first, last = _on_device(src.devices[0]), _on_device(dst.devices[0])
-    else:
-        first, last = _representatives(src, "source"), _representatives(dst, "destination")
-    hops = (src, first, last, dst)
-    steps = [_transfer_step(a, b, ctx) for a, b in zip(hops, hops[1:]) if a != b]
-    return _in_sequence(steps) if steps else _route(src, dst, ctx)
+        return (src, dst)
+    if dst.has_partial:
+        return None
+    keep = _root_of if via == "root" else _representatives_of
+    hops = (src, _within(src, keep), _within(dst, keep), dst)
+    return tuple(h for i, h in enumerate(hops) if i == 0 or h != hops[i - 1])
 
 
-def _on_device(device: int) -> Annotation:
-    return Annotation((Subgroup((device,)),))
+def _hop_steps(hops: tuple[Annotation, ...], ctx: _Reshard) -> list[Step]:
+    """One BatchedSendRecv per hop, in sequence (the hierarchical plan when there is no hop)."""
+    if len(hops) == 1:
+        return _route(ctx.src, ctx.dst, ctx)
+    return _in_sequence([_transfer_step(a, b, ctx) for a, b in zip(hops, hops[1:])])
 
 
-def _representatives(ann: Annotation, role: str, dim: int = 0) -> Annotation:
-    """`ann` gathered along `dim` onto the devices at index 0 of every Split of `dim` (HetAuto's
-    inner-DP-rank-0 devices); the other axes keep their devices' order and pieces."""
-    if ann.hsize != 1:
-        raise UnsupportedReshard(
-            f"via='representatives' needs a single-subgroup {role} layout (one stage); {ann} has HSize {ann.hsize}"
-        )
-    sub = ann.subgroups[0]
+# choosing by cost ---------------------------------------------------------------------------------
+
+TIE = 1e-9
+"""Relative margin below which two estimates count as equal: routes that are the same in exact
+arithmetic (a ring AllGather and a BatchedSendRecv on equal links) differ in the last bits of a
+float sum, and float noise must not decide between them."""
+
+
+def cheaper(a: float, b: float) -> bool:
+    """`a` beats `b` by more than float noise (TIE)."""
+    return a < b * (1.0 - TIE)
+
+
+def _cheapest(ctx: _Reshard, dtype: str) -> Plan:
+    """The plan of least estimated time among every route that applies (VIAS). Ties go to the
+    earlier route, so the hierarchical plan stays unless another is strictly cheaper, and every
+    device, resolving the same arguments, picks the same plan.
+
+    Kept cheap (resolve runs for every CommOp): nothing more is tried once the best plan meets the
+    bound no plan undercuts (bounds.py), a HetAuto route is built only when its own bound is below
+    the best so far, and a route whose messages are the best plan's (the direct BSR when the
+    hierarchical plan is that BSR) is not priced again."""
+    best = _plan(ctx, dtype, _route(ctx.src, ctx.dst, ctx))
+    if best.estimated_seconds == 0.0:
+        return best
+    floor = reshard_bound(ctx.src, ctx.dst, ctx.shape, ctx.itemsize, ctx.topology)
+    tried = set()
+    for via in VIAS[1:]:
+        if not cheaper(floor, best.estimated_seconds):
+            break
+        if via == "merged-allgather":
+            steps = _alternative(via, ctx)
+        else:
+            hops = _hops(via, ctx)
+            if hops is None or hops in tried:  # representatives on one device each: the root route
+                continue
+            tried.add(hops)
+            if not cheaper(route_bound(hops, ctx.shape, ctx.itemsize, ctx.topology), best.estimated_seconds):
+                continue
+            steps = _hop_steps(hops, ctx)
+        if steps is None or _same_messages(steps, best.steps):
+            continue
+        plan = _plan(ctx, dtype, steps)
+        if cheaper(plan.estimated_seconds, best.estimated_seconds):
+            best = plan
+    return best
+
+
+def _plan(ctx: _Reshard, dtype: str, steps: list[Step]) -> Plan:
+    return Plan(ctx.src, ctx.dst, ctx.shape, tuple(steps), ctx.topology, dtype)
+
+
+def _same_messages(steps: list[Step], others: tuple[Step, ...]) -> bool:
+    """Both are the one BatchedSendRecv planned once (the same transfers object): the same cost."""
+    return (len(steps) == len(others) == 1 and not steps[0].collectives and not others[0].collectives
+            and steps[0].transfers is others[0].transfers)
+
+
+def _within(ann: Annotation, keep) -> Annotation:
+    """`ann` with each subgroup's piece gathered onto the devices `keep` picks, the union's HDim and
+    ratios unchanged: HetAuto gathers inside each outer-DP partition (an hspmd subgroup), never
+    across partitions, so that one pipeline's data never passes through another's devices."""
+    return Annotation(tuple(keep(sub) for sub in ann.subgroups), ann.hdim, ann.ratios)
+
+
+def _root_of(sub: Subgroup) -> Subgroup:
+    """The subgroup's whole piece on its first device (S2's root)."""
+    return Subgroup((sub.dg.devices[0],))
+
+
+def _representatives_of(sub: Subgroup, dim: int = 0) -> Subgroup:
+    """The subgroup gathered along `dim` onto the devices at index 0 of every Split of `dim`
+    (HetAuto's inner-DP-rank-0 devices); the other axes keep their devices' order and pieces."""
     axes = sub.ds.axes
     gathered = [isinstance(a, Split) and a.dim == dim for a in axes]
     reps = []
@@ -188,8 +279,7 @@ def _representatives(ann: Annotation, role: str, dim: int = 0) -> Annotation:
             rest //= a.n
         if all(d == 0 for d, g in zip(reversed(digits), gathered) if g):
             reps.append(device)
-    kept = tuple(a for a, g in zip(axes, gathered) if not g)
-    return Annotation((Subgroup(tuple(reps), kept),))
+    return Subgroup(tuple(reps), tuple(a for a, g in zip(axes, gathered) if not g))
 
 
 def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Reshard) -> Step | None:
@@ -376,15 +466,24 @@ def _reduce_union(union: Annotation, goal: Annotation, ctx: _Reshard) -> tuple[l
 
 def _transfer_step(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: int | None = None) -> Step:
     """BatchedSendRecv of values from `src` to `dst` (whole union, or subgroup `restrict` only);
-    LocalSplit when every device finds what it needs in its own piece."""
+    LocalSplit when every device finds what it needs in its own piece. The messages are planned
+    once per hop and reshard (routes share hops: the direct route is often the hierarchical BSR)."""
+    whole = restrict is None or (src.hsize == 1 and dst.hsize == 1)  # one subgroup: the whole union
+    key = (src, dst, None if whole else restrict)
+    if key not in ctx.planned:
+        ctx.planned[key] = _transfers(src, dst, ctx, None if whole else restrict)
+    transfers = ctx.planned[key]
+    assembled_on = tuple(sorted(dst.devices if whole else dst.subgroups[restrict].dg.devices))
+    remote = any(t.src != t.dst for t in transfers)
+    return Step("BatchedSendRecv" if remote else "LocalSplit", src, dst, (), transfers, assembled_on, restrict)
+
+
+def _transfers(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: int | None) -> tuple[Transfer, ...]:
     sp = device_pieces(src, ctx.shape)
     devices = None if restrict is None else dst.subgroups[restrict].dg.devices
     owners = {d: p.box for d, p in sp.items() if restrict is None or d in src.subgroups[restrict].dg.devices}
     needs = destination_needs(dst, ctx.shape, owners, devices)
-    transfers = plan_transfers([TensorSlices(0, len(ctx.shape), owners, needs)], ctx.topology, ctx.itemsize)
-    assembled_on = tuple(sorted(dst.devices if devices is None else devices))
-    remote = any(t.src != t.dst for t in transfers)
-    return Step("BatchedSendRecv" if remote else "LocalSplit", src, dst, (), transfers, assembled_on, restrict)
+    return plan_transfers([TensorSlices(0, len(ctx.shape), owners, needs)], ctx.topology, ctx.itemsize)
 
 
 __all__ = ["VIAS", "bind_ratios", "concrete_shape", "resolve"]
