@@ -271,6 +271,8 @@ class Plan(_Stats):
             return reason
         seen: set[int] = set()
         for c in self.steps[0].collectives:
+            if c.zero_inputs:
+                return "its plan has an all_reduce with zero inputs"
             for d in c.devices:
                 if d in seen:
                     return f"device {d} takes part in two all-reduces"
@@ -280,8 +282,8 @@ class Plan(_Stats):
     def why_not_all_reduces(self) -> str | None:
         """None when the plan is all-reduces alone in which every device keeps its piece and the
         boxes it reduces tile that piece: a plain or a split all-reduce (a gradient that pipelines
-        of different TP degrees hold in different pieces), which buckets can carry; otherwise
-        what differs."""
+        of different TP degrees hold in different pieces), members without a summand giving
+        zeros, which buckets can carry; otherwise what differs."""
         if len(self.steps) != 1:
             return f"its plan has {len(self.steps)} steps"
         step = self.steps[0]
@@ -290,8 +292,8 @@ class Plan(_Stats):
         src, dst = device_pieces(self.src, self.shape), device_pieces(self.dst, self.shape)
         boxes: dict[int, list[Box]] = {}
         for c in step.collectives:
-            if c.kind != "all_reduce" or c.zero_inputs:
-                return f"its plan has a {c.kind}" + (" with zero inputs" if c.zero_inputs else "")
+            if c.kind != "all_reduce":
+                return f"its plan has a {c.kind}"
             for d in c.devices:
                 if d not in src or d not in dst or src[d].box != dst[d].box:
                     return f"device {d}'s piece changes"

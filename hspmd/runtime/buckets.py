@@ -5,7 +5,8 @@ all-reduces alone in which every device keeps its piece and the boxes it reduces
 (Plan.why_not_all_reduces): data parallelism over whatever else splits the gradient, HP -> HD,
 either one all-reduce of each device's whole piece (the common case) or a split all-reduce
 (pipelines of different TP degrees in a heterogeneous strategy: a device holding the whole
-gradient reduces one box with each TP rank of the other pipeline). Each (all-reduce, box) is a
+gradient reduces one box with each TP rank of the other pipeline). A member without a summand (a
+TP rank whose replica of a norm weight's gradient another member counts) gives zeros. Each (all-reduce, box) is a
 slot; slots are grouped by (all-reduce group, dtype) in the order the backward makes the
 gradients, each bucket holding at most `cap_bytes` (a slot larger than the cap is a bucket by
 itself), or less for a group whose gradients would fill fewer than MIN_BUCKETS buckets
@@ -60,6 +61,7 @@ class BucketSlot:
     shape: tuple[int, ...]
     offset: int
     box: tuple[tuple[int, int], ...] | None = None  # within the device's piece; None: the whole piece
+    zero: bool = False  # the device has no summand here (a replica another member counts): it gives zeros
 
     @property
     def numel(self) -> int:
@@ -127,8 +129,8 @@ def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
                 shape = tuple(b - a for a, b in c.box)
                 box = None if len(mine) == 1 else tuple((a - p, b - p) for (a, b), (p, _) in zip(c.box, piece))
                 nbytes = prod(shape) * torch.empty((), dtype=t.dtype).element_size()
-                slots.setdefault((c.devices, t.dtype), []).append(
-                    (position, BucketSlot(name, t.id, sync.node.id, shape, 0, box), nbytes))
+                slot = BucketSlot(name, t.id, sync.node.id, shape, 0, box, exe.device in c.zero_inputs)
+                slots.setdefault((c.devices, t.dtype), []).append((position, slot, nbytes))
     buckets = []
     for (group, dtype), chain in sorted(slots.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         cap = chain_cap(sum(n for _, _, n in chain), cap_bytes)
@@ -176,6 +178,7 @@ class BucketSync:
         self._views: dict[int, torch.Tensor] = {}  # where the backward writes each gradient
         self._bucket_of: dict[int, list[int]] = {}
         self._copies: dict[int, list[tuple[torch.Tensor, tuple[slice, ...]]]] = {}  # split: (slot view, box)
+        self._zeros: dict[int, list[torch.Tensor]] = {}  # slot views this device fills with zeros
         self._sync_of: dict[int, int] = {}
         chains: dict[tuple[Group, torch.dtype], list[int]] = {}
         for k, (bucket, buffer) in enumerate(zip(plan.buckets, self.buffers)):
@@ -184,6 +187,8 @@ class BucketSync:
                 slot = buffer[s.offset: s.offset + s.numel].view(s.shape)
                 self._bucket_of.setdefault(s.tensor_id, []).append(k)
                 self._sync_of[s.tensor_id] = s.sync_node_id
+                if s.zero:
+                    self._zeros.setdefault(s.tensor_id, []).append(slot)
                 if s.box is None:
                     self._views[s.tensor_id] = slot
                 else:
@@ -213,6 +218,8 @@ class BucketSync:
         order, if the backend's start does not block (else they all start in finish())."""
         for slot, box in self._copies.get(tensor_id, ()):
             slot.copy_(self._views[tensor_id][box])
+        for slot in self._zeros.get(tensor_id, ()):
+            slot.zero_()
         for k in self._bucket_of[tensor_id]:
             self._missing[k] -= 1
             if backend.overlaps_collectives:
