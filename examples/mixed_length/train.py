@@ -8,7 +8,10 @@ another inside each step (Hetu-A / HotSPa).
 The pool mirrors the paper's Table 11 on 4 ranks. A rank holds the activations of at most UNIT
 (48) tokens per micro-batch (a stand-in for GPU memory; tensor parallelism shares them), so a
 sequence of up to 4 x UNIT tokens needs TP4, up to 2 x UNIT DP2TP2 (two tensor-parallel
-pipelines), up to UNIT DP4 (four single-rank pipelines, the most data parallelism). The per-sequence
+pipelines) or the heterogeneous TP2+2TP1 (one TP2 pipeline for the longer sequences next to two
+single-rank ones for the short), up to UNIT DP4 (four single-rank pipelines, the most data
+parallelism). The paper's rule takes the entry with the smallest length bound (DP2TP2 before
+TP2+2TP1 on a tie); --calibrate chooses by predicted time. The per-sequence
 costs a s^2 + b s (+ c per micro-batch) below are rough starting figures; --calibrate measures them
 and the price of a switch on this machine first, and then picks each step's strategy by predicted
 time.
@@ -36,18 +39,19 @@ from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 UNIT = 48
 WIDE = "name=TP4 ; layers=2 ; ?x?: R0,1,2,3 L0-1"
 MIDDLE = "name=DP2TP2 ; layers=2 ; ?x?: R0,1 L0-1 ; ?x?: R2,3 L0-1"
+MIXED = "name=TP2+2TP1 ; layers=2 ; ?x?: R0,1 L0-1 ; ?x?: R2 L0-1 ; ?x?: R3 L0-1"
 NARROW = "name=DP4 ; layers=2 ; ?x?: R0 L0-1 ; ?x?: R1 L0-1 ; ?x?: R2 L0-1 ; ?x?: R3 L0-1"
 TP4 = PipelineCost(a=2e-5, b=2e-4, c=0.12, max_tokens=4 * UNIT)
 TP2 = PipelineCost(a=2e-5, b=2e-4, c=0.06, max_tokens=2 * UNIT)
 TP1 = PipelineCost(a=2e-5, b=2e-4, c=0.03, max_tokens=UNIT)
 POOL = (PoolEntry("TP4", 0, 4 * UNIT, (TP4,)), PoolEntry("DP2TP2", 1, 2 * UNIT, (TP2, TP2)),
-        PoolEntry("DP4", 2, UNIT, (TP1,) * 4))
+        PoolEntry("DP4", 2, UNIT, (TP1,) * 4), PoolEntry("TP2+2TP1", 3, 2 * UNIT, (TP2, TP1, TP1)))
 CALIBRATION_LENGTHS = (8, 16, 32, 48, 64, 96, 128, 192)
 CONFIG = dict(layers=2, hidden=64, heads=4, ffn=128)
 
 
 def build(vocab: int):
-    return build_llama(LlamaConfig(vocab=vocab, **CONFIG), [parse_strategy(t) for t in (WIDE, MIDDLE, NARROW)],
+    return build_llama(LlamaConfig(vocab=vocab, **CONFIG), [parse_strategy(t) for t in (WIDE, MIDDLE, NARROW, MIXED)],
                        optimizer=AdamW(lr=3e-3), packed=True)
 
 
