@@ -44,6 +44,7 @@ class NonBlockingSends(Backend):
         self._post = getattr(inner, "post_sends", None)
         self._pending: list[tuple[object, object, int]] = []  # (tag, handle, bytes)
         self.tag: object = None  # what the sends posted now belong to (run_schedule: the action)
+        self._previous_backward: object = None
 
     def _start(self, sends: Mapping[int, torch.Tensor]) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in sends.values())
@@ -68,6 +69,17 @@ class NonBlockingSends(Backend):
     def release_completed(self) -> None:
         """Drop the sends that have completed (without waiting for any)."""
         self._pending = [p for p in self._pending if not (hasattr(p[1], "done") and p[1].done())]
+
+    def action_done(self, kind: str, micro_batch: int) -> None:
+        """After a schedule action: once B(m) ran, F(m)'s sends have arrived (the gradient came
+        back, so later stages have its outputs) and so have the previous backward's (the earlier
+        stage needs nothing more from this one to take them); drop those and any completed."""
+        if kind != FORWARD:
+            self.complete((FORWARD, micro_batch))
+            if self._previous_backward is not None:
+                self.complete(self._previous_backward)
+            self._previous_backward = (kind, micro_batch)
+        self.release_completed()
 
     def complete(self, tag: object) -> None:
         """Complete the sends posted under `tag` (their receivers are known to have them) and drop them."""
@@ -162,7 +174,6 @@ def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, ord
     given = {_storage(t) for t in state.leaves.values()}  # weights and fed inputs: not the stage's buffers
     peak = peak_sends = peak_bytes = 0
     last_backward = max((i for i, a in enumerate(order) if a.kind != FORWARD), default=-1)
-    previous_backward = None
     for i, action in enumerate(order):
         m = action.micro_batch
         sender.tag = (action.kind, m)
@@ -174,11 +185,7 @@ def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, ord
                                       recompute=recompute)
             else:
                 run_backward(exe, sender, state, live.pop(m), buckets if i == last_backward else None)
-                sender.complete((FORWARD, m))
-                if previous_backward is not None:
-                    sender.complete(previous_backward)
-                previous_backward = (action.kind, m)
-        sender.release_completed()
+        sender.action_done(action.kind, m)
         peak = max(peak, sum(1 for mb in live.values() if mb.env))
         peak_sends = max(peak_sends, sender.pending)
         peak_bytes = max(peak_bytes, _activation_bytes(live.values(), given) + sender.pending_bytes)

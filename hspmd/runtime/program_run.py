@@ -162,7 +162,6 @@ class ProgramRunner:
         live: dict[int, dict[int, torch.Tensor]] = {}
         accum: dict[int, torch.Tensor] = {}
         loss = None
-        previous_backward = None
         for action in program.place.order:
             m = action.micro_batch
             sender.tag = (action.kind, m)
@@ -178,13 +177,7 @@ class ProgramRunner:
                 for t in program.accumulated:
                     if t in env:
                         accum[t] = env[t] if t not in accum else accum[t] + env[t]
-                # as runtime.executor: a forward's sends have arrived once its backward ran, a
-                # backward's once the next backward ran
-                sender.complete((FORWARD, m))
-                if previous_backward is not None:
-                    sender.complete(previous_backward)
-                previous_backward = (action.kind, m)
-            sender.release_completed()
+            sender.action_done(action.kind, m)
         sender.wait_sends()
         self.step_count += 1
         env = dict(accum)
