@@ -15,7 +15,8 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.buckets import MB, chain_cap, plan_buckets
+from hspmd.comm_resolve.bucketing import chain_cap
+from hspmd.runtime.buckets import MB, plan_buckets
 from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.trace import Tracer

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from hspmd.comm_resolve.bucketing import DEFAULT_BUCKET_CAP_MB, MB, fill_buckets
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.errors import HSPMDError
 from hspmd.ir.shapes import Binding
@@ -30,7 +31,7 @@ from hspmd.planning.model import ModelSpec
 from hspmd.specialize.specialized import Specialized, specialize_graph
 from hspmd.specialize.strategy import Strategy
 
-BUCKET_BYTES = 25 * 2**20  # the trainer's default gradient bucket cap (runtime.buckets)
+BUCKET_BYTES = DEFAULT_BUCKET_CAP_MB * MB  # the trainer's default gradient bucket cap
 DISPATCHED = ("compute", "collective", "send", "recv", "send+recv", "local")  # roles that cost the framework a dispatch
 VIEWS = ("reshape", "transpose", "expand_as", "expand", "view", "squeeze", "unsqueeze", "fill_like", "zeros_like")
 
@@ -128,21 +129,12 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                 else:
                     comm_time += step.traffic(cluster, itemsize).busy.get(d, 0.0)
         for group, sizes in bucketed.items():
-            comm_time += sum(cost.collective("all_reduce", b, group) for b in _buckets(sizes, bucket_bytes))
+            sizes = sizes[::-1]  # the update lists them in graph order; the backward makes them in reverse
+            comm_time += sum(cost.collective("all_reduce", sum(sizes[i] for i in bucket), group)
+                             for bucket in fill_buckets(sizes, bucket_bytes))
         totals[phase] = (compute + comm_time, comm_time, send)
     (f, fc, fs), (b, bc, bs), (u, uc, _) = totals["forward"], totals["backward"], totals["update"]
     return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels)
-
-
-def _buckets(sizes: list[float], cap: float) -> list[float]:
-    """Byte counts of the buckets that gradients of `sizes` (in backward order) fill greedily."""
-    out: list[float] = []
-    for size in reversed(sizes):
-        if out and out[-1] + size <= cap:
-            out[-1] += size
-        else:
-            out.append(size)
-    return out
 
 
 def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,

@@ -10,7 +10,8 @@ TP rank whose replica of a norm weight's gradient another member counts) gives z
 slot; slots are grouped by (all-reduce group, dtype) in the order the backward makes the
 gradients, each bucket holding at most `cap_bytes` (a slot larger than the cap is a bucket by
 itself), or less for a group whose gradients would fill fewer than MIN_BUCKETS buckets
-(`chain_cap`: otherwise a small model syncs in one bucket after the whole backward). Every member of a group derives the same buckets with no message: the predicate reads
+(hspmd.comm_resolve.bucketing, which the simulator prices alike: otherwise a small model syncs
+in one bucket after the whole backward). Every member of a group derives the same buckets with no message: the predicate reads
 only the global plan, the order is the graph's, the sizes are the plan's boxes. Every other
 gradient (a plan that moves or gathers pieces) keeps its plan in the update program;
 `BucketPlan.kept` says which and why.
@@ -43,11 +44,10 @@ import torch
 from hspmd.annotations import device_pieces
 from hspmd.errors import HSPMDError
 from hspmd.backends.backend import Backend, Group, Pending
+from hspmd.comm_resolve.bucketing import DEFAULT_BUCKET_CAP_MB, MB, fill_buckets
 from hspmd.specialize.executable import ExecutableGraph
 from hspmd.runtime.trace import Tracer
 
-DEFAULT_BUCKET_CAP_MB = 25.0
-MB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -133,31 +133,14 @@ def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
                 slots.setdefault((c.devices, t.dtype), []).append((position, slot, nbytes))
     buckets = []
     for (group, dtype), chain in sorted(slots.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        cap = chain_cap(sum(n for _, _, n in chain), cap_bytes)
-        filled: list[list[tuple[int, BucketSlot]]] = [[]]
-        size = 0
-        for position, slot, nbytes in chain:
-            if filled[-1] and size + nbytes > cap:
-                filled.append([])
-                size = 0
-            offset = sum(s.numel for _, s in filled[-1])
-            filled[-1].append((position, replace(slot, offset=offset)))
-            size += nbytes
-        buckets.extend((bucket[-1][0], Bucket(group, dtype, tuple(s for _, s in bucket))) for bucket in filled)
+        for indices in fill_buckets([n for _, _, n in chain], cap_bytes):
+            members, offset = [], 0
+            for i in indices:
+                members.append(replace(chain[i][1], offset=offset))
+                offset += members[-1].numel
+            buckets.append((chain[indices[-1]][0], Bucket(group, dtype, tuple(members))))
     buckets.sort(key=lambda pb: pb[0])
     return BucketPlan(cap_bytes, tuple(b for _, b in buckets), tuple(kept))
-
-
-MIN_BUCKETS = 4  # per group, where the cap allows: the first can start while the backward still runs
-MIN_BUCKET_BYTES = 1 << 20
-
-
-def chain_cap(total_bytes: int, cap_bytes: int) -> int:
-    """The cap a group's buckets fill to: `cap_bytes`, or less when the group's gradients fit in
-    fewer than MIN_BUCKETS buckets of it (a model smaller than the cap would otherwise sync in one
-    bucket after the whole backward, with nothing left to overlap), but never under
-    MIN_BUCKET_BYTES (each all-reduce pays a latency)."""
-    return min(cap_bytes, max(MIN_BUCKET_BYTES, -(-total_bytes // MIN_BUCKETS)))
 
 
 def cap_bytes_of(cap_mb: float) -> int:
@@ -275,6 +258,6 @@ def write_gradient(node, ctx, inputs, target: torch.Tensor, earlier: torch.Tenso
 
 
 __all__ = [
-    "Bucket", "BucketPlan", "BucketSlot", "BucketSync", "DEFAULT_BUCKET_CAP_MB", "cap_bytes_of", "chain_cap", "plan_buckets",
+    "Bucket", "BucketPlan", "BucketSlot", "BucketSync", "DEFAULT_BUCKET_CAP_MB", "cap_bytes_of", "plan_buckets",
     "write_gradient",
 ]
