@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -159,7 +160,10 @@ def pack_micro_batches(cost: PipelineCost, lengths: Sequence[int], ids: Sequence
     order = sorted(range(len(ids)), key=lambda k: (-lengths[k], ids[k]))
     first = max(1, math.ceil(sum(lengths) / cost.max_tokens))
     best, best_score = None, math.inf
+    heaviest = cost.c + max(cost.sequence(s) for s in lengths)  # no micro-batch costs less than this one's
     for v in range(first, min(first + EXTRA_BIN_COUNTS, len(ids)) + 1):
+        if heaviest * (cost.stages - 1 + v) >= best_score:
+            break  # LPT fills all v bins (v <= sequences), so this and every larger v scores at least that
         bins = _lpt(cost, lengths, order, v)
         if bins is None:
             continue
@@ -189,6 +193,13 @@ def _lpt(cost: PipelineCost, lengths: Sequence[int], order: Sequence[int], v: in
 
 def pipeline_time(cost: PipelineCost, lengths: Sequence[int]) -> float:
     """T_p of one pipeline given its sequences' lengths, packed by pack_micro_batches."""
+    return _packed_time(cost, tuple(sorted(lengths, reverse=True)))
+
+
+@lru_cache(maxsize=1 << 14)
+def _packed_time(cost: PipelineCost, lengths: tuple[int, ...]) -> float:
+    """pipeline_time of a multiset of lengths (packing depends on nothing else): the assignment
+    passes of a step score the same pipeline contents over and over."""
     mbs = pack_micro_batches(cost, lengths)
     return cost.time([[lengths[k] for k in mb] for mb in mbs])
 
