@@ -12,6 +12,8 @@ embedding and LM head vocab-parallel).
 Reported: planning time of the fused BSR (goal: under 1 s), fused message count vs planning each
 tensor alone, max per-device send bytes vs the lower bound (slices split freely among owners),
 total bytes vs the volume lower bound, bytes per link class, and the estimated switch time.
+Then, for a few of 002 App. E's stage hand-offs across HetAuto's two clusters, the route resolve()
+picks by default, its messages across the clusters and its estimated gain over the hierarchical plan.
 Run: python benchmarks/bench_resolve.py
 """
 
@@ -116,6 +118,41 @@ def main() -> None:
     print(f"C1 -> C2 parameter switch, Llama-32B shape, bf16, topology {topology}")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
+    cross_cluster_routes()
+
+
+# 002 App. E: one stage per cluster, (inner DP, CP x TP) per stage, activations [b', s, h] in bf16
+APP_E_CASES = [((16, 1), (1, 16)), ((4, 4), (8, 2)), ((2, 8), (4, 4)), ((1, 16), (16, 1))]
+APP_E_SHAPES = [(16, 128, 256), (16, 512, 1024), (16, 8192, 4096)]
+
+
+def cross_cluster_routes() -> None:
+    """The route resolve() picks between two stages on HetAuto's clusters (hetauto-a100-2x16:
+    one shared ~10 Gb/s pipe between them) and its estimated gain over the hierarchical plan."""
+    from hspmd.comm_resolve.compare import alternatives, chosen_route
+
+    print("\nCross-cluster stage hand-off (002 App. E, hetauto-a100-2x16, bf16): the default route vs the hierarchical plan")
+    rows = []
+    for (d1, ct1), (d2, ct2) in APP_E_CASES:
+        src, dst = f"S0:{d1},S1:{ct1}@[0-15]", f"S0:{d2},S1:{ct2}@[16-31]"
+        for shape in APP_E_SHAPES:
+            start = time.perf_counter()
+            plan = resolve(src, dst, shape, "hetauto-a100-2x16", dtype="bfloat16")
+            planning = time.perf_counter() - start
+            alts = alternatives(src, dst, shape, "hetauto-a100-2x16", dtype="bfloat16")
+            base = alts["hierarchical"]
+            rows.append((f"({d1},{ct1})->({d2},{ct2})", "x".join(map(str, shape)), chosen_route(alts, plan),
+                         f"{_across(plan)} / {_across(base)}", seconds_text(plan.estimated_seconds),
+                         seconds_text(base.estimated_seconds), f"{base.estimated_seconds / plan.estimated_seconds:.2f}x",
+                         f"{planning * 1e3:.1f} ms"))
+    head = ("stages (d, ct)", "shape", "route", "msgs across", "est. time", "hierarchical", "gain", "resolve")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    for row in [head] + rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def _across(plan, first_of_cluster2: int = 16) -> int:
+    return sum(1 for s in plan.steps for t in s.transfers if (t.src < first_of_cluster2) != (t.dst < first_of_cluster2))
 
 
 def _sum_sent(plans) -> dict[int, int]:

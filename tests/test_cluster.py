@@ -100,6 +100,17 @@ def test_yaml_file_loads():
     c = cluster_from_yaml(GOOD)
     assert c.n_devices == 4 and c.link(0, 1).name == "fast" and c.link(1, 2).name == "slow"
     assert c.link(1, 2).latency == 0.0
+    assert c.pipe(1, 2) is None and not c.link(1, 2).shared
+
+
+def test_a_shared_link_is_one_pipe_per_direction_between_places():
+    c = cluster_from_yaml(GOOD.replace("slow: {bandwidth: 1e9}", "slow: {bandwidth: 1e9, shared: true}"))
+    assert c.link(1, 2).shared and cluster_from_yaml(cluster_to_yaml(c)) == c
+    assert c.pipe(0, 2) == c.pipe(1, 3) == ("slow", "node", 0, 1) != c.pipe(2, 0)
+    assert c.pipe(0, 1) is None  # the fast link inside a node is a port per device
+    app_e = parse_cluster("hetauto-a100-2x16")
+    assert app_e.pipe(0, 31) == app_e.pipe(15, 16) == ("wan-10g", "site", "cluster1", "cluster2")
+    assert app_e.pipe(0, 8) is None  # InfiniBand inside a cluster: a NIC per GPU
 
 
 @pytest.mark.parametrize("edit, key", [
@@ -114,6 +125,7 @@ def test_yaml_file_loads():
     (("devices: 2,", "devices: two,"), "nodes[0]"),
     (("name: two", "name: two\ncolor: red"), "color"),
     (("  slow: {bandwidth: 1e9}", "  slow: {bandwidth: 1e9, latncy: 1}"), "latncy"),
+    (("  slow: {bandwidth: 1e9}", "  slow: {bandwidth: 1e9, shared: yes please}"), "links.slow.shared"),
 ])
 def test_yaml_errors_name_the_key(edit, key):
     text = GOOD.replace(*edit)

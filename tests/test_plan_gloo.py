@@ -5,7 +5,8 @@ cases drawn with a seeded random.Random from the annotation building blocks (une
 dims, heterogeneous unions, different device sets) -- is resolved once, then run in ONE
 multi-process job (spawning a job per case would cost seconds each): every rank prepares the union
 of the plans' groups once, then runs each plan in the same order. Each rank's destination piece
-must equal the in-process run's (`run_plan`), and the pieces must unshard to the tensor.
+must equal the in-process run's (`run_plan`), and the pieces must unshard to the tensor. Two more
+cases go through HetAuto's root and representatives routes across a shared slow link.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hspmd import resolve, shard, unshard
 from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Duplicate, Partial, Split, Subgroup
 from hspmd.comm_resolve.plan import PRIMITIVES, Plan
 from hspmd.backends.backend import Backend
+from hspmd.cluster import cluster_from_yaml
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.backends.plan_executor import execute_plan, run_plan
 
@@ -45,6 +47,22 @@ HAND_PICKED = [
     ("S0:3@[2,0,1]", "H1(3:1){D:2@[1,3] | @[0]}", (4, 9)),                       # uneven HSize, other devices
     ("S0:2,S1:2@[0-3]", "S1:2,S0:2@[3,2,1,0]", (5, 5)),                          # 2-D mesh, reversed order
     ("D:2@[0,1]", "D:3@[1,2,3]", (0, 4)),                                        # empty tensor
+]
+
+
+# HetAuto's routes (002 App. E) across a slow link shared by two sites of 2 devices: the default
+# picks the root route (one message across) for these small tensors; representatives forced.
+TWO_SITES = cluster_from_yaml("""
+device_types: {gpu: {flops: {float32: 2e13}, hbm_bandwidth: 2e12, hbm_capacity: 8e10}}
+links: {nvlink: {bandwidth: 3e11, latency: 3e-6}, wan: {bandwidth: 1.25e9, latency: 1e-4, shared: true}}
+nodes: [{type: gpu, devices: 2, site: a}, {type: gpu, devices: 2, site: b}]
+intra: {gpu: nvlink}
+inter: wan
+cross: wan
+""")
+ACROSS_SITES = [
+    ("S0:2@[0,1]", "S1:2@[2,3]", (6, 5), None),
+    ("S1:2@[0,1]", "S0:2@[2,3]", (5, 6), "representatives"),
 ]
 
 
@@ -115,6 +133,7 @@ def run_cases_on_rank(backend: Backend, plans: list[Plan]) -> list[Any]:
 @pytest.fixture(scope="module")
 def cases():
     plans = [resolve(src, dst, shape, dtype="float64") for src, dst, shape in build_cases()]
+    plans += [resolve(src, dst, shape, TWO_SITES, dtype="float64", via=via) for src, dst, shape, via in ACROSS_SITES]
     return plans, [case_locals(i, plan) for i, plan in enumerate(plans)]
 
 
@@ -131,6 +150,9 @@ def test_the_batch_exercises_every_primitive(cases):
     assert used >= set(PRIMITIVES), f"missing: {sorted(set(PRIMITIVES) - used)}"
     assert any(0 in plan.shape for plan in plans) and any(plan.src.hsize > 1 for plan in plans)
     assert any(set(plan.src.devices).isdisjoint(plan.dst.devices) for plan in plans)
+    root, representatives = plans[-2:]
+    assert [len(s.transfers) for s in root.steps] == [2, 1, 2]  # gather onto 0, 0 -> 2, scatter from 2
+    assert [len(s.transfers) for s in representatives.steps] == [2, 2]  # 0, 1 -> 2, then 2 -> 2, 3
 
 
 @pytest.mark.multiprocess

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hspmd import Plan, parse_cluster, resolve
-from hspmd.cluster import cluster_from_dict, cluster_to_dict, uniform
-from hspmd.cluster.presets import GENERIC_INTER, GENERIC_INTRA, INFINIBAND, NVLINK
+from hspmd.cluster import ClusterSpec, LinkClass, Node, cluster_from_dict, cluster_to_dict, uniform
+from hspmd.cluster.presets import GENERIC, GENERIC_INTER, GENERIC_INTRA, INFINIBAND, NVLINK
 from hspmd.cli import main as cli_main
 from hspmd.comm_resolve.explain import main as explain_main
 from hspmd.errors import AnnotationError, ClusterError, ShapeError
@@ -53,6 +53,29 @@ def test_ring_allgather_traffic_and_time():
     assert bsr.primitives == ("BatchedSendRecv",)
     expected = GENERIC_INTRA.seconds(8) + 2 * GENERIC_INTER.seconds(8)
     assert bsr.estimated_seconds == pytest.approx(expected) and expected < plan.estimated_seconds
+
+
+def _two_sites(shared: bool) -> ClusterSpec:
+    """Sites a = [0, 1] and b = [2, 3], one node each, joined by a 1 GB/s, 100 us link."""
+    wan = LinkClass("wan", 1e9, 1e-4, shared=shared)
+    nodes = (Node("gpu", 2, "a"), Node("gpu", 2, "b"))
+    return ClusterSpec(nodes, (GENERIC,), (GENERIC_INTRA, wan), (("gpu", GENERIC_INTRA.name),),
+                       (("*", GENERIC_INTRA.name),), "wan")
+
+
+def test_messages_across_a_shared_link_queue_on_its_pipe():
+    wan = _two_sites(True).link_named("wan")
+    for shared, queued in ((False, 1), (True, 2)):
+        plan = resolve("S0:2@[0,1]", "S0:2@[2,3]", (8,), _two_sites(shared), via="direct")  # 0 -> 2, 1 -> 3: 16 B
+        assert plan.messages == 2 and plan.estimated_seconds == pytest.approx(queued * wan.seconds(16))
+    # so by default one message crosses: gather onto 0, 0 -> 2, 2 -> 3 (HetAuto's root)
+    root = resolve("S0:2@[0,1]", "S0:2@[2,3]", (8,), _two_sites(True))
+    assert [(t.src, t.dst) for s in root.steps for t in s.transfers if (t.src < 2) != (t.dst < 2)] == [(0, 2)]
+    # a ring 0 -> 2 -> 1 -> 3 -> 0 crosses twice each way: 2 x 24 B share each direction's pipe
+    for shared, on_pipe in ((False, 24), (True, 48)):
+        ring = resolve("S0:4@[0,2,1,3]", "D:4@[0,2,1,3]", (8,), _two_sites(shared), via="hierarchical")
+        assert ring.primitives == ("AllGather",)
+        assert ring.estimated_seconds == pytest.approx(3 * wan.latency + on_pipe / wan.bandwidth)
 
 
 def test_allreduce_and_sendrecv_traffic():

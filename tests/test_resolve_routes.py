@@ -163,7 +163,8 @@ def two_sites(nodes: int = 2, per_node: int = 4, cross: LinkClass = LinkClass("w
     return ClusterSpec(sites, (gpu,), (nvlink, ib, cross), (("gpu", "nvlink"),), (("*", "ib"),), cross.name)
 
 
-PROPERTY_CLUSTERS = [None, "4x4", "h800-h20:1+1", two_sites(), two_sites(4, 2, LinkClass("wan", 1.25e9, 50e-6))]
+SHARED_WAN = LinkClass("wan", 1.25e9, 100e-6, shared=True)
+PROPERTY_CLUSTERS = [None, "4x4", "h800-h20:1+1", two_sites(), two_sites(4, 2, SHARED_WAN)]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -200,3 +201,26 @@ def test_the_root_route_wins_across_a_slow_high_latency_link():
 def _between_sites(plan, first_of_b: int) -> int:
     """Messages between the two sites (devices below `first_of_b` are site a)."""
     return sum(1 for s in plan.steps for t in s.transfers if (t.src < first_of_b) != (t.dst < first_of_b))
+
+
+def test_representatives_win_across_a_shared_slow_link():
+    """002 App. E's clusters (one ~10 Gb/s pipe between them), inner DP 4 x CT 4 -> inner DP 8 x
+    CT 2, a 16 MB activation: S1's 32 messages queue on the pipe; S3 sends 4 (HetAuto's pick)."""
+    src, dst, shape = "S0:4,S1:4@[0-15]", "S0:8,S1:2@[16-31]", (16, 512, 1024)
+    alts = alternatives(src, dst, shape, "hetauto-a100-2x16", dtype="bfloat16")
+    plan = resolve(src, dst, shape, "hetauto-a100-2x16", dtype="bfloat16")
+    assert chosen_route(alts, plan) == "representatives"
+    assert _between_sites(plan, 16) == 4 < _between_sites(alts["hierarchical"], 16) == 32
+    assert plan.estimated_seconds < alts["root"].estimated_seconds < alts["hierarchical"].estimated_seconds
+    assert plan.bytes_by_link["wan-10g"] == alts["hierarchical"].bytes_by_link["wan-10g"]  # the tensor once
+    x = torch.randn(shape).to(torch.bfloat16)
+    assert torch.equal(reshard_tensor(plan, x), x)
+
+
+def test_large_tensors_across_the_shared_link_keep_the_direct_plan():
+    """App. E's own size (1 GiB): the pipe's bandwidth dominates, S1 = hierarchical is cheapest in
+    this model (the paper measured S1 slow and unstable there: congestion beyond the latencies the
+    pipe queues is not modelled)."""
+    src, dst, shape = "S0:4,S1:4@[0-15]", "S0:8,S1:2@[16-31]", (16, 8192, 4096)
+    plan = resolve(src, dst, shape, "hetauto-a100-2x16", dtype="bfloat16")
+    assert plan.primitives == ("BatchedSendRecv",) and _between_sites(plan, 16) == 32

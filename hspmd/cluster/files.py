@@ -6,6 +6,7 @@
     links:
       nvlink: {bandwidth: 300e9, latency: 3e-6}
       ib: {bandwidth: 50e9, latency: 6e-6, buckets: [{up_to: 65536, bandwidth: 10e9, latency: 8e-6}]}
+      wan: {bandwidth: 1.25e9, latency: 1e-4, shared: true}   # one pipe between two sites
     nodes:
       - {type: A100, devices: 8, count: 2, site: east}    # count: that many identical nodes
     intra: {A100: nvlink}
@@ -68,7 +69,10 @@ def _wrap(key: str, make):
 def _link(name: str, data: object) -> LinkClass:
     key = f"links.{name}"
     data = _mapping(data, key)
-    _only(data, ("bandwidth", "latency", "buckets"), key)
+    _only(data, ("bandwidth", "latency", "buckets", "shared"), key)
+    shared = data.get("shared", False)
+    if not isinstance(shared, bool):
+        raise ClusterError(f"cluster file: {key}.shared must be true or false, got {brief(shared)}")
     buckets = []
     raw = data.get("buckets", ()) or ()
     if not isinstance(raw, (list, tuple)):
@@ -81,7 +85,7 @@ def _link(name: str, data: object) -> LinkClass:
                               _number(_required(b, "latency", bk), f"{bk}.latency"),
                               _number(_required(b, "bandwidth", bk), f"{bk}.bandwidth")))
     return _wrap(key, lambda: LinkClass(str(name), _number(_required(data, "bandwidth", key), f"{key}.bandwidth"),
-                                        _number(data.get("latency", 0.0), f"{key}.latency"), tuple(buckets)))
+                                        _number(data.get("latency", 0.0), f"{key}.latency"), tuple(buckets), shared))
 
 
 def _device_type(name: str, data: object) -> DeviceType:

@@ -7,6 +7,8 @@
                           5 Gb/s Ethernet across (the paper's default of its 1-10 Gb/s range)
     heterosim-a100-h100   004 Table 2 level H3 at 128 GPUs: 8 A100 nodes (NVLink 3, RoCE 200 Gb/s)
                           + 8 H100 nodes (NVLink 4, IB 400 Gb/s); RoCE between the two
+    hetauto-a100-2x16     002 App. E: 2 clusters x 2 nodes x 8 A100-80GB (NVLink 600 GB/s, IB
+                          100 Gb/s), one shared ~10 Gb/s link between the clusters
     NxM / nvlink-ib:NxM / h800-h20:A+B[xM]
                           the shapes the resolver has always accepted, with the same link classes
                           (names, bandwidths, latencies), so plans and costs do not change.
@@ -94,7 +96,20 @@ def heterosim_a100_h100() -> ClusterSpec:
                        roce.name, (), "heterosim-a100-h100")
 
 
-PRESETS = {"hetu-h800-h20": hetu_h800_h20, "hapt-a100-v100": hapt_a100_v100, "heterosim-a100-h100": heterosim_a100_h100}
+def hetauto_a100_2x16(cross_latency: float = 100e-6) -> ClusterSpec:
+    """002 App. E: two clusters of 2 nodes x 8 A100-80GB, NVLink inside a node (600 GB/s both
+    directions), 100 Gb/s InfiniBand between the nodes of a cluster, about 10 Gb/s between the
+    clusters (iperf3): one shared pipe, since the paper measured the clusters' link, not a NIC.
+    The latencies are not in the paper (nominal; the cross link's includes HetAuto's D2H/H2D)."""
+    nvlink, ib = LinkClass("nvlink-a100", 300e9, 3e-6), LinkClass("ib-100g", 12.5e9, 6e-6)
+    wan = LinkClass("wan-10g", 1.25e9, cross_latency, shared=True)
+    nodes = (Node("A100", 8, "cluster1"),) * 2 + (Node("A100", 8, "cluster2"),) * 2
+    return ClusterSpec(nodes, (A100_80,), (nvlink, ib, wan), (("A100", nvlink.name),), (("*", ib.name),),
+                       wan.name, (), "hetauto-a100-2x16")
+
+
+PRESETS = {"hetu-h800-h20": hetu_h800_h20, "hapt-a100-v100": hapt_a100_v100, "heterosim-a100-h100": heterosim_a100_h100,
+           "hetauto-a100-2x16": hetauto_a100_2x16}
 
 
 def parse_cluster(text: "str | Path | ClusterSpec") -> ClusterSpec:
@@ -123,6 +138,6 @@ def parse_cluster(text: "str | Path | ClusterSpec") -> ClusterSpec:
 
 __all__ = [
     "A100_40", "A100_80", "GENERIC", "GENERIC_INTER", "GENERIC_INTRA", "H100", "H20", "H800", "INFINIBAND", "NVLINK",
-    "NVLINK_H20", "NVLINK_H800", "PRESETS", "ROCE", "V100", "h800_h20", "hapt_a100_v100", "hetu_h800_h20",
-    "heterosim_a100_h100", "nvlink_ib", "parse_cluster", "single_node", "uniform",
+    "NVLINK_H20", "NVLINK_H800", "PRESETS", "ROCE", "V100", "h800_h20", "hapt_a100_v100", "hetauto_a100_2x16",
+    "hetu_h800_h20", "heterosim_a100_h100", "nvlink_ib", "parse_cluster", "single_node", "uniform",
 ]

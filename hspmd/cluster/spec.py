@@ -10,7 +10,9 @@ HetAuto's "cluster"). The link between two devices is, in order of precedence:
     the cross-site link        (`cross`, else the inter-node link)
 
 A link class costs a message of B bytes alpha + B / beta (latency in s, bandwidth in bytes/s, one
-direction), optionally per size bucket (HeteroSim's piecewise alpha-beta). Values are frozen; the
+direction), optionally per size bucket (HeteroSim's piecewise alpha-beta). Each device has its own
+port on a link class, unless the class is `shared`: then all its messages between two sites (or
+nodes) share one pipe per direction (a WAN link between clusters). Values are frozen; the
 planners and the simulator take them as data. Figures in the presets are nominal and rounded.
 """
 
@@ -52,16 +54,22 @@ class Bucket:
 @dataclass(frozen=True)
 class LinkClass:
     """One link class: `bandwidth` (beta, bytes/s per direction) and `latency` (alpha, s); `buckets`
-    (sorted by size) override both for messages up to their size."""
+    (sorted by size) override both for messages up to their size. `shared`: the bandwidth is one
+    pipe per direction between two places (ClusterSpec.pipe), which every message of the class
+    between them shares, e.g. the WAN link between two clusters; otherwise each device has its
+    own port on the link (a NIC or NVLink per GPU)."""
 
     name: str
     bandwidth: float
     latency: float
     buckets: tuple[Bucket, ...] = ()
+    shared: bool = False
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
             raise ClusterError("a link class needs a name")
+        if not isinstance(self.shared, bool):
+            raise ClusterError(f"link {self.name!r} shared: expected true or false, got {self.shared!r}")
         _positive(self.bandwidth, f"link {self.name!r} bandwidth", allow_inf=True)
         _positive(self.latency, f"link {self.name!r} latency", allow_zero=True)
         buckets = tuple(sorted((b if isinstance(b, Bucket) else Bucket(*b) for b in self.buckets), key=lambda b: b.up_to))
@@ -95,6 +103,8 @@ class LinkClass:
 
     def to_dict(self) -> dict:
         out = {"bandwidth": self.bandwidth, "latency": self.latency}
+        if self.shared:
+            out["shared"] = True
         if self.buckets:
             out["buckets"] = [{"up_to": b.up_to, "latency": b.latency, "bandwidth": b.bandwidth} for b in self.buckets]
         return out
@@ -300,6 +310,17 @@ class ClusterSpec:
             return self._links[by_site.get(sa, by_site.get("*"))]
         return self._links[self.cross if self.cross is not None else by_site["*"]]
 
+    def pipe(self, a: int, b: int) -> tuple | None:
+        """The shared pipe a message from a to b goes through, or None when their link class is not
+        shared: one per link class and direction between the two devices' sites (when they
+        differ) or nodes."""
+        link = self.link(a, b)
+        if not link.shared:
+            return None
+        na, nb = self._node_of[a], self._node_of[b]
+        sa, sb = self.nodes[na].site, self.nodes[nb].site
+        return (link.name, "site", sa, sb) if sa != sb else (link.name, "node", na, nb)
+
     def alpha_beta(self, a: int, b: int, nbytes: float = math.inf) -> tuple[float, float]:
         """(latency s, bandwidth bytes/s) of the a-b link for a message of `nbytes`."""
         return self.link(a, b).alpha_beta(nbytes)
@@ -338,7 +359,7 @@ class ClusterSpec:
                          f"{t.hbm_capacity / 1e9:g} GB, {t.hbm_bandwidth / 1e12:g} TB/s), intra {self.node_link(i).name}")
             start += n.devices
         for l in self.links:
-            lines.append(f"  link {l.name}: {l.bandwidth / 1e9:g} GB/s, {l.latency * 1e6:g} us")
+            lines.append(f"  link {l.name}: {l.bandwidth / 1e9:g} GB/s, {l.latency * 1e6:g} us" + (", shared" if l.shared else ""))
         return "\n".join(lines)
 
 

@@ -7,8 +7,17 @@ even chunks followed by an all-gather. Time of a ring = (ring steps) x (worst ed
 (worst edge bytes / its bandwidth). A batched send-receive costs, per device, the sum over its
 messages of latency + bytes / bandwidth, and the step lasts as long as its busiest sender or
 receiver. Collectives a device joins run one after another; a step lasts as long as its busiest
-device; steps of one round (disjoint subgroups) overlap, rounds add up. This is a planning
-estimate (no congestion, no overlap of compute), not a measurement.
+device; steps of one round (disjoint subgroups) overlap, rounds add up.
+
+Contention: a device's messages queue on its own send and receive ports (above). On a `shared`
+link class (ClusterSpec.pipe: one pipe per direction between two sites or nodes, e.g. the WAN
+between two clusters) they also queue on the pipe, first come first served as in the
+simulator's shared link resources: a message holds it for latency + bytes / bandwidth, and a ring
+step pushes all its edges' bytes on the pipe through the one bandwidth. A step lasts at least as
+long as its busiest pipe. So many small messages across a shared link (HetAuto's S1, which the
+paper found slow and unstable) pay every latency one after another, where a route sending few
+messages across pays it once. Not modelled: overlap with compute, switch-level congestion inside
+a site, protocol effects of many concurrent flows beyond their latencies.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ class Traffic:
     by_link: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     sent_by_link: dict[tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
     busy: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    pipes: dict[tuple, float] = field(default_factory=lambda: defaultdict(float))  # busy time per shared pipe
 
     def edge(self, topology: ClusterSpec, a: int, b: int, nbytes: int, link: LinkClass | None = None) -> None:
         """Count `nbytes` from a to b (`link`: their link class, when the caller has it already)."""
@@ -63,7 +73,7 @@ class Traffic:
 
     @property
     def seconds(self) -> float:
-        return max(self.busy.values(), default=0.0)
+        return max(max(self.busy.values(), default=0.0), max(self.pipes.values(), default=0.0))
 
 
 def collective_traffic(traffic: Traffic, topology: ClusterSpec, itemsize: int, kind: str, devices, box, parts) -> None:
@@ -82,12 +92,18 @@ def collective_traffic(traffic: Traffic, topology: ClusterSpec, itemsize: int, k
         per_edge = [total - s for s in skip]
         steps = n - 1
     worst_latency, worst_transfer = 0.0, 0.0
+    on_pipes: dict[tuple, int] = defaultdict(int)
     for i, a in enumerate(devices):
         b = devices[(i + 1) % n]
-        traffic.edge(topology, a, b, per_edge[i])
         link = topology.link(a, b)
+        traffic.edge(topology, a, b, per_edge[i], link)
         worst_latency = max(worst_latency, link.latency)
         worst_transfer = max(worst_transfer, per_edge[i] / link.bandwidth)
+        if link.shared and per_edge[i] > 0:
+            on_pipes[(topology.pipe(a, b), link.bandwidth)] += per_edge[i]
+    for (pipe, bandwidth), nbytes in on_pipes.items():  # edges sharing a pipe split its bandwidth
+        worst_transfer = max(worst_transfer, nbytes / bandwidth)
+        traffic.pipes[pipe] += nbytes / bandwidth
     seconds = steps * worst_latency + worst_transfer
     for d in devices:
         traffic.busy[d] += seconds
@@ -116,6 +132,8 @@ def transfer_traffic(traffic: Traffic, topology: ClusterSpec, itemsize, transfer
         seconds = link.seconds(nbytes)
         send_time[t.src] += seconds
         recv_time[t.dst] += seconds
+        if link.shared:
+            traffic.pipes[topology.pipe(t.src, t.dst)] += seconds
     for d in set(send_time) | set(recv_time):
         traffic.busy[d] += max(send_time[d], recv_time[d])
 
