@@ -105,25 +105,32 @@ def _switching_rank(backend):
     trainer = MixedLengthTrainer(_graph().graph, POOL, backend, symbols={"S": 8, "T": 8}, passes=10)
     data = sequences()
     trainer.step(data[0])  # S1
+    s1 = trainer.trainer
     trainer.step(data[1])  # S1 -> S2: planned
-    first = trainer.trainer.last_switch
-    trainer.step(data[2])  # S2 -> S1: planned
-    trainer.step(data[4])  # S1 -> S2 again: the kept plan
+    first, s2 = trainer.trainer.last_switch, trainer.trainer
+    released = not s1.state.leaves  # the S1 trainer gave its weights away and keeps only its program
+    trainer.step(data[2])  # S2 -> S1: planned, into the S1 trainer built before
+    back = trainer.trainer is s1 and not s2.state.leaves and bool(s1.state.leaves)
+    trainer.step(data[4])  # S1 -> S2 again: the kept plan, the kept trainer
     again = trainer.trainer.last_switch
-    refused = None
-    try:  # a plan between other strategies is refused before anything moves
-        trainer.trainer.switch(0, trainer._layout(0), plan=again)
-    except HSPMDError as e:
-        refused = str(e)
-    return first is again, sorted(trainer._switch_plans), refused, trainer.parameters()
+    refused = []
+    for bad in ({"plan": again}, {"reuse": s2}):  # for other strategies: refused before anything moves
+        try:
+            trainer.trainer.switch(0, trainer._layout(0), **bad)
+        except HSPMDError as e:
+            refused.append(str(e))
+    return first is again and trainer.trainer is s2, released and back, sorted(trainer._switch_plans), refused, \
+        trainer.parameters()
 
 
-def test_a_switch_back_reuses_its_plan_and_a_plan_for_other_strategies_is_refused():
+def test_a_switch_back_reuses_its_plan_and_trainer_and_ones_for_other_strategies_are_refused():
     results = LocalWorld(range(4), 120).run(_switching_rank)
-    same, keys, refused, params = results[0]
-    assert same and keys == [(0, 1, False), (1, 0, False)]
-    assert all(r[2] and "not a switch plan from strategy 1 to 0" in r[2] for r in results.values())
-    assert params is not None  # the refused switch left a working trainer (parameters gathered)
+    same, reused, keys, refused, params = results[0]
+    assert same and reused and keys == [(0, 1, False), (1, 0, False)]
+    for r in results.values():
+        assert len(r[3]) == 2 and "not a switch plan from strategy 1 to 0" in r[3][0]
+        assert "not one of strategy 0" in r[3][1]
+    assert params is not None  # the refused switches left a working trainer (parameters gathered)
 
 
 @pytest.mark.multiprocess

@@ -11,8 +11,9 @@ gradients synchronised and moved with the weights at each bucket boundary; one u
 The loss is token-weighted over the whole step (T = the step's counted tokens), so the gradient
 equals the single-device gradient of the same sequences whatever the dispatch or bucketing.
 Each strategy is specialized once; its comm plans are resolved once per micro-batch binding
-(sequence length) and kept, and each switch is planned once per pair of strategies, so a switch
-back, or a length seen before, resolves nothing anew.
+(sequence length) and kept, each switch is planned once per pair of strategies and each
+strategy's trainer is built once (a switch back refills it), so a switch back, or a length seen
+before, resolves nothing anew.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class MixedLengthTrainer:
         self.by_cost, self.switch_seconds = by_cost, switch_seconds
         self._specs: dict[int, Specialized] = {}
         self._switch_plans: dict[tuple[int, int, bool], SwitchPlan] = {}  # (from, to, carrying gradients)
+        self._trainers: dict[int, Trainer] = {}  # per pool entry: a switch back refills it, builds nothing
         self.trainer: Trainer | None = None
         self.current: int | None = None
         self.steps = 0
@@ -92,10 +94,14 @@ class MixedLengthTrainer:
             return None
         else:
             key = (self.trainer.spec.deduced.strategy, entry.strategy, carry is not None)
+            previous = self.trainer
             self.trainer = self.trainer.switch(entry.strategy, self._layout(k), specialized=self._specs.get(entry.strategy),
-                                               carry=carry, plan=self._switch_plans.get(key))
+                                               carry=carry, plan=self._switch_plans.get(key),
+                                               reuse=self._trainers.get(k))
             self._switch_plans[key] = self.trainer.last_switch
+            previous.release()
         self._specs[entry.strategy] = self.trainer.spec
+        self._trainers[k] = self.trainer
         before, self.current = self.current, k
         return None if before is None else (self.pool[before].name, entry.name)
 

@@ -405,7 +405,7 @@ class Trainer:
     def switch(self, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
                failed: tuple[int, ...] = (), specialized: Specialized | None = None,
                carry: Mapping[str, torch.Tensor] | None = None, recompute: bool | None = None,
-               plan: SwitchPlan | None = None) -> "Trainer":
+               plan: SwitchPlan | None = None, reuse: "Trainer | None" = None) -> "Trainer":
         """Collective: the trainer of another strategy of the same graph, holding this one's
         parameters and optimizer states, moved by one fused batched send-receive (paper section 6).
         No restart and no checkpoint: training continues at the same step.
@@ -420,7 +420,9 @@ class Trainer:
         `schedule`, `recompute`: as for the constructor; None keeps this trainer's arguments.
         `plan`: the switch plan of an earlier switch between the same strategies with the same
         failed ranks and carry (its `last_switch`), for a caller that switches back and forth:
-        planning is pure, so it is reused rather than made again."""
+        planning is pure, so it is reused rather than made again. `reuse`: a trainer this rank
+        made earlier for the same strategy, layout, schedule and job, which takes the moved state
+        instead of a new trainer being built (its program, buckets and groups are ready)."""
         strategy = check_strategy_index(self.graph, strategy, "switch()")
         failed = checked_ranks(failed, self.backend.world_size, "failed ranks", "switch()")
         if schedule is not None and not isinstance(schedule, str):
@@ -435,10 +437,14 @@ class Trainer:
         else:
             plan = plan or plan_switch_with_gradients(self.graph, here, strategy, failed=failed, topology=self.topology)
             moving = {} if self.backend.rank in failed else {**self.state.leaves, **gradient_leaves(carry)}
-        nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
-                      self.symbols, self.seed, self.topology, specialized, self.bucket_cap_mb,
-                      state=DeviceState({}, step=self.state.step),
-                      recompute=self.recompute_requested if recompute is None else recompute)
+        if reuse is None:
+            nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
+                          self.symbols, self.seed, self.topology, specialized, self.bucket_cap_mb,
+                          state=DeviceState({}, step=self.state.step),
+                          recompute=self.recompute_requested if recompute is None else recompute)
+        else:
+            self._check_reusable(reuse, strategy, layout, schedule, recompute)
+            nxt, nxt.state, nxt.last_run = reuse, DeviceState({}, step=self.state.step), None
         leaves = execute_switch(plan, self.backend, moving)
         carried = {name[len(GRADIENT_PREFIX):]: v for name, v in leaves.items() if name.startswith(GRADIENT_PREFIX)}
         leaves = {name: v for name, v in leaves.items() if not name.startswith(GRADIENT_PREFIX)}
@@ -450,6 +456,23 @@ class Trainer:
         nxt.last_switch = plan
         nxt.carried = carried
         return nxt
+
+    def release(self) -> None:
+        """Drop this trainer's weights, optimizer states and accumulators (a switch moved them to
+        another trainer), keeping its program, buckets and groups for a later `switch(reuse=)`."""
+        self.state = DeviceState({}, step=self.state.step)
+        self.carried = {}
+
+    def _check_reusable(self, other: "Trainer", strategy: int, layout, schedule, recompute) -> None:
+        same = (isinstance(other, Trainer) and other.graph is self.graph and other.backend is self.backend
+                and other.spec.deduced.strategy == strategy and other.layout == as_layout(layout)
+                and other.schedule_name == (schedule or self.schedule_name)
+                and other.recompute_requested == (self.recompute_requested if recompute is None else recompute)
+                and (other.symbols, other.seed, other.topology, other.bucket_cap_mb)
+                == (self.symbols, self.seed, self.topology, self.bucket_cap_mb))
+        if not same:
+            raise HSPMDError(f"switch(): the trainer given to reuse is not one of strategy {strategy} with this "
+                             f"layout, schedule and job")
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
