@@ -51,6 +51,7 @@ from hspmd.comm_resolve.bounds import reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
+from hspmd.comm_resolve import relabel
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.split_collectives import split_step
@@ -350,6 +351,22 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tup
     return steps + [replace(step, round=len(steps))], done
 
 
+def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tuple[list[Step], Annotation]:
+    """_equalise, or an earlier subgroup's steps of the same frame moved onto subgroup k (exactly
+    what _equalise would plan: relabel.py), so that a union of hundreds of equal subgroups is
+    planned once. `templates` is kept by the caller for one pass over the subgroups."""
+    region = _regions(union, ctx)[k]
+    key = relabel.frame(union.subgroups[k], target, region)
+    if key in templates:
+        steps, k0, region0 = templates[key]
+        sub0, sub = union.subgroups[k0].dg.devices, union.subgroups[k].dg.devices
+        if not relabel.has_messages(steps) or relabel.same_links(sub0, sub, ctx.topology):
+            return relabel.moved_steps(steps, k0, k, union, region0, region), union.with_subgroup(k, target)
+    steps, done = _equalise(union, k, target, ctx)
+    templates.setdefault(key, (steps, k, region))
+    return steps, done
+
+
 def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tuple[list[Step], Annotation]:
     """Reduce subgroup k's bottom-tier Partial in place (ReduceScatter, else AllReduce)."""
     if not ctx.reduce_partial:
@@ -363,7 +380,7 @@ def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tupl
 
 
 def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
-    union, steps, moving = src, [], []
+    union, steps, moving, templates = src, [], [], {}
     for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
         if s.dg != t.dg:
             moving.append(k)
@@ -371,7 +388,7 @@ def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
                 sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
                 steps += sub_steps
             continue
-        sub_steps, union = _equalise(union, k, t, ctx)
+        sub_steps, union = _equalise_like(templates, union, k, t, ctx)
         steps += sub_steps
     if moving:
         before = [s for s in steps if s.subgroup in moving]  # the move overlaps the other subgroups' steps
@@ -421,8 +438,9 @@ def _top_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step] | N
         return None
     union, steps = src, []
     if any(s.ds != t.ds for s, t in zip(src.subgroups, dst.subgroups)):
+        templates: dict = {}
         for k, t in enumerate(dst.subgroups):
-            sub_steps, union = _equalise(union, k, t, ctx)
+            sub_steps, union = _equalise_like(templates, union, k, t, ctx)
             steps += sub_steps
     step = split_step(primitive, union, dst, ctx.shape)
     if step is None:

@@ -9,7 +9,7 @@ cut is a cut.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from itertools import product
 from math import prod
 from typing import Iterable, Sequence
@@ -65,6 +65,19 @@ class Grid:
             for cell in self.cells(box):
                 out.setdefault(cell, []).append(device)
         return out
+
+    def coarse_cells(self, coarse: "Grid") -> Iterable[tuple[Cell, Cell | None]]:
+        """(cell, the cell of `coarse` containing it, or None outside it) for every cell of this
+        grid, whose cuts must include the coarse grid's. Ownership read on a coarse grid (cut
+        only where the owners' pieces are) is then looked up once per coarse cell, not walked
+        over every fine cell each owner covers."""
+        per_dim = []
+        for fine, cuts in zip(self.cuts, coarse.cuts):
+            index = [bisect_right(cuts, start) - 1 for start in fine[:-1]]
+            per_dim.append([i if 0 <= i < len(cuts) - 1 else None for i in index])
+        for cell in product(*(range(len(c) - 1) for c in self.cuts)):
+            outer = tuple(m[i] for m, i in zip(per_dim, cell))
+            yield cell, None if None in outer else outer
 
     def cell_box(self, cell: Cell) -> Box:
         return tuple((c[i], c[i + 1]) for c, i in zip(self.cuts, cell))

@@ -19,34 +19,86 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hspmd.annotations import Annotation, device_pieces
+from hspmd.annotations import Annotation, box_intersection, device_pieces
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
-from hspmd.comm_resolve.slices import Cell, Grid, empty_box_at
+from hspmd.comm_resolve.slices import Cell, Grid, empty_box_at, in_ranges
 
 KIND = {"SplitAllReduce": "all_reduce", "SplitReduceScatter": "reduce_scatter", "SplitAllGather": "all_gather"}
 
 
-def _reduction_groups(by_key: dict[tuple, list[int]], needers: list[int]) -> list[tuple[tuple[int, ...], set[int], list[int]]]:
-    """(members, zero-input members, receivers) per group for one slice of a reduction."""
+def _reduction_base(by_key: dict[tuple, list[int]]) -> tuple[list[list[int]], dict[int, int], list[tuple[int, ...]]]:
+    """The groups of one slice's holders (one replica of each summand per group when every
+    summand has as many replicas, else one group of the first replicas), each device's group,
+    and each group's sorted members. Depends on the holders only: computed once per set."""
     lists = [by_key[k] for k in sorted(by_key)]
     if len({len(l) for l in lists}) == 1:
         groups = [[l[r] for l in lists] for r in range(len(lists[0]))]
     else:
         groups = [[l[0] for l in lists]]
-    zeros: list[set[int]] = [set() for _ in groups]
-    receivers: list[list[int]] = [[] for _ in groups]
-    group_of = {}
+    group_of: dict[int, int] = {}
     for i, g in enumerate(groups):
         for d in g:
             group_of.setdefault(d, i)
+    return groups, group_of, [tuple(sorted(g)) for g in groups]
+
+
+def _reduction_groups(base, needers: list[int]) -> list[tuple[tuple[int, ...], frozenset[int], list[int]]]:
+    """(members, zero-input members, receivers) per group that receives part of one slice: a
+    needer joins its own group, or the first group with a zero input."""
+    groups, group_of, members = base
+    zeros: list[int] = []
+    receivers: dict[int, list[int]] = {}
     for e in needers:
         where = group_of.get(e)
         if where is None:
-            where = group_of[e] = 0
-            groups[0].append(e)
-            zeros[0].add(e)
-        receivers[where].append(e)
-    return [(tuple(sorted(g)), z, r) for g, z, r in zip(groups, zeros, receivers)]
+            where = 0
+            zeros.append(e)
+        receivers.setdefault(where, []).append(e)
+    out = []
+    for i in sorted(receivers):
+        group = tuple(sorted(members[0] + tuple(zeros))) if i == 0 and zeros else members[i]
+        out.append((group, frozenset(zeros) if i == 0 else frozenset(), receivers[i]))
+    return out
+
+
+def _gather_group(holders: list[int], needers: list[int]) -> tuple[tuple[int, ...], int] | None:
+    """(members, sender) of one slice's all-gather: the first holder and every needer lacking
+    the slice; None when nobody lacks it."""
+    have = set(holders)
+    lacking = [e for e in needers if e not in have]
+    return (tuple(sorted({holders[0], *lacking})), holders[0]) if lacking else None
+
+
+def _slice_roles(kind: str, sp, dp, grid: Grid, ndim: int):
+    """(cell, entry) for every cell of `grid`: entry is [(members, zeros, receiver or None)] of
+    the collectives that cell joins. Holders and needers are read on grids cut only by the source
+    and only by the destination pieces, and each distinct (holders, needers) pair is worked out
+    once, so a union of hundreds of subgroups costs its cell count, not cells x members."""
+    src_grid, dst_grid = Grid([p.box for p in sp.values()], ndim), Grid([p.box for p in dp.values()], ndim)
+    src_holders = src_grid.holders((d, p.box) for d, p in sorted(sp.items()))
+    dst_holders = dst_grid.holders((d, p.box) for d, p in sorted(dp.items()))
+    bases: dict[Cell | None, tuple] = {}
+    worked: dict[tuple, list | None] = {}
+    for (cell, src_cell), (_, dst_cell) in zip(grid.coarse_cells(src_grid), grid.coarse_cells(dst_grid)):
+        key = (src_cell, dst_cell)
+        if key not in worked:
+            holders = src_holders.get(src_cell, [])
+            needers = dst_holders.get(dst_cell, [])
+            if kind == "all_gather":
+                group = _gather_group(holders, needers)
+                worked[key] = [] if group is None else [(group[0], frozenset(), group[1])]
+            else:
+                if src_cell not in bases:
+                    by_key: dict[tuple, list[int]] = defaultdict(list)
+                    for d in holders:
+                        by_key[sp[d].summand].append(d)
+                    bases[src_cell] = _reduction_base(by_key)
+                groups = _reduction_groups(bases[src_cell], needers)
+                if kind == "reduce_scatter" and any(len(r) > 1 for _, _, r in groups):
+                    worked[key] = None
+                else:
+                    worked[key] = [(m, z, r[0] if kind == "reduce_scatter" else None) for m, z, r in groups]
+        yield cell, worked[key]
 
 
 def split_step(primitive: str, src: Annotation, dst: Annotation, shape) -> Step | None:
@@ -55,26 +107,12 @@ def split_step(primitive: str, src: Annotation, dst: Annotation, shape) -> Step 
     kind = KIND[primitive]
     sp, dp = device_pieces(src, shape), device_pieces(dst, shape)
     grid = Grid([p.box for p in sp.values()] + [p.box for p in dp.values()], len(shape))
-    src_holders = grid.holders((d, p.box) for d, p in sorted(sp.items()))
-    dst_holders = grid.holders((d, p.box) for d, p in sorted(dp.items()))
     entries: dict[tuple, dict[Cell, int | None]] = defaultdict(dict)
-    for cell in grid.cells(tuple((0, s) for s in shape)):
-        holders = src_holders.get(cell, [])
-        needers = dst_holders.get(cell, [])
-        if kind == "all_gather":
-            lacking = [e for e in needers if e not in holders]
-            if lacking:
-                entries[(tuple(sorted({holders[0], *lacking})), frozenset())][cell] = holders[0]
-            continue
-        by_key: dict[tuple, list[int]] = defaultdict(list)
-        for d in holders:
-            by_key[sp[d].summand].append(d)
-        for members, zeros, receivers in _reduction_groups(by_key, needers):
-            if not receivers:
-                continue
-            if kind == "reduce_scatter" and len(receivers) > 1:
-                return None
-            entries[(members, frozenset(zeros))][cell] = receivers[0] if kind == "reduce_scatter" else None
+    for cell, roles in _slice_roles(kind, sp, dp, grid, len(shape)):
+        if roles is None:
+            return None
+        for members, zeros, receiver in roles:
+            entries[(members, zeros)][cell] = receiver
     collectives = []
     for (members, zeros), roles in sorted(entries.items(), key=lambda item: (item[0][0], sorted(item[0][1]))):
         for box in grid.merge(roles):
@@ -107,17 +145,17 @@ def _collectives(kind, members, zeros, box, roles, grid: Grid) -> list[Collectiv
 
 def _self_copies(collectives, sp, dp, grid: Grid) -> tuple[Transfer, ...]:
     """Local copies of what a device holds and needs, except what its collectives deliver."""
-    covered: dict[int, set[Cell]] = defaultdict(set)
+    covered: dict[int, list[tuple[range, ...]]] = defaultdict(list)
     for c in collectives:
-        cells = set(grid.cells(c.box))
+        ranges = grid.ranges(c.box)
         for m in c.devices:
-            covered[m] |= cells
+            covered[m].append(ranges)
     transfers = []
     for d in sorted(dp):
-        if d not in sp:
+        both = box_intersection(sp[d].box, dp[d].box) if d in sp else None
+        if both is None:
             continue
-        src_cells = set(grid.cells(sp[d].box))
-        mine = [c for c in grid.cells(dp[d].box) if c in src_cells and c not in covered[d]]
+        mine = [c for c in grid.cells(both) if not any(in_ranges(c, r) for r in covered[d])]
         boxes = grid.merge(mine)
         if boxes:
             transfers.append(Transfer(d, d, tuple(boxes), (0,) * len(boxes)))

@@ -1,0 +1,88 @@
+"""Steps planned once per kind of subgroup, then moved onto the other subgroups of that kind.
+
+A union of hundreds of subgroups (one per data-parallel pipeline) usually repeats one layout, and
+the resolver's steps inside subgroup k are a function of k's states, target states, region
+extents, the order of its devices and the links between them, never of the device ids or where
+the region lies: pieces are cut relative to the region's start (geometry.py), collectives group
+devices by their index in the device group, and the BSR planner ranks senders by bandwidth, then
+load, then device id. So subgroups whose `frame` (that description) is equal get the first one's
+steps with devices renamed position by position and boxes shifted by the difference of the
+region starts, which is exactly what planning them again would give. Device order is kept by
+requiring equal order patterns (an order-preserving renaming keeps every tie-break and sorted
+list), and links by comparing bandwidths pair by pair where a step has messages between devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from hspmd.annotations import Annotation, Box, Subgroup
+from hspmd.comm_resolve.plan import Collective, Step, Transfer
+from hspmd.comm_resolve.topology import ClusterSpec
+
+
+def order_pattern(devices: Sequence[int]) -> tuple[int, ...]:
+    """Each device's rank among the distinct devices listed: two lists have equal patterns exactly
+    when renaming one onto the other position by position is a function that keeps the order."""
+    rank = {d: i for i, d in enumerate(sorted(set(devices)))}
+    return tuple(rank[d] for d in devices)
+
+
+def frame(sub: Subgroup, target: Subgroup, region: Box) -> tuple:
+    """What a subgroup's steps from `sub` to `target` depend on, apart from device ids, region
+    starts and links (see the module docstring)."""
+    extents = tuple(stop - start for start, stop in region)
+    return sub.ds, target.ds, order_pattern(sub.dg.devices + target.dg.devices), extents
+
+
+def same_links(template: Sequence[int], devices: Sequence[int], topology: ClusterSpec) -> bool:
+    """Whether every pair of devices has the bandwidth of the template's pair at the same positions."""
+    pairs = [(i, j) for i in range(len(devices)) for j in range(len(devices)) if i != j]
+    return all(topology.bandwidth(template[i], template[j]) == topology.bandwidth(devices[i], devices[j])
+               for i, j in pairs)
+
+
+def has_messages(steps: Sequence[Step]) -> bool:
+    return any(t.src != t.dst for s in steps for t in s.transfers)
+
+
+def _box(box: Box, shift: tuple[int, ...]) -> Box:
+    return tuple((a + o, b + o) for (a, b), o in zip(box, shift))
+
+
+def _collective(c: Collective, name: dict[int, int], shift: tuple[int, ...]) -> Collective:
+    return Collective(c.kind, tuple(name[d] for d in c.devices), _box(c.box, shift),
+                      tuple(_box(p, shift) for p in c.parts), tuple(name[d] for d in c.zero_inputs))
+
+
+def _transfer(t: Transfer, name: dict[int, int], shift: tuple[int, ...]) -> Transfer:
+    return Transfer(name[t.src], name[t.dst], tuple(_box(b, shift) for b in t.boxes), t.tensors)
+
+
+def moved_step(step: Step, name: dict[int, int], shift: tuple[int, ...], src: Annotation, dst: Annotation,
+               subgroup: int | None) -> Step:
+    """`step` with devices renamed by `name`, boxes shifted by `shift`, and the given layouts."""
+    return replace(step, src=src, dst=dst, collectives=tuple(_collective(c, name, shift) for c in step.collectives),
+                   transfers=tuple(_transfer(t, name, shift) for t in step.transfers),
+                   assembled_on=tuple(name[d] for d in step.assembled_on), subgroup=subgroup)
+
+
+def moved_steps(steps: Sequence[Step], k0: int, k: int, union: Annotation, region0: Box, region: Box) -> list[Step]:
+    """Steps planned for subgroup k0 (each step changes only k0) moved onto subgroup k of `union`
+    (the union before k's steps): k's states follow the template's at every step."""
+    sub0, sub = steps[0].src.subgroups[k0], union.subgroups[k]
+    name = dict(zip(sub0.dg.devices, sub.dg.devices))
+    shift = tuple(b - a for (a, _), (b, _) in zip(region0, region))
+    layouts: dict[int, Annotation] = {}
+
+    def at(ann: Annotation) -> Annotation:
+        ds = ann.subgroups[k0].ds
+        if id(ds) not in layouts:
+            layouts[id(ds)] = union.with_subgroup(k, Subgroup(sub.dg, ds))
+        return layouts[id(ds)]
+
+    return [moved_step(s, name, shift, at(s.src), at(s.dst), k) for s in steps]
+
+
+__all__ = ["frame", "has_messages", "moved_step", "moved_steps", "order_pattern", "same_links"]

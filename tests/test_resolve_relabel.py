@@ -1,0 +1,90 @@
+"""Plans for unions of repeated subgroups: steps planned once and moved onto the other subgroups
+(comm_resolve/relabel.py) equal the steps planned subgroup by subgroup, for any device order,
+region offsets, partial sums and cluster layout (a renaming that would change a tie-break or a
+link must not be used)."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hspmd.annotations import Annotation, DistributedStates, Split, Subgroup
+from hspmd.cluster import uniform
+from hspmd.comm_resolve import relabel, resolve
+from hspmd.errors import HSPMDError
+from hspmd.testing import distributed_states
+
+
+def _planned_alone(monkeypatch):
+    """resolve with every subgroup planned on its own (no two frames ever equal)."""
+    def plan(*args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(relabel, "frame", lambda *a: object())
+            return resolve(*args, **kwargs)
+    return plan
+
+
+@st.composite
+def repeated_unions(draw):
+    """(src, dst, shape, topology): unions of 2-5 subgroups sharing one or two layouts, devices in
+    any order (sometimes not order-preserving between subgroups), HDim D / P / a dim with equal or
+    uneven ratios; the destination keeps the device groups (bottom-tier and top-tier routes)."""
+    ndim = draw(st.integers(1, 2))
+    size = draw(st.sampled_from([1, 2, 4]))
+    hsize = draw(st.integers(2, 5))
+    pool = draw(st.permutations(range(size * hsize)))
+    if draw(st.booleans()):
+        pool = sorted(pool)
+    groups = [tuple(pool[k * size:(k + 1) * size]) for k in range(hsize)]
+    layouts = [draw(distributed_states(size, ndim)) for _ in range(2)]
+    targets = [draw(distributed_states(size, ndim)) for _ in range(2)]
+    if ndim == 2 and draw(st.booleans()):  # splits moved to the other dim: an all-to-all inside each subgroup
+        targets = [DistributedStates(tuple(Split(1 - a.dim, a.n) if isinstance(a, Split) else a for a in ds.axes))
+                   for ds in layouts]
+    pick = [draw(st.integers(0, 1)) if draw(st.booleans()) else 0 for _ in range(hsize)]
+
+    def union(states, hdim):
+        ratios = None
+        if isinstance(hdim, int):
+            ratios = tuple(draw(st.sampled_from([(1,) * hsize, tuple(draw(st.integers(1, 3)) for _ in range(hsize))])))
+        return Annotation(tuple(Subgroup(g, states[p]) for g, p in zip(groups, pick)), hdim, ratios)
+
+    hdims = ["D", "P"] + list(range(ndim))
+    src = union(layouts, draw(st.sampled_from(hdims)))
+    dst = union(targets, draw(st.sampled_from(hdims)) if draw(st.booleans()) else src.hdim)
+    if dst.hdim == src.hdim:
+        dst = Annotation(dst.subgroups, src.hdim, src.ratios)
+    shape = tuple(draw(st.integers(0, 9)) for _ in range(ndim))
+    nodes = draw(st.sampled_from([1, 2, size * hsize]))
+    topology = uniform(nodes, size * hsize // nodes) if (size * hsize) % nodes == 0 else None
+    return src, dst, shape, topology
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(case=repeated_unions())
+def test_moved_steps_equal_the_steps_planned_subgroup_by_subgroup(case, monkeypatch):
+    src, dst, shape, topology = case
+    try:
+        alone = _planned_alone(monkeypatch)(src, dst, shape, topology)
+    except HSPMDError as exc:
+        with pytest.raises(type(exc)):
+            resolve(src, dst, shape, topology)
+        return
+    assert resolve(src, dst, shape, topology) == alone
+
+
+def test_a_union_of_equal_subgroups_plans_one_and_moves_it(monkeypatch):
+    groups = " | ".join(f"P:4@[{4 * k}-{4 * k + 3}]" for k in range(8))
+    calls = []
+    real = relabel.moved_steps
+    monkeypatch.setattr(relabel, "moved_steps", lambda *a: calls.append(a[2]) or real(*a))
+    plan = resolve(f"HD{{{groups}}}", f"HD{{{groups.replace('P', 'D')}}}", (8, 4))
+    assert plan.primitives == ("AllReduce",) * 8
+    assert calls == list(range(1, 8))
+    assert [c.devices for s in plan.steps for c in s.collectives] == [tuple(range(4 * k, 4 * k + 4)) for k in range(8)]
+
+
+def test_subgroups_on_other_links_are_planned_on_their_own():
+    assert relabel.same_links((0, 1), (2, 3), uniform(2, 2))
+    assert not relabel.same_links((0, 1), (1, 2), uniform(2, 2))
+    assert relabel.order_pattern((5, 3, 9)) == (1, 0, 2) == relabel.order_pattern((7, 2, 8))
