@@ -27,7 +27,8 @@ def _planned_alone(monkeypatch):
 def repeated_unions(draw):
     """(src, dst, shape, topology): unions of 2-5 subgroups sharing one or two layouts, devices in
     any order (sometimes not order-preserving between subgroups), HDim D / P / a dim with equal or
-    uneven ratios; the destination keeps the device groups (bottom-tier and top-tier routes)."""
+    uneven ratios; the destination keeps the device groups (bottom-tier and top-tier routes) or
+    moves to others, overlapping them or not (SendRecv / BSR between groups); one or more nodes."""
     ndim = draw(st.integers(1, 2))
     size = draw(st.sampled_from([1, 2, 4]))
     hsize = draw(st.integers(2, 5))
@@ -42,20 +43,28 @@ def repeated_unions(draw):
                    for ds in layouts]
     pick = [draw(st.integers(0, 1)) if draw(st.booleans()) else 0 for _ in range(hsize)]
 
-    def union(states, hdim):
+    moved = groups
+    if draw(st.booleans()):  # the destination moves to other devices (SendRecv / BSR between groups)
+        others = draw(st.permutations(range(size * hsize // 2, size * hsize * 3 // 2)))
+        if draw(st.booleans()):
+            others = sorted(others)
+        moved = [tuple(others[k * size:(k + 1) * size]) for k in range(hsize)]
+
+    def union(states, hdim, on):
         ratios = None
         if isinstance(hdim, int):
             ratios = tuple(draw(st.sampled_from([(1,) * hsize, tuple(draw(st.integers(1, 3)) for _ in range(hsize))])))
-        return Annotation(tuple(Subgroup(g, states[p]) for g, p in zip(groups, pick)), hdim, ratios)
+        return Annotation(tuple(Subgroup(g, states[p]) for g, p in zip(on, pick)), hdim, ratios)
 
     hdims = ["D", "P"] + list(range(ndim))
-    src = union(layouts, draw(st.sampled_from(hdims)))
-    dst = union(targets, draw(st.sampled_from(hdims)) if draw(st.booleans()) else src.hdim)
+    src = union(layouts, draw(st.sampled_from(hdims)), groups)
+    dst = union(targets, draw(st.sampled_from(hdims)) if draw(st.booleans()) else src.hdim, moved)
     if dst.hdim == src.hdim:
         dst = Annotation(dst.subgroups, src.hdim, src.ratios)
     shape = tuple(draw(st.integers(0, 9)) for _ in range(ndim))
-    nodes = draw(st.sampled_from([1, 2, size * hsize]))
-    topology = uniform(nodes, size * hsize // nodes) if (size * hsize) % nodes == 0 else None
+    devices = max(src.devices + dst.devices) + 1
+    nodes = draw(st.sampled_from([1, 2, devices]))
+    topology = uniform(nodes, devices // nodes) if devices % nodes == 0 else None
     return src, dst, shape, topology
 
 

@@ -320,8 +320,11 @@ class Annotation(_Memo):
         int tuples, without a Python call per subgroup)."""
         if self.dg_union is other.dg_union:
             return True
-        key = lambda a: a._memo("dg_key", lambda: tuple(dg.devices for dg in a.dg_union))  # noqa: E731
-        return key(self) == key(other)
+        return self._dg_key() == other._dg_key()
+
+    def _dg_key(self) -> tuple[tuple[int, ...], ...]:
+        """The device groups as plain int tuples (compared and hashed in C)."""
+        return self._memo("dg_key", lambda: tuple(dg.devices for dg in self.dg_union))
 
     @property
     def uniform_states(self) -> tuple[DistributedStates, int] | None:
@@ -375,6 +378,26 @@ class Annotation(_Memo):
         object.__setattr__(new, "_memo_cache", kept)
         return new
 
+    def with_states(self, ds: DistributedStates, hdim: HDim, ratios: tuple[int, ...] | None) -> "Annotation":
+        """A union on this one's device groups with every subgroup laid out as `ds` (a deduced
+        layout of a uniform union). The groups are known valid, so each subgroup is made without
+        checking its devices again (making hundreds of subgroups one by one dominated deducing a
+        large job) and what this union knows of its devices is kept."""
+        if any(len(dg) != ds.size for dg in self.dg_union):
+            return Annotation(tuple(Subgroup(dg, ds) for dg in self.dg_union), hdim, ratios)  # raises, naming it
+        subs = []
+        for dg in self.dg_union:
+            sub = object.__new__(Subgroup)
+            object.__setattr__(sub, "dg", dg)
+            object.__setattr__(sub, "ds", ds)
+            subs.append(sub)
+        new = Annotation(tuple(subs), hdim, ratios)
+        known = self.__dict__.get("_memo_cache") or {}
+        cache = new.__dict__.setdefault("_memo_cache", {})
+        cache.update((key, known[key]) for key in self._KEPT_BY_WITH_SUBGROUP if key in known and key not in cache)
+        cache.setdefault("uniform", (ds, ds.size))
+        return new
+
     def with_ratios(self, ratios: tuple[int, ...] | None) -> "Annotation":
         """The same union with its top-tier split ratios bound (e.g. per-pipeline micro-batch sizes)."""
         return Annotation(self.subgroups, self.hdim, None if ratios is None else tuple(ratios))
@@ -397,7 +420,16 @@ class Annotation(_Memo):
         return max(dims + ([self.hdim] if isinstance(self.hdim, int) else []), default=-1)
 
     def __hash__(self) -> int:
-        return self._memo("hash", lambda: hash((self.subgroups, self.hdim, self.ratios)))
+        return self._memo("hash", self._value_hash)
+
+    def _value_hash(self) -> int:
+        """A union whose subgroups share one layout hashes its states once and its device groups
+        as int tuples (hashing hundreds of Subgroup objects dominated deducing a large job);
+        uniformity is a property of the value, so equal unions still hash alike."""
+        uniform = self.uniform_states
+        if uniform is not None:
+            return hash((uniform, self._dg_key(), self.hdim, self.ratios))
+        return hash((self.subgroups, self.hdim, self.ratios))
 
     def __eq__(self, other) -> bool:
         if self is other:

@@ -37,7 +37,10 @@ def frame(sub: Subgroup, target: Subgroup, region: Box) -> tuple:
 
 
 def same_links(template: Sequence[int], devices: Sequence[int], topology: ClusterSpec) -> bool:
-    """Whether every pair of devices has the bandwidth of the template's pair at the same positions."""
+    """Whether every pair of devices has the bandwidth of the template's pair at the same positions
+    (always on one node without per-pair links, where every link is the node's)."""
+    if len(topology.nodes) == 1 and not topology.pairs:
+        return True
     pairs = [(i, j) for i in range(len(devices)) for j in range(len(devices)) if i != j]
     return all(topology.bandwidth(template[i], template[j]) == topology.bandwidth(devices[i], devices[j])
                for i, j in pairs)
@@ -60,6 +63,14 @@ def _transfer(t: Transfer, name: dict[int, int], shift: tuple[int, ...]) -> Tran
     return Transfer(name[t.src], name[t.dst], tuple(_box(b, shift) for b in t.boxes), t.tensors)
 
 
+def moved_transfers(transfers: Sequence[Transfer], name: dict[int, int], shift: tuple[int, ...]) -> list[Transfer]:
+    return [_transfer(t, name, shift) for t in transfers]
+
+
+def region_shift(region0: Box, region: Box) -> tuple[int, ...]:
+    return tuple(b - a for (a, _), (b, _) in zip(region0, region))
+
+
 def moved_step(step: Step, name: dict[int, int], shift: tuple[int, ...], src: Annotation, dst: Annotation,
                subgroup: int | None) -> Step:
     """`step` with devices renamed by `name`, boxes shifted by `shift`, and the given layouts."""
@@ -73,7 +84,7 @@ def moved_steps(steps: Sequence[Step], k0: int, k: int, union: Annotation, regio
     (the union before k's steps): k's states follow the template's at every step."""
     sub0, sub = steps[0].src.subgroups[k0], union.subgroups[k]
     name = dict(zip(sub0.dg.devices, sub.dg.devices))
-    shift = tuple(b - a for (a, _), (b, _) in zip(region0, region))
+    shift = region_shift(region0, region)
     layouts: dict[int, Annotation] = {}
 
     def at(ann: Annotation) -> Annotation:
@@ -85,4 +96,5 @@ def moved_steps(steps: Sequence[Step], k0: int, k: int, union: Annotation, regio
     return [moved_step(s, name, shift, at(s.src), at(s.dst), k) for s in steps]
 
 
-__all__ = ["frame", "has_messages", "moved_step", "moved_steps", "order_pattern", "same_links"]
+__all__ = ["frame", "has_messages", "moved_step", "moved_steps", "moved_transfers", "order_pattern", "region_shift",
+           "same_links"]

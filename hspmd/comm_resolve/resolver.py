@@ -404,18 +404,35 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     so replicas already in place stay and each missing piece comes from the best owner).
     Otherwise BSR within the subgroup."""
     sp = device_pieces(union, ctx.shape)
-    pairs, families, reshaped = [], [], False
+    transfers, reshaped, templates = [], False, {}
     for k in moving:
         s, t = union.subgroups[k], dst.subgroups[k]
         if s.ds == t.ds and s.ds.partial_count > 1:
-            pairs += [Transfer(a, b, (sp[a].box,), (0,)) for a, b in zip(s.dg, t.dg)]
+            transfers += [Transfer(a, b, (sp[a].box,), (0,)) for a, b in zip(s.dg, t.dg)]
         else:
             reshaped |= s.ds != t.ds
-            owners = {d: sp[d].box for d in s.dg}
-            families.append(TensorSlices(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg)))
-    transfers = _fuse(pairs + list(plan_transfers(families, ctx.topology, ctx.itemsize)))
+            transfers += _moved_subgroup(templates, union, dst, k, sp, ctx)
     assembled_on = tuple(sorted(d for k in moving for d in dst.subgroups[k].dg))
-    return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), transfers, assembled_on)
+    return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), _fuse(transfers), assembled_on)
+
+
+def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, sp, ctx: _Reshard) -> list[Transfer]:
+    """The BSR messages taking subgroup k of `union` to subgroup k of `dst`. Moving subgroups share
+    no sender, so each is planned alone (the senders' loads never meet), and one of the same
+    frame planned before is moved onto this one (relabel.py)."""
+    s, t = union.subgroups[k], dst.subgroups[k]
+    region = _regions(union, ctx)[k]
+    key = relabel.frame(s, t, region)
+    devices = s.dg.devices + t.dg.devices
+    if key in templates:
+        transfers, template, region0 = templates[key]
+        if relabel.same_links(template, devices, ctx.topology):
+            return relabel.moved_transfers(transfers, dict(zip(template, devices)), relabel.region_shift(region0, region))
+    owners = {d: sp[d].box for d in s.dg}
+    family = TensorSlices(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg))
+    transfers = plan_transfers([family], ctx.topology, ctx.itemsize)
+    templates.setdefault(key, (transfers, devices, region))
+    return list(transfers)
 
 
 def _fuse(transfers: list[Transfer]) -> tuple[Transfer, ...]:

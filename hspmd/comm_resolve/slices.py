@@ -37,7 +37,7 @@ class Grid:
 
     def __init__(self, boxes: Iterable[Box], ndim: int):
         cuts: list[set[int]] = [set() for _ in range(ndim)]
-        for box in boxes:
+        for box in set(boxes):  # a union's devices repeat few boxes
             if box_volume(box) == 0:
                 continue
             for dim, (start, stop) in enumerate(box):
@@ -58,13 +58,22 @@ class Grid:
         return product(*self.ranges(box))
 
     def holders(self, boxes: Iterable[tuple[int, Box]]) -> dict[Cell, list[int]]:
-        """{cell: devices whose box covers it}, devices in the order given. Walks each box's own
-        cells, so it costs the boxes' total cell count rather than cells x devices."""
-        out: dict[Cell, list[int]] = {}
-        for device, box in boxes:
+        """{cell: devices whose box covers it}, devices in the order given. Walks each distinct
+        box's own cells once (replicas share a box), so it costs the distinct boxes' cell count
+        plus the devices, rather than cells x devices."""
+        by_box: dict[Box, list[tuple[int, int]]] = {}
+        for i, (device, box) in enumerate(boxes):
+            by_box.setdefault(box, []).append((i, device))
+        out: dict[Cell, list[tuple[int, int]]] = {}
+        mixed = set()
+        for box, members in by_box.items():
             for cell in self.cells(box):
-                out.setdefault(cell, []).append(device)
-        return out
+                if cell in out:
+                    out[cell] = out[cell] + members  # a new list: `members` is shared by the box's cells
+                    mixed.add(cell)
+                else:
+                    out[cell] = members
+        return {cell: [d for _, d in (sorted(m) if cell in mixed else m)] for cell, m in out.items()}
 
     def coarse_cells(self, coarse: "Grid") -> Iterable[tuple[Cell, Cell | None]]:
         """(cell, the cell of `coarse` containing it, or None outside it) for every cell of this

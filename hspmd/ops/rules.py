@@ -101,10 +101,9 @@ def _top_tier(anns: Sequence[Annotation], rule: PositionRule):
     if anns[0].hsize > 1:
         axis, source = rule([top_axis(a) for a in anns])
         if isinstance(axis, Split):
-            split_ratios = {anns[i].ratios for i, a in enumerate(anns) if isinstance(a.hdim, int)
-                            and isinstance(top_axis(a), Split)}
-            if len(split_ratios) > 1:
-                raise Mismatch(f"inputs split across subgroups in different ratios {sorted(map(str, split_ratios))}")
+            split_ratios = [a.ratios for a in anns if isinstance(a.hdim, int)]  # compared, not hashed: HSize long
+            if any(r != split_ratios[0] for r in split_ratios[1:]):
+                raise Mismatch(f"inputs split across subgroups in different ratios {sorted(map(str, set(split_ratios)))}")
             hdim, ratios = axis.dim, anns[source].ratios
         elif isinstance(axis, Partial):
             hdim = "P"
@@ -134,8 +133,7 @@ def _deduce_uniform(anns: Sequence[Annotation], rule: PositionRule) -> Annotatio
     if same is not None:
         return same
     first = anns[0]
-    return first.derived(("deduced", out, hdim, ratios),
-                         lambda: _assemble(first.dg_union, (out,) * first.hsize, hdim, ratios))
+    return first.derived(("deduced", out, hdim, ratios), lambda: first.with_states(out, hdim, ratios))
 
 
 def deduce_union(anns: Sequence[Annotation], rule: PositionRule) -> Annotation:
