@@ -351,7 +351,8 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tup
     return steps + [replace(step, round=len(steps))], done
 
 
-def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tuple[list[Step], Annotation]:
+def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup,
+                   ctx: _Reshard) -> tuple[list[Step], Annotation]:
     """_equalise, or an earlier subgroup's steps of the same frame moved onto subgroup k (exactly
     what _equalise would plan: relabel.py), so that a union of hundreds of equal subgroups is
     planned once. `templates` is kept by the caller for one pass over the subgroups."""
@@ -427,7 +428,8 @@ def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int,
     if key in templates:
         transfers, template, region0 = templates[key]
         if relabel.same_links(template, devices, ctx.topology):
-            return relabel.moved_transfers(transfers, dict(zip(template, devices)), relabel.region_shift(region0, region))
+            shift = relabel.region_shift(region0, region)
+            return relabel.moved_transfers(transfers, dict(zip(template, devices)), shift)
     owners = {d: sp[d].box for d in s.dg}
     family = TensorSlices(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg))
     transfers = plan_transfers([family], ctx.topology, ctx.itemsize)

@@ -61,9 +61,14 @@ def _reduction_groups(base, needers: list[int]) -> list[tuple[tuple[int, ...], f
     return out
 
 
-def _gather_group(holders: list[int], needers: list[int]) -> tuple[tuple[int, ...], int] | None:
+def _gather_group(holders: list[int], needers: list[int],
+                  needer_set: tuple[frozenset[int], tuple[int, ...]]) -> tuple[tuple[int, ...], int] | None:
     """(members, sender) of one slice's all-gather: the first holder and every needer lacking
-    the slice; None when nobody lacks it."""
+    the slice; None when nobody lacks it. A lone holder that needs the slice too (a shard
+    gathered by every replica) makes the members the needers, given as a set and sorted once
+    per destination piece rather than per slice."""
+    if len(holders) == 1 and holders[0] in needer_set[0]:
+        return (needer_set[1], holders[0]) if len(needers) > 1 else None
     have = set(holders)
     lacking = [e for e in needers if e not in have]
     return (tuple(sorted({holders[0], *lacking})), holders[0]) if lacking else None
@@ -78,6 +83,7 @@ def _slice_roles(kind: str, sp, dp, grid: Grid, ndim: int):
     src_holders = src_grid.holders((d, p.box) for d, p in sorted(sp.items()))
     dst_holders = dst_grid.holders((d, p.box) for d, p in sorted(dp.items()))
     bases: dict[Cell | None, tuple] = {}
+    needer_sets: dict[Cell | None, tuple[frozenset[int], tuple[int, ...]]] = {}
     worked: dict[tuple, list | None] = {}
     for (cell, src_cell), (_, dst_cell) in zip(grid.coarse_cells(src_grid), grid.coarse_cells(dst_grid)):
         key = (src_cell, dst_cell)
@@ -85,7 +91,9 @@ def _slice_roles(kind: str, sp, dp, grid: Grid, ndim: int):
             holders = src_holders.get(src_cell, [])
             needers = dst_holders.get(dst_cell, [])
             if kind == "all_gather":
-                group = _gather_group(holders, needers)
+                if dst_cell not in needer_sets:
+                    needer_sets[dst_cell] = (frozenset(needers), tuple(sorted(needers)))
+                group = _gather_group(holders, needers, needer_sets[dst_cell])
                 worked[key] = [] if group is None else [(group[0], frozenset(), group[1])]
             else:
                 if src_cell not in bases:
