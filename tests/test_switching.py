@@ -95,3 +95,19 @@ def test_switch_plan_is_one_fused_bsr_with_balanced_senders():
     assert "fused" in plan.explain()
     with pytest.raises(HSPMDError, match="failed device"):
         plan_switch(model.graph, 0, 1, failed=[3])
+
+
+def test_a_switch_planned_from_deductions_already_made_is_the_same_plan(monkeypatch):
+    first = parse_strategy("layers=2 ; 2x1: R0,1 L0-1 ; 2x1: R2,3 L0-1")
+    second = parse_strategy("layers=2 ; 2x1: R0 L0 | R1 L1 ; 2x1: R2 L0 | R3 L1")
+    graph = build_llama(LlamaConfig(layers=2, hidden=16, ffn=32, vocab=32, heads=2), [first, second],
+                        optimizer=AdamW(lr=LR)).graph
+    from hspmd.specialize.deduce import deduce
+    from hspmd.switching import switch as switch_module
+
+    fresh = plan_switch(graph, 0, 1)
+    made = [deduce(graph, 0), deduce(graph, 1)]
+    other = build_llama(LlamaConfig(layers=2, hidden=16, ffn=32, vocab=32, heads=2), [second, first]).graph
+    monkeypatch.setattr(switch_module, "deduce", lambda *a: pytest.fail("deduced again"))
+    # another graph's deductions are never taken for this one's (there it would have to deduce)
+    assert plan_switch(graph, 0, 1, deduced=made + [deduce(other, 0)]).fused == fresh.fused

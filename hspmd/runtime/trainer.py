@@ -431,11 +431,13 @@ class Trainer:
         if plan is not None and (not isinstance(plan, SwitchPlan)
                                  or (plan.src_strategy, plan.dst_strategy) != (here, strategy)):
             raise HSPMDError(f"switch(): the plan given is not a switch plan from strategy {here} to {strategy}")
+        made = [s.deduced for s in (self.spec, specialized, reuse.spec if reuse else None) if s is not None]
         if carry is None:
-            plan = plan or plan_switch(self.graph, here, strategy, failed=failed, topology=self.topology)
+            plan = plan or plan_switch(self.graph, here, strategy, failed=failed, topology=self.topology, deduced=made)
             moving = {} if self.backend.rank in failed else self.state.leaves
         else:
-            plan = plan or plan_switch_with_gradients(self.graph, here, strategy, failed=failed, topology=self.topology)
+            plan = plan or plan_switch_with_gradients(self.graph, here, strategy, failed=failed, topology=self.topology,
+                                                      deduced=made)
             moving = {} if self.backend.rank in failed else {**self.state.leaves, **gradient_leaves(carry)}
         if reuse is None:
             nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,

@@ -24,7 +24,7 @@ from hspmd.limits import MAX_DEVICES, brief, check_limit
 from hspmd.ir.graph import Graph
 from hspmd.backends.backend import Backend
 from hspmd.backends.plan_executor import execute_fused_plan
-from hspmd.specialize.deduce import deduce
+from hspmd.specialize.deduce import Deduced, deduce
 
 LEAF_KINDS = ("parameter", "state")
 
@@ -75,6 +75,7 @@ def plan_switch(
     topology=None,
     kinds: tuple[str, ...] = LEAF_KINDS,
     dtypes: Mapping[str, object] | None = None,
+    deduced: Iterable[Deduced] = (),
     **choices,
 ) -> SwitchPlan:
     """The fused plan moving every leaf of `kinds` from `src_strategy` to `dst_strategy`, each in
@@ -83,9 +84,10 @@ def plan_switch(
 
     `failed` devices are never used as senders (their pieces come from whatever living devices
     hold them, down to single devices) and must not appear in the destination strategy; WeightLost
-    names the leaves whose values only failed devices held. `choices` (order=, heuristics=) go to
-    resolve_many."""
-    src, dst = deduce(graph, src_strategy), deduce(graph, dst_strategy)
+    names the leaves whose values only failed devices held. `deduced`: deductions of this graph
+    already made (e.g. a trainer's), used instead of deducing those strategies again. `choices`
+    (order=, heuristics=) go to resolve_many."""
+    src, dst = _deductions(graph, (src_strategy, dst_strategy), deduced)
     leaves = {}
     for node in graph.nodes_of_kind(*kinds):
         t = node.output
@@ -105,12 +107,17 @@ def gradient_leaves(gradients: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     return {GRADIENT_PREFIX + name: v for name, v in gradients.items()}
 
 
+def _deductions(graph: Graph, strategies: Iterable[int], made: Iterable[Deduced]) -> list[Deduced]:
+    known = {d.strategy: d for d in made if d.graph is graph}
+    return [known[k] if k in known else deduce(graph, k) for k in strategies]
+
+
 def plan_switch_with_gradients(graph: Graph, src_strategy: int, dst_strategy: int, *, failed: Iterable[int] = (),
-                               topology=None, **choices) -> SwitchPlan:
+                               topology=None, deduced: Iterable[Deduced] = (), **choices) -> SwitchPlan:
     """plan_switch that also moves each parameter's synchronised gradient (graph.gradients, named
     GRADIENT_PREFIX + parameter name) in the same fused plan: a switch in the middle of a step
     whose gradients accumulate across strategies (Hetu-A's length buckets)."""
-    src, dst = deduce(graph, src_strategy), deduce(graph, dst_strategy)
+    src, dst = _deductions(graph, (src_strategy, dst_strategy), deduced)
     leaves = {}
     for node in graph.nodes_of_kind(*LEAF_KINDS):
         t = node.output
