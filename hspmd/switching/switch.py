@@ -24,7 +24,7 @@ from hspmd.limits import MAX_DEVICES, brief, check_limit
 from hspmd.ir.graph import Graph
 from hspmd.backends.backend import Backend
 from hspmd.backends.plan_executor import execute_fused_plan
-from hspmd.specialize.deduce import Deduced, deduce
+from hspmd.specialize.deduce import Deduced, check_strategy_index, deduce
 
 LEAF_KINDS = ("parameter", "state")
 
@@ -108,8 +108,9 @@ def gradient_leaves(gradients: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def _deductions(graph: Graph, strategies: Iterable[int], made: Iterable[Deduced]) -> list[Deduced]:
-    known = {d.strategy: d for d in made if d.graph is graph}
-    return [known[k] if k in known else deduce(graph, k) for k in strategies]
+    known = {d.strategy: d for d in made if isinstance(d, Deduced) and d.graph is graph}
+    checked = [check_strategy_index(graph, k, "plan_switch") for k in strategies]
+    return [known[k] if k in known else deduce(graph, k) for k in checked]
 
 
 def plan_switch_with_gradients(graph: Graph, src_strategy: int, dst_strategy: int, *, failed: Iterable[int] = (),
