@@ -213,18 +213,24 @@ def gloo_rank(backend: Backend, text: str, caps):
     return out
 
 
+def assert_caps_match_reference(results, text: str, caps, same_gradient) -> None:
+    """Every cap's losses and final weights equal the single-device reference, and its gradients
+    equal (by `same_gradient`) those of the unbucketed run."""
+    graph, layout = model(text)
+    data = [(b["tokens"], b["labels"]) for b in batches(layout, 2, seed=9)]
+    baseline = results[0][None]
+    for cap in caps:
+        losses, params, grads = results[0][cap][:3]
+        assert_matches_reference(losses, params, data, layers=parse_strategy(text).num_layers)
+        for name, g in baseline[2].items():
+            assert same_gradient(grads[name], g), (cap, name)
+
+
 @pytest.mark.multiprocess
 def test_gloo_buckets_equal_one_device_and_start_inside_the_backward():
     caps = (None, 1e-6, 2e-3, 25)
     results = run_multiprocess(gloo_rank, 4, DP_TP, caps, timeout=180)
-    graph, layout = model(DP_TP)
-    data = [(b["tokens"], b["labels"]) for b in batches(layout, 2, seed=9)]
-    baseline = results[0][None]
-    for cap in caps:
-        losses, params, grads, names, events, count = results[0][cap]
-        assert_matches_reference(losses, params, data, layers=2)
-        for name, g in baseline[2].items():  # the same sums in the same order on both paths
-            assert torch.equal(grads[name], g), (cap, name)
+    assert_caps_match_reference(results, DP_TP, caps, torch.equal)  # the same sums in the same order
     for rank, result in enumerate(results):
         assert result[None][5] == 0 and not any(n.startswith("all-reduce bucket") for n in result[None][3])
         for cap, expected in ((1e-6, 10), (2e-3, 2), (25, 1)):
@@ -247,12 +253,5 @@ def test_gloo_split_buckets_of_a_heterogeneous_strategy_equal_one_device():
     # buckets (rank 2 and 3 copy each half into the bucket of its all-reduce and back)
     caps = (None, 2e-3, 25)
     results = run_multiprocess(gloo_rank, 4, HETERO, caps, timeout=180)
-    graph, layout = model(HETERO)
-    data = [(b["tokens"], b["labels"]) for b in batches(layout, 2, seed=9)]
-    baseline = results[0][None]
-    for cap in caps:
-        losses, params, grads, names, events, count = results[0][cap]
-        assert_matches_reference(losses, params, data, layers=4)
-        for name, g in baseline[2].items():
-            assert torch.allclose(grads[name], g, rtol=1e-6, atol=1e-7), (cap, name)
+    assert_caps_match_reference(results, HETERO, caps, lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-7))
     assert all(result[25][5] >= 1 for result in results)
