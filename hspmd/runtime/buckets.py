@@ -1,34 +1,34 @@
 """Gradient synchronisation in size-capped buckets, started while the backward still runs.
 
-Planning (`plan_buckets`, pure data). A gradient joins buckets when its synchronisation plan is
-all-reduces alone in which every device keeps its piece and the boxes it reduces tile that piece
+Planning (`plan_buckets`, pure data). A gradient joins buckets when its synchronisation plan is all-
+reduces alone in which every device keeps its piece and the boxes it reduces tile that piece
 (Plan.why_not_all_reduces): data parallelism over whatever else splits the gradient, HP -> HD,
 either one all-reduce of each device's whole piece (the common case) or a split all-reduce
-(pipelines of different TP degrees in a heterogeneous strategy: a device holding the whole
-gradient reduces one box with each TP rank of the other pipeline). A member without a summand (a
-TP rank whose replica of a norm weight's gradient another member counts) gives zeros. Each (all-reduce, box) is a
-slot; slots are grouped by (all-reduce group, dtype) in the order the backward makes the
+(pipelines of different TP degrees in a heterogeneous strategy: a device holding the whole gradient
+reduces one box with each TP rank of the other pipeline). A member without a summand (a TP rank
+whose replica of a norm weight's gradient another member counts) gives zeros. Each (all-reduce, box)
+is a slot; slots are grouped by (all-reduce group, dtype) in the order the backward makes the
 gradients, each bucket holding at most `cap_bytes` (a slot larger than the cap is a bucket by
 itself), or less for a group whose gradients would fill fewer than MIN_BUCKETS buckets
-(hspmd.comm_resolve.bucketing, which the simulator prices alike: otherwise a small model syncs
-in one bucket after the whole backward). Every member of a group derives the same buckets with no message: the predicate reads
-only the global plan, the order is the graph's, the sizes are the plan's boxes. Every other
-gradient (a plan that moves or gathers pieces) keeps its plan in the update program;
-`BucketPlan.kept` says which and why.
+(hspmd.comm_resolve.bucketing, which the simulator prices alike: otherwise a small model syncs in
+one bucket after the whole backward). Every member of a group derives the same buckets with no
+message: the predicate reads only the global plan, the order is the graph's, the sizes are the
+plan's boxes. Every other gradient (a plan that moves or gathers pieces) keeps its plan in the
+update program; `BucketPlan.kept` says which and why.
 
 Execution (`BucketSync`, one per trainer). Each bucket is one flat buffer kept across steps; a
-gradient that is one slot is a view of it, so the all-reduce needs no copy in or out; a gradient
-of several slots (split) has a buffer of its own, kept too, whose boxes are copied into their
-buckets when it is final and back when they are reduced. In the step's last
-backward the op that makes a bucketed gradient writes it straight into its view (ops with
-`compute_into`, e.g. matmul; any other op's result is copied in; with several micro-batches the
-accumulation `earlier + last` is the write). Once a bucket's last gradient is in, and the buckets
-before it on the same group have started, its all-reduce starts without blocking
-(Backend.all_reduce_start) and runs while the backward goes on. The update waits for them all
-and reads the summed views in place of running those gradients' plans. On a backend whose start
-blocks until the peers join (`overlaps_collectives` False: the in-process backend), every bucket
-starts at the update instead: a blocking start mid-backward could wait on a peer that first needs
-this rank's later sends (a weight tied across pipeline stages).
+gradient that is one slot is a view of it, so the all-reduce needs no copy in or out; a gradient of
+several slots (split) has a buffer of its own, kept too, whose boxes are copied into their buckets
+when it is final and back when they are reduced. In the step's last backward the op that makes a
+bucketed gradient writes it straight into its view (ops with `compute_into`, e.g. matmul; any other
+op's result is copied in; with several micro-batches the accumulation `earlier + last` is the
+write). Once a bucket's last gradient is in, and the buckets before it on the same group have
+started, its all-reduce starts without blocking (Backend.all_reduce_start) and runs while the
+backward goes on. The update waits for them all and reads the summed views in place of running those
+gradients' plans. On a backend whose start blocks until the peers join (`overlaps_collectives`
+False: the in-process backend), every bucket starts at the update instead: a blocking start mid-
+backward could wait on a peer that first needs this rank's later sends (a weight tied across
+pipeline stages).
 
 The synchronised gradients the update reads (and a trainer's fetched gradients) are views of the
 buffers: valid until the next step's backward writes them again.
