@@ -14,6 +14,7 @@ from hspmd.annotations import box_intersection, device_pieces
 from hspmd.backends.plan_executor import reshard_tensor, run_plan
 from hspmd.cluster import ClusterSpec, DeviceType, LinkClass, Node, uniform
 from hspmd.comm_resolve import Plan
+from hspmd.comm_resolve.bounds import reshard_bound, route_bound
 from hspmd.comm_resolve.compare import alternatives, chosen_route
 from hspmd.comm_resolve.explain import main as explain_main
 from hspmd.comm_resolve.resolver import VIAS, cheaper
@@ -164,7 +165,8 @@ def two_sites(nodes: int = 2, per_node: int = 4, cross: LinkClass = LinkClass("w
 
 
 SHARED_WAN = LinkClass("wan", 1.25e9, 100e-6, shared=True)
-PROPERTY_CLUSTERS = [None, "4x4", "h800-h20:1+1", two_sites(), two_sites(4, 2, SHARED_WAN)]
+BUCKETED = uniform(2, 8, inter=LinkClass("ib", 50e9, 6e-6, ((4096, 2e-6, 5e9),)))  # small messages: less latency, slower
+PROPERTY_CLUSTERS = [None, "4x4", "h800-h20:1+1", BUCKETED, two_sites(), two_sites(4, 2, SHARED_WAN)]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -178,6 +180,14 @@ def test_the_default_plan_is_the_cheapest_route(case, cluster, seed):
     via = chosen_route(alts, plan)  # the pick is one of the routes --compare lists
     assert not any(cheaper(t, times[via]) for v, t in times.items() if VIAS.index(v) < VIAS.index(via))
     assert resolve(src, dst, shape, cluster, dtype="float64") == plan  # the same on every device
+    # the bounds that let resolve skip routes are below what the routes cost
+    floor = reshard_bound(src, dst, shape, 8, plan.topology)
+    for via, p in alts.items():
+        if isinstance(p, Plan):
+            assert floor <= p.estimated_seconds * (1 + 1e-9), via
+        if via in ("direct", "root", "representatives") and isinstance(p, Plan) and p.steps[0].src == src:
+            hops = [s.src for s in p.steps] + [p.steps[-1].dst]
+            assert route_bound(hops, shape, 8, plan.topology) <= p.estimated_seconds * (1 + 1e-9), via
     check_plan(plan)
     x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     result = run_plan(plan, shard(x, src, seed=seed))

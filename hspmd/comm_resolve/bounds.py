@@ -22,6 +22,7 @@ never exceeds the true estimate; shared-link contention only adds time.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Sequence
 
 from hspmd.annotations import Annotation, box_intersection, device_pieces
@@ -36,8 +37,10 @@ def fastest_link(cluster: ClusterSpec) -> tuple[float, float]:
     return min(a for a, _ in figures), max(b for _, b in figures)
 
 
-def _lacks(before: Annotation, after: Annotation, shape: Sequence[int]) -> tuple[list[int], list[int]]:
-    """(elements each device of `after` lacks, sizes of the value pieces of `before`)."""
+@lru_cache(maxsize=256)
+def _lacks(before: Annotation, after: Annotation, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(elements each device of `after` lacks, sizes of the value pieces of `before`); cached, as
+    a pure function of immutable values that the floor and the routes' first hops share."""
     held = device_pieces(before, shape)
     lacks = []
     for device, piece in device_pieces(after, shape).items():
@@ -50,12 +53,12 @@ def _lacks(before: Annotation, after: Annotation, shape: Sequence[int]) -> tuple
             need -= box_volume(common) if common is not None else 0
         if need:
             lacks.append(need)
-    return lacks, [box_volume(p.box) for p in held.values() if not p.is_partial and box_volume(p.box)]
+    return tuple(lacks), tuple(box_volume(p.box) for p in held.values() if not p.is_partial and box_volume(p.box))
 
 
 def reshard_bound(src: Annotation, dst: Annotation, shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:
     """Seconds no plan from `src` to `dst` undercuts, whatever its steps (module docstring)."""
-    lacks, _ = _lacks(src, dst, shape)
+    lacks, _ = _lacks(src, dst, tuple(shape))
     if not lacks:
         return 0.0
     latency, bandwidth = fastest_link(cluster)
@@ -65,7 +68,7 @@ def reshard_bound(src: Annotation, dst: Annotation, shape: Sequence[int], itemsi
 
 def bsr_bound(before: Annotation, after: Annotation, shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:
     """Seconds no single BatchedSendRecv from `before` to `after` undercuts (module docstring)."""
-    lacks, pieces = _lacks(before, after, shape)
+    lacks, pieces = _lacks(before, after, tuple(shape))
     if not lacks:
         return 0.0
     if not pieces:
