@@ -8,7 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hspmd.comm_resolve import relabel
+from hspmd.annotations import Annotation, Subgroup
+from hspmd.comm_resolve import relabel, resolve
+from hspmd.errors import HSPMDError
 from hspmd.ir import Binding
 from hspmd.models.llama import LlamaConfig, build_llama, llama_annotations
 from hspmd.models.llama_annotations import activation_annotation, param_annotation
@@ -16,8 +18,10 @@ from hspmd.ops import rules
 from hspmd.specialize import comm_plans
 from hspmd.specialize.deduce import Deduced, deduce, deduce_node
 from hspmd.specialize.executable import instantiate, live_nodes
+from hspmd.specialize.specialized import per_micro_batch_pattern
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 from hspmd.specialize.strategy_build import balanced_layers
+from hspmd.testing import annotations, shapes
 
 
 def _full_path_deduce(graph, strategy, monkeypatch) -> Deduced:
@@ -87,6 +91,33 @@ def test_every_rank_gets_the_same_program_under_the_fast_and_the_full_path(strat
             slow = instantiate(full, r, binding, live=live, plans={})
             slow_program = _program(slow, binding)
         assert _program(quick, binding) == slow_program
+    with monkeypatch.context() as m:
+        m.setattr(relabel, "keeps_links", lambda topology: False)  # every stage's plans resolved, none renamed
+        full_groups, full_edges = per_micro_batch_pattern(full, binding, live, None, {})
+    groups, edges = per_micro_batch_pattern(fast, binding, live, None, shared)
+    assert (set(groups), set(edges)) == (set(full_groups), set(full_edges))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.integers(1, 2).flatmap(lambda n: st.tuples(annotations(n, 10), annotations(n, 10), shapes(n))),
+       data=st.data())
+def test_a_reshard_renamed_in_order_has_the_renamed_pattern(case, data):
+    """What discovery relies on to read another stage's CommOp from one read before: the resolver
+    sees devices only through their order (on one node), so renaming them in order renames the plan."""
+    src, dst, shape = case
+    devices = sorted(src.device_set | dst.device_set)
+    new = sorted(data.draw(st.lists(st.integers(0, 40), min_size=len(devices), max_size=len(devices), unique=True)))
+    name = dict(zip(devices, new))
+    moved = [Annotation(tuple(Subgroup(tuple(name[d] for d in s.dg), s.ds) for s in a.subgroups), a.hdim, a.ratios)
+             for a in (src, dst)]
+    assert relabel.canonical(*moved)[0] == relabel.canonical(src, dst)[0]
+    try:
+        plan = resolve(src, dst, shape)
+    except HSPMDError as exc:
+        with pytest.raises(type(exc)):
+            resolve(*moved, shape)
+        return
+    assert comm_plans.pattern(resolve(*moved, shape)) == comm_plans.renamed(comm_plans.pattern(plan), name)
 
 
 @pytest.mark.parametrize("dp,tp,pp", [(3, 2, 2), (2, 1, 3)])

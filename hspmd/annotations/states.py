@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Literal, Union
+from typing import Callable, Literal, Union
 
 from hspmd.errors import AnnotationError, AnnotationTypeError
 from hspmd.limits import MAX_DEVICES, MAX_DIMS, MAX_RATIO, brief, check_limit
@@ -378,24 +378,31 @@ class Annotation(_Memo):
         object.__setattr__(new, "_memo_cache", kept)
         return new
 
-    def with_states(self, ds: DistributedStates, hdim: HDim, ratios: tuple[int, ...] | None) -> "Annotation":
-        """A union on this one's device groups with every subgroup laid out as `ds` (a deduced
-        layout of a uniform union). The groups are known valid, so each subgroup is made without
-        checking its devices again (making hundreds of subgroups one by one dominated deducing a
-        large job) and what this union knows of its devices is kept."""
-        if any(len(dg) != ds.size for dg in self.dg_union):
-            return Annotation(tuple(Subgroup(dg, ds) for dg in self.dg_union), hdim, ratios)  # raises, naming it
+    def restated(self, states: Callable[[DistributedStates], DistributedStates], hdim: HDim,
+                 ratios: tuple[int, ...] | None) -> "Annotation":
+        """A union on this one's device groups with each subgroup's states replaced by
+        `states(old)` (called once per distinct states object), and the given top tier. The groups
+        are known valid, so a subgroup is made without checking its devices again (making
+        hundreds of subgroups one by one dominated deducing a large job: a deduced layout, a
+        gradient or ZeRO layout), and what this union knows of its devices is kept."""
+        new_states: dict[int, DistributedStates] = {}
         subs = []
-        for dg in self.dg_union:
-            sub = object.__new__(Subgroup)
-            object.__setattr__(sub, "dg", dg)
-            object.__setattr__(sub, "ds", ds)
-            subs.append(sub)
+        for sub in self.subgroups:
+            if id(sub.ds) not in new_states:
+                new_states[id(sub.ds)] = states(sub.ds)
+            ds = new_states[id(sub.ds)]
+            if ds.size != len(sub.dg):
+                Subgroup(sub.dg, ds)  # raises, naming both
+            made = object.__new__(Subgroup)
+            object.__setattr__(made, "dg", sub.dg)
+            object.__setattr__(made, "ds", ds)
+            subs.append(made)
         new = Annotation(tuple(subs), hdim, ratios)
         known = self.__dict__.get("_memo_cache") or {}
         cache = new.__dict__.setdefault("_memo_cache", {})
         cache.update((key, known[key]) for key in self._KEPT_BY_WITH_SUBGROUP if key in known and key not in cache)
-        cache.setdefault("uniform", (ds, ds.size))
+        if len(new_states) == 1 and self.uniform_states is not None:
+            cache.setdefault("uniform", (subs[0].ds, len(subs[0].dg)))
         return new
 
     def with_ratios(self, ratios: tuple[int, ...] | None) -> "Annotation":

@@ -46,6 +46,28 @@ def same_links(template: Sequence[int], devices: Sequence[int], topology: Cluste
                for i, j in pairs)
 
 
+def keeps_links(topology: ClusterSpec | str | None) -> bool:
+    """Whether every renaming of devices keeps their links: no cluster given (one node holds every
+    device) or one node without per-pair links."""
+    if topology is None:
+        return True
+    return isinstance(topology, ClusterSpec) and len(topology.nodes) == 1 and not topology.pairs
+
+
+def canonical(src: Annotation, dst: Annotation) -> tuple[tuple, tuple[int, ...]]:
+    """(the reshard with each device replaced by its rank among the devices of both layouts, those
+    devices in order). Two reshards with equal first parts are one reshard under an
+    order-preserving renaming of devices, so where links are kept (keeps_links) the resolver plans
+    them alike up to that renaming: it reads devices only through their order and links."""
+    devices = tuple(sorted(src.device_set | dst.device_set))
+    rank = {d: i for i, d in enumerate(devices)}
+
+    def skeleton(ann: Annotation) -> tuple:
+        return ann.hdim, ann.ratios, tuple((tuple(rank[d] for d in s.dg.devices), s.ds) for s in ann.subgroups)
+
+    return (skeleton(src), skeleton(dst)), devices
+
+
 def has_messages(steps: Sequence[Step]) -> bool:
     return any(t.src != t.dst for s in steps for t in s.transfers)
 
@@ -96,5 +118,5 @@ def moved_steps(steps: Sequence[Step], k0: int, k: int, union: Annotation, regio
     return [moved_step(s, name, shift, at(s.src), at(s.dst), k) for s in steps]
 
 
-__all__ = ["frame", "has_messages", "moved_step", "moved_steps", "moved_transfers", "order_pattern", "region_shift",
-           "same_links"]
+__all__ = ["canonical", "frame", "has_messages", "keeps_links", "moved_step", "moved_steps", "moved_transfers",
+           "order_pattern", "region_shift", "same_links"]

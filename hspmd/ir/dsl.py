@@ -68,14 +68,13 @@ def gradient_annotation(ann: Annotation) -> Annotation:
 
 
 def _gradient_annotation(ann: Annotation) -> Annotation:
-    from hspmd.annotations import DistributedStates, Duplicate, Partial, Subgroup
+    from hspmd.annotations import DistributedStates, Duplicate, Partial
 
-    subs = tuple(
-        Subgroup(s.dg, DistributedStates(tuple(Duplicate(a.n) if isinstance(a, Partial) else a for a in s.ds.axes)))
-        for s in ann.subgroups
-    )
+    def summed(ds: DistributedStates) -> DistributedStates:
+        return DistributedStates(tuple(Duplicate(a.n) if isinstance(a, Partial) else a for a in ds.axes))
+
     hdim = "D" if ann.hdim == "P" else ann.hdim
-    return Annotation(subs, hdim, ann.ratios if isinstance(hdim, int) else None)
+    return ann.restated(summed, hdim, ann.ratios if isinstance(hdim, int) else None)
 
 
 COMM = CommDef()

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from hspmd.annotations import Annotation, Axis, DistributedStates, Duplicate, Split, Subgroup
+from hspmd.annotations import Annotation, Axis, DistributedStates, Duplicate, Split
 from hspmd.errors import DeductionError, HSPMDError
 from hspmd.ir.dsl import comm, state
 from hspmd.ir.graph import Derived, Node, OpDef, Tensor
@@ -41,12 +41,12 @@ def _zero_annotation(ann: Annotation, ndim: int) -> Annotation:
     def shard(axis: Axis) -> Axis:
         return Split(0, axis.n) if isinstance(axis, Duplicate) else axis
 
-    subs = tuple(Subgroup(s.dg, DistributedStates(tuple(map(shard, s.ds.axes)))) for s in ann.subgroups)
-    split = {d for s in subs for d in s.ds.split_dims}
+    sharded = ann.restated(lambda ds: DistributedStates(tuple(map(shard, ds.axes))), ann.hdim, ann.ratios)
+    split = {d for ds in {id(ds): ds for ds in sharded.ds_union}.values() for d in ds.split_dims}
     top = next((d for d in range(ndim) if d not in split), None)
     if ann.hdim == "D" and ann.hsize > 1 and top is not None:
-        return Annotation(subs, top, (1,) * ann.hsize)
-    return Annotation(subs, ann.hdim, ann.ratios)
+        return sharded.restated(lambda ds: ds, top, (1,) * ann.hsize)
+    return sharded
 
 
 class Update(RuleOp):

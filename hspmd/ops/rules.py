@@ -133,7 +133,7 @@ def _deduce_uniform(anns: Sequence[Annotation], rule: PositionRule) -> Annotatio
     if same is not None:
         return same
     first = anns[0]
-    return first.derived(("deduced", out, hdim, ratios), lambda: first.with_states(out, hdim, ratios))
+    return first.derived(("deduced", out, hdim, ratios), lambda: first.restated(lambda _: out, hdim, ratios))
 
 
 def deduce_union(anns: Sequence[Annotation], rule: PositionRule) -> Annotation:

@@ -49,6 +49,12 @@ def pattern(plan) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
     return groups, edges
 
 
+def renamed(pattern_: tuple[list[tuple[int, ...]], list[tuple[int, int]]], name: dict[int, int]):
+    """A pattern with every device renamed."""
+    groups, edges = pattern_
+    return [tuple(name[d] for d in g) for g in groups], [(name[a], name[b]) for a, b in edges]
+
+
 def describe_for(plan, device: int) -> str:
     """The plan's steps as this device sees them, e.g. 'AllReduce[0,1] ; SendRecv 1->3'."""
     parts = []
@@ -65,4 +71,4 @@ def describe_for(plan, device: int) -> str:
     return " ; ".join(parts) or "nothing on this device"
 
 
-__all__ = ["describe_for", "pattern", "resolve_comm", "role_of"]
+__all__ = ["describe_for", "pattern", "renamed", "resolve_comm", "role_of"]

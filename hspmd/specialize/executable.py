@@ -52,6 +52,14 @@ def run_time_ratios(ann: Annotation, binding: Binding):
     return binding.ratios if isinstance(ann.hdim, int) and ann.ratios is None else None
 
 
+def comm_args(deduced: Deduced, node: Node, binding: Binding, topology=None) -> tuple:
+    """What the plan of a CommOp is a function of: the resolver's arguments (src, dst, concrete
+    shape, run-time ratios of each, topology, dtype)."""
+    src, dst = deduced[node.inputs[0]], deduced[node.output]
+    return (src, dst, binding.shape(node.output.shape, node.name), run_time_ratios(src, binding),
+            run_time_ratios(dst, binding), topology, node.output.dtype)
+
+
 def resolve_node(deduced: Deduced, node: Node, binding: Binding, topology=None, cache: dict | None = None):
     """The plan of a CommOp under a binding (plans are global values, cached per binding).
 
@@ -63,9 +71,7 @@ def resolve_node(deduced: Deduced, node: Node, binding: Binding, topology=None, 
     node_key = (node.id, binding)
     if cache is not None and node_key in cache:
         return cache[node_key]
-    src, dst = deduced[node.inputs[0]], deduced[node.output]
-    args = (src, dst, binding.shape(node.output.shape, node.name), run_time_ratios(src, binding),
-            run_time_ratios(dst, binding), topology, node.output.dtype)
+    args = comm_args(deduced, node, binding, topology)
     plan = None if cache is None else cache.get(args)
     if plan is None:
         plan = comm_plans.resolve_comm(*args)
@@ -216,6 +222,6 @@ def instantiate(deduced: Deduced, device: int, binding: Binding = Binding(), top
 
 
 __all__ = [
-    "ExecutableGraph", "Instruction", "instantiate", "live_nodes", "node_devices", "resolve_node", "run_time_ratios",
-    "runs_on",
+    "ExecutableGraph", "Instruction", "comm_args", "instantiate", "live_nodes", "node_devices", "resolve_node",
+    "run_time_ratios", "runs_on",
 ]

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from hspmd.comm_resolve import relabel
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph, Tensor
 from hspmd.ir.shapes import Binding
 from hspmd.specialize import comm_plans
 from hspmd.specialize.deduce import Deduced, deduce
-from hspmd.specialize.executable import ExecutableGraph, instantiate, live_nodes, resolve_node
+from hspmd.specialize.executable import ExecutableGraph, comm_args, instantiate, live_nodes, resolve_node
 from hspmd.specialize.pipelines import PipelineLayout, discover_pipelines
 
 
@@ -61,23 +62,46 @@ def all_devices(deduced: Deduced) -> tuple[int, ...]:
 
 def per_micro_batch_pattern(deduced: Deduced, binding: Binding, live: set[int], topology=None, cache=None):
     """(collective groups, P2P edges, devices) of the forward-phase CommOps: what pipeline
-    discovery reads (backward mirrors forward; update-phase comms span pipelines once a step)."""
+    discovery reads (backward mirrors forward; update-phase comms span pipelines once a step).
+
+    A rank reads every stage's CommOps but holds the plans of its own only. Another stage's
+    CommOp that is one already read up to an order-preserving renaming of devices (the same comm
+    of the next stage's layers) takes that pattern renamed instead of a plan of its own, where the
+    renaming keeps links (relabel.canonical; tests/test_specialize_fast_path.py compares both)."""
     groups, edges = [], []
-    seen: dict[int, object] = {}  # plans shared by CommOps (a model's repeated layers) count once
+    seen: set = set()  # plans shared by CommOps (a model's repeated layers) count once
+    read: dict[tuple, tuple] = {}  # canonical reshard -> (its devices, pattern)
     for node in deduced.graph.nodes:
         if node.phase != "forward" or not node.opdef.is_comm or node.id not in live:
             continue
         src, dst = deduced[node.inputs[0]], deduced[node.output]
         if src == dst:
             continue
-        plan = resolve_node(deduced, node, binding, topology, cache)
-        if id(plan) in seen:
+        args = comm_args(deduced, node, binding, topology)
+        if args in seen:
             continue
-        seen[id(plan)] = plan
-        g, e = comm_plans.pattern(plan)
+        seen.add(args)
+        g, e = _pattern_of(deduced, node, binding, topology, cache, args, read)
         groups += g
         edges += e
     return groups, edges
+
+
+def _pattern_of(deduced: Deduced, node, binding: Binding, topology, cache, args: tuple, read: dict):
+    """The pattern of one CommOp: of its plan where this rank holds it (or must resolve it), else
+    of one read before renamed onto its devices. Every pattern read is kept in `read`."""
+    held = None if cache is None else cache.get(args)
+    key, devices = None, ()
+    if relabel.keeps_links(topology):
+        shape_key, devices = relabel.canonical(args[0], args[1])
+        key = (shape_key,) + args[2:5] + args[6:]
+        if held is None and key in read:
+            template, found = read[key]
+            return comm_plans.renamed(found, dict(zip(template, devices)))
+    found = comm_plans.pattern(held if held is not None else resolve_node(deduced, node, binding, topology, cache))
+    if key is not None:
+        read.setdefault(key, (devices, found))
+    return found
 
 
 def specialize_graph(graph: Graph, strategy: int = 0, binding: Binding | None = None, devices: Iterable[int] | None = None,
