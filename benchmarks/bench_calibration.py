@@ -1,7 +1,9 @@
 """Does the simulator predict real step times? (HeteroSim's validation, on this machine.)
 
 1. Measure: the demo's Llama (hidden 64, 4 heads, FFN 128, 4 layers, 32-character sequences,
-   16 sequences per step) on 2 gloo processes under 6 strategies; every strategy is built once and
+   16 sequences per step) on 2 gloo processes, each pinned to its own CPU (hspmd.runtime.affinity:
+   unpinned, wake-up jitter after every receive blurs strategies a few ms apart), under 6
+   strategies; every strategy is built once and
    the steps run round-robin (ABAB...), so load drifts hit all of them alike; median of the
    slowest rank per strategy.
 2. Calibrate in the same run: before each round, both ranks run the calibration probes (torch
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--save-calibration", default=None, help="write the fitted calibration here (for hspmd show)")
     p.add_argument("--trace", default=None, help="write one traced step per strategy here (NAME.json per strategy)")
     args = p.parse_args(argv)
-    results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), timeout=1200)
+    results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), timeout=1200, pin_cpus=True)
     calibration = Calibration.load(args.calibration) if args.calibration else fit(results[0][3], PROBE)
     print("calibration:", calibration.describe())
     if args.save_calibration:

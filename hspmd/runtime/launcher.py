@@ -1,4 +1,4 @@
-"""`hspmd run -n N [--backend gloo|nccl|cupy] [--port P] script.py args...`: N local ranks, one job.
+"""`hspmd run -n N [--backend gloo|nccl|cupy] [--port P] [--pin-cpus] script.py args...`: N local ranks, one job.
 
 Each rank is `python script.py args...` with the torchrun variables set (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT) plus HSPMD_BACKEND,
@@ -32,6 +32,7 @@ from hspmd.arguments import ArgumentParser, non_negative_float, non_negative_int
 from hspmd.backends.from_env import BACKENDS, check_backend
 from hspmd.backends.heartbeat import DEFAULT_INTERVAL_S as DEFAULT_HEARTBEAT_S
 from hspmd.limits import MAX_LOCAL_RANKS
+from hspmd.runtime.affinity import CPUS_ENV, available_cpus, cpu_slices
 from hspmd.runtime.ports import LOOPBACK
 
 DEFAULT_GRACE_S = 3.0
@@ -59,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=non_negative_int, default=0,
                         help="with --elastic: restart a dead rank's slot up to this many times in all; the new "
                              "process joins the running job and receives its pieces from the survivors")
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="give each rank its own CPUs (contiguous slices; round-robin when ranks outnumber CPUs)")
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -74,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_restarts and not args.elastic:
         parser.error("--max-restarts needs --elastic (a restarted rank joins the running job)")
     return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace, elastic=args.elastic,
-                  max_restarts=args.max_restarts, heartbeat=args.heartbeat)
+                  max_restarts=args.max_restarts, heartbeat=args.heartbeat, pin_cpus=args.pin_cpus)
 
 
 def launch(
@@ -88,6 +91,7 @@ def launch(
     elastic: bool = False,
     max_restarts: int = 0,
     heartbeat: float = DEFAULT_HEARTBEAT_S,
+    pin_cpus: bool = False,
 ) -> int:
     """Run `command` as ranks 0..nprocs-1 and return the job's exit code (0 when all succeed).
 
@@ -100,11 +104,13 @@ def launch(
     The launcher hosts the job's store (loopback, per-job secret) and, unless `heartbeat` is 0,
     ends the job naming a rank whose heartbeat stood still for `heartbeat` seconds (a frozen rank,
     found long before its peers' collectives time out). Every rank runs under rank_guard.py, so
-    no rank or grandchild outlives a launcher that is SIGKILLed."""
+    no rank or grandchild outlives a launcher that is SIGKILLed. `pin_cpus`: each rank (and a
+    restarted one in its slot) runs on its own CPUs (hspmd.runtime.affinity.cpu_slices)."""
     from hspmd.backends.heartbeat import HeartbeatMonitor
     from hspmd.backends.store import new_secret  # imports torch: only once a job is launched
 
     check_backend(backend, nprocs)
+    cpus = [",".join(map(str, c)) for c in cpu_slices(available_cpus(), nprocs)] if pin_cpus else [None] * nprocs
 
     out, err = stdout or sys.stdout, stderr or sys.stderr
     secret = new_secret()
@@ -120,13 +126,13 @@ def launch(
         for rank in range(nprocs):
             if stop.signal:
                 break
-            ranks.append(_start_rank(rank, command, nprocs, backend, port, secret, elastic, heartbeat))
+            ranks.append(_start_rank(rank, command, nprocs, backend, port, secret, elastic, heartbeat, cpus=cpus[rank]))
         # Pumps (threads) start only after every Popen: preexec_fn is not safe once threads run.
         pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
         if not stop.signal:
             if elastic:
                 restart = _Restarter(command, nprocs, backend, port, secret, heartbeat, max_restarts, out, err, ranks,
-                                     pumps)
+                                     pumps, cpus)
                 failed = _wait_elastic(ranks, stop, store, err, restart)
             else:
                 failed = _wait_for_end(ranks, stop, monitor)
@@ -164,7 +170,7 @@ def _host_store(port: int | None, secret: str):
 
 
 def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int, secret: str,
-                elastic: bool = False, heartbeat: float = 0.0, joining: bool = False) -> _Rank:
+                elastic: bool = False, heartbeat: float = 0.0, joining: bool = False, cpus: str | None = None) -> _Rank:
     env = dict(os.environ)
     # Like torchrun: one intra-op thread per rank unless the user says otherwise, so N ranks on
     # few cores do not oversubscribe them (4 ranks on 2 cores were ~25x slower without it).
@@ -177,6 +183,9 @@ def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, po
     )
     # gloo's own connections between ranks listen on loopback too (the job is local)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.pop(CPUS_ENV, None)
+    if cpus is not None:  # the guard pins itself before it starts the rank, which inherits it
+        env[CPUS_ENV] = cpus
     process = subprocess.Popen(
         [sys.executable, _GUARD, str(os.getpid()), *command], env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
@@ -232,9 +241,9 @@ def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest", monitor=None) -> lis
 class _Restarter:
     """Restarts dead ranks' slots (up to `budget` in all) as joining processes."""
 
-    def __init__(self, command, nprocs, backend, port, secret, heartbeat, budget, out, err, ranks, pumps):
+    def __init__(self, command, nprocs, backend, port, secret, heartbeat, budget, out, err, ranks, pumps, cpus):
         self.command, self.nprocs, self.backend, self.port, self.secret = command, nprocs, backend, port, secret
-        self.heartbeat = heartbeat
+        self.heartbeat, self.cpus = heartbeat, cpus
         self.budget, self.out, self.err, self.ranks, self.pumps = budget, out, err, ranks, pumps
 
     def __call__(self, rank: int) -> _Rank | None:
@@ -242,7 +251,7 @@ class _Restarter:
             return None
         self.budget -= 1
         fresh = _start_rank(rank, self.command, self.nprocs, self.backend, self.port, self.secret, elastic=True,
-                            heartbeat=self.heartbeat, joining=True)
+                            heartbeat=self.heartbeat, joining=True, cpus=self.cpus[rank])
         self.ranks.append(fresh)
         self.pumps.extend(_start_pumps(fresh, self.out, self.err))
         return fresh

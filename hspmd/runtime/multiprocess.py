@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Callable
 
 from hspmd.errors import CommunicationError, HSPMDError
+from hspmd.runtime.affinity import available_cpus, cpu_slices, pin
 from hspmd.runtime.ports import LOOPBACK, free_port
 
 # After a CommunicationError, how long to wait for the other ranks' reports: it may only be the
@@ -34,12 +35,14 @@ def run_multiprocess(
     backend: str = "gloo",
     timeout: float = 120.0,
     comm_timeout: float = 30.0,
+    pin_cpus: bool = False,
 ) -> list[Any]:
     """Run fn(backend, *args) on ranks 0..nprocs-1 and return their results, indexed by rank.
 
     `fn` must be importable by name and `args` and the results picklable (ranks are forked from a
     fork server, not from the caller). `backend` is the torch.distributed backend name; `timeout`
-    bounds the whole job, `comm_timeout` each collective. Raises HSPMDError naming the failing
+    bounds the whole job, `comm_timeout` each collective; `pin_cpus` gives each rank its own CPUs
+    (hspmd.runtime.affinity: steadier timings for benchmarks). Raises HSPMDError naming the failing
     rank, with its traceback, if any rank fails."""
     if nprocs < 1:
         raise HSPMDError(f"run_multiprocess needs nprocs >= 1, got {nprocs}")
@@ -50,10 +53,11 @@ def run_multiprocess(
     # Plain pickle copies tensors into the bytes; multiprocessing's own pickler would share each one
     # through a file descriptor, and a few hundred tensors exhaust the fds one message may carry.
     job = pickle.dumps((fn, args))
+    cpus = cpu_slices(available_cpus(), nprocs) if pin_cpus else [None] * nprocs
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(job, rank, nprocs, port, secret, backend, comm_timeout, reports),
+            args=(job, rank, nprocs, port, secret, backend, comm_timeout, reports, cpus[rank]),
             name=f"hspmd-rank-{rank}",
             daemon=True,
         )
@@ -145,9 +149,11 @@ def _stop(procs: list, graceful: bool) -> None:
             proc.join()
 
 
-def _rank_main(job, rank, nprocs, port, secret, backend, comm_timeout, reports) -> None:
+def _rank_main(job, rank, nprocs, port, secret, backend, comm_timeout, reports, cpus) -> None:
     """Body of one rank: join the world, run fn, report (ok, result) or (False, traceback).
     (`job` is pickled by this process's parent over multiprocessing's pipe, never read from the network.)"""
+    if cpus is not None:  # before the backend starts its threads, so that they inherit it
+        pin(cpus)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), HSPMD_BACKEND=backend, HSPMD_JOB_SECRET=secret,
