@@ -7,7 +7,9 @@ Per rank, cold (what one process of the job does, nothing shared with another ra
 instantiation of its own program (pruning, CommOp substitution, resolving the plans of its
 CommOps) and pipeline discovery (the patterns of every per-micro-batch CommOp). Each measured rank
 gets a freshly built graph, so no cache survives from another rank; building the graph (making
-the strategy's leaf annotations) is reported apart. Times are CPU seconds of the process (the
+the strategy's leaf annotations) is reported apart. The phases run with automatic garbage
+collection paused, as specialize_graph runs them (specialize/heap.py); the per-rank total counts
+the collection that closes the block. Times are CPU seconds of the process (the
 work is single-threaded; on a shared machine wall time also counts waiting for a core), the sizes
 are interleaved (each repetition runs every size once) and the ratio to 48 ranks is the median of
 the per-repetition ratios. The figure to watch is that ratio at 1,024 and 4,096 (goal: within 2x).
@@ -31,6 +33,7 @@ from hspmd.ir import Binding
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate, live_nodes
+from hspmd.specialize.heap import collector_paused
 from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.pipelines import discover_pipelines, expected_pipelines
 from hspmd.specialize.specialized import all_devices, per_micro_batch_pattern
@@ -50,26 +53,24 @@ def _clock(fn):
 def one_rank(strategy, rank: int) -> dict[str, float]:
     """Seconds of each phase for `rank` specializing on its own (fresh graph, no shared cache)."""
     model, t_build = _clock(lambda: build_llama(LLAMA_32B, [strategy]))
-    deduced, t_deduce = _clock(lambda: deduce(model.graph, 0))
     ratios = strategy.micro_batch_ratios
     binding = Binding.of({"B": sum(ratios), "S": 4096, "T": 4096 * strategy.global_batch_size}, ratios=ratios)
-    plans: dict = {}
+    seconds = {"build": t_build}
 
-    def specialize_rank():
-        live = live_nodes(model.graph)
-        return instantiate(deduced, rank, binding, live=live, plans=plans), live
+    def specialize():
+        with collector_paused():  # as specialize_graph does; its closing collection counts in "rank"
+            deduced, seconds["deduce"] = _clock(lambda: deduce(model.graph, 0))
+            live, plans = live_nodes(model.graph), {}
+            exe, seconds["instantiate"] = _clock(lambda: instantiate(deduced, rank, binding, live=live, plans=plans))
+            pattern, seconds["discover"] = _clock(lambda: per_micro_batch_pattern(deduced, binding, live, None, plans))
+            pipelines, t_pipelines = _clock(lambda: discover_pipelines(*pattern, all_devices(deduced)))
+            seconds["discover"] += t_pipelines
+        return exe, pipelines
 
-    (exe, live), t_inst = _clock(specialize_rank)
-
-    def discover():
-        groups, edges = per_micro_batch_pattern(deduced, binding, live, None, plans)
-        return discover_pipelines(groups, edges, all_devices(deduced))
-
-    pipelines, t_discover = _clock(discover)
+    (exe, pipelines), seconds["rank"] = _clock(specialize)
     if [p.stages for p in pipelines] != [p.stages for p in expected_pipelines(strategy)]:
         raise SystemExit(f"rank {rank}: discovered pipelines differ from the strategy's")
-    return {"build": t_build, "deduce": t_deduce, "instantiate": t_inst, "discover": t_discover,
-            "rank": t_deduce + t_inst + t_discover, "ops": len(exe.instructions()), "nodes": len(model.graph.nodes)}
+    return seconds | {"ops": len(exe.instructions()), "nodes": len(model.graph.nodes)}
 
 
 def scaling(sizes, reps: int = 3) -> None:

@@ -215,12 +215,13 @@ def _cheapest(ctx: _Reshard, dtype: str) -> Plan:
     earlier route, so the hierarchical plan stays unless another is strictly cheaper, and every
     device, resolving the same arguments, picks the same plan.
 
-    Kept cheap (resolve runs for every CommOp): nothing more is tried once the best plan meets the
+    Kept cheap (resolve runs for every CommOp): a source holding partial sums has no other route
+    (the hierarchical plan is not even priced then), nothing more is tried once the best plan meets the
     bound no plan undercuts (bounds.py), a HetAuto route is built only when its own bound is below
     the best so far, and a route whose messages are the best plan's (the direct BSR when the
     hierarchical plan is that BSR) is not priced again."""
     best = _plan(ctx, dtype, _route(ctx.src, ctx.dst, ctx))
-    if best.estimated_seconds == 0.0:
+    if ctx.src.has_partial or best.estimated_seconds == 0.0:  # every other route moves values
         return best
     floor = reshard_bound(ctx.src, ctx.dst, ctx.shape, ctx.itemsize, ctx.topology)
     tried = set()
@@ -258,8 +259,9 @@ def _same_messages(steps: list[Step], others: tuple[Step, ...]) -> bool:
 def _within(ann: Annotation, keep) -> Annotation:
     """`ann` with each subgroup's piece gathered onto the devices `keep` picks, the union's HDim and
     ratios unchanged: HetAuto gathers inside each outer-DP partition (an hspmd subgroup), never
-    across partitions, so that one pipeline's data never passes through another's devices."""
-    return Annotation(tuple(keep(sub) for sub in ann.subgroups), ann.hdim, ann.ratios)
+    across partitions, so that one pipeline's data never passes through another's devices.
+    Made once per annotation (plans of many shapes share their layouts)."""
+    return ann.derived(("within", keep), lambda: Annotation(tuple(keep(sub) for sub in ann.subgroups), ann.hdim, ann.ratios))
 
 
 def _root_of(sub: Subgroup) -> Subgroup:

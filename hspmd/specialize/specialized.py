@@ -17,6 +17,7 @@ from hspmd.ir.shapes import Binding
 from hspmd.specialize import comm_plans
 from hspmd.specialize.deduce import Deduced, deduce
 from hspmd.specialize.executable import ExecutableGraph, comm_args, instantiate, live_nodes, resolve_node
+from hspmd.specialize.heap import collector_paused
 from hspmd.specialize.pipelines import PipelineLayout, discover_pipelines
 
 
@@ -107,20 +108,19 @@ def _pattern_of(deduced: Deduced, node, binding: Binding, topology, cache, args:
 def specialize_graph(graph: Graph, strategy: int = 0, binding: Binding | None = None, devices: Iterable[int] | None = None,
                topology=None, fetches: Sequence[Tensor] = (), deduced: Deduced | None = None) -> Specialized:
     """Deduce, instantiate one executable graph per device (all devices of the strategy unless
-    `devices` is given), resolve CommOps under `binding`, and discover the pipelines."""
+    `devices` is given), resolve CommOps under `binding`, and discover the pipelines. The graph
+    and everything older stay out of the cyclic collector's walks meanwhile (heap.py)."""
     binding = binding or Binding()
-    deduced = deduced or deduce(graph, strategy)
-    live = live_nodes(graph, fetches)
-    every = all_devices(deduced)
-    chosen = every if devices is None else tuple(devices)
-    plans: dict = {}
-    executables = {}
-    for d in chosen:
-        exe = instantiate(deduced, d, binding, topology, fetches, live, plans)
-        executables[d] = exe
-    groups, edges = per_micro_batch_pattern(deduced, binding, live, topology, plans)
-    pipelines = discover_pipelines(groups, edges, every)
+    with collector_paused():
+        deduced = deduced or deduce(graph, strategy)
+        live = live_nodes(graph, fetches)
+        every = all_devices(deduced)
+        chosen = every if devices is None else tuple(devices)
+        plans: dict = {}
+        executables = {d: instantiate(deduced, d, binding, topology, fetches, live, plans) for d in chosen}
+        groups, edges = per_micro_batch_pattern(deduced, binding, live, topology, plans)
+        pipelines = discover_pipelines(groups, edges, every)
     return Specialized(deduced, executables, pipelines, binding)
 
 
-__all__ = ["Specialized", "all_devices", "per_micro_batch_pattern", "specialize"]
+__all__ = ["Specialized", "all_devices", "per_micro_batch_pattern", "specialize_graph"]
