@@ -48,9 +48,15 @@ def box_shape(box: Box) -> tuple[Length, ...]:
 
 
 def box_intersection(a: Box, b: Box) -> Box | None:
-    """The common sub-box, or None when it is empty (int boxes only)."""
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
-    return None if any(stop <= start for start, stop in out) else out
+    """The common sub-box, or None when it is empty (int boxes only; a loop, as planners call it
+    for every pair of pieces)."""
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        start, stop = (a0 if a0 > b0 else b0), (a1 if a1 < b1 else b1)
+        if stop <= start:
+            return None
+        out.append((start, stop))
+    return tuple(out)
 
 
 def box_is_empty(box: Box) -> bool:
@@ -228,8 +234,16 @@ def _device_pieces(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int
     several times per plan (and for the same layouts across plans). Callers get a copy, so the
     cached dict is never modified; the size bound keeps memory small for unions of many devices."""
     out = {}
+    named_alike: dict[tuple, tuple[Piece, ...]] = {}  # (states, region) -> value pieces, in device order
     for k, region in enumerate(subgroup_regions(ann, shape, ratios)):
-        out.update(_union_pieces(ann, k, region))
+        sub = ann.subgroups[k]
+        if ann.hdim == "P" or sub.ds.partial_count > 1:  # summands are named after their subgroup
+            out.update(_union_pieces(ann, k, region))
+            continue
+        key = (id(sub.ds), region)  # subgroups on one region with one states object (HD unions) share pieces
+        if key not in named_alike:
+            named_alike[key] = tuple(Piece(box) for _, (box, _) in _placed_pieces(sub, region))
+        out.update(zip(sub.dg.devices, named_alike[key]))
     return out
 
 

@@ -44,16 +44,17 @@ def _lacks(before: Annotation, after: Annotation, shape: tuple[int, ...]) -> tup
     held = device_pieces(before, shape)
     lacks = []
     for device, piece in device_pieces(after, shape).items():
-        if piece.is_partial:
+        if piece.summand:  # partial
             continue
         need = box_volume(piece.box)
         have = held.get(device)
-        if need and have is not None and not have.is_partial:
+        if need and have is not None and not have.summand:
             common = box_intersection(piece.box, have.box)
             need -= box_volume(common) if common is not None else 0
         if need:
             lacks.append(need)
-    return tuple(lacks), tuple(box_volume(p.box) for p in held.values() if not p.is_partial and box_volume(p.box))
+    sizes = [box_volume(p.box) for p in held.values() if not p.summand]
+    return tuple(lacks), tuple(n for n in sizes if n)
 
 
 def reshard_bound(src: Annotation, dst: Annotation, shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:

@@ -20,7 +20,13 @@ Cell = tuple[int, ...]
 
 
 def box_volume(box: Box) -> int:
-    return prod(max(0, stop - start) for start, stop in box)
+    """Elements in `box` (0 when empty); a loop, as planners call it for every piece and cell."""
+    volume = 1
+    for start, stop in box:
+        if stop <= start:
+            return 0
+        volume *= stop - start
+    return volume
 
 
 def box_contains(outer: Box, inner: Box) -> bool:
