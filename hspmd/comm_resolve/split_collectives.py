@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hspmd.annotations import Annotation, box_intersection, device_pieces
+from hspmd.annotations import Annotation, Box, box_intersection, device_pieces
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
-from hspmd.comm_resolve.slices import Cell, Grid, empty_box_at, in_ranges
+from hspmd.comm_resolve.slices import Cell, Grid, box_contains, empty_box_at, in_ranges
 
 KIND = {"SplitAllReduce": "all_reduce", "SplitReduceScatter": "reduce_scatter", "SplitAllGather": "all_gather"}
 
@@ -152,21 +152,21 @@ def _collectives(kind, members, zeros, box, roles, grid: Grid) -> list[Collectiv
 
 
 def _self_copies(collectives, sp, dp, grid: Grid) -> tuple[Transfer, ...]:
-    """Local copies of what a device holds and needs, except what its collectives deliver."""
-    covered: dict[int, list[tuple[range, ...]]] = defaultdict(list)
+    """Local copies of what a device holds and needs, except what its collectives deliver (cell by
+    cell, unless one of its collectives' boxes holds all of it: the usual case, checked first)."""
+    boxes: dict[int, list[Box]] = defaultdict(list)
     for c in collectives:
-        ranges = grid.ranges(c.box)
         for m in c.devices:
-            covered[m].append(ranges)
+            boxes[m].append(c.box)
     transfers = []
     for d in sorted(dp):
         both = box_intersection(sp[d].box, dp[d].box) if d in sp else None
-        if both is None:
+        if both is None or any(box_contains(box, both) for box in boxes[d]):
             continue
-        mine = [c for c in grid.cells(both) if not any(in_ranges(c, r) for r in covered[d])]
-        boxes = grid.merge(mine)
-        if boxes:
-            transfers.append(Transfer(d, d, tuple(boxes), (0,) * len(boxes)))
+        covered = [grid.ranges(box) for box in boxes[d]]
+        copied = grid.merge(c for c in grid.cells(both) if not any(in_ranges(c, r) for r in covered))
+        if copied:
+            transfers.append(Transfer(d, d, tuple(copied), (0,) * len(copied)))
     return tuple(transfers)
 
 
