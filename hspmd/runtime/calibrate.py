@@ -3,20 +3,23 @@
     torch micro-benchmarks   matmuls of growing size: time = F / peak + delta_gemm (least squares);
                              additions of growing size: time = bytes / bandwidth + delta_elementwise
     framework overhead       real Trainer steps on one device of small Llamas (not the model
-                             being predicted: 1 layer x 1 micro-batch, 1 x 2, 2 x 1) at the
-                             probe's layer shapes; (measured - roofline of the step's kernels)
-                             against the step's dispatched instructions (ops and communication;
-                             leaves, assignments and identity comms are nearly free) is a line:
-                             its slope is the dispatch cost per instruction, its intercept the
-                             trainer's fixed work per step (checks, feeds, reading the loss)
+    and kernel efficiency    being predicted: 1 layer x 1 micro-batch, 1 x 2, 2 x 1, and 1 x 1
+                             with micro-batches 4x as large) at the probe's layer shapes; least
+                             squares: measured = gamma x roofline of the step's kernels
+                             + overhead x dispatched instructions (ops and communication;
+                             leaves, assignments and identity comms are nearly free)
+                             + step overhead (checks, feeds, reading the loss). gamma is how
+                             much slower a model's kernels run than the micro-benchmarks'
+                             roofline (odd shapes, broadcasts, ops made of several kernels); the
+                             larger micro-batch is what tells it apart from the overhead
     gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
     all-reduce               alpha + bytes / beta, an all-reduce = 2 alpha + bytes / beta
                              (one least-squares fit over both)
 
 Everything runs on both processes at once, as in training (they share the machine's cores).
 
-The result is a device type "cpu" (peak = the fitted matmul rate, bandwidth = the fitted add rate,
-gamma = 1), deltas per kernel class, the per-instruction and per-step overheads and one link class; saved as
+The result is a device type "cpu" (peak = the fitted matmul rate, bandwidth = the fitted add rate),
+the fitted gamma (every kernel class) and deltas per kernel class, the per-instruction and per-step overheads and one link class; saved as
 JSON and turned back into a ClusterSpec + CostModel for predictions. Timings use one thread per
 process, like the trainers. Measurements are medians of repeats; they move with machine load.
 """
@@ -26,10 +29,11 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy
 import torch
 
 from hspmd.backends.backend import Backend
@@ -38,6 +42,7 @@ from hspmd.cluster import ClusterSpec, DeviceType, LinkClass, Node
 from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, ModelSpec
+from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.planning.device_sim import DISPATCHED, op_kernel
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.ops import AdamW
@@ -52,17 +57,17 @@ class Calibration:
 
     peak_flops: float
     bandwidth: float
-    delta: tuple[tuple[str, float], ...]
     overhead: float
     link_latency: float
     link_bandwidth: float
     step_overhead: float = 0.0
+    gamma: float = 1.0
 
     def device_type(self) -> DeviceType:
         return DeviceType("cpu", (("float32", self.peak_flops),), self.bandwidth, 16e9)
 
     def efficiency(self) -> Efficiency:
-        return Efficiency(delta=self.delta)
+        return Efficiency(gamma=tuple((cls, self.gamma) for cls in KERNEL_CLASSES))
 
     def link(self) -> LinkClass:
         return LinkClass("gloo", self.link_bandwidth, self.link_latency)
@@ -77,27 +82,26 @@ class Calibration:
                          step_overhead=self.step_overhead)
 
     def to_dict(self) -> dict:
-        return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "delta": dict(self.delta),
-                "overhead": self.overhead, "step_overhead": self.step_overhead, "link_latency": self.link_latency,
-                "link_bandwidth": self.link_bandwidth}
+        return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "overhead": self.overhead, "step_overhead": self.step_overhead, "link_latency": self.link_latency,
+                "link_bandwidth": self.link_bandwidth, "gamma": self.gamma}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
+        """Older files' per-kernel deltas are ignored (that time is now part of `overhead`); their
+        missing step overhead and gamma take the values of an unfitted model."""
         try:
             d = json.loads(Path(path).read_text())
-            return cls(float(d["peak_flops"]), float(d["bandwidth"]), tuple(dict(d["delta"]).items()),
-                       float(d["overhead"]), float(d["link_latency"]), float(d["link_bandwidth"]),
-                       float(d.get("step_overhead", 0.0)))  # files written before it was fitted: none
+            return cls(float(d["peak_flops"]), float(d["bandwidth"]), float(d["overhead"]), float(d["link_latency"]),
+                       float(d["link_bandwidth"]), float(d.get("step_overhead", 0.0)), float(d.get("gamma", 1.0)))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HSPMDError(f"cannot read calibration file {path}: {e}") from None
 
     def describe(self) -> str:
-        d = dict(self.delta)
-        return (f"cpu: matmul {self.peak_flops / 1e9:.2f} GFLOP/s (+{d['gemm'] * 1e6:.1f} us), elementwise "
-                f"{self.bandwidth / 1e9:.2f} GB/s (+{d['elementwise'] * 1e6:.1f} us), executor "
+        return (f"cpu: matmul {self.peak_flops / 1e9:.2f} GFLOP/s, elementwise {self.bandwidth / 1e9:.2f} GB/s, "
+                f"model kernels x{self.gamma:.2f}, executor "
                 f"{self.overhead * 1e6:.1f} us/instruction + {self.step_overhead * 1e3:.2f} ms/step; gloo link alpha {self.link_latency * 1e6:.1f} us, "
                 f"beta {self.link_bandwidth / 1e9:.3f} GB/s")
 
@@ -126,6 +130,26 @@ def fit_line(xs, ys) -> tuple[float, float]:
     return slope, max(0.0, intercept)
 
 
+def fit_steps(work: list[StepWork], seconds: list[float]) -> tuple[float, float, float]:
+    """(gamma, per-instruction, per-step seconds) with seconds = gamma x roofline + overhead x
+    instructions + per-step: least squares with all three >= 0 (the best of the fits that leave
+    out any of them), refused when gamma or the overhead is not positive (noise)."""
+    a = numpy.array([[w.roofline, float(w.instructions), 1.0] for w in work])
+    y = numpy.array(seconds)
+    best, best_error = None, float("inf")
+    for kept in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
+        solution = numpy.zeros(3)
+        solution[list(kept)] = numpy.linalg.lstsq(a[:, kept], y, rcond=None)[0]
+        error = float(numpy.sum((a @ solution - y) ** 2))
+        if (solution >= 0).all() and error < best_error:
+            best, best_error = solution, error
+    if best is None or best[0] <= 0 or best[1] <= 0:
+        raise HSPMDError(f"calibration: step times {[round(t, 6) for t in seconds]} do not grow with the work "
+                         f"{work}; the machine is too noisy, or the probe's layers too small to time their kernels")
+    gamma, overhead, per_step = (float(c) for c in best)
+    return gamma, overhead, per_step
+
+
 MATMUL_SIZES = (8, 32, 64, 96, 128, 192, 256)
 ADD_SIZES = (64, 4096, 32768, 131072, 262144, 524288)
 MESSAGE_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
@@ -134,24 +158,27 @@ MESSAGE_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 @dataclass(frozen=True)
 class ProbeShape:
     """The executor probe's one Llama layer and micro-batch: the framework's per-instruction cost
-    is fitted on it, so a benchmark may probe at its model's layer shapes (never its whole model)."""
+    and the kernels' efficiency are fitted on it, so a benchmark may probe at its model's layer
+    shapes (never its whole model). The default is the demo Llama's layer; much smaller layers
+    leave too little kernel time to tell the efficiency from the overheads."""
 
-    hidden: int = 32
-    heads: int = 2
-    ffn: int = 48
-    vocab: int = 48
-    rows: int = 2
-    seq: int = 16
+    hidden: int = 64
+    heads: int = 4
+    ffn: int = 128
+    vocab: int = 64
+    rows: int = 4
+    seq: int = 32
 
 
-PROBE_RUNS = ((1, 1), (1, 2), (2, 1))  # (layers, micro-batches) of the framework probe's steps
+# (layers, micro-batches, micro-batch size in shape.rows) of the framework probe's steps
+PROBE_RUNS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 4))
 
 
-def probe_trainer(shape: ProbeShape = ProbeShape(), layers: int = 1, micro_batches: int = 1):
+def probe_trainer(shape: ProbeShape = ProbeShape(), layers: int = 1, micro_batches: int = 1, rows: int = 1):
     """A one-device Trainer of a small Llama at the probe's layer shapes (never a model a benchmark
-    predicts) and the global batch of one step, for the framework-overhead probe."""
+    predicts), micro-batches of `rows` x shape.rows, and the global batch of one step."""
     config = LlamaConfig(vocab=shape.vocab, hidden=shape.hidden, layers=layers, heads=shape.heads, ffn=shape.ffn)
-    strategy = parse_strategy(f"layers={layers} ; {micro_batches}x{shape.rows}: R0 L0-{layers - 1}")
+    strategy = parse_strategy(f"layers={layers} ; {micro_batches}x{rows * shape.rows}: R0 L0-{layers - 1}")
     graph = build_llama(config, [strategy], optimizer=AdamW(lr=1e-3)).graph
     layout = MicroBatchLayout.of(strategy)
     rows = layout.global_batch_size
@@ -162,15 +189,23 @@ def probe_trainer(shape: ProbeShape = ProbeShape(), layers: int = 1, micro_batch
     return trainer, batch
 
 
-def step_work(trainer: Trainer, cost: CostModel) -> tuple[float, int]:
-    """(roofline seconds of the kernels, dispatched instructions) of one step of a probe trainer."""
+@dataclass(frozen=True)
+class StepWork:
+    """What one step of a probe trainer asks of the machine."""
+
+    roofline: float  # seconds of its kernels' FLOPs and bytes at the micro-benchmarks' rates
+    instructions: int  # dispatched by the executor
+
+
+def step_work(trainer: Trainer, cost: CostModel) -> StepWork:
+    """`cost`: the micro-benchmarks' rates, gamma = 1 and no per-kernel delta."""
     exe, binding, micro_batches = trainer.exe, trainer.binding, trainer.layout.counts[0]
     roofline, instructions = 0.0, 0
     for program, times in ((exe.forward + exe.backward, micro_batches), (exe.update, 1)):
         kernels = (op_kernel(exe, i, binding) for i in program)
         roofline += times * sum(cost.kernel_time(k, exe.device) for k in kernels if k is not None)
         instructions += times * sum(1 for ins in program if ins.role in DISPATCHED)
-    return roofline, instructions
+    return StepWork(roofline, instructions)
 
 
 class Probe:
@@ -182,7 +217,7 @@ class Probe:
         self.backend = backend
         self.matrices = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
         self.vectors = [(torch.randn(n), torch.randn(n)) for n in ADD_SIZES]
-        self.trainers = [probe_trainer(shape, layers, m) for layers, m in PROBE_RUNS]
+        self.trainers = [probe_trainer(shape, *run) for run in PROBE_RUNS]
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
 
     def once(self) -> dict:
@@ -213,22 +248,21 @@ class Probe:
 def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     """Fit a Calibration to the per-entry medians of several Probe.once() results (module docstring)."""
     med = lambda key: [statistics.median(p[key][i] for p in probes) for i in range(len(probes[0][key]))]  # noqa: E731
-    slope_f, delta_gemm = fit_line([2.0 * n ** 3 for n in MATMUL_SIZES], med("matmul"))
-    slope_b, delta_elem = fit_line([12.0 * n for n in ADD_SIZES], med("add"))
-    peak, bandwidth = 1.0 / slope_f, 1.0 / slope_b
-    delta = {"gemm": delta_gemm, "attn": delta_gemm, "elementwise": delta_elem, "norm": delta_elem, "misc": 0.0}
-    cpu = DeviceType("cpu", (("float32", peak),), bandwidth, 16e9)
-    cost = CostModel(ClusterSpec((Node("cpu", 1),), (cpu,), (), (), ()), ModelSpec("probe", 1, shape.hidden, shape.ffn, shape.heads, shape.heads, shape.vocab, shape.seq, "float32"),
-                     {"*": Efficiency(delta=tuple(delta.items()))})
-    work = [step_work(probe_trainer(shape, layers, m)[0], cost) for layers, m in PROBE_RUNS]
-    overhead, step_overhead = fit_line([n for _, n in work], [t - r for t, (r, _) in zip(med("steps"), work)])
-    alpha, beta = 1e-5, 1e9
-    if "pingpong" in probes[0]:
-        xs = [float(n) for n in MESSAGE_SIZES] + [n / 2 for n in MESSAGE_SIZES]
-        ys = med("pingpong") + [t / 2 for t in med("allreduce")]  # 2-process all-reduce: 2 alpha + B / beta
-        slope, alpha = fit_line(xs, ys)
-        beta = 1.0 / slope
-    return Calibration(peak, bandwidth, tuple(delta.items()), overhead, alpha, beta, step_overhead)
+    # the rates only: a kernel's fixed time is measured as part of the per-instruction overhead on
+    # real steps, where it is paid (these intercepts were too noisy to subtract from them)
+    slope_f, _ = fit_line([2.0 * n ** 3 for n in MATMUL_SIZES], med("matmul"))
+    slope_b, _ = fit_line([12.0 * n for n in ADD_SIZES], med("add"))
+    rates = Calibration(1.0 / slope_f, 1.0 / slope_b, overhead=0.0, link_latency=1e-5, link_bandwidth=1e9)
+    probe_model = ModelSpec("probe", 1, shape.hidden, shape.ffn, shape.heads, shape.heads, shape.vocab, shape.seq, "float32")
+    work = [step_work(probe_trainer(shape, *run)[0], rates.cost_model(probe_model, 1)) for run in PROBE_RUNS]
+    gamma, overhead, step_overhead = fit_steps(work, med("steps"))
+    fitted = replace(rates, overhead=overhead, step_overhead=step_overhead, gamma=gamma)
+    if "pingpong" not in probes[0]:
+        return fitted
+    xs = [float(n) for n in MESSAGE_SIZES] + [n / 2 for n in MESSAGE_SIZES]
+    ys = med("pingpong") + [t / 2 for t in med("allreduce")]  # 2-process all-reduce: 2 alpha + B / beta
+    slope, alpha = fit_line(xs, ys)
+    return replace(fitted, link_latency=alpha, link_bandwidth=1.0 / slope)
 
 
 def _calibrate_rank(backend: Backend, repeats: int) -> list[dict]:
@@ -242,4 +276,4 @@ def calibrate(repeats: int = 7) -> Calibration:
     return fit(results[0])
 
 
-__all__ = ["Calibration", "Probe", "ProbeShape", "calibrate", "fit", "fit_line", "median_seconds"]
+__all__ = ["Calibration", "Probe", "ProbeShape", "calibrate", "fit", "fit_line", "fit_steps", "median_seconds", "step_work", "StepWork"]
