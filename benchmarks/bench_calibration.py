@@ -1,11 +1,10 @@
 """Does the simulator predict real step times? (HeteroSim's validation, on this machine.)
 
 1. Measure: the demo's Llama (hidden 64, 4 heads, FFN 128, 4 layers, 32-character sequences,
-   16 sequences per step) on 2 gloo processes, each pinned to its own CPU (hspmd.runtime.affinity:
-   unpinned, wake-up jitter after every receive blurs strategies a few ms apart), under 6
-   strategies; every strategy is built once and
-   the steps run round-robin (ABAB...), so load drifts hit all of them alike; median of the
-   slowest rank per strategy.
+   16 sequences per step) on 2 gloo processes under 8 strategies (DP, TP, PP 1F1B and GPipe,
+   uneven PP and DP, and two other micro-batch sizes); every strategy is built once and the steps
+   run round-robin (ABAB...), so load drifts hit all of them alike; median of the slowest rank
+   per strategy. `--pin-cpus` pins each rank to its own CPU (hspmd.runtime.affinity).
 2. Calibrate in the same run: before each round, both ranks run the calibration probes (torch
    matmul / add micro-benchmarks, the executor's per-instruction overhead on a one-layer probe
    model, a gloo ping-pong and all-reduce; hspmd.runtime.calibrate), so the fit sees the machine
@@ -50,13 +49,15 @@ CONFIG = dict(vocab=64, hidden=64, heads=4, ffn=128, layers=4)
 # the executor probe runs ONE layer of the demo's shapes (hidden, heads, FFN, a micro-batch of 4 x 32),
 # not the 4-layer model predicted below: per-layer profiling, as HeteroSim profiles operators
 PROBE = ProbeShape(hidden=CONFIG["hidden"], heads=CONFIG["heads"], ffn=CONFIG["ffn"], vocab=CONFIG["vocab"], rows=4, seq=SEQ)
-STRATEGIES = {  # name: (strategy text, schedule)
+STRATEGIES = {  # name: (strategy text, schedule); the last two vary the micro-batch size, as a search does
     "DP2": ("layers=4 ; 2x4: R0 L0-3 ; 2x4: R1 L0-3", "1f1b"),
     "TP2": ("layers=4 ; 4x4: R0,1 L0-3", "1f1b"),
     "PP2 1F1B": ("layers=4 ; 4x4: R0 L0-1 | R1 L2-3", "1f1b"),
     "PP2 GPipe": ("layers=4 ; 4x4: R0 L0-1 | R1 L2-3", "gpipe"),
     "PP2 3:1 layers": ("layers=4 ; 4x4: R0 L0-2 | R1 L3", "1f1b"),
     "DP2 3:1 batches": ("layers=4 ; 3x4: R0 L0-3 ; 1x4: R1 L0-3", "1f1b"),
+    "DP2 1x8": ("layers=4 ; 1x8: R0 L0-3 ; 1x8: R1 L0-3", "1f1b"),
+    "PP2 1F1B 8x2": ("layers=4 ; 8x2: R0 L0-1 | R1 L2-3", "1f1b"),
 }
 
 
@@ -136,9 +137,11 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", default=None, help="use this calibration file instead of calibrating now")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--save-calibration", default=None, help="write the fitted calibration here (for hspmd show)")
+    p.add_argument("--pin-cpus", action="store_true", help="pin each rank to its own CPU")
     p.add_argument("--trace", default=None, help="write one traced step per strategy here (NAME.json per strategy)")
     args = p.parse_args(argv)
-    results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), timeout=1200, pin_cpus=True)
+    results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), timeout=1200,
+                                pin_cpus=args.pin_cpus)
     calibration = Calibration.load(args.calibration) if args.calibration else fit(results[0][3], PROBE)
     print("calibration:", calibration.describe())
     if args.save_calibration:
