@@ -6,9 +6,10 @@
    run round-robin (ABAB...), so load drifts hit all of them alike; median of the slowest rank
    per strategy. `--pin-cpus` pins each rank to its own CPU (hspmd.runtime.affinity).
 2. Calibrate in the same run: before each round, both ranks run the calibration probes (torch
-   matmul / add micro-benchmarks, the executor's per-instruction overhead on a one-layer probe
-   model, a gloo ping-pong and all-reduce; hspmd.runtime.calibrate), so the fit sees the machine
-   load the steps see (this machine is shared); `--calibration FILE` uses a saved fit instead.
+   matmul / add micro-benchmarks, real steps of 1-2 layer probe models for the executor's overheads
+   and the kernels' efficiency, a gloo ping-pong and all-reduce; hspmd.runtime.calibrate), so the
+   fit sees the machine load the steps see (this machine is shared); the fit takes the medians
+   over both ranks' probes. `--calibration FILE` uses a saved fit instead.
 3. Predict the same steps with the calibrated cost model: simulator level 2 (the specialized
    programs, op by op, with their resolved plans) and level 1 (stage times from ModelSpec).
 
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), timeout=1200,
                                 pin_cpus=args.pin_cpus)
-    calibration = Calibration.load(args.calibration) if args.calibration else fit(results[0][3], PROBE)
+    calibration = Calibration.load(args.calibration) if args.calibration else fit(results[0][3] + results[1][3], PROBE)
     print("calibration:", calibration.describe())
     if args.save_calibration:
         calibration.save(args.save_calibration)
