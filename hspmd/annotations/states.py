@@ -385,13 +385,17 @@ class Annotation(_Memo):
         are known valid, so a subgroup is made without checking its devices again (making
         hundreds of subgroups one by one dominated deducing a large job: a deduced layout, a
         gradient or ZeRO layout), and what this union knows of its devices is kept."""
-        new_states: dict[int, DistributedStates] = {}
+        new_states: dict[int, tuple[DistributedStates, int]] = {}  # id(old) -> (new, its size)
         subs = []
         for sub in self.subgroups:
             if id(sub.ds) not in new_states:
-                new_states[id(sub.ds)] = states(sub.ds)
-            ds = new_states[id(sub.ds)]
-            if ds.size != len(sub.dg):
+                ds = states(sub.ds)
+                new_states[id(sub.ds)] = ds, ds.size
+            ds, size = new_states[id(sub.ds)]
+            if ds is sub.ds:  # unchanged: the subgroup itself
+                subs.append(sub)
+                continue
+            if size != len(sub.dg):
                 Subgroup(sub.dg, ds)  # raises, naming both
             made = object.__new__(Subgroup)
             object.__setattr__(made, "dg", sub.dg)

@@ -14,7 +14,6 @@ list), and links by comparing bandwidths pair by pair where a step has messages 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 from hspmd.annotations import Annotation, Box, Subgroup
@@ -96,9 +95,9 @@ def region_shift(region0: Box, region: Box) -> tuple[int, ...]:
 def moved_step(step: Step, name: dict[int, int], shift: tuple[int, ...], src: Annotation, dst: Annotation,
                subgroup: int | None) -> Step:
     """`step` with devices renamed by `name`, boxes shifted by `shift`, and the given layouts."""
-    return replace(step, src=src, dst=dst, collectives=tuple(_collective(c, name, shift) for c in step.collectives),
-                   transfers=tuple(_transfer(t, name, shift) for t in step.transfers),
-                   assembled_on=tuple(name[d] for d in step.assembled_on), subgroup=subgroup)
+    return Step(step.primitive, src, dst, tuple(_collective(c, name, shift) for c in step.collectives),
+                tuple(_transfer(t, name, shift) for t in step.transfers), tuple(name[d] for d in step.assembled_on),
+                subgroup, step.round)
 
 
 def moved_steps(steps: Sequence[Step], k0: int, k: int, union: Annotation, region0: Box, region: Box) -> list[Step]:
@@ -107,7 +106,7 @@ def moved_steps(steps: Sequence[Step], k0: int, k: int, union: Annotation, regio
     sub0, sub = steps[0].src.subgroups[k0], union.subgroups[k]
     name = dict(zip(sub0.dg.devices, sub.dg.devices))
     shift = region_shift(region0, region)
-    layouts: dict[int, Annotation] = {}
+    layouts: dict[int, Annotation] = {id(sub0.ds): union}  # the first step starts from `union` itself
 
     def at(ann: Annotation) -> Annotation:
         ds = ann.subgroups[k0].ds

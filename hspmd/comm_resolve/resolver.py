@@ -364,7 +364,8 @@ def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup,
         steps, k0, region0 = templates[key]
         sub0, sub = union.subgroups[k0].dg.devices, union.subgroups[k].dg.devices
         if not relabel.has_messages(steps) or relabel.same_links(sub0, sub, ctx.topology):
-            return relabel.moved_steps(steps, k0, k, union, region0, region), union.with_subgroup(k, target)
+            moved = relabel.moved_steps(steps, k0, k, union, region0, region)
+            return moved, moved[-1].dst  # k in `target`'s states: the template's last layout moved
     steps, done = _equalise(union, k, target, ctx)
     templates.setdefault(key, (steps, k, region))
     return steps, done

@@ -9,6 +9,7 @@ node holding every device the plan touches: all links equal).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Iterable
 
 from hspmd.cluster import ClusterSpec, parse_cluster, single_node
@@ -20,14 +21,20 @@ def cluster_for(topology: "ClusterSpec | str | None", devices: Iterable[int],
     """The ClusterSpec named by `topology` (see the module docstring), checked to hold `devices`.
     `where` may be a function giving the text, called only for the error (printing a union of
     thousands of devices for every plan would cost more than planning it)."""
-    devices = sorted(set(devices))
-    cluster = single_node(max(devices, default=0) + 1) if topology is None else parse_cluster(topology)
+    devices = set(devices)
+    cluster = _one_node(max(devices, default=0) + 1) if topology is None else parse_cluster(topology)
     try:
         cluster.check_devices(devices)
     except ClusterError:
-        cluster.check_devices(devices, where() if callable(where) else where)
+        cluster.check_devices(sorted(devices), where() if callable(where) else where)
         raise
     return cluster
+
+
+@lru_cache(maxsize=64)
+def _one_node(n_devices: int) -> ClusterSpec:
+    """single_node, made once per size (an immutable value; every plan of a job asks for it)."""
+    return single_node(n_devices)
 
 
 __all__ = ["ClusterSpec", "cluster_for"]
