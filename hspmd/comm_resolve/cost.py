@@ -126,7 +126,10 @@ def transfer_traffic(traffic: Traffic, topology: ClusterSpec, itemsize, transfer
     for t in transfers:
         if t.src == t.dst:
             continue
-        nbytes = sum(box_volume(b) * sizes(k) for b, k in zip(t.boxes, t.tensors))
+        if len(t.boxes) == 1 == len(t.tensors):  # the usual message: one box
+            nbytes = box_volume(t.boxes[0]) * sizes(t.tensors[0])
+        else:
+            nbytes = sum(box_volume(b) * sizes(k) for b, k in zip(t.boxes, t.tensors))
         link = topology.link(t.src, t.dst)
         traffic.edge(topology, t.src, t.dst, nbytes, link)
         seconds = link.seconds(nbytes)

@@ -445,7 +445,7 @@ def _fuse(transfers: list[Transfer]) -> tuple[Transfer, ...]:
     for t in transfers:
         by_pair.setdefault((t.src, t.dst), []).append(t)
     return tuple(
-        Transfer(s, d, sum((t.boxes for t in ts), ()), sum((t.tensors for t in ts), ()))
+        ts[0] if len(ts) == 1 else Transfer(s, d, sum((t.boxes for t in ts), ()), sum((t.tensors for t in ts), ()))
         for (s, d), ts in sorted(by_pair.items())
     )
 
