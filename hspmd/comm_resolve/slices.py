@@ -90,9 +90,8 @@ class Grid:
         for fine, cuts in zip(self.cuts, coarse.cuts):
             index = [bisect_right(cuts, start) - 1 for start in fine[:-1]]
             per_dim.append([i if 0 <= i < len(cuts) - 1 else None for i in index])
-        for cell in product(*(range(len(c) - 1) for c in self.cuts)):
-            outer = tuple(m[i] for m, i in zip(per_dim, cell))
-            yield cell, None if None in outer else outer
+        cells = product(*(range(len(c) - 1) for c in self.cuts))
+        return zip(cells, (None if None in outer else outer for outer in product(*per_dim)))  # same order
 
     def cell_box(self, cell: Cell) -> Box:
         return tuple((c[i], c[i + 1]) for c, i in zip(self.cuts, cell))
@@ -108,6 +107,11 @@ class Grid:
         remaining = set(cells)
         if len(remaining) == 1:  # the common case of fine grids (e.g. an all-to-all's messages)
             return [self.cell_box(next(iter(remaining)))]
+        if not remaining:
+            return []
+        lo, hi = [min(i) for i in zip(*remaining)], [max(i) + 1 for i in zip(*remaining)]
+        if len(remaining) == prod(b - a for a, b in zip(lo, hi)):  # one full box: what growing it finds
+            return [self.index_box(lo, hi)]
         boxes = []
         for start in sorted(remaining):
             if start not in remaining:
