@@ -235,6 +235,33 @@ class Subgroup(_Memo):
         return f"{self.ds}@{self.dg}"
 
 
+def _top_tier(hdim, ratios, hsize: int) -> tuple[HDim, tuple[int, ...] | None]:
+    """(HDim, ratios) of a union of `hsize` subgroups, checked and normalised (HSize 1 is plain
+    SPMD: HDim Duplicate, no ratios)."""
+    if not (isinstance(hdim, str) and hdim in ("D", "P")) and (isinstance(hdim, bool) or not isinstance(hdim, int)):
+        raise AnnotationTypeError(f"HDim must be a tensor dim (integer >= 0), 'D' or 'P', got {brief(hdim)}")
+    if isinstance(hdim, int):
+        if hdim < 0:
+            raise AnnotationError(f"HDim must be a tensor dim (integer >= 0), 'D' or 'P', got {brief(hdim)}")
+        check_limit(hdim, MAX_DIMS - 1, "HDim", "tensors have at most MAX_DIMS dims")
+    if ratios is not None:
+        if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__iter__"):
+            raise AnnotationTypeError(f"split ratios must be a sequence of positive integers, got {brief(ratios)}")
+        ratios = tuple(ratios)
+        for r in ratios:
+            _positive_int(r, "a top-tier split ratio", MAX_RATIO)
+        if not isinstance(hdim, int):
+            raise AnnotationError(f"split ratios {brief(ratios)} need a tensor-dim HDim, but HDim is {hdim!r}")
+        if len(ratios) != hsize:
+            raise AnnotationError(
+                f"ratios {':'.join(map(str, ratios))} have {len(ratios)} entries but the union has HSize "
+                f"{hsize}: give one ratio per subgroup"
+            )
+    if hsize == 1:
+        hdim, ratios = "D", None
+    return hdim, ratios
+
+
 @dataclass(frozen=True)
 class Annotation(_Memo):
     """A union of HSize sharding subgroups related by HDim (the top tier).
@@ -267,28 +294,7 @@ class Annotation(_Memo):
                             f"device {d} is in subgroup {seen[d]} and subgroup {k}: sharding subgroups must be disjoint"
                         )
                     seen[d] = k
-        hdim, ratios = self.hdim, self.ratios
-        if not (isinstance(hdim, str) and hdim in ("D", "P")) and (isinstance(hdim, bool) or not isinstance(hdim, int)):
-            raise AnnotationTypeError(f"HDim must be a tensor dim (integer >= 0), 'D' or 'P', got {brief(hdim)}")
-        if isinstance(hdim, int):
-            if hdim < 0:
-                raise AnnotationError(f"HDim must be a tensor dim (integer >= 0), 'D' or 'P', got {brief(hdim)}")
-            check_limit(hdim, MAX_DIMS - 1, "HDim", "tensors have at most MAX_DIMS dims")
-        if ratios is not None:
-            if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__iter__"):
-                raise AnnotationTypeError(f"split ratios must be a sequence of positive integers, got {brief(ratios)}")
-            ratios = tuple(ratios)
-            for r in ratios:
-                _positive_int(r, "a top-tier split ratio", MAX_RATIO)
-            if not isinstance(hdim, int):
-                raise AnnotationError(f"split ratios {brief(ratios)} need a tensor-dim HDim, but HDim is {hdim!r}")
-            if len(ratios) != len(subgroups):
-                raise AnnotationError(
-                    f"ratios {':'.join(map(str, ratios))} have {len(ratios)} entries but the union has HSize "
-                    f"{len(subgroups)}: give one ratio per subgroup"
-                )
-        if len(subgroups) == 1:
-            hdim, ratios = "D", None
+        hdim, ratios = _top_tier(self.hdim, self.ratios, len(subgroups))
         object.__setattr__(self, "subgroups", subgroups)
         object.__setattr__(self, "hdim", hdim)
         object.__setattr__(self, "ratios", ratios)
@@ -382,9 +388,10 @@ class Annotation(_Memo):
                  ratios: tuple[int, ...] | None) -> "Annotation":
         """A union on this one's device groups with each subgroup's states replaced by
         `states(old)` (called once per distinct states object), and the given top tier. The groups
-        are known valid, so a subgroup is made without checking its devices again (making
-        hundreds of subgroups one by one dominated deducing a large job: a deduced layout, a
-        gradient or ZeRO layout), and what this union knows of its devices is kept."""
+        are known valid, so neither a subgroup nor the union checks its devices again, only the
+        new states' sizes and top tier (making hundreds of subgroups one by one dominated deducing
+        a large job: a deduced layout, a gradient or ZeRO layout); a subgroup whose states stay is
+        kept as it is, and what this union knows of its devices is kept."""
         new_states: dict[int, tuple[DistributedStates, int]] = {}  # id(old) -> (new, its size)
         subs = []
         for sub in self.subgroups:
@@ -398,10 +405,11 @@ class Annotation(_Memo):
             if size != len(sub.dg):
                 Subgroup(sub.dg, ds)  # raises, naming both
             made = object.__new__(Subgroup)
-            object.__setattr__(made, "dg", sub.dg)
-            object.__setattr__(made, "ds", ds)
+            made.__dict__.update(dg=sub.dg, ds=ds)
             subs.append(made)
-        new = Annotation(tuple(subs), hdim, ratios)
+        hdim, ratios = _top_tier(hdim, ratios, len(subs))  # the device groups are this union's: valid
+        new = object.__new__(Annotation)
+        new.__dict__.update(subgroups=tuple(subs), hdim=hdim, ratios=ratios)
         known = self.__dict__.get("_memo_cache") or {}
         cache = new.__dict__.setdefault("_memo_cache", {})
         cache.update((key, known[key]) for key in self._KEPT_BY_WITH_SUBGROUP if key in known and key not in cache)
