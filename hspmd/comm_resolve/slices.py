@@ -112,6 +112,10 @@ class Grid:
         lo, hi = [min(i) for i in zip(*remaining)], [max(i) + 1 for i in zip(*remaining)]
         if len(remaining) == prod(b - a for a, b in zip(lo, hi)):  # one full box: what growing it finds
             return [self.index_box(lo, hi)]
+        return self.grown(remaining)
+
+    def grown(self, remaining: set[Cell]) -> list[Box]:
+        """merge by greedy growth from the smallest cell left, last dim first (empties `remaining`)."""
         boxes = []
         for start in sorted(remaining):
             if start not in remaining:

@@ -1,0 +1,149 @@
+"""The shortcuts that keep a rank's specialization cheap at thousands of devices give exactly what the
+general code gives (session 5 of issue 14): merging cells, pairing fine and coarse cells, restating
+a union's states, sharing value pieces, pricing only where another route applies, box arithmetic."""
+
+from itertools import product
+from math import prod
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hspmd.annotations import Annotation, Subgroup, box_intersection, device_pieces, parse
+from hspmd.annotations.geometry import subgroup_device_pieces
+from hspmd.comm_resolve import resolve
+from hspmd.comm_resolve.resolver import VIAS
+from hspmd.comm_resolve.slices import Grid, box_volume
+from hspmd.comm_resolve.topology import cluster_for
+from hspmd.cluster import single_node
+from hspmd.errors import AnnotationError, UnsupportedReshard
+from hspmd.testing import annotations, distributed_states, shapes
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def grids(draw):
+    ndim = draw(st.integers(1, 3))
+    cuts = [sorted(draw(st.sets(st.integers(0, 12), min_size=2, max_size=6))) for _ in range(ndim)]
+    grid = Grid([tuple((c[0], c[-1]) for c in cuts)], ndim)
+    for dim, c in enumerate(cuts):  # every cut, not only the bounding box's
+        grid.cuts[dim] = c
+    return grid
+
+
+@st.composite
+def cell_sets(draw, grid: Grid):
+    every = list(product(*(range(len(c) - 1) for c in grid.cuts)))
+    if draw(st.booleans()):  # a full box of cells (the shortcut's case) ...
+        lo = [draw(st.integers(0, len(c) - 2)) for c in grid.cuts]
+        hi = [draw(st.integers(a + 1, len(c) - 1)) for a, c in zip(lo, grid.cuts)]
+        return set(product(*(range(a, b) for a, b in zip(lo, hi))))
+    return set(draw(st.lists(st.sampled_from(every), max_size=len(every))))  # ... or any set
+
+
+@SETTINGS
+@given(data=st.data())
+def test_merge_equals_growing_boxes_cell_by_cell(data):
+    grid = data.draw(grids())
+    cells = data.draw(cell_sets(grid))
+    assert grid.merge(cells) == grid.grown(set(cells))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_coarse_cells_are_the_coarse_cell_holding_each_fine_cell(data):
+    fine = data.draw(grids())
+    coarse = Grid([], fine.ndim)
+    for dim, c in enumerate(fine.cuts):
+        coarse.cuts[dim] = sorted(data.draw(st.sets(st.sampled_from(c), min_size=2)))
+
+    def containing(cell):
+        out = []
+        for f, c, i in zip(fine.cuts, coarse.cuts, cell):
+            inside = [j for j in range(len(c) - 1) if c[j] <= f[i] and f[i + 1] <= c[j + 1]]
+            out.append(inside[0] if inside else None)
+        return None if None in out else tuple(out)
+
+    expected = [(cell, containing(cell)) for cell in product(*(range(len(c) - 1) for c in fine.cuts))]
+    assert list(fine.coarse_cells(coarse)) == expected
+
+
+boxes = st.integers(0, 3).flatmap(
+    lambda n: st.tuples(*[st.tuples(st.integers(-3, 8), st.integers(-3, 8)) for _ in range(n)]))
+
+
+@SETTINGS
+@given(a=boxes, b=boxes)
+def test_box_volume_and_intersection_by_formula(a, b):
+    assert box_volume(a) == prod(max(0, stop - start) for start, stop in a)
+    if len(a) == len(b):
+        out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+        assert box_intersection(a, b) == (None if any(stop <= start for start, stop in out) else out)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_restated_equals_the_union_built_from_scratch(data):
+    ndim = data.draw(st.integers(1, 2))
+    ann = data.draw(annotations(ndim))
+    new_states = {}
+
+    def states(ds):
+        if ds not in new_states:
+            new_states[ds] = ds if data.draw(st.booleans()) else data.draw(distributed_states(ds.size, ndim))
+        return new_states[ds]
+
+    hdim = data.draw(st.sampled_from(["D", "P", *range(ndim)]))
+    ratios = None
+    if isinstance(hdim, int):
+        ratios = tuple(data.draw(st.lists(st.integers(1, 3), min_size=ann.hsize, max_size=ann.hsize)))
+    restated = ann.restated(states, hdim, ratios)
+    built = Annotation(tuple(Subgroup(s.dg, states(s.ds)) for s in ann.subgroups), hdim, ratios)
+    assert restated == built and hash(restated) == hash(built) and str(restated) == str(built)
+    assert (restated.hdim, restated.ratios, restated.devices) == (built.hdim, built.ratios, built.devices)
+
+
+def test_restated_checks_its_new_top_tier():
+    ann = parse("HD{S0:2@[0,1] | S0:2@[2,3]}")
+    with pytest.raises(AnnotationError, match="HSize"):
+        ann.restated(lambda ds: ds, 0, (1, 2, 3))
+    with pytest.raises(AnnotationError, match="need a tensor-dim HDim"):
+        ann.restated(lambda ds: ds, "D", (1, 1))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_device_pieces_equal_each_subgroups_own(data):
+    ndim = data.draw(st.integers(1, 2))
+    ann = data.draw(annotations(ndim))
+    shape = data.draw(shapes(ndim))
+    expected = {}
+    for k in range(ann.hsize):
+        expected.update(subgroup_device_pieces(ann, k, shape))
+    assert device_pieces(ann, shape) == expected
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_no_other_route_applies_to_a_source_holding_partial_sums(data):
+    """Why resolve returns the hierarchical plan unpriced when the source holds partial sums."""
+    ndim = data.draw(st.integers(1, 2))
+    src = data.draw(annotations(ndim, max_devices=8))
+    dst = data.draw(annotations(ndim, max_devices=8))
+    shape = data.draw(shapes(ndim))
+    if not src.has_partial:
+        return
+    try:
+        plan = resolve(src, dst, shape)
+    except UnsupportedReshard:
+        return
+    assert plan == resolve(src, dst, shape, via="hierarchical")
+    for via in VIAS[1:]:
+        with pytest.raises(UnsupportedReshard):
+            resolve(src, dst, shape, via=via)
+
+
+def test_the_one_node_cluster_is_made_once_per_size():
+    first = cluster_for(None, {0, 5}, "")
+    assert first == single_node(6) and cluster_for(None, [5, 1], "") is first
