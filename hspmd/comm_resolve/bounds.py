@@ -80,9 +80,17 @@ def bsr_bound(before: Annotation, after: Annotation, shape: Sequence[int], items
     return max(receive, latency + sum(lacks) * itemsize / len(pieces) / bandwidth)
 
 
-def route_bound(hops: Sequence[Annotation], shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:
-    """Seconds no route of one BatchedSendRecv per hop through the layouts `hops` undercuts."""
-    return sum(bsr_bound(a, b, shape, itemsize, cluster) for a, b in zip(hops, hops[1:]))
+def route_bound(hops: Sequence[Annotation], shape: Sequence[int], itemsize: int, cluster: ClusterSpec,
+                enough: float = math.inf) -> float:
+    """Seconds no route of one BatchedSendRecv per hop through the layouts `hops` undercuts, or,
+    once the hops so far reach `enough`, that partial sum (the later hops only add to it: each
+    hop's bound costs a pass over its devices)."""
+    total = 0
+    for a, b in zip(hops, hops[1:]):
+        total += bsr_bound(a, b, shape, itemsize, cluster)
+        if total >= enough:
+            break
+    return total
 
 
 __all__ = ["bsr_bound", "fastest_link", "reshard_bound", "route_bound"]

@@ -235,7 +235,8 @@ def _cheapest(ctx: _Reshard, dtype: str) -> Plan:
             if hops is None or hops in tried:  # representatives on one device each: the root route
                 continue
             tried.add(hops)
-            if not cheaper(route_bound(hops, ctx.shape, ctx.itemsize, ctx.topology), best.estimated_seconds):
+            beaten = best.estimated_seconds * (1.0 - TIE)  # a bound this high cannot be `cheaper`
+            if not cheaper(route_bound(hops, ctx.shape, ctx.itemsize, ctx.topology, beaten), best.estimated_seconds):
                 continue
             steps = _hop_steps(hops, ctx)
         if steps is None or _same_messages(steps, best.steps):
