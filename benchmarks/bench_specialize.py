@@ -16,11 +16,13 @@ the per-repetition ratios. The figure to watch is that ratio at 1,024 and 4,096 
 
 Also: parsing one 16,384-device annotation, and planning one all-to-all (S0 -> S1 on the same
 devices, n^2 messages by nature) on 256 and 1,024 devices.
-Run: python benchmarks/bench_specialize.py [--quick]   (--quick: 48 and 1,024 ranks only)
+Run: python benchmarks/bench_specialize.py [--quick] [--reps N]   (--quick: 48 and 1,024 ranks only;
+--reps: interleaved repetitions, default 3)
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -77,6 +79,7 @@ def scaling(sizes, reps: int = 3) -> None:
     """Interleaved: each repetition times one rank (first, middle, last in turn) of every size, so
     that the per-repetition ratios to the first size see the same machine load."""
     runs: dict[str, list[dict]] = {label: [] for label, _ in sizes}
+    load_before = os.getloadavg()[0]
     for rep in range(reps):
         for label, strategy in sizes:
             n = len(strategy.all_ranks)
@@ -94,7 +97,8 @@ def scaling(sizes, reps: int = 3) -> None:
                      f"{phase['deduce']:.3f}", f"{phase['instantiate']:.3f}", f"{phase['discover']:.3f}",
                      f"{phase['build']:.2f}", f"{mine[0]['ops']}/{mine[0]['nodes']}"])
     print(f"\nPer-rank specialization, cold, CPU s (deduction + instantiation + pipeline discovery), "
-          f"{reps} interleaved repetitions (ranks first/middle/last):")
+          f"{reps} interleaved repetitions (ranks first/middle/last), load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after:")
     print(table(["strategy", "ranks", "per rank s", f"vs {sizes[0][0]} (spread)", "deduce", "instantiate",
                  "discover", "build (apart)", "ops on rank 0"], rows))
 
@@ -117,13 +121,14 @@ def parse_and_all_to_all(a2a_sizes) -> None:
 
 def main() -> int:
     quick = "--quick" in sys.argv[1:]
+    reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv[1:] else 3
     dps = (3, 64) if quick else (3, 64, 256)
     for zero in (False, True):
         sizes = [(f"DP{dp} x TP4 x PP4{', ZeRO-1' if zero else ''}",
                   uniform_strategy(60, dp=dp, tp=4, pp=4, micro_batches=4, zero=zero)) for dp in dps]
         if zero:
             sizes.insert(1, ("Table 5 (16 H800 + 32 H20), ZeRO-1", paper_strategy("table5_32b_16h800_32h20")))
-        scaling(sizes)
+        scaling(sizes, reps)
     parse_and_all_to_all([256] if quick else [256, 1024])
     return 0
 
