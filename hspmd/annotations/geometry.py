@@ -234,16 +234,19 @@ def _device_pieces(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int
     several times per plan (and for the same layouts across plans). Callers get a copy, so the
     cached dict is never modified; the size bound keeps memory small for unions of many devices."""
     out = {}
-    named_alike: dict[tuple, tuple[Piece, ...]] = {}  # (states, region) -> value pieces, in device order
+    placed: dict[tuple, tuple] = {}  # (states, region) -> ((box, summand index), ...) in device order
+    values: dict[tuple, tuple[Piece, ...]] = {}  # the same as value pieces
     for k, region in enumerate(subgroup_regions(ann, shape, ratios)):
         sub = ann.subgroups[k]
+        key = (sub.ds, region)  # subgroups of equal states on one region (HD, HP unions) share boxes
+        if key not in placed:
+            placed[key] = tuple(p for _, p in _placed_pieces(sub, region))
         if ann.hdim == "P" or sub.ds.partial_count > 1:  # summands are named after their subgroup
-            out.update(_union_pieces(ann, k, region))
+            out.update(zip(sub.dg.devices, (Piece(box, (k, j or 0)) for box, j in placed[key])))
             continue
-        key = (id(sub.ds), region)  # subgroups on one region with one states object (HD unions) share pieces
-        if key not in named_alike:
-            named_alike[key] = tuple(Piece(box) for _, (box, _) in _placed_pieces(sub, region))
-        out.update(zip(sub.dg.devices, named_alike[key]))
+        if key not in values:
+            values[key] = tuple(Piece(box) for box, _ in placed[key])
+        out.update(zip(sub.dg.devices, values[key]))
     return out
 
 
