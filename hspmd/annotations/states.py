@@ -405,11 +405,13 @@ class Annotation(_Memo):
             if size != len(sub.dg):
                 Subgroup(sub.dg, ds)  # raises, naming both
             made = object.__new__(Subgroup)
-            made.__dict__.update(dg=sub.dg, ds=ds)
+            object.__setattr__(made, "dg", sub.dg)
+            object.__setattr__(made, "ds", ds)
             subs.append(made)
         hdim, ratios = _top_tier(hdim, ratios, len(subs))  # the device groups are this union's: valid
         new = object.__new__(Annotation)
-        new.__dict__.update(subgroups=tuple(subs), hdim=hdim, ratios=ratios)
+        for name, value in (("subgroups", tuple(subs)), ("hdim", hdim), ("ratios", ratios)):
+            object.__setattr__(new, name, value)
         known = self.__dict__.get("_memo_cache") or {}
         cache = new.__dict__.setdefault("_memo_cache", {})
         cache.update((key, known[key]) for key in self._KEPT_BY_WITH_SUBGROUP if key in known and key not in cache)
