@@ -159,7 +159,7 @@ class Step:
 
 
 class _Stats:
-    """Traffic summaries shared by single-tensor and fused plans (needs `_traffics` and `_rounds`)."""
+    """Traffic summaries shared by single-tensor and fused plans (needs `_priced` and `_rounds`)."""
 
     @property
     def itemsize(self) -> int:
@@ -205,9 +205,21 @@ class _Stats:
     @property
     def estimated_seconds(self) -> float:
         per_round: dict[int, float] = {}
-        for round_, traffic in zip(self._rounds, self._traffics):
-            per_round[round_] = max(per_round.get(round_, 0.0), traffic.seconds)
+        for round_, seconds in zip(self._rounds, self._seconds):
+            per_round[round_] = max(per_round.get(round_, 0.0), seconds)
         return sum(per_round.values())
+
+    @cached_property
+    def _seconds(self) -> list[float]:
+        """Each step's estimated time. Pricing keeps these numbers, not the steps' traffic tables
+        (unless something asked for those already): a rank prices the plans it resolves, and
+        keeping every table alive cost memory and garbage-collector walks at thousands of devices."""
+        traffics = self.__dict__.get("_traffics")
+        return [t.seconds for t in (self._priced() if traffics is None else traffics)]
+
+    @cached_property
+    def _traffics(self) -> list[Traffic]:
+        return self._priced()
 
     def _stats_dict(self) -> dict:
         return {
@@ -232,8 +244,7 @@ class Plan(_Stats):
     topology: ClusterSpec
     dtype: str = "float32"
 
-    @cached_property
-    def _traffics(self) -> list[Traffic]:
+    def _priced(self) -> list[Traffic]:
         return [s.traffic(self.topology, self.itemsize) for s in self.steps]
 
     @property
@@ -257,7 +268,7 @@ class Plan(_Stats):
         return tuple(dict.fromkeys(c.devices for s in self.steps for c in s.collectives))
 
     def step_seconds(self) -> list[float]:
-        return [t.seconds for t in self._traffics]
+        return list(self._seconds)
 
     def step_bytes(self) -> list[int]:
         return [sum(t.sent.values()) for t in self._traffics]
@@ -378,8 +389,7 @@ class FusedPlan(_Stats):
             raise ShapeError(f"the plan moves tensors of several dtypes ({self.dtype}); use itemsizes per tensor")
         return sizes.pop() if sizes else DTYPE_SIZES["float32"]
 
-    @cached_property
-    def _traffics(self) -> list[Traffic]:
+    def _priced(self) -> list[Traffic]:
         traffic = Traffic()
         transfer_traffic(traffic, self.topology, self.itemsizes, self.transfers)
         return [traffic]
