@@ -387,19 +387,25 @@ class Annotation(_Memo):
     def restated(self, states: Callable[[DistributedStates], DistributedStates], hdim: HDim,
                  ratios: tuple[int, ...] | None) -> "Annotation":
         """A union on this one's device groups with each subgroup's states replaced by
-        `states(old)` (called once per distinct states object), and the given top tier. The groups
-        are known valid, so neither a subgroup nor the union checks its devices again, only the
-        new states' sizes and top tier (making hundreds of subgroups one by one dominated deducing
-        a large job: a deduced layout, a gradient or ZeRO layout); a subgroup whose states stay is
-        kept as it is, and what this union knows of its devices is kept."""
-        new_states: dict[int, tuple[DistributedStates, int]] = {}  # id(old) -> (new, its size)
+        `states(old)` (called once per distinct states: equal ones share the result), and the given
+        top tier. The groups are known valid, so neither a subgroup nor the union checks its
+        devices again, only the new states' sizes and top tier (making hundreds of subgroups one by
+        one dominated deducing a large job: a deduced layout, a gradient or ZeRO layout); a
+        subgroup whose states stay is kept as it is, and what this union knows of its devices is
+        kept."""
+        new_states: dict[DistributedStates, tuple[DistributedStates, int, bool]] = {}  # old -> (new, size, same)
+        by_object: dict[int, tuple[DistributedStates, int, bool]] = {}  # the same by id: hashed once per object
         subs = []
         for sub in self.subgroups:
-            if id(sub.ds) not in new_states:
-                ds = states(sub.ds)
-                new_states[id(sub.ds)] = ds, ds.size
-            ds, size = new_states[id(sub.ds)]
-            if ds is sub.ds:  # unchanged: the subgroup itself
+            entry = by_object.get(id(sub.ds))
+            if entry is None:
+                entry = new_states.get(sub.ds)
+                if entry is None:
+                    ds = states(sub.ds)
+                    entry = new_states[sub.ds] = ds, ds.size, ds == sub.ds
+                by_object[id(sub.ds)] = entry
+            ds, size, same = entry
+            if same:  # unchanged: the subgroup itself
                 subs.append(sub)
                 continue
             if size != len(sub.dg):

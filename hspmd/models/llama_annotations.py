@@ -23,7 +23,11 @@ EMBEDDING_KINDS = ("vocab", "replicated")
 
 
 def _union(stages, axis_of, hdim="D", ratios=None) -> Annotation:
-    subgroups = tuple(Subgroup(DeviceGroup(s.ranks), DistributedStates((axis_of(s.tp),))) for s in stages)
+    """One subgroup per stage; stages of one TP degree share one states object (what deduction
+    and planning work out per distinct states is then worked out once)."""
+    states: dict[int, DistributedStates] = {}
+    subgroups = tuple(Subgroup(DeviceGroup(s.ranks), states.setdefault(s.tp, DistributedStates((axis_of(s.tp),))))
+                      for s in stages)
     return Annotation(subgroups, hdim, ratios)
 
 
