@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hspmd.annotations import Annotation, Subgroup, box_intersection, device_pieces, parse
-from hspmd.annotations.geometry import subgroup_device_pieces
+from hspmd.annotations import Annotation, Split, Subgroup, box_intersection, device_pieces, parse
+from hspmd.annotations.geometry import split_index, subgroup_device_pieces
 from hspmd.comm_resolve import resolve
-from hspmd.comm_resolve.resolver import VIAS
+from hspmd.comm_resolve.resolver import VIAS, _representatives_of, _root_of
 from hspmd.comm_resolve.slices import Grid, box_volume
 from hspmd.comm_resolve.topology import cluster_for
 from hspmd.cluster import single_node
@@ -147,3 +147,16 @@ def test_no_other_route_applies_to_a_source_holding_partial_sums(data):
 def test_the_one_node_cluster_is_made_once_per_size():
     first = cluster_for(None, {0, 5}, "")
     assert first == single_node(6) and cluster_for(None, [5, 1], "") is first
+
+
+@SETTINGS
+@given(data=st.data())
+def test_representatives_and_roots_equal_subgroups_made_from_scratch(data):
+    """HetAuto's gathered layouts pick devices by positions worked out once per states."""
+    ndim = data.draw(st.integers(1, 2))
+    sub = data.draw(annotations(ndim, max_hsize=1)).subgroups[0]
+    dim = data.draw(st.integers(0, ndim - 1))
+    reps = tuple(d for i, d in enumerate(sub.dg) if split_index(sub, i, dim)[0] == 0)
+    rest = tuple(a for a in sub.ds.axes if not (isinstance(a, Split) and a.dim == dim))
+    assert _representatives_of(sub, dim) == Subgroup(reps, rest)
+    assert _root_of(sub) == Subgroup((sub.dg.devices[0],))

@@ -151,6 +151,13 @@ class DeviceGroup(_Memo):
     def __iter__(self):
         return iter(self.devices)
 
+    def picked(self, positions: tuple[int, ...]) -> "DeviceGroup":
+        """The devices at `positions` (distinct, in range), in that order: distinct devices of a
+        valid group, so nothing is checked again (planners pick a few devices of every subgroup)."""
+        new = object.__new__(DeviceGroup)
+        object.__setattr__(new, "devices", tuple(self.devices[i] for i in positions))
+        return new
+
     def __hash__(self) -> int:
         return self._memo("hash", lambda: hash(self.devices))
 
@@ -220,6 +227,15 @@ class Subgroup(_Memo):
                 f"distributed states {str(self.ds) or '(none)'} describe {self.ds.size} device(s) but device group "
                 f"{self.dg} has {len(self.dg)}: the product of the axis counts must equal the group size"
             )
+
+    @classmethod
+    def known(cls, dg: DeviceGroup, ds: DistributedStates) -> "Subgroup":
+        """Subgroup(dg, ds) for values the caller made valid (states of the group's size, derived
+        from valid ones), without checking them again."""
+        made = object.__new__(cls)
+        object.__setattr__(made, "dg", dg)
+        object.__setattr__(made, "ds", ds)
+        return made
 
     def __hash__(self) -> int:
         return self._memo("hash", lambda: hash((self.dg, self.ds)))
@@ -393,8 +409,8 @@ class Annotation(_Memo):
         one dominated deducing a large job: a deduced layout, a gradient or ZeRO layout); a
         subgroup whose states stay is kept as it is, and what this union knows of its devices is
         kept."""
-        new_states: dict[DistributedStates, tuple[DistributedStates, int, bool]] = {}  # old -> (new, size, same)
-        by_object: dict[int, tuple[DistributedStates, int, bool]] = {}  # the same by id: hashed once per object
+        new_states: dict[DistributedStates, tuple] = {}  # old -> (new, its size, unchanged)
+        by_object: dict[int, tuple] = {}  # the same by id: hashed once per object
         subs = []
         for sub in self.subgroups:
             entry = by_object.get(id(sub.ds))
@@ -410,10 +426,7 @@ class Annotation(_Memo):
                 continue
             if size != len(sub.dg):
                 Subgroup(sub.dg, ds)  # raises, naming both
-            made = object.__new__(Subgroup)
-            object.__setattr__(made, "dg", sub.dg)
-            object.__setattr__(made, "ds", ds)
-            subs.append(made)
+            subs.append(Subgroup.known(sub.dg, ds))
         hdim, ratios = _top_tier(hdim, ratios, len(subs))  # the device groups are this union's: valid
         new = object.__new__(Annotation)
         for name, value in (("subgroups", tuple(subs)), ("hdim", hdim), ("ratios", ratios)):

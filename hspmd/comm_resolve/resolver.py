@@ -43,9 +43,10 @@ are not built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Sequence
 
-from hspmd.annotations import Annotation, Split, Subgroup, device_pieces, parse, subgroup_regions
+from hspmd.annotations import Annotation, DistributedStates, Split, Subgroup, device_pieces, parse, subgroup_regions
 from hspmd.annotations.geometry import check_ratios
 from hspmd.comm_resolve.bounds import reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
@@ -267,23 +268,34 @@ def _within(ann: Annotation, keep) -> Annotation:
 
 def _root_of(sub: Subgroup) -> Subgroup:
     """The subgroup's whole piece on its first device (S2's root)."""
-    return Subgroup((sub.dg.devices[0],))
+    return Subgroup.known(sub.dg.picked((0,)), _WHOLE)
+
+
+_WHOLE = DistributedStates()
 
 
 def _representatives_of(sub: Subgroup, dim: int = 0) -> Subgroup:
     """The subgroup gathered along `dim` onto the devices at index 0 of every Split of `dim`
     (HetAuto's inner-DP-rank-0 devices); the other axes keep their devices' order and pieces."""
-    axes = sub.ds.axes
+    positions, states = _representatives(sub.ds, dim)
+    return Subgroup.known(sub.dg.picked(positions), states)
+
+
+@lru_cache(maxsize=256)
+def _representatives(ds: DistributedStates, dim: int) -> tuple[tuple[int, ...], DistributedStates]:
+    """(positions in the group of the representatives, their states): a function of the states
+    only, so worked out once for the hundreds of subgroups of a union."""
+    axes = ds.axes
     gathered = [isinstance(a, Split) and a.dim == dim for a in axes]
-    reps = []
-    for i, device in enumerate(sub.dg):
+    positions = []
+    for i in range(ds.size):
         digits, rest = [], i
         for a in reversed(axes):
             digits.append(rest % a.n)
             rest //= a.n
         if all(d == 0 for d, g in zip(reversed(digits), gathered) if g):
-            reps.append(device)
-    return Subgroup(tuple(reps), tuple(a for a, g in zip(axes, gathered) if not g))
+            positions.append(i)
+    return tuple(positions), DistributedStates(tuple(a for a, g in zip(axes, gathered) if not g))
 
 
 def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Reshard) -> Step | None:
