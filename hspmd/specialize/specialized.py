@@ -68,23 +68,22 @@ def per_micro_batch_pattern(deduced: Deduced, binding: Binding, live: set[int], 
     A rank reads every stage's CommOps but holds the plans of its own only. Another stage's
     CommOp that is one already read up to an order-preserving renaming of devices (the same comm
     of the next stage's layers) takes that pattern renamed instead of a plan of its own, where the
-    renaming keeps links (relabel.canonical; tests/test_specialize_fast_path.py compares both)."""
-    groups, edges = [], []
-    seen: set = set()  # plans shared by CommOps (a model's repeated layers) count once
-    read: dict[tuple, tuple] = {}  # canonical reshard -> (its devices, pattern)
+    renaming keeps links (relabel.canonical; tests/test_specialize_fast_path.py compares both).
+    The plans the rank holds are read first, so that another stage's CommOp is renamed from one
+    of them rather than resolved; the pattern lists keep the graph's order."""
+    comms: dict[tuple, object] = {}  # resolver arguments -> the first CommOp with them (shared plans count once)
     for node in deduced.graph.nodes:
         if node.phase != "forward" or not node.opdef.is_comm or node.id not in live:
             continue
-        src, dst = deduced[node.inputs[0]], deduced[node.output]
-        if src == dst:
-            continue
-        args = comm_args(deduced, node, binding, topology)
-        if args in seen:
-            continue
-        seen.add(args)
-        g, e = _pattern_of(deduced, node, binding, topology, cache, args, read)
-        groups += g
-        edges += e
+        if deduced[node.inputs[0]] != deduced[node.output]:
+            comms.setdefault(comm_args(deduced, node, binding, topology), node)
+    read: dict[tuple, tuple] = {}  # canonical reshard -> (its devices, pattern)
+    held_first = sorted(comms, key=lambda args: cache is None or args not in cache)  # stable
+    found = {args: _pattern_of(deduced, comms[args], binding, topology, cache, args, read) for args in held_first}
+    groups, edges = [], []
+    for args in comms:
+        groups += found[args][0]
+        edges += found[args][1]
     return groups, edges
 
 
