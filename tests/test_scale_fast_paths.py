@@ -9,11 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hspmd.annotations import Annotation, Split, Subgroup, box_intersection, device_pieces, parse
+from hspmd.annotations import Annotation, DistributedStates, Split, Subgroup, box_intersection, device_pieces, parse
 from hspmd.annotations.geometry import split_index, subgroup_device_pieces
 from hspmd.comm_resolve import resolve
 from hspmd.comm_resolve.resolver import VIAS, _representatives_of, _root_of
 from hspmd.comm_resolve.slices import Grid, box_volume
+from hspmd.comm_resolve.split_collectives import _aligned_step, _cell_step, split_step
 from hspmd.comm_resolve.topology import cluster_for
 from hspmd.cluster import single_node
 from hspmd.errors import AnnotationError, UnsupportedReshard
@@ -160,3 +161,38 @@ def test_representatives_and_roots_equal_subgroups_made_from_scratch(data):
     rest = tuple(a for a in sub.ds.axes if not (isinstance(a, Split) and a.dim == dim))
     assert _representatives_of(sub, dim) == Subgroup(reps, rest)
     assert _root_of(sub) == Subgroup((sub.dg.devices[0],))
+
+
+@st.composite
+def aligned_reshards(draw):
+    """(primitive, src, dst, shape): unions of 2-5 subgroups sharing one layout of one axis (any
+    device order), HDim a dim or D / P, shapes small enough to leave pieces empty (the aligned
+    path must then step aside)."""
+    ndim = draw(st.sampled_from([1, 2, 2, 3]))
+    hsize, size = draw(st.integers(2, 5)), draw(st.sampled_from([1, 2, 3, 4, 4]))
+    pool = draw(st.permutations(range(hsize * size)))
+    dim = draw(st.integers(0, ndim - 1))
+    if size > 1 and ndim > 1 and draw(st.integers(0, 3)):  # one Split axis (TP) of another dim: the aligned case
+        states = DistributedStates((Split(draw(st.sampled_from([d for d in range(ndim) if d != dim])), size),))
+    else:
+        states = draw(distributed_states(size, ndim, allow_partial=False))
+    subs = tuple(Subgroup(tuple(pool[k * size:(k + 1) * size]), states) for k in range(hsize))
+    ratios = tuple(draw(st.lists(st.integers(1, 3), min_size=hsize, max_size=hsize)))
+    primitive = draw(st.sampled_from(["SplitAllGather", "SplitReduceScatter", "SplitAllReduce"]))
+    top = {"SplitAllGather": ((dim, ratios), ("D", None)), "SplitReduceScatter": (("P", None), (dim, ratios)),
+           "SplitAllReduce": (("P", None), ("D", None))}[primitive]
+    src, dst = (Annotation(subs, hdim, r) for hdim, r in top)
+    return primitive, src, dst, tuple(draw(st.integers(0, 24)) for _ in range(ndim))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=aligned_reshards())
+def test_aligned_split_collectives_equal_the_cell_walk(case):
+    primitive, src, dst, shape = case
+    assert split_step(primitive, src, dst, shape) == _cell_step(primitive, src, dst, shape)
+
+
+def test_the_aligned_split_collectives_serve_a_tp_stage_of_many_pipelines():
+    src = parse("H1(1:1:1){S0:2@[0,1] | S0:2@[2,3] | S0:2@[4,5]}")
+    dst = parse("HD{S0:2@[0,1] | S0:2@[2,3] | S0:2@[4,5]}")
+    assert _aligned_step("SplitAllGather", src, dst, (4, 6)) is not None

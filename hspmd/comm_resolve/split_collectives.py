@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hspmd.annotations import Annotation, Box, box_intersection, device_pieces
+from hspmd.annotations import Annotation, Box, Split, box_intersection, device_pieces, split_bounds, subgroup_regions
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
 from hspmd.comm_resolve.slices import Cell, Grid, box_contains, empty_box_at, in_ranges
 
@@ -112,6 +112,43 @@ def _slice_roles(kind: str, sp, dp, grid: Grid, ndim: int):
 def split_step(primitive: str, src: Annotation, dst: Annotation, shape) -> Step | None:
     """The split collective from `src` to `dst` (same DG and DS union, HDim changed), or None when
     a slice would need one member to receive two different sums (then the caller reduces otherwise)."""
+    aligned = _aligned_step(primitive, src, dst, shape)
+    return aligned if aligned is not None else _cell_step(primitive, src, dst, shape)
+
+
+def _aligned_step(primitive: str, src: Annotation, dst: Annotation, shape) -> Step | None:
+    """The common large case without walking its cells: every subgroup splits one dim in one Split
+    axis (TP), the top tier splits another dim (or none) and no piece is empty. Then position i of
+    every subgroup holds the same rows, so each position is one collective over its devices, box
+    the rows over the whole of the other dims, a member's part its own piece: what `_cell_step`
+    gives (tests/test_scale_fast_paths.py compares both). None where it does not apply."""
+    kind = KIND[primitive]
+    uniform = src.uniform_states
+    if src.hsize < 2 or uniform is None or uniform != dst.uniform_states or len(uniform[0].axes) != 1:
+        return None
+    axis = uniform[0].axes[0]
+    sliced = {"all_reduce": None, "reduce_scatter": dst, "all_gather": src}[kind]
+    if not isinstance(axis, Split) or (sliced is not None and sliced.hdim == axis.dim) or 0 in shape:
+        return None
+    rows = split_bounds(shape[axis.dim], [1] * axis.n)
+    slabs = [None] * src.hsize if sliced is None else [r[sliced.hdim] for r in subgroup_regions(sliced, shape)]
+    if any(a == b for a, b in rows) or any(s is not None and s[0] == s[1] for s in slabs):
+        return None
+    whole = tuple((0, n) for n in shape)
+    collectives = []
+    for i, row in enumerate(rows):
+        box = whole[:axis.dim] + (row,) + whole[axis.dim + 1:]
+        at = {sub.dg.devices[i]: k for k, sub in enumerate(src.subgroups)}
+        members = tuple(sorted(at))
+        parts = () if sliced is None else tuple(
+            box[:sliced.hdim] + (slabs[at[m]],) + box[sliced.hdim + 1:] for m in members)
+        collectives.append(Collective(kind, members, box, parts, ()))
+    collectives.sort(key=lambda c: c.devices)
+    return Step(primitive, src, dst, tuple(collectives), (), tuple(sorted(dst.devices)))
+
+
+def _cell_step(primitive: str, src: Annotation, dst: Annotation, shape) -> Step | None:
+    """split_step over the finest slices (module docstring)."""
     kind = KIND[primitive]
     sp, dp = device_pieces(src, shape), device_pieces(dst, shape)
     grid = Grid([p.box for p in sp.values()] + [p.box for p in dp.values()], len(shape))
