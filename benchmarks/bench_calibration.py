@@ -62,6 +62,7 @@ STRATEGIES = {  # name: (strategy text, schedule); the last two vary the micro-b
     "PP2 1F1B 8x2": ("layers=4 ; 8x2: R0 L0-1 | R1 L2-3", "1f1b"),
 }
 
+TRACED_STEPS = 7  # with --trace: the median one of these is written
 # PLANNING.md F (4)'s acceptance set: DP2, PP2 1F1B, TP2, PP2 GPipe
 PLANNING_FOUR = ["DP2", "PP2 1F1B", "TP2", "PP2 GPipe"]
 
@@ -96,15 +97,26 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False):
             if r >= warmup:
                 times[name].append(elapsed)
                 cpu[name].append(time.process_time() - start_cpu)
-    events = {}
-    if traced:  # one more step per strategy with a tracer, for `hspmd show`
+    events = {name: [] for name in trainers}
+    for _ in range(TRACED_STEPS if traced else 0):  # traced steps per strategy, for `hspmd show`
         for name, trainer in trainers.items():
             backend.barrier(world)
             trainer.tracer = Tracer(backend.rank, origin=0.0)  # epoch microseconds: one clock for both ranks
             trainer.step(batch)
-            events[name] = trainer.tracer.events
+            events[name].append(trainer.tracer.events)
             trainer.tracer = None
     return times, cpu, events, probes
+
+
+def typical_step(per_rank_steps: list[list[list[dict]]]) -> list[list[dict]]:
+    """Of the traced steps (per rank, per step: events), the one whose span over both ranks is the
+    median: a picture of a typical step rather than of whatever the last one met."""
+    def span(step: int) -> float:
+        spans = [e for rank in per_rank_steps for e in rank[step]]
+        return max(e["ts"] + e["dur"] for e in spans) - min(e["ts"] for e in spans)
+
+    steps = sorted(range(len(per_rank_steps[0])), key=span)
+    return [rank[steps[len(steps) // 2]] for rank in per_rank_steps]
 
 
 def predict(calibration: Calibration) -> dict[str, tuple[float, float]]:
@@ -143,7 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--save-calibration", default=None, help="write the fitted calibration here (for hspmd show)")
     p.add_argument("--pin-cpus", action="store_true", help="pin each rank to its own CPU")
-    p.add_argument("--trace", default=None, help="write one traced step per strategy here (NAME.json per strategy)")
+    p.add_argument("--trace", default=None, help="write a typical traced step per strategy here (NAME.json per strategy)")
     args = p.parse_args(argv)
     results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), timeout=1200,
                                 pin_cpus=args.pin_cpus)
@@ -157,7 +169,7 @@ def main(argv=None) -> int:
         folder = Path(args.trace)
         folder.mkdir(parents=True, exist_ok=True)
         for name in STRATEGIES:
-            write_trace(folder / (name.replace(" ", "_").replace(":", "-") + ".json"), [r[2][name] for r in results])
+            write_trace(folder / (name.replace(" ", "_").replace(":", "-") + ".json"), typical_step([r[2][name] for r in results]))
     measured = {name: statistics.median(max(ts) for ts in zip(*(r[name] for r in per_rank))) for name in STRATEGIES}
     spread = {name: (min(max(ts) for ts in zip(*(r[name] for r in per_rank))),
                      max(max(ts) for ts in zip(*(r[name] for r in per_rank)))) for name in STRATEGIES}
