@@ -1,10 +1,9 @@
 """CPU affinity of local ranks: each rank of a job on one machine gets its own CPUs.
 
-Unpinned, the kernel moves ranks between cores and lets a rank that wakes from a receive wait
-behind another rank's thread; on a machine with few cores that turns into step-time jitter that
-hides the differences between strategies (bench_calibration). Pinning is what a cluster launcher
-does with its NUMA binding; here it is opt-in (`run_multiprocess(pin_cpus=True)`,
-`hspmd run --pin-cpus`).
+Pinning keeps a rank on its cores (and its memory near them), what a cluster launcher does with
+its NUMA binding. It is opt-in (`run_multiprocess(pin_cpus=True)`, `hspmd run --pin-cpus`): with
+one CPU per rank a rank's communication threads share that CPU, and on the 2-core development VM
+a pinned rank waited 1.2-1.8 ms per small gloo message against 0.2-0.3 ms unpinned.
 """
 
 from __future__ import annotations

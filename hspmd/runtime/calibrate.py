@@ -1,7 +1,9 @@
 """Calibrating the cost model on this machine (HeteroSim's self-calibration, on CPU processes).
 
-    torch micro-benchmarks   matmuls of growing size: time = F / peak + delta_gemm (least squares);
-                             additions of growing size: time = bytes / bandwidth + delta_elementwise
+    torch micro-benchmarks   matmuls of growing size: time = F / peak + c (least squares);
+                             additions of growing size: time = bytes / bandwidth + c (the
+                             intercepts c are dropped: too noisy; a kernel's fixed time is
+                             measured with the per-instruction overhead below, where it is paid)
     framework overhead       real Trainer steps on one device of small Llamas (not the model
     and kernel efficiency    being predicted: 1 layer x 1 micro-batch, 1 x 2, 2 x 1, and 1 x 1
                              with micro-batches 4x as large) at the probe's layer shapes; least
@@ -19,8 +21,8 @@
 Everything runs on both processes at once, as in training (they share the machine's cores).
 
 The result is a device type "cpu" (peak = the fitted matmul rate, bandwidth = the fitted add rate),
-the fitted gamma (every kernel class) and deltas per kernel class, the per-instruction and per-step overheads and one link class; saved as
-JSON and turned back into a ClusterSpec + CostModel for predictions. Timings use one thread per
+the fitted gamma (every kernel class), the per-instruction and per-step overheads and one link
+class; saved as JSON and turned back into a ClusterSpec + CostModel for predictions. Timings use one thread per
 process, like the trainers. Measurements are medians of repeats; they move with machine load.
 """
 
@@ -82,8 +84,9 @@ class Calibration:
                          step_overhead=self.step_overhead)
 
     def to_dict(self) -> dict:
-        return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "overhead": self.overhead, "step_overhead": self.step_overhead, "link_latency": self.link_latency,
-                "link_bandwidth": self.link_bandwidth, "gamma": self.gamma}
+        return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "overhead": self.overhead,
+                "step_overhead": self.step_overhead, "gamma": self.gamma, "link_latency": self.link_latency,
+                "link_bandwidth": self.link_bandwidth}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
@@ -130,26 +133,6 @@ def fit_line(xs, ys) -> tuple[float, float]:
     return slope, max(0.0, intercept)
 
 
-def fit_steps(work: list[StepWork], seconds: list[float]) -> tuple[float, float, float]:
-    """(gamma, per-instruction, per-step seconds) with seconds = gamma x roofline + overhead x
-    instructions + per-step: least squares with all three >= 0 (the best of the fits that leave
-    out any of them), refused when gamma or the overhead is not positive (noise)."""
-    a = numpy.array([[w.roofline, float(w.instructions), 1.0] for w in work])
-    y = numpy.array(seconds)
-    best, best_error = None, float("inf")
-    for kept in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
-        solution = numpy.zeros(3)
-        solution[list(kept)] = numpy.linalg.lstsq(a[:, kept], y, rcond=None)[0]
-        error = float(numpy.sum((a @ solution - y) ** 2))
-        if (solution >= 0).all() and error < best_error:
-            best, best_error = solution, error
-    if best is None or best[0] <= 0 or best[1] <= 0:
-        raise HSPMDError(f"calibration: step times {[round(t, 6) for t in seconds]} do not grow with the work "
-                         f"{work}; the machine is too noisy, or the probe's layers too small to time their kernels")
-    gamma, overhead, per_step = (float(c) for c in best)
-    return gamma, overhead, per_step
-
-
 MATMUL_SIZES = (8, 32, 64, 96, 128, 192, 256)
 ADD_SIZES = (64, 4096, 32768, 131072, 262144, 524288)
 MESSAGE_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
@@ -181,11 +164,11 @@ def probe_trainer(shape: ProbeShape = ProbeShape(), layers: int = 1, micro_batch
     strategy = parse_strategy(f"layers={layers} ; {micro_batches}x{rows * shape.rows}: R0 L0-{layers - 1}")
     graph = build_llama(config, [strategy], optimizer=AdamW(lr=1e-3)).graph
     layout = MicroBatchLayout.of(strategy)
-    rows = layout.global_batch_size
+    step_rows = layout.global_batch_size
     trainer = Trainer(graph, 0, LocalWorld([0]).backends[0], layout, schedule="1f1b",
-                      symbols={"S": shape.seq, "T": rows * shape.seq})
+                      symbols={"S": shape.seq, "T": step_rows * shape.seq})
     gen = torch.Generator().manual_seed(0)
-    batch = {name: torch.randint(0, shape.vocab, (rows, shape.seq), generator=gen) for name in ("tokens", "labels")}
+    batch = {name: torch.randint(0, shape.vocab, (step_rows, shape.seq), generator=gen) for name in ("tokens", "labels")}
     return trainer, batch
 
 
@@ -206,6 +189,26 @@ def step_work(trainer: Trainer, cost: CostModel) -> StepWork:
         roofline += times * sum(cost.kernel_time(k, exe.device) for k in kernels if k is not None)
         instructions += times * sum(1 for ins in program if ins.role in DISPATCHED)
     return StepWork(roofline, instructions)
+
+
+def fit_steps(work: list[StepWork], seconds: list[float]) -> tuple[float, float, float]:
+    """(gamma, per-instruction, per-step seconds) with seconds = gamma x roofline + overhead x
+    instructions + per-step: least squares with all three >= 0 (the best of the fits that leave
+    out any of them), refused when gamma or the overhead is not positive (noise)."""
+    a = numpy.array([[w.roofline, float(w.instructions), 1.0] for w in work])
+    y = numpy.array(seconds)
+    best, best_error = None, float("inf")
+    for kept in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
+        solution = numpy.zeros(3)
+        solution[list(kept)] = numpy.linalg.lstsq(a[:, kept], y, rcond=None)[0]
+        error = float(numpy.sum((a @ solution - y) ** 2))
+        if (solution >= 0).all() and error < best_error:
+            best, best_error = solution, error
+    if best is None or best[0] <= 0 or best[1] <= 0:
+        raise HSPMDError(f"calibration: step times {[round(t, 6) for t in seconds]} do not grow with the work "
+                         f"{work}; the machine is too noisy, or the probe's layers too small to time their kernels")
+    gamma, overhead, per_step = (float(c) for c in best)
+    return gamma, overhead, per_step
 
 
 class Probe:
@@ -248,8 +251,6 @@ class Probe:
 def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     """Fit a Calibration to the per-entry medians of several Probe.once() results (module docstring)."""
     med = lambda key: [statistics.median(p[key][i] for p in probes) for i in range(len(probes[0][key]))]  # noqa: E731
-    # the rates only: a kernel's fixed time is measured as part of the per-instruction overhead on
-    # real steps, where it is paid (these intercepts were too noisy to subtract from them)
     slope_f, _ = fit_line([2.0 * n ** 3 for n in MATMUL_SIZES], med("matmul"))
     slope_b, _ = fit_line([12.0 * n for n in ADD_SIZES], med("add"))
     rates = Calibration(1.0 / slope_f, 1.0 / slope_b, overhead=0.0, link_latency=1e-5, link_bandwidth=1e9)

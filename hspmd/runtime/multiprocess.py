@@ -42,7 +42,7 @@ def run_multiprocess(
     `fn` must be importable by name and `args` and the results picklable (ranks are forked from a
     fork server, not from the caller). `backend` is the torch.distributed backend name; `timeout`
     bounds the whole job, `comm_timeout` each collective; `pin_cpus` gives each rank its own CPUs
-    (hspmd.runtime.affinity: steadier timings for benchmarks). Raises HSPMDError naming the failing
+    (hspmd.runtime.affinity). Raises HSPMDError naming the failing
     rank, with its traceback, if any rank fails."""
     if nprocs < 1:
         raise HSPMDError(f"run_multiprocess needs nprocs >= 1, got {nprocs}")
