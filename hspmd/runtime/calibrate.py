@@ -194,7 +194,9 @@ def step_work(trainer: Trainer, cost: CostModel) -> StepWork:
 def fit_steps(work: list[StepWork], seconds: list[float]) -> tuple[float, float, float]:
     """(gamma, per-instruction, per-step seconds) with seconds = gamma x roofline + overhead x
     instructions + per-step: least squares with all three >= 0 (the best of the fits that leave
-    out any of them), refused when gamma or the overhead is not positive (noise)."""
+    out any of them), refused when gamma is not positive (kernel time that does not grow with the
+    work: noise). A zero overhead is kept: a busy machine can slow the larger probe enough that
+    gamma takes all the time (seen under a parallel test run)."""
     a = numpy.array([[w.roofline, float(w.instructions), 1.0] for w in work])
     y = numpy.array(seconds)
     best, best_error = None, float("inf")
@@ -204,7 +206,7 @@ def fit_steps(work: list[StepWork], seconds: list[float]) -> tuple[float, float,
         error = float(numpy.sum((a @ solution - y) ** 2))
         if (solution >= 0).all() and error < best_error:
             best, best_error = solution, error
-    if best is None or best[0] <= 0 or best[1] <= 0:
+    if best is None or best[0] <= 0:
         raise HSPMDError(f"calibration: step times {[round(t, 6) for t in seconds]} do not grow with the work "
                          f"{work}; the machine is too noisy, or the probe's layers too small to time their kernels")
     gamma, overhead, per_step = (float(c) for c in best)
