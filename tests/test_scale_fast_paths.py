@@ -1,6 +1,8 @@
 """The shortcuts that keep a rank's specialization cheap at thousands of devices give exactly what the
-general code gives (session 5 of issue 14): merging cells, pairing fine and coarse cells, restating
-a union's states, sharing value pieces, pricing only where another route applies, box arithmetic."""
+general code gives (sessions 5 and 6 of issue 14): merging cells, pairing fine and coarse cells,
+restating a union's states, sharing value pieces, pricing only where another route applies, box
+arithmetic, pricing without byte tables, one-link clusters, comparing uniform unions, device orders,
+pipeline discovery over repeated groups."""
 
 from itertools import product
 from math import prod
@@ -9,15 +11,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hspmd.annotations import Annotation, DistributedStates, Split, Subgroup, box_intersection, device_pieces, parse
+from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Split, Subgroup, box_intersection, device_pieces, parse
 from hspmd.annotations.geometry import split_index, subgroup_device_pieces
 from hspmd.comm_resolve import resolve
 from hspmd.comm_resolve.resolver import VIAS, _representatives_of, _root_of
 from hspmd.comm_resolve.slices import Grid, box_volume
 from hspmd.comm_resolve.split_collectives import _aligned_step, _cell_step, split_step
 from hspmd.comm_resolve.topology import cluster_for
-from hspmd.cluster import single_node
-from hspmd.errors import AnnotationError, UnsupportedReshard
+from hspmd.cluster import parse_cluster, single_node
+from hspmd.comm_resolve.relabel import order_pattern
+from hspmd.errors import AnnotationError, ClusterError, UnsupportedReshard
+from hspmd.specialize.pipelines import discover_pipelines
 from hspmd.testing import annotations, distributed_states, shapes
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -196,3 +200,73 @@ def test_the_aligned_split_collectives_serve_a_tp_stage_of_many_pipelines():
     src = parse("H1(1:1:1){S0:2@[0,1] | S0:2@[2,3] | S0:2@[4,5]}")
     dst = parse("HD{S0:2@[0,1] | S0:2@[2,3] | S0:2@[4,5]}")
     assert _aligned_step("SplitAllGather", src, dst, (4, 6)) is not None
+
+
+@SETTINGS
+@given(data=st.data())
+def test_plans_priced_without_byte_tables_take_the_same_time(data):
+    """A plan prices its steps' times alone (Traffic(tables=False)); the byte tables give the same times."""
+    ndim = data.draw(st.integers(1, 2))
+    src, dst = data.draw(annotations(ndim, max_devices=8)), data.draw(annotations(ndim, max_devices=8))
+    shape = data.draw(shapes(ndim))
+    topology = data.draw(st.sampled_from([None, "2x4", "nvlink-ib:2x4"]))
+    try:
+        plan = resolve(src, dst, shape, topology)
+    except (UnsupportedReshard, ClusterError):
+        return
+    times = plan.step_seconds()
+    assert times == [s.traffic(plan.topology, plan.itemsize).seconds for s in plan.steps]
+    assert plan.bytes_sent == resolve(src, dst, shape, topology).bytes_sent  # the tables still come on demand
+
+
+def test_a_one_node_cluster_answers_links_without_looking_them_up():
+    """One node without pair overrides has one link between any two devices (link() answers it at
+    once); clusters of several nodes still tell the node's link from the one between nodes."""
+    one, two = single_node(8), parse_cluster("2x4")
+    assert {one.link(a, b).name for a in range(8) for b in range(8) if a != b} == {one.node_link(0).name}
+    assert one.link(3, 3).name == "local" and two.link(5, 5).name == "local"
+    assert two.link(0, 3) == two.node_link(0) and two.link(4, 7) == two.node_link(1)
+    assert two.link(0, 4) != two.node_link(0)
+
+
+def test_a_plan_over_devices_outside_the_cluster_names_them():
+    with pytest.raises(ClusterError, match=r"device 9 .*reshard"):
+        resolve("S0:2@[0,9]", "D:2@[0,9]", (4,), "2x4")
+
+
+@SETTINGS
+@given(data=st.data())
+def test_unions_compare_equal_exactly_when_their_subgroups_do(data):
+    """Annotation equality compares a uniform union's one layout and its groups as int tuples."""
+    ndim = data.draw(st.integers(1, 2))
+    a = data.draw(annotations(ndim, max_devices=8))
+    b = data.draw(st.one_of(st.just(a), annotations(ndim, max_devices=8)))
+    copy = Annotation(tuple(Subgroup(s.dg.devices, s.ds) for s in b.subgroups), b.hdim, b.ratios)
+    same = (a.hdim, a.ratios, a.subgroups) == (copy.hdim, copy.ratios, copy.subgroups)
+    assert (a == copy) is same and (copy == a) is same
+    if same:
+        assert hash(a) == hash(copy)
+
+
+def test_a_union_differing_in_one_subgroups_states_is_not_equal():
+    uniform = parse("H0{S0:2@[0,1] | S0:2@[2,3] | S0:2@[4,5]}")
+    mixed = parse("H0{S0:2@[0,1] | D:2@[2,3] | S0:2@[4,5]}")
+    assert uniform != mixed and mixed != uniform and uniform == parse(str(uniform))
+
+
+@SETTINGS
+@given(devices=st.lists(st.integers(0, 50), min_size=1, max_size=8, unique=True))
+def test_a_device_groups_order_is_its_order_pattern(devices):
+    group = DeviceGroup(tuple(devices))
+    assert group.order == order_pattern(devices) and group.order is group.order
+
+
+@SETTINGS
+@given(data=st.data())
+def test_pipelines_are_the_same_when_groups_and_edges_repeat(data):
+    stages = data.draw(st.integers(1, 4))
+    width = data.draw(st.integers(1, 3))
+    groups = [tuple(range(s * width, (s + 1) * width)) for s in range(stages)]
+    edges = [(s * width + i, (s + 1) * width + i) for s in range(stages - 1) for i in range(width)]
+    repeat = data.draw(st.integers(1, 3))
+    assert discover_pipelines(groups * repeat, edges * repeat) == discover_pipelines(groups, edges)

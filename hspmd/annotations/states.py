@@ -151,6 +151,15 @@ class DeviceGroup(_Memo):
     def __iter__(self):
         return iter(self.devices)
 
+    @property
+    def order(self) -> tuple[int, ...]:
+        """Each device's rank among the group's devices (0 for the smallest): groups of equal
+        order are one group under an order-preserving renaming (what relabelling planners check)."""
+        def compute():
+            rank = {d: i for i, d in enumerate(sorted(self.devices))}
+            return tuple(rank[d] for d in self.devices)
+        return self._memo("order", compute)
+
     def picked(self, positions: tuple[int, ...]) -> "DeviceGroup":
         """The devices at `positions` (distinct, in range), in that order: distinct devices of a
         valid group, so nothing is checked again (planners pick a few devices of every subgroup)."""
@@ -478,7 +487,12 @@ class Annotation(_Memo):
             return NotImplemented
         if self._hashes_differ(other):
             return False
-        return self.hdim == other.hdim and self.ratios == other.ratios and self.subgroups == other.subgroups
+        if self.hdim != other.hdim or self.ratios != other.ratios or self.hsize != other.hsize:
+            return False
+        mine, theirs = self.uniform_states, other.uniform_states
+        if mine is not None or theirs is not None:  # one layout each: compare it and the int-tuple groups in C
+            return mine == theirs and self._dg_key() == other._dg_key()
+        return self.subgroups == other.subgroups
 
     def __str__(self) -> str:
         if self.hsize == 1:

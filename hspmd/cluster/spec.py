@@ -186,6 +186,7 @@ class ClusterSpec:
     _types: dict = field(init=False, repr=False, compare=False)
     _links: dict = field(init=False, repr=False, compare=False)
     _pair_map: dict = field(init=False, repr=False, compare=False)
+    _only_link: object = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         nodes = tuple(self.nodes)
@@ -240,6 +241,8 @@ class ClusterSpec:
         object.__setattr__(self, "_types", types)
         object.__setattr__(self, "_links", links)
         object.__setattr__(self, "_pair_map", dict(pairs))
+        one_link = len(nodes) == 1 and not pairs and (nodes[0].intra is not None or nodes[0].device_type in dict(intra))
+        object.__setattr__(self, "_only_link", self.node_link(0) if one_link else None)  # link() asks per slice
         for (a, b), l in pairs:
             self.check_devices((a, b), "a pair override")
             known_link(l, f"pairs ({a}, {b})")
@@ -298,6 +301,8 @@ class ClusterSpec:
             self.check_devices((a, b))
         if a == b:
             return LOCAL
+        if self._only_link is not None:
+            return self._only_link
         override = self._pair_map.get((min(a, b), max(a, b)))
         if override is not None:
             return self._links[override]

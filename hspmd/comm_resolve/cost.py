@@ -52,8 +52,11 @@ def dtype_name(dtype: object) -> str:
 
 @dataclass
 class Traffic:
-    """Accumulated bytes sent/received per device and per link class, and per-device busy time."""
+    """Accumulated bytes sent/received per device and per link class, and per-device busy time.
+    `tables=False` keeps the times alone (pricing a plan needs no byte tables, and at thousands of
+    devices filling them cost as much as the times)."""
 
+    tables: bool = True
     sent: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     received: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     by_link: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -63,7 +66,7 @@ class Traffic:
 
     def edge(self, topology: ClusterSpec, a: int, b: int, nbytes: int, link: LinkClass | None = None) -> None:
         """Count `nbytes` from a to b (`link`: their link class, when the caller has it already)."""
-        if a == b or nbytes <= 0:
+        if a == b or nbytes <= 0 or not self.tables:
             return
         self.sent[a] += nbytes
         self.received[b] += nbytes

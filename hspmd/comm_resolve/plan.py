@@ -131,8 +131,9 @@ class Step:
     def messages(self) -> int:
         return sum(1 for t in self.transfers if t.src != t.dst)
 
-    def traffic(self, topology: ClusterSpec, itemsize: int) -> Traffic:
-        traffic = Traffic()
+    def traffic(self, topology: ClusterSpec, itemsize: int, tables: bool = True) -> Traffic:
+        """Bytes and busy time of this step (`tables=False`: the times alone, see Traffic)."""
+        traffic = Traffic(tables)
         for c in self.collectives:
             collective_traffic(traffic, topology, itemsize, c.kind, c.devices, c.box, c.parts)
         transfer_traffic(traffic, topology, itemsize, self.transfers)
@@ -215,7 +216,7 @@ class _Stats:
         (unless something asked for those already): a rank prices the plans it resolves, and
         keeping every table alive cost memory and garbage-collector walks at thousands of devices."""
         traffics = self.__dict__.get("_traffics")
-        return [t.seconds for t in (self._priced() if traffics is None else traffics)]
+        return [t.seconds for t in (self._priced(tables=False) if traffics is None else traffics)]
 
     @cached_property
     def _traffics(self) -> list[Traffic]:
@@ -244,8 +245,8 @@ class Plan(_Stats):
     topology: ClusterSpec
     dtype: str = "float32"
 
-    def _priced(self) -> list[Traffic]:
-        return [s.traffic(self.topology, self.itemsize) for s in self.steps]
+    def _priced(self, tables: bool = True) -> list[Traffic]:
+        return [s.traffic(self.topology, self.itemsize, tables) for s in self.steps]
 
     @property
     def _rounds(self) -> list[int]:
@@ -389,8 +390,8 @@ class FusedPlan(_Stats):
             raise ShapeError(f"the plan moves tensors of several dtypes ({self.dtype}); use itemsizes per tensor")
         return sizes.pop() if sizes else DTYPE_SIZES["float32"]
 
-    def _priced(self) -> list[Traffic]:
-        traffic = Traffic()
+    def _priced(self, tables: bool = True) -> list[Traffic]:
+        traffic = Traffic(tables)
         transfer_traffic(traffic, self.topology, self.itemsizes, self.transfers)
         return [traffic]
 

@@ -32,7 +32,12 @@ def frame(sub: Subgroup, target: Subgroup, region: Box) -> tuple:
     """What a subgroup's steps from `sub` to `target` depend on, apart from device ids, region
     starts and links (see the module docstring)."""
     extents = tuple(stop - start for start, stop in region)
-    return sub.ds, target.ds, order_pattern(sub.dg.devices + target.dg.devices), extents
+    if sub.dg == target.dg:  # the usual bottom-tier case: the group's own order, twice
+        order = sub.dg.order
+        pattern = order + order
+    else:
+        pattern = order_pattern(sub.dg.devices + target.dg.devices)
+    return sub.ds, target.ds, pattern, extents
 
 
 def same_links(template: Sequence[int], devices: Sequence[int], topology: ClusterSpec) -> bool:
@@ -110,8 +115,8 @@ def moved_steps(steps: Sequence[Step], k0: int, k: int, union: Annotation, regio
 
     def at(ann: Annotation) -> Annotation:
         ds = ann.subgroups[k0].ds
-        if id(ds) not in layouts:
-            layouts[id(ds)] = union.with_subgroup(k, Subgroup(sub.dg, ds))
+        if id(ds) not in layouts:  # the template's states fit k's group: equal frames, equal sizes
+            layouts[id(ds)] = union.with_subgroup(k, Subgroup.known(sub.dg, ds))
         return layouts[id(ds)]
 
     return [moved_step(s, name, shift, at(s.src), at(s.dst), k) for s in steps]

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Sequence
 
-from hspmd.annotations import Annotation, DistributedStates, Split, Subgroup, device_pieces, parse, subgroup_regions
+from hspmd.annotations import Annotation, Box, DistributedStates, Split, Subgroup, device_pieces, parse, subgroup_regions
 from hspmd.annotations.geometry import check_ratios
 from hspmd.comm_resolve.bounds import reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
@@ -366,12 +366,12 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tup
     return steps + [replace(step, round=len(steps))], done
 
 
-def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup,
-                   ctx: _Reshard) -> tuple[list[Step], Annotation]:
+def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup, ctx: _Reshard,
+                   region: Box) -> tuple[list[Step], Annotation]:
     """_equalise, or an earlier subgroup's steps of the same frame moved onto subgroup k (exactly
     what _equalise would plan: relabel.py), so that a union of hundreds of equal subgroups is
-    planned once. `templates` is kept by the caller for one pass over the subgroups."""
-    region = _regions(union, ctx)[k]
+    planned once. `templates` is kept by the caller for one pass over the subgroups; `region` is
+    subgroup k's (the caller's union and `union` share HDim, ratios and HSize, so their regions)."""
     key = relabel.frame(union.subgroups[k], target, region)
     if key in templates:
         steps, k0, region0 = templates[key]
@@ -398,6 +398,7 @@ def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tupl
 
 def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
     union, steps, moving, templates = src, [], [], {}
+    regions = _regions(src, ctx)
     for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
         if s.dg != t.dg:
             moving.append(k)
@@ -405,7 +406,7 @@ def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
                 sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
                 steps += sub_steps
             continue
-        sub_steps, union = _equalise_like(templates, union, k, t, ctx)
+        sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k])
         steps += sub_steps
     if moving:
         before = [s for s in steps if s.subgroup in moving]  # the move overlaps the other subgroups' steps
@@ -474,8 +475,9 @@ def _top_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step] | N
     union, steps = src, []
     if any(s.ds != t.ds for s, t in zip(src.subgroups, dst.subgroups)):
         templates: dict = {}
+        regions = _regions(src, ctx)
         for k, t in enumerate(dst.subgroups):
-            sub_steps, union = _equalise_like(templates, union, k, t, ctx)
+            sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k])
             steps += sub_steps
     step = split_step(primitive, union, dst, ctx.shape)
     if step is None:

@@ -13,21 +13,18 @@ from functools import lru_cache
 from typing import Callable, Iterable
 
 from hspmd.cluster import ClusterSpec, parse_cluster, single_node
-from hspmd.errors import ClusterError
 
 
 def cluster_for(topology: "ClusterSpec | str | None", devices: Iterable[int],
                 where: "str | Callable[[], str]" = "") -> ClusterSpec:
-    """The ClusterSpec named by `topology` (see the module docstring), checked to hold `devices`.
+    """The ClusterSpec named by `topology` (see the module docstring), checked to hold `devices`
+    (the device ids of annotations, integers already: only their range is checked).
     `where` may be a function giving the text, called only for the error (printing a union of
     thousands of devices for every plan would cost more than planning it)."""
-    devices = set(devices)
+    devices = frozenset(devices)
     cluster = _one_node(max(devices, default=0) + 1) if topology is None else parse_cluster(topology)
-    try:
-        cluster.check_devices(devices)
-    except ClusterError:
+    if devices and (min(devices) < 0 or max(devices) >= cluster.n_devices):  # ids of annotations: ints
         cluster.check_devices(sorted(devices), where() if callable(where) else where)
-        raise
     return cluster
 
 

@@ -73,10 +73,10 @@ class CommPattern:
     devices: tuple[int, ...]
 
 
-def _device(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise HSPMDError(f"{where}: device ids must be non-negative integers, got {value!r}")
-    return value
+def _check_devices(values: tuple, where: str) -> None:
+    for value in values:
+        if type(value) is not int or value < 0:  # a bool is not a device id
+            raise HSPMDError(f"{where}: device ids must be non-negative integers, got {value!r}")
 
 
 class _Stages:
@@ -116,24 +116,29 @@ def discover_pipelines(
     """Pipelines from per-micro-batch communication (module docstring), ordered by smallest rank.
     `devices` adds devices that take part in no communication (each its own pipeline)."""
     stages = _Stages()
+    seen_groups: set[tuple] = set()  # plans of several CommOps name the same groups: join each once
     for i, group in enumerate(collective_groups):
-        members = [_device(d, f"collective group {i}") for d in group]
+        members = tuple(group)
+        if members in seen_groups:
+            continue
+        seen_groups.add(members)
+        _check_devices(members, f"collective group {i}")
         if not members:
             raise HSPMDError(f"collective group {i} is empty; a collective needs at least one device")
         for d in members:
             stages.add(d)
             stages.union(members[0], d)
-    edges = []
-    for i, edge in enumerate(p2p_edges):
-        edge = tuple(edge)
+    edges = list(dict.fromkeys(tuple(edge) for edge in p2p_edges))
+    for i, edge in enumerate(edges):
         if len(edge) != 2:
             raise HSPMDError(f"P2P edge {i} is {edge!r}; give (src, dst) pairs")
-        src, dst = (_device(d, f"P2P edge {i}") for d in edge)
-        stages.add(src)
-        stages.add(dst)
-        edges.append((src, dst))
+        _check_devices(edge, f"P2P edge {i}")
+        stages.add(edge[0])
+        stages.add(edge[1])
+    devices = tuple(devices)
+    _check_devices(devices, "devices")
     for d in devices:
-        stages.add(_device(d, "devices"))
+        stages.add(d)
 
     classes = stages.classes()
     successors: dict[int, set[int]] = {root: set() for root in classes}
