@@ -21,7 +21,9 @@ from hspmd import resolve, shard, unshard
 from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Duplicate, Partial, Split, Subgroup
 from hspmd.comm_resolve.plan import PRIMITIVES, Plan
 from hspmd.backends.backend import Backend
+from hspmd.backends.local import run_on_devices
 from hspmd.cluster import cluster_from_yaml
+from hspmd.errors import ShapeError
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.backends.plan_executor import execute_plan, run_plan
 
@@ -166,3 +168,21 @@ def test_every_plan_through_gloo_equals_the_in_process_run_and_reassembles(cases
             assert got[device].shape == piece.shape, f"{where}, device {device}"
             torch.testing.assert_close(got[device], piece, rtol=1e-12, atol=1e-12, msg=f"{where}, device {device}")
         torch.testing.assert_close(unshard(got, plan.dst, shape=plan.shape), case_input(index, plan.shape), msg=where)
+
+
+@pytest.mark.parametrize("local, says", [
+    (None, r"device 1 holds a piece of source S0:2@\[0,1\] but was given no local tensor"),
+    (torch.zeros(3), r"device 1: local tensor has shape \(3,\), source S0:2@\[0,1\] gives it \(2,\)"),
+    (torch.zeros(2, dtype=torch.float64), r"device 1: local tensor is torch.float64 but the plan was made for"),
+])
+def test_a_local_piece_that_does_not_fit_the_plan_names_the_layout(local, says):
+    plan = resolve("S0:2@[0,1]", "D:2@[0,1]", (4,))
+
+    def rank(backend):
+        if backend.rank == 0:
+            return None
+        with pytest.raises(ShapeError, match=says):
+            execute_plan(plan, backend, local)
+        return True
+
+    assert run_on_devices(rank, [0, 1])[1] is True

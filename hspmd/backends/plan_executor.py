@@ -63,9 +63,15 @@ class Buffers:
 
 
 
-def _check_local(local: torch.Tensor | None, piece: Piece | None, dtype: torch.dtype, device: int, what: str) -> None:
+def _check_local(local: torch.Tensor | None, piece: Piece | None, dtype: torch.dtype, device: int,
+                 what: Callable[[], str]) -> None:
+    """Raise ShapeError unless `local` fits `piece`; `what()` names the layout, made only for the
+    error (printing an annotation on every executed plan cost more than the check)."""
     if piece is None:
         return
+    if local is not None and tuple(local.shape) == tuple(piece.shape) and local.dtype == dtype:
+        return
+    what = what()
     if local is None:
         raise ShapeError(f"device {device} holds a piece of {what} but was given no local tensor")
     if tuple(local.shape) != tuple(piece.shape):
@@ -318,7 +324,7 @@ def execute_plan(plan: Plan, backend: Backend, local: torch.Tensor | None, reduc
     rank holds no destination piece). reduce="max" combines partial values by their maximum
     (a plan whose collectives are all all-reduces: Partial -> Duplicate, SplitAllReduce)."""
     me, dtype = backend.rank, _torch_dtype(plan.dtype)
-    _check_local(local, _pieces(plan.src, plan.shape).get(me), dtype, me, f"source {plan.src}")
+    _check_local(local, _pieces(plan.src, plan.shape).get(me), dtype, me, lambda: f"source {plan.src}")
     if reduce != "sum" and any(c.kind != "all_reduce" for step in plan.steps for c in step.collectives):
         raise HSPMDError(f"a {reduce} reduction runs on all-reduces only, and {plan.src} -> {plan.dst} resolves to "
                          f"{' + '.join(plan.primitives)}; reshard to a layout the partial values all-reduce into")
@@ -339,7 +345,7 @@ def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, 
     sources, targets, out = {}, {}, {}
     for tid, move in enumerate(plan.moves):
         src, dst = _pieces(move.src, move.shape).get(me), _pieces(move.dst, move.shape).get(me)
-        _check_local(locals_.get(tid), src, bufs[tid].dtype, me, f"tensor {tid} ({move.src})")
+        _check_local(locals_.get(tid), src, bufs[tid].dtype, me, lambda: f"tensor {tid} ({move.src})")
         if src is not None:
             sources[tid] = (locals_[tid], src.box)
         if dst is None:
