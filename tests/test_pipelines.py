@@ -86,6 +86,8 @@ def test_cycles_are_rejected_with_the_stages_named():
         ([(0, True)], [], "non-negative integers"),
         ([], [(0, 1, 2)], "P2P edge 0"),
         ([], [(0, "1")], "P2P edge 0"),
+        ([(0, 1), ([2, 3],)], [], "collective group 1: device ids"),  # unhashable, after a good group
+        ([], [(0, 1), ([0], 1)], "P2P edge 1: device ids"),
     ],
 )
 def test_malformed_input(groups, edges, words):

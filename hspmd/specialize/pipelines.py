@@ -119,22 +119,25 @@ def discover_pipelines(
     seen_groups: set[tuple] = set()  # plans of several CommOps name the same groups: join each once
     for i, group in enumerate(collective_groups):
         members = tuple(group)
+        _check_devices(members, f"collective group {i}")
         if members in seen_groups:
             continue
         seen_groups.add(members)
-        _check_devices(members, f"collective group {i}")
         if not members:
             raise HSPMDError(f"collective group {i} is empty; a collective needs at least one device")
         for d in members:
             stages.add(d)
             stages.union(members[0], d)
-    edges = list(dict.fromkeys(tuple(edge) for edge in p2p_edges))
-    for i, edge in enumerate(edges):
+    edges: dict[tuple[int, int], None] = {}  # repeated edges joined once
+    for i, edge in enumerate(p2p_edges):
+        edge = tuple(edge)
         if len(edge) != 2:
             raise HSPMDError(f"P2P edge {i} is {edge!r}; give (src, dst) pairs")
         _check_devices(edge, f"P2P edge {i}")
-        stages.add(edge[0])
-        stages.add(edge[1])
+        if edge not in edges:
+            edges[edge] = None
+            stages.add(edge[0])
+            stages.add(edge[1])
     devices = tuple(devices)
     _check_devices(devices, "devices")
     for d in devices:
