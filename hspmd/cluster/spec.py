@@ -241,8 +241,8 @@ class ClusterSpec:
         object.__setattr__(self, "_types", types)
         object.__setattr__(self, "_links", links)
         object.__setattr__(self, "_pair_map", dict(pairs))
-        one_link = len(nodes) == 1 and not pairs and (nodes[0].intra is not None or nodes[0].device_type in dict(intra))
-        object.__setattr__(self, "_only_link", self.node_link(0) if one_link else None)  # link() asks per slice
+        one_link = len(nodes) == 1 and not pairs  # link() answers at once: planners ask it per slice
+        object.__setattr__(self, "_only_link", self.node_link(0) if one_link else None)
         for (a, b), l in pairs:
             self.check_devices((a, b), "a pair override")
             known_link(l, f"pairs ({a}, {b})")

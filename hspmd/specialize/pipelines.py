@@ -128,16 +128,16 @@ def discover_pipelines(
         for d in members:
             stages.add(d)
             stages.union(members[0], d)
-    edges: dict[tuple[int, int], None] = {}  # repeated edges joined once
+    edges: set[tuple[int, int]] = set()  # repeated edges joined once
     for i, edge in enumerate(p2p_edges):
         edge = tuple(edge)
         if len(edge) != 2:
             raise HSPMDError(f"P2P edge {i} is {edge!r}; give (src, dst) pairs")
         _check_devices(edge, f"P2P edge {i}")
-        if edge not in edges:
-            edges[edge] = None
-            stages.add(edge[0])
-            stages.add(edge[1])
+        edges.add(edge)
+    for src, dst in edges:
+        stages.add(src)
+        stages.add(dst)
     devices = tuple(devices)
     _check_devices(devices, "devices")
     for d in devices:
