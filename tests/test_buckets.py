@@ -16,7 +16,7 @@ from hspmd.ops import AdamW
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.comm_resolve.bucketing import chain_cap
-from hspmd.runtime.buckets import MB, plan_buckets
+from hspmd.runtime.buckets import MB, Bucket, BucketPlan, BucketSlot, BucketSync, plan_buckets
 from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.trace import Tracer
@@ -155,6 +155,65 @@ def test_split_synchronisations_join_buckets_one_slot_per_all_reduce():
     dp = EXES[DP_TP][0]
     sync = next(ins for ins in dp.update if ins.role == "collective")
     assert dp.plan(sync.node, dp.binding).why_not_one_all_reduce() is None
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_update_follows_the_order_the_backward_finalises_gradients(tied):
+    # what is synchronised first is updated first, so the update of the first buckets' parameters
+    # can run while the last buckets are on the wire (a tied embedding's gradient is final last)
+    graph, _ = model(DP_TP, tied)
+    update = [n for n in graph.nodes if n.phase == "update" and n.name.endswith(".grad_sync")]
+    made = [n.inputs[0].node.id for n in update]  # the node making each gradient, in update order
+    assert made == sorted(made) and len(update) == len(graph.gradients) > 2
+    for exe in EXES[DP_TP].values():
+        position = {t: i for i, t in enumerate(made_order(exe))}
+        order = [position[ins.node.inputs[0].id] for ins in exe.update
+                 if ins.node.name.endswith(".grad_sync") and ins.node.inputs[0].id in position]
+        assert order == sorted(order) and len(order) > 2
+
+
+class _Recorded:
+    """A started all-reduce whose wait() is logged."""
+
+    def __init__(self, log: list, k: int, tensor: torch.Tensor):
+        self.log, self.k, self.tensor = log, k, tensor
+
+    def wait(self) -> torch.Tensor:
+        self.log.append(self.k)
+        return self.tensor
+
+
+class _Overlapping(Backend):
+    """A rank whose all_reduce_start returns at once, logging starts and waits (buckets alone)."""
+
+    rank, world_size, overlaps_collectives = 0, 2, True
+
+    def __init__(self):
+        self.started, self.waited = [], []
+
+    def all_reduce_start(self, tensor, group):
+        self.started.append(len(self.started))
+        return _Recorded(self.waited, self.started[-1], tensor)
+
+    all_reduce = all_gather = reduce_scatter = send = recv = barrier = exchange = None
+
+
+def test_reading_a_synced_gradient_waits_for_its_buckets_alone():
+    slots = [BucketSlot(f"w{k}", tensor_id=10 + k, sync_node_id=20 + k, shape=(2, 3), offset=0) for k in range(3)]
+    plan = BucketPlan(MB, tuple(Bucket((0, 1), torch.float32, (slot,)) for slot in slots), ())
+    sync, backend = BucketSync(plan, "cpu"), _Overlapping()
+    for k in range(3):
+        sync.view(10 + k).fill_(k)
+        sync.written(10 + k, backend)
+    assert backend.started == [0, 1, 2] and backend.waited == []  # all started inside the backward
+    synced = sync.finish(backend)
+    assert sorted(synced) == [20, 21, 22] and backend.waited == []  # nothing waited for yet
+    assert torch.equal(synced[21], torch.full((2, 3), 1.0)) and backend.waited == [1]
+    assert torch.equal(synced[21], torch.full((2, 3), 1.0)) and backend.waited == [1]  # once
+    synced[20]
+    assert backend.waited == [1, 0]
+    sync.begin()  # the next step: a bucket nobody read is waited for before its buffer is written again
+    assert backend.waited == [1, 0, 2]
 
 
 @pytest.mark.parametrize("cap", [0, -1.0, float("nan"), float("inf"), True, "25"])

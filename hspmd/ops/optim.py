@@ -142,10 +142,12 @@ class Optimizer:
         grads = gradients(loss, params)
         graph.losses.append(loss)
         synced = {}
+        # In the order the backward finalises the gradients: what syncs first is updated first, so
+        # a runtime that synchronises during the backward (hspmd.runtime.buckets) can update the
+        # first-synchronised parameters while the last gradients are still being reduced.
+        made = sorted((g.node.id, i) for i, g in enumerate(grads) if g is not None)
         with graph.phase("update"):
-            for p, g in zip(params, grads):
-                if g is None:
-                    continue
+            for p, g in ((params[i], grads[i]) for _, i in made):
                 name = p.node.name
                 g_sync = comm(g, _follow(p, self.zero, "gradient"), name=f"{name}.grad_sync")
                 synced[name] = graph.gradients[name] = g_sync

@@ -128,8 +128,7 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                     send += own
                 else:
                     comm_time += step.traffic(cluster, itemsize).busy.get(d, 0.0)
-        for group, sizes in bucketed.items():
-            sizes = sizes[::-1]  # the update lists them in graph order; the backward makes them in reverse
+        for group, sizes in bucketed.items():  # the update lists them in the order the backward makes them
             comm_time += sum(cost.collective("all_reduce", sum(sizes[i] for i in bucket), group)
                              for bucket in fill_buckets(sizes, bucket_bytes))
         totals[phase] = (compute + comm_time, comm_time, send)

@@ -24,11 +24,13 @@ bucketed gradient writes it straight into its view (ops with `compute_into`, e.g
 op's result is copied in; with several micro-batches the accumulation `earlier + last` is the
 write). Once a bucket's last gradient is in, and the buckets before it on the same group have
 started, its all-reduce starts without blocking (Backend.all_reduce_start) and runs while the
-backward goes on. The update waits for them all and reads the summed views in place of running those
-gradients' plans. On a backend whose start blocks until the peers join (`overlaps_collectives`
-False: the in-process backend), every bucket starts at the update instead: a blocking start mid-
-backward could wait on a peer that first needs this rank's later sends (a weight tied across
-pipeline stages).
+backward goes on. The update reads the summed views in place of running those gradients' plans,
+each read waiting only for its own buckets (`SyncedGradients`); since the optimizer adds its updates
+in the order the backward finalises the gradients (hspmd.ops.optim), the first buckets' parameters
+are updated while the last buckets are still being reduced. On a backend whose start blocks until
+the peers join (`overlaps_collectives` False: the in-process backend), every bucket starts at the
+update instead: a blocking start mid-backward could wait on a peer that first needs this rank's
+later sends (a weight tied across pipeline stages).
 
 The synchronised gradients the update reads (and a trainer's fetched gradients) are views of the
 buffers: valid until the next step's backward writes them again.
@@ -36,6 +38,7 @@ buffers: valid until the next step's backward writes them again.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from math import prod
 
@@ -181,13 +184,19 @@ class BucketSync:
             self._views[tensor_id] = torch.empty(shape, dtype=copies[0][0].dtype, device=device)
         self._chains = [chains[key] for key in sorted(chains, key=lambda key: (key[0], str(key[1])))]  # one order everywhere
         self._chain_of = {k: i for i, chain in enumerate(self._chains) for k in chain}
+        self._pending: list[Pending | None] = []
         self.begin()
 
     def begin(self) -> None:
-        """Start a step: no gradient written, no bucket started."""
+        """Start a step: no gradient written, no bucket started (a bucket of the last step that the
+        update never read is waited for first: its buffer is about to be written again)."""
+        for pending in self._pending:
+            if pending is not None:
+                pending.wait()
         self._missing = [len(b.slots) for b in self.plan.buckets]
         self._next = [0] * len(self._chains)  # per chain: the first bucket not started yet
-        self._pending: list[Pending | None] = [None] * len(self.plan.buckets)
+        self._pending = [None] * len(self.plan.buckets)
+        self._ready: set[int] = set()  # gradients whose buckets are waited for (and copied back, if split)
 
     def __contains__(self, tensor_id: int) -> bool:
         return tensor_id in self._views
@@ -226,19 +235,43 @@ class BucketSync:
                 self._pending[k] = backend.all_reduce_start(self.buffers[k], bucket.group)
             self._next[c] += 1
 
-    def finish(self, backend: Backend) -> dict[int, torch.Tensor]:
-        """Wait for every bucket (starting any not started yet, in order): {sync node id: this
-        device's synchronised piece}, what the update reads in place of those plans."""
+    def finish(self, backend: Backend) -> "SyncedGradients":
+        """Start every bucket not started yet, in order: {sync node id: this device's synchronised
+        piece}, what the update reads in place of those plans. A read waits only for the buckets
+        of that gradient, so the update of the gradients synchronised first runs while the last
+        buckets are still on the wire."""
         for c in range(len(self._chains)):
             self._start(c, backend, only_full=False)
-        for pending in self._pending:
-            pending.wait()
-        for tensor_id, copies in self._copies.items():
-            for slot, box in copies:
+        return SyncedGradients(self)
+
+    def _synced(self, tensor_id: int) -> torch.Tensor:
+        """Gradient `tensor_id` summed over its group: its buckets waited for, split boxes copied back."""
+        if tensor_id not in self._ready:
+            for k in self._bucket_of[tensor_id]:
+                if self._pending[k] is not None:
+                    self._pending[k].wait()
+                    self._pending[k] = None
+            for slot, box in self._copies.get(tensor_id, ()):
                 self._views[tensor_id][box].copy_(slot)
-        out = {self._sync_of[tensor_id]: view for tensor_id, view in self._views.items()}
-        self.begin()
-        return out
+            self._ready.add(tensor_id)
+        return self._views[tensor_id]
+
+
+class SyncedGradients(Mapping[int, torch.Tensor]):
+    """The bucketed gradients of one step by sync node id; reading one waits for its buckets alone."""
+
+    def __init__(self, sync: BucketSync):
+        self._sync = sync
+        self._tensor_of = {node_id: tensor_id for tensor_id, node_id in sync._sync_of.items()}
+
+    def __getitem__(self, sync_node_id: int) -> torch.Tensor:
+        return self._sync._synced(self._tensor_of[sync_node_id])
+
+    def __iter__(self):
+        return iter(self._tensor_of)
+
+    def __len__(self) -> int:
+        return len(self._tensor_of)
 
 
 def write_gradient(node, ctx, inputs, target: torch.Tensor, earlier: torch.Tensor | None) -> None:
@@ -258,6 +291,6 @@ def write_gradient(node, ctx, inputs, target: torch.Tensor, earlier: torch.Tenso
 
 
 __all__ = [
-    "Bucket", "BucketPlan", "BucketSlot", "BucketSync", "DEFAULT_BUCKET_CAP_MB", "cap_bytes_of", "plan_buckets",
-    "write_gradient",
+    "Bucket", "BucketPlan", "BucketSlot", "BucketSync", "DEFAULT_BUCKET_CAP_MB", "SyncedGradients", "cap_bytes_of",
+    "plan_buckets", "write_gradient",
 ]

@@ -220,27 +220,28 @@ def run_update(exe: ExecutableGraph, backend: Backend, state: DeviceState, fetch
     Fetched update-phase tensors (e.g. synchronised gradients) held here go to state.fetched.
     `carried`: synchronised gradient pieces by parameter name (from synced_gradients before a
     mid-step switch), added to this step's as each is synchronised, before the optimizer reads it.
-    `synced`: {comm node id: result} for synchronisations already done (BucketSync.finish):
-    those instructions are skipped and their results taken as given."""
+    `synced`: {comm node id: result} for synchronisations done elsewhere (BucketSync.finish):
+    those instructions are skipped and their results read when the program reaches them (a
+    bucket's result waits for its all-reduce then, so what comes before runs meanwhile)."""
     state.step += 1
-    env = dict(state.accum)
-    program = exe.update
-    if synced:
-        program = tuple(ins for ins in program if ins.node.id not in synced)
-        for ins in exe.update:
-            if ins.node.id in synced:
-                env[ins.node.output.id] = synced[ins.node.id]
-    if not carried:
-        _execute(exe, program, backend, state, env, exe.binding)
-    else:
-        extra = {t.id: carried[name] for name, t in exe.graph.gradients.items() if name in carried}
-        for t_id in [i for i in extra if i in env]:
-            env[t_id] = env[t_id] + extra[t_id]
-        for ins in program:
-            _execute(exe, (ins,), backend, state, env, exe.binding)
-            for t in ins.node.outputs:
-                if t.id in extra and t.id in env:
-                    env[t.id] = env[t.id] + extra[t.id]
+    extra = {t.id: carried[name] for name, t in exe.graph.gradients.items() if name in carried} if carried else {}
+    env = {k: v + extra[k] if k in extra else v for k, v in state.accum.items()}
+    batch: list[Instruction] = []  # instructions run together, between reads of synced results
+    for ins in exe.update:
+        if synced is not None and ins.node.id in synced:
+            _execute(exe, batch, backend, state, env, exe.binding)
+            batch = []
+            env[ins.node.output.id] = synced[ins.node.id]  # waits for this result alone
+        else:
+            batch.append(ins)
+            if not any(t.id in extra for t in ins.node.outputs):
+                continue
+            _execute(exe, batch, backend, state, env, exe.binding)
+            batch = []
+        for t in ins.node.outputs:
+            if t.id in extra and t.id in env:
+                env[t.id] = env[t.id] + extra[t.id]
+    _execute(exe, batch, backend, state, env, exe.binding)
     for t in fetch:
         if t.id in env:
             state.fetched[t.name] = env[t.id]
