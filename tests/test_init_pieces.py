@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from hspmd.ir import initial_value, normal, parameter, uniform
 from hspmd.ops import Graph
-from hspmd.ir.init import uniform_bits
+from hspmd.ir.init import box_chunks, constant, make_piece, uniform_bits
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ir import Binding
 from hspmd.runtime.run import DeviceState
@@ -32,6 +32,22 @@ def test_a_box_equals_the_same_box_of_the_whole(case, init, seed):
     whole = init.make(shape, tuple((0, n) for n in shape), seed)
     piece = init.make(shape, box, seed)
     assert torch.equal(piece, whole[tuple(slice(a, b) for a, b in box)])
+
+
+@settings(max_examples=300)
+@given(shape_and_box(), st.integers(1, 60), st.sampled_from([normal(0.5, 1.0), uniform(2.0), constant(3.0)]),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+def test_a_piece_made_in_chunks_equals_it_made_at_once(case, chunk, init, dtype):
+    shape, box = case
+    pieces = list(box_chunks(box, chunk))
+    covered = torch.zeros(tuple(b - a for a, b in box), dtype=torch.int64)
+    for sub in pieces:  # the chunks tile the box exactly, none over the limit unless one element
+        assert all(a <= c <= d <= b for (a, b), (c, d) in zip(box, sub))
+        assert torch.Size([d - c for c, d in sub]).numel() <= chunk or all(d - c == 1 for c, d in sub)
+        covered[tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(box, sub))] += 1
+    assert bool((covered == 1).all())
+    made = make_piece(init, shape, box, 11, dtype, chunk=chunk)
+    assert made.dtype == dtype and torch.equal(made, init.make(shape, box, 11).to(dtype))
 
 
 def test_a_piece_of_a_huge_weight_is_made_without_the_whole():

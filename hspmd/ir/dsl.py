@@ -20,7 +20,7 @@ import torch
 from hspmd.annotations import Annotation, Box
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Derived, Graph, Node, OpDef, Tensor
-from hspmd.ir.init import Initializer, as_initializer, normal, zeros
+from hspmd.ir.init import Initializer, as_initializer, make_piece, normal, zeros
 from hspmd.ir.shapes import as_shape
 
 class _Leaf(OpDef):
@@ -135,12 +135,14 @@ def name_seed(name: str, seed: int = 0) -> int:
     return zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
 
 
-def initial_value(node: Node, seed: int = 0, box: Box | None = None) -> torch.Tensor:
+def initial_value(node: Node, seed: int = 0, box: Box | None = None,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
     """The initial value of a parameter or state, deterministic in its name and `seed`: the whole
-    tensor, or only the elements of `box` (equal to the same box of the whole, made without it)."""
+    tensor, or only the elements of `box` (equal to the same box of the whole, made without it),
+    on `device`."""
     shape = tuple(node.output.shape)
     box = tuple((0, n) for n in shape) if box is None else tuple(box)
-    return node.init.make(shape, box, name_seed(node.name, seed)).to(node.output.dtype)
+    return make_piece(node.init, shape, box, name_seed(node.name, seed), node.output.dtype, device)
 
 
 __all__ = [

@@ -9,6 +9,11 @@ can therefore start on 32 devices without any of them ever holding a whole weigh
 The arithmetic is done on int64 tensors holding 32-bit values; products are split into 16-bit
 halves so that nothing overflows int64.
 
+`make_piece` makes a piece in chunks of at most CHUNK_ELEMENTS elements, written into the piece in
+its dtype and on its device as they come: the int64 and float64 temporaries of the mixer stay in
+cache whatever the piece's size (made at once, a 4 MiB fp32 piece of 1M elements took the process
+130 MiB above its start, in chunks 14 MiB; a 16M-element one 5.8 s at once, 0.9 s in chunks).
+
 A custom initializer is any callable `(shape, generator) -> whole tensor` (the older form); it is
 wrapped in `WholeTensor`, which does make the whole tensor on every rank and keeps only the box:
 fine for small weights, and the one initializer that does not scale.
@@ -19,7 +24,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -27,6 +32,7 @@ from hspmd.errors import HSPMDError
 
 Box = tuple[tuple[int, int], ...]
 _MASK = 0xFFFFFFFF
+CHUNK_ELEMENTS = 1 << 15  # elements made at once by make_piece: 256 KiB per int64 temporary (in cache)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -109,6 +115,37 @@ class WholeTensor(Initializer):
         return whole[tuple(slice(a, b) for a, b in box)]
 
 
+def box_chunks(box: Box, limit: int) -> Iterator[Box]:
+    """Sub-boxes tiling `box` in row-major order, each of at most `limit` elements (or one element)."""
+    sizes = [b - a for a, b in box]
+    if math.prod(sizes) <= limit:
+        yield box
+        return
+    inner = math.prod(sizes[1:])
+    (start, stop), rest = box[0], box[1:]
+    if inner <= limit:
+        rows = limit // inner
+        for first in range(start, stop, rows):
+            yield ((first, min(first + rows, stop)),) + rest
+        return
+    for row in range(start, stop):
+        for sub in box_chunks(rest, limit):
+            yield ((row, row + 1),) + sub
+
+
+def make_piece(init: Initializer, shape: tuple[int, ...], box: Box, seed: int, dtype: torch.dtype,
+               device: torch.device | str = "cpu", chunk: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """The elements of `box` in `dtype` on `device`, equal to init.make(...).to(dtype): made chunk
+    by chunk straight into the result (a WholeTensor is made whole: it has no other way)."""
+    shape, box = tuple(shape), tuple((a, b) for a, b in box)
+    if isinstance(init, WholeTensor):
+        return init.make(shape, box, seed).to(dtype).to(device)
+    out = torch.empty(tuple(b - a for a, b in box), dtype=dtype, device=device)
+    for sub in box_chunks(box, chunk):
+        out[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(sub, box))].copy_(init.make(shape, sub, seed))
+    return out
+
+
 _KINDS: dict[str, type] = {"normal": Normal, "uniform": Uniform, "constant": Constant}
 
 
@@ -159,6 +196,7 @@ def constant(value: float) -> Initializer:
 
 
 __all__ = [
-    "Constant", "Initializer", "Normal", "Uniform", "WholeTensor", "as_initializer", "constant", "initializer_from_key",
-    "initializer_key", "normal", "ones", "uniform", "uniform_bits", "zeros",
+    "CHUNK_ELEMENTS", "Constant", "Initializer", "Normal", "Uniform", "WholeTensor", "as_initializer", "box_chunks",
+    "constant", "initializer_from_key", "initializer_key", "make_piece", "normal", "ones", "uniform", "uniform_bits",
+    "zeros",
 ]

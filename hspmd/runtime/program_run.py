@@ -23,7 +23,7 @@ from hspmd.annotations import Annotation, Box, box_shape, parse
 from hspmd.backends.backend import Backend
 from hspmd.backends.plan_executor import execute_plan
 from hspmd.errors import HSPMDError, ShapeError
-from hspmd.ir.init import initializer_from_key
+from hspmd.ir.init import initializer_from_key, make_piece
 from hspmd.ops.registry import operator
 from hspmd.runtime.executor import NonBlockingSends
 from hspmd.specialize.program import DeviceProgram, Op
@@ -75,7 +75,7 @@ def leaf_pieces(program: DeviceProgram, device: torch.device | str = "cpu") -> d
         if t.box is None:
             raise HSPMDError(f"program of device {program.device}: {leaf.kind} {leaf.name} has no box here")
         init = initializer_from_key(dict(leaf.init))
-        out[leaf.name] = init.make(t.shape, t.box, leaf.seed).to(_DTYPES[t.dtype]).to(device)
+        out[leaf.name] = make_piece(init, t.shape, t.box, leaf.seed, _DTYPES[t.dtype], device)
     return out
 
 

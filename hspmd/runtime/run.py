@@ -46,7 +46,7 @@ class DeviceState:
     def initial(exe: ExecutableGraph, seed: int = 0, device: torch.device | str = "cpu") -> "DeviceState":
         leaves = {}
         for node in exe.held_leaves:
-            leaves[node.name] = initial_value(node, seed, exe.box(node.output, exe.binding)).to(device)
+            leaves[node.name] = initial_value(node, seed, exe.box(node.output, exe.binding), device)
         return DeviceState(leaves)
 
 
