@@ -8,7 +8,7 @@ instantiation of its own program (pruning, CommOp substitution, resolving the pl
 CommOps) and pipeline discovery (the patterns of every per-micro-batch CommOp). Each measured rank
 gets a freshly built graph, so no cache survives from another rank; building the graph (making
 the strategy's leaf annotations) is reported apart. The phases run with automatic garbage
-collection paused, as specialize_graph runs them (specialize/heap.py); the per-rank total counts
+collection paused, as specialize_graph runs them (hspmd/heap.py); the per-rank total counts
 the collection that closes the block. Times are CPU seconds of the process (the
 work is single-threaded; on a shared machine wall time also counts waiting for a core), the sizes
 are interleaved (each repetition runs every size once) and the ratio to 48 ranks is the median of
@@ -35,7 +35,7 @@ from hspmd.ir import Binding
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate, live_nodes
-from hspmd.specialize.heap import collector_paused
+from hspmd.heap import collector_paused
 from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.pipelines import discover_pipelines, expected_pipelines
 from hspmd.specialize.specialized import all_devices, per_micro_batch_pattern

@@ -30,10 +30,15 @@ SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[Heal
 @st.composite
 def grids(draw):
     ndim = draw(st.integers(1, 3))
-    cuts = [sorted(draw(st.sets(st.integers(0, 12), min_size=2, max_size=6))) for _ in range(ndim)]
-    grid = Grid([tuple((c[0], c[-1]) for c in cuts)], ndim)
-    for dim, c in enumerate(cuts):  # every cut, not only the bounding box's
-        grid.cuts[dim] = c
+    return grid_of([sorted(draw(st.sets(st.integers(0, 12), min_size=2, max_size=6))) for _ in range(ndim)])
+
+
+def grid_of(cuts: list[list[int]]) -> Grid:
+    """The grid cut exactly at `cuts` (sorted, at least two per dim): boxes between neighbours."""
+    spans = max(len(c) for c in cuts) - 1
+    grid = Grid([tuple((c[min(k, len(c) - 2)], c[min(k, len(c) - 2) + 1]) for c in cuts) for k in range(spans)],
+                len(cuts))
+    assert grid.cuts == cuts
     return grid
 
 
@@ -57,11 +62,18 @@ def test_merge_equals_growing_boxes_cell_by_cell(data):
 
 @SETTINGS
 @given(data=st.data())
+def test_a_cells_box_and_volume_are_read_off_its_cuts(data):
+    grid = data.draw(grids())
+    for cell in product(*(range(len(c) - 1) for c in grid.cuts)):
+        box = tuple((c[i], c[i + 1]) for c, i in zip(grid.cuts, cell))
+        assert grid.cell_box(cell) == box and grid.cell_volume(cell) == box_volume(box)
+
+
+@SETTINGS
+@given(data=st.data())
 def test_coarse_cells_are_the_coarse_cell_holding_each_fine_cell(data):
     fine = data.draw(grids())
-    coarse = Grid([], fine.ndim)
-    for dim, c in enumerate(fine.cuts):
-        coarse.cuts[dim] = sorted(data.draw(st.sets(st.sampled_from(c), min_size=2)))
+    coarse = grid_of([sorted(data.draw(st.sets(st.sampled_from(c), min_size=2))) for c in fine.cuts])
 
     def containing(cell):
         out = []

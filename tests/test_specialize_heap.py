@@ -1,11 +1,11 @@
-"""specialize/heap.py: automatic collection paused inside a specialization, nothing lost after it."""
+"""hspmd/heap.py: automatic collection paused inside a specialization, nothing lost after it."""
 
 import gc
 import weakref
 
 import pytest
 
-from hspmd.specialize.heap import collector_paused
+from hspmd.heap import collector_paused
 
 
 class _Node:

@@ -120,11 +120,12 @@ def plan_transfers(
                 table[cell].append(e)
         owners_of = grid.holders(sorted(fam.owners.items()))
         cells_of_pair: dict[tuple[int, int], list[Cell]] = defaultdict(list)
+        item = size_of(fam.tensor)
         for cell in sorted(table):
             owners = owners_of.get(cell, [])
             if not owners:
                 raise CommunicationError(f"tensor {fam.tensor}: no source device holds slice {grid.cell_box(cell)}")
-            nbytes = grid.cell_volume(cell) * size_of(fam.tensor)
+            nbytes = grid.cell_volume(cell) * item
             for e in table[cell]:
                 if e in owners:
                     sender = e
@@ -138,10 +139,12 @@ def plan_transfers(
                     sender = max(owners, key=lambda d: (topology.bandwidth(d, e), -load[d], -d))
                     load[sender] += nbytes
                 cells_of_pair[(sender, e)].append(cell)
-        for pair, cells in cells_of_pair.items():
-            per_pair[pair].extend((fam.tensor, b) for b in grid.merge(cells))
+        for pair, cells in cells_of_pair.items():  # one cell per pair in an all-to-all: no merging
+            boxes = [grid.cell_box(cells[0])] if len(cells) == 1 else grid.merge(cells)
+            per_pair[pair].extend((fam.tensor, b) for b in boxes)
     return tuple(
-        Transfer(s, r, tuple(b for _, b in items), tuple(t for t, _ in items))
+        Transfer(s, r, (items[0][1],), (items[0][0],)) if len(items) == 1
+        else Transfer(s, r, tuple(b for _, b in items), tuple(t for t, _ in items))
         for (s, r), items in sorted(per_pair.items())
     )
 

@@ -34,6 +34,7 @@ from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
 from hspmd.comm_resolve.render import box_text
 from hspmd.errors import HSPMDError, ShapeError, UnsupportedReshard, WeightLost
+from hspmd.heap import collector_paused
 
 SCAN_ORDERS = ("largest_first", "given")
 
@@ -129,11 +130,12 @@ def resolve_many(
     failed = frozenset(failed)
     devices = {d for m in moves for d in m.src.devices + m.dst.devices}
     topology = cluster_for(topology, devices, "fused reshard")
-    fams = families(moves, failed)
-    if failed:
-        _check_failed(moves, fams, failed)
-    scanned = [fams[i] for i in scan_order(moves, order)]
-    transfers = plan_transfers(scanned, topology, [m.itemsize for m in moves], heuristics=heuristics)
+    with collector_paused():  # as resolve: many long-lived objects, no cycles (hspmd.heap)
+        fams = families(moves, failed)
+        if failed:
+            _check_failed(moves, fams, failed)
+        scanned = [fams[i] for i in scan_order(moves, order)]
+        transfers = plan_transfers(scanned, topology, [m.itemsize for m in moves], heuristics=heuristics)
     return FusedPlan(moves, transfers, topology, tuple(sorted(failed & devices)))
 
 

@@ -58,6 +58,7 @@ from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.split_collectives import split_step
 from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
 from hspmd.errors import CommunicationError, ShapeError, ShapeTypeError, UnsupportedReshard
+from hspmd.heap import collector_paused
 from hspmd.limits import MAX_DIMS, brief, check_limit
 
 
@@ -136,9 +137,10 @@ def resolve(
     topology = cluster_for(topology, src.device_set | dst.device_set, lambda: f"reshard {src} -> {dst}")
     name = dtype_name(dtype)
     ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial)
-    if via is not None:
-        return _plan(ctx, name, _via(via, src, dst, ctx))
-    return _cheapest(ctx, name)
+    with collector_paused():  # a large plan is many long-lived objects and no cycles (hspmd.heap)
+        if via is not None:
+            return _plan(ctx, name, _via(via, src, dst, ctx))
+        return _cheapest(ctx, name)
 
 
 VIAS = ("hierarchical", "merged-allgather", "direct", "root", "representatives")

@@ -51,6 +51,9 @@ class Grid:
                 cuts[dim].add(stop)
         self.cuts = [sorted(c) for c in cuts]
         self.ndim = ndim
+        # per dim, each cell index's (start, stop) and width: planners read them per cell
+        self._spans = [list(zip(c, c[1:])) for c in self.cuts]
+        self._widths = [[b - a for a, b in zip(c, c[1:])] for c in self.cuts]
 
     def ranges(self, box: Box) -> tuple[range, ...]:
         """Cell index ranges per dim covered by `box` (whose bounds are cuts of this grid)."""
@@ -94,10 +97,10 @@ class Grid:
         return zip(cells, (None if None in outer else outer for outer in product(*per_dim)))  # same order
 
     def cell_box(self, cell: Cell) -> Box:
-        return tuple((c[i], c[i + 1]) for c, i in zip(self.cuts, cell))
+        return tuple(map(list.__getitem__, self._spans, cell))
 
     def cell_volume(self, cell: Cell) -> int:
-        return prod(c[i + 1] - c[i] for c, i in zip(self.cuts, cell))
+        return prod(map(list.__getitem__, self._widths, cell))
 
     def index_box(self, lo: Sequence[int], hi: Sequence[int]) -> Box:
         return tuple((c[a], c[b]) for c, a, b in zip(self.cuts, lo, hi))

@@ -17,7 +17,7 @@ from hspmd.ir.shapes import Binding
 from hspmd.specialize import comm_plans
 from hspmd.specialize.deduce import Deduced, deduce
 from hspmd.specialize.executable import ExecutableGraph, comm_args, instantiate, live_nodes, resolve_node
-from hspmd.specialize.heap import collector_paused
+from hspmd.heap import collector_paused
 from hspmd.specialize.pipelines import PipelineLayout, discover_pipelines
 
 
