@@ -212,8 +212,15 @@ def test_reading_a_synced_gradient_waits_for_its_buckets_alone():
     assert torch.equal(synced[21], torch.full((2, 3), 1.0)) and backend.waited == [1]  # once
     synced[20]
     assert backend.waited == [1, 0]
-    sync.begin()  # the next step: a bucket nobody read is waited for before its buffer is written again
+    synced.settle()  # what the update did not read is waited for before the next backward writes it
     assert backend.waited == [1, 0, 2]
+    synced.settle()
+    assert backend.waited == [1, 0, 2]
+    sync.begin()
+    for k in range(3):  # a step that fails before its update: the next begin() drops what it left under way
+        sync.written(10 + k, backend)
+    sync.begin()
+    assert len(backend.started) == 6 and backend.waited == [1, 0, 2]
 
 
 @pytest.mark.parametrize("cap", [0, -1.0, float("nan"), float("inf"), True, "25"])

@@ -27,7 +27,8 @@ started, its all-reduce starts without blocking (Backend.all_reduce_start) and r
 backward goes on. The update reads the summed views in place of running those gradients' plans,
 each read waiting only for its own buckets (`SyncedGradients`); since the optimizer adds its updates
 in the order the backward finalises the gradients (hspmd.ops.optim), the first buckets' parameters
-are updated while the last buckets are still being reduced. On a backend whose start blocks until
+are updated while the last buckets are still being reduced; `settle` then waits for any bucket
+the update did not read, before the next backward writes its buffer. On a backend whose start blocks until
 the peers join (`overlaps_collectives` False: the in-process backend), every bucket starts at the
 update instead: a blocking start mid-backward could wait on a peer that first needs this rank's
 later sends (a weight tied across pipeline stages).
@@ -184,18 +185,14 @@ class BucketSync:
             self._views[tensor_id] = torch.empty(shape, dtype=copies[0][0].dtype, device=device)
         self._chains = [chains[key] for key in sorted(chains, key=lambda key: (key[0], str(key[1])))]  # one order everywhere
         self._chain_of = {k: i for i, chain in enumerate(self._chains) for k in chain}
-        self._pending: list[Pending | None] = []
         self.begin()
 
     def begin(self) -> None:
-        """Start a step: no gradient written, no bucket started (a bucket of the last step that the
-        update never read is waited for first: its buffer is about to be written again)."""
-        for pending in self._pending:
-            if pending is not None:
-                pending.wait()
+        """Start a step: no gradient written, no bucket started (all-reduces a failed step left
+        under way are dropped, as the step's values are)."""
         self._missing = [len(b.slots) for b in self.plan.buckets]
         self._next = [0] * len(self._chains)  # per chain: the first bucket not started yet
-        self._pending = [None] * len(self.plan.buckets)
+        self._pending: list[Pending | None] = [None] * len(self.plan.buckets)
         self._ready: set[int] = set()  # gradients whose buckets are waited for (and copied back, if split)
 
     def __contains__(self, tensor_id: int) -> bool:
@@ -256,6 +253,12 @@ class BucketSync:
             self._ready.add(tensor_id)
         return self._views[tensor_id]
 
+    def settle(self) -> None:
+        """Wait for every bucket still under way (the update read them all: normally none), so that
+        the next step's backward writes no buffer that is on the wire."""
+        for tensor_id in self._bucket_of:
+            self._synced(tensor_id)
+
 
 class SyncedGradients(Mapping[int, torch.Tensor]):
     """The bucketed gradients of one step by sync node id; reading one waits for its buckets alone."""
@@ -272,6 +275,9 @@ class SyncedGradients(Mapping[int, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._tensor_of)
+
+    def settle(self) -> None:
+        self._sync.settle()
 
 
 def write_gradient(node, ctx, inputs, target: torch.Tensor, earlier: torch.Tensor | None) -> None:

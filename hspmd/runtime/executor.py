@@ -163,7 +163,7 @@ def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, ord
     (this device's pieces), B(m) its backward pass; gradients accumulate in `state`. Sends posted
     along the way are completed before returning. A `tracer` records one event per action.
     `buckets`: the last backward of the order fills them and starts their all-reduces
-    (hspmd.runtime.buckets); the update then waits for them (BucketSync.finish).
+    (hspmd.runtime.buckets); the update then reads them, each waited for when read (BucketSync.finish).
     `recompute`: the devices of this device's stage, to recompute every micro-batch's forward in
     its backward (hspmd.runtime.run)."""
     began = time.perf_counter()

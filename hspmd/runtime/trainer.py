@@ -25,8 +25,8 @@ link, which is what keeps the order deadlock-free.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, Mapping, Sequence
 
 import sympy
 import torch
@@ -38,7 +38,7 @@ from hspmd.ir.graph import Graph, Node
 from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, cap_bytes_of, plan_buckets
+from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, SyncedGradients, cap_bytes_of, plan_buckets
 from hspmd.runtime.checkpoint import (
     cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
 )
@@ -292,8 +292,7 @@ class Trainer:
         buckets = self._begin_buckets()
         self.last_run = run_schedule(self.exe, self.backend, self.state, self.order, feeds, self.binding, self.tracer,
                                      buckets, self.recompute)
-        with self.tracer.span("update", "update") if self.tracer else nullcontext():
-            synced = buckets.finish(self.backend) if buckets else None
+        with self.tracer.span("update", "update") if self.tracer else nullcontext(), self._synced(buckets) as synced:
             run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), synced=synced)
         return self._reduce_loss()
 
@@ -302,6 +301,18 @@ class Trainer:
             self.buckets.begin()
             self.buckets.tracer = self.tracer
         return self.buckets
+
+    @contextmanager
+    def _synced(self, buckets: BucketSync | None) -> Iterator[SyncedGradients | None]:
+        """The bucketed gradients for the update to read (each waited for when read), and every
+        bucket settled once it is done; on an error the all-reduces under way are dropped with
+        the step."""
+        if buckets is None:
+            yield None
+            return
+        synced = buckets.finish(self.backend)
+        yield synced
+        synced.settle()
 
     def step_rows(self, micro_batches: Sequence[Sequence[Mapping[str, torch.Tensor]]],
                   symbols: Mapping[str, int] | None = None, carried: Mapping[str, torch.Tensor] | None = None
@@ -317,9 +328,9 @@ class Trainer:
         if not self._run_rows(micro_batches, symbols, buckets):
             self.state.step += 1  # an idle rank counts the job's steps too (see step)
             return None
-        synced = buckets.finish(self.backend) if buckets else None
-        run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), carried=carried,
-                   synced=synced)
+        with self._synced(buckets) as synced:
+            run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), carried=carried,
+                       synced=synced)
         return self._reduce_loss()
 
     def bucket_rows(self, micro_batches: Sequence[Sequence[Mapping[str, torch.Tensor]]],
@@ -331,7 +342,8 @@ class Trainer:
         buckets = self._begin_buckets()
         if not self._run_rows(micro_batches, symbols, buckets):
             return None, {}
-        synced = synced_gradients(self.exe, self.backend, self.state, buckets.finish(self.backend) if buckets else None)
+        with self._synced(buckets) as bucketed:
+            synced = synced_gradients(self.exe, self.backend, self.state, bucketed)
         loss = self._reduce_loss()
         return loss, {k: v + carried[k] if carried and k in carried else v for k, v in synced.items()}
 
