@@ -4,18 +4,21 @@ The model: L residual blocks x <- x + relu(x @ W1) @ W2 with W1 column-parallel 
 row-parallel, loss = mean((x - target)^2), plain SGD. Four gloo processes, ranks 0,1 and 2,3 are
 the TP groups, 0,2 and 1,3 the DP groups. hspmd runs the graph written once from one device's view
 with annotations, through its Trainer (specialized per rank, gradients all-reduced in size-capped
-buckets that start during the backward, hspmd.runtime.buckets). Two hand-written baselines: an
+buckets that start during the backward, hspmd.runtime.buckets). Three torch.distributed baselines: an
 all_reduce on the TP group in the row layer's forward and in the column layer's input backward
 (Megatron's f and g), then the gradient all_reduce over the DP group either
   "torch"          after the backward, one blocking all_reduce per weight (the plain loop), or
   "torch overlap"  started without blocking as each weight's gradient is accumulated during the
                    backward (a post-accumulate-grad hook, DDP's idea without its buckets), waited
-                   before the update.
+                   before the update, or
+  "torch DDP"      torch.nn.parallel.DistributedDataParallel over the DP group (its C++ reducer,
+                   25 MiB buckets with gradients as bucket views), the loss scaled by DP so that
+                   its average is the same sum (exact: a power of two).
 Every step returns the global loss (an all_reduce of the DP summands). All start from the same
 weights, see the same batches, and must report the same loss at every step.
 
-All sides (hspmd once per bucket cap given, default 25 MiB and 0.05 MiB, and the two baselines)
-run side by side in one job, interleaved step by step (A B C D, then B C D A, ...) so that machine
+All sides (hspmd once per bucket cap given, default 25 MiB and 0.05 MiB, and the three baselines)
+run side by side in one job, interleaved step by step (A B C D E, then B C D E A, ...) so that machine
 noise hits them alike. A step's time is the slowest rank's, each step starting on a world
 barrier. Reported: the median of the per-step ratios hspmd / baseline with their spread (min-max
 and interquartile range), medians in ms, the median per-step ratio of CPU time (all ranks), and the peak resident memory of each process (VmHWM,
@@ -52,7 +55,7 @@ except ImportError:
 WORLD, DP, TP = 4, 2, 2
 ACT, COLUMN, ROW = "S0:2,D:2@[0-3]", "D:2,S1:2@[0-3]", "D:2,S0:2@[0-3]"
 LR = 0.05
-BASELINES = ("torch", "torch overlap")
+BASELINES = ("torch", "torch overlap", "torch DDP")
 
 
 @dataclass(frozen=True)
@@ -121,23 +124,45 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return g, None
 
 
-class TorchRank:
-    """The same model written by hand against torch.distributed; `overlap` starts each weight's
-    DP all_reduce as soon as its gradient is accumulated instead of after the backward."""
+class _TorchMLP(torch.nn.Module):
+    """One rank's Megatron MLP: column-parallel w1, row-parallel w2, f and g around them."""
 
-    def __init__(self, rank: int, c: Config, initial: dict[str, torch.Tensor], groups: dict, overlap: bool):
-        self.config, self.overlap = c, overlap
+    def __init__(self, w1: list[torch.Tensor], w2: list[torch.Tensor], tp_group):
+        super().__init__()
+        self.w1 = torch.nn.ParameterList(torch.nn.Parameter(w) for w in w1)
+        self.w2 = torch.nn.ParameterList(torch.nn.Parameter(w) for w in w2)
+        self.tp_group = tp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w1, w2 in zip(self.w1, self.w2):
+            h = torch.relu(_CopyToTensorParallel.apply(x, self.tp_group) @ w1)
+            x = x + _ReduceFromTensorParallel.apply(h @ w2, self.tp_group)
+        return x
+
+
+class TorchRank:
+    """The same model written by hand against torch.distributed; `mode` is how the DP gradients
+    are summed: "blocking" after the backward, "overlap" each as soon as it is accumulated, "ddp"
+    by DistributedDataParallel."""
+
+    def __init__(self, rank: int, c: Config, initial: dict[str, torch.Tensor], groups: dict, mode: str):
+        self.config, self.mode = c, mode
         self.dp_rank, self.tp_rank = divmod(rank, TP)
-        self.tp_group = groups[tuple(r for r in range(WORLD) if r // TP == self.dp_rank)]
+        tp_group = groups[tuple(r for r in range(WORLD) if r // TP == self.dp_rank)]
         self.dp_group = groups[tuple(r for r in range(WORLD) if r % TP == self.tp_rank)]
         cols = slice(self.tp_rank * c.ffn // TP, (self.tp_rank + 1) * c.ffn // TP)
-        self.w1 = [initial[f"w1.{l}"][:, cols].clone().requires_grad_() for l in range(c.layers)]
-        self.w2 = [initial[f"w2.{l}"][cols, :].clone().requires_grad_() for l in range(c.layers)]
+        self.model = _TorchMLP([initial[f"w1.{l}"][:, cols].clone() for l in range(c.layers)],
+                               [initial[f"w2.{l}"][cols, :].clone() for l in range(c.layers)], tp_group)
+        self.weights = [*self.model.w1, *self.model.w2]
         self.rows = slice(self.dp_rank * c.batch // DP, (self.dp_rank + 1) * c.batch // DP)
         self.works: list = []
-        if overlap:
-            for w in (*self.w1, *self.w2):
+        self.forward = self.model
+        if mode == "overlap":
+            for w in self.weights:
                 w.register_post_accumulate_grad_hook(self._start)
+        elif mode == "ddp":
+            self.forward = torch.nn.parallel.DistributedDataParallel(
+                self.model, process_group=self.dp_group, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB, gradient_as_bucket_view=True)
 
     def _start(self, w: torch.Tensor) -> None:
         self.works.append(dist.all_reduce(w.grad, group=self.dp_group, async_op=True))
@@ -145,18 +170,14 @@ class TorchRank:
     def step(self, whole: dict[str, torch.Tensor]) -> float:
         c = self.config
         x, target = whole["x"][self.rows], whole["target"][self.rows]
-        for w1, w2 in zip(self.w1, self.w2):
-            h = torch.relu(_CopyToTensorParallel.apply(x, self.tp_group) @ w1)
-            x = x + _ReduceFromTensorParallel.apply(h @ w2, self.tp_group)
-        loss = ((x - target) ** 2).sum() / (c.batch * c.hidden)  # this DP rank's summand of the mean
-        loss.backward()
+        loss = ((self.forward(x) - target) ** 2).sum() / (c.batch * c.hidden)  # this DP rank's summand of the mean
+        (loss * DP if self.mode == "ddp" else loss).backward()  # DDP averages: DP x summand averages to the sum
         with torch.no_grad():
-            if self.overlap:
-                for work in self.works:
-                    work.wait()
-                self.works = []
-            for w in (*self.w1, *self.w2):
-                if not self.overlap:
+            for work in self.works:
+                work.wait()
+            self.works = []
+            for w in self.weights:
+                if self.mode == "blocking":
                     dist.all_reduce(w.grad, group=self.dp_group)
                 w -= LR * w.grad
                 w.grad = None
@@ -190,9 +211,9 @@ def make_sides(backend: Backend, c: Config, caps: tuple[float, ...], names: tupl
     for members in ([0, 1], [2, 3], [0, 2], [1, 3]):  # every rank creates every group, same order
         groups[tuple(members)] = dist.new_group(members)
     initial = {n.name: initial_value(n) for n in graph.parameters}
-    for name, overlap in (("torch", False), ("torch overlap", True)):
+    for name, mode in zip(BASELINES, ("blocking", "overlap", "ddp")):
         if name in names:
-            sides[name] = TorchRank(backend.rank, c, initial, groups, overlap).step
+            sides[name] = TorchRank(backend.rank, c, initial, groups, mode).step
     return sides
 
 

@@ -122,7 +122,8 @@ def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Back
 def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> None:
     for ins in program:
         node = ins.node
-        if node.kind == "placeholder":
+        kind = node.kind
+        if kind == "placeholder":
             if feeds is None or node.name not in feeds:
                 raise HSPMDError(f"device {exe.device}: no value fed for placeholder {node.name}")
             value = feeds[node.name]
@@ -131,9 +132,9 @@ def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> 
                 raise ShapeError(f"device {exe.device}: placeholder {node.name} fed shape {tuple(value.shape)}, "
                                  f"its piece under {exe.deduced[node.output]} is {expected}")
             env[node.output.id] = value
-        elif node.kind in ("parameter", "state"):
+        elif kind in ("parameter", "state"):
             env[node.output.id] = state.leaves[node.name]
-        elif node.kind == "assign":
+        elif kind == "assign":
             target, value = node.inputs
             state.leaves[target.node.name] = _value(state, env, value)
         elif node.opdef.is_comm:

@@ -282,7 +282,7 @@ class Trainer:
         if self.idle:
             self.state.step += 1  # counts the job's steps: a later switch that brings it back agrees on them
             return None
-        placeholders = {i.node.name: i.node for i in self.exe.forward + self.exe.backward if i.node.kind == "placeholder"}
+        placeholders = {node.name: node for node in self.exe.placeholders}
 
         def feeds(m: int) -> dict[str, torch.Tensor]:
             start, stop = self.layout.rows(self.pipeline, m)
@@ -361,7 +361,7 @@ class Trainer:
         if self.idle:
             return False
         rows, mine = micro_batches[self.pipeline], bindings[self.pipeline]
-        placeholders = {i.node.name: i.node for i in self.exe.forward + self.exe.backward if i.node.kind == "placeholder"}
+        placeholders = {node.name: node for node in self.exe.placeholders}
         self.state.fetched.clear()
         order = schedule_for(self.schedule, len(self.stages.stages), self.stage, len(rows))
         self.last_run = run_schedule(

@@ -18,6 +18,7 @@ backward(m) in any order that keeps P2P pairs matched (run.py runs them against 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable
 
 from hspmd.annotations import Annotation, device_pieces
@@ -137,8 +138,9 @@ class ExecutableGraph:
     def instructions(self) -> tuple[Instruction, ...]:
         return self.forward + self.backward + self.update
 
-    @property
+    @cached_property
     def placeholders(self) -> tuple[Node, ...]:
+        """(Kept: the programs are set once, by instantiate, and the runtime asks every step.)"""
         return tuple(i.node for i in self.forward + self.backward if i.node.kind == "placeholder")
 
     @property
@@ -146,7 +148,7 @@ class ExecutableGraph:
         """Parameters and optimizer states this device keeps a piece of."""
         return tuple(i.node for i in self.instructions() if i.node.kind in ("parameter", "state"))
 
-    @property
+    @cached_property
     def accumulated(self) -> tuple[Tensor, ...]:
         """Per-micro-batch tensors the update phase reads: summed over the step's micro-batches."""
         mine = {i.node.id for i in self.forward + self.backward}
