@@ -15,6 +15,17 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, refusing an option of one value given as `--` (`-n--`, `--port=--`): argparse
+        drops the `--` and sets the option to [] without calling its type."""
+        parsed, rest = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if action.option_strings and action.nargs is None and isinstance(value, list) and not value \
+                    and value is not action.default:
+                self.error(f"argument {'/'.join(action.option_strings)}: expected one value, got '--'")
+        return parsed, rest
+
 
 def _integer(text: str) -> int:
     sign, digits = ("-", text[1:]) if text.startswith("-") else ("", text)

@@ -12,6 +12,7 @@ import contextlib
 import io
 import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -218,6 +219,18 @@ def run_argv(draw) -> list[str]:
     at = draw(st.integers(0, len(argv) - 2))  # the script stays missing: nothing is launched
     argv[at] = draw(fuzzed_text([argv[at]]))
     return argv
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "-n--", "2", "missing_script.py"],                 # argparse set -n to [] (found by the fuzzer)
+    ["run", "-n", "2", "--port=--", "missing_script.py"],
+    ["run-programs", "missing_dir", "--steps=--"],
+])
+def test_an_option_given_only_dashes_is_one_error_line(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = cli_main(argv)
+    assert code == 2 and err.getvalue().count("\n") == 1 and "expected one value, got '--'" in err.getvalue()
 
 
 @fuzz_settings(100)
