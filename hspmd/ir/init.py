@@ -136,7 +136,8 @@ def box_chunks(box: Box, limit: int) -> Iterator[Box]:
 def make_piece(init: Initializer, shape: tuple[int, ...], box: Box, seed: int, dtype: torch.dtype,
                device: torch.device | str = "cpu", chunk: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """The elements of `box` in `dtype` on `device`, equal to init.make(...).to(dtype): made chunk
-    by chunk straight into the result (a WholeTensor is made whole: it has no other way)."""
+    by chunk straight into the result (a WholeTensor is made whole: it has no other way). The
+    mixer runs on the CPU whatever `device` is, so every device gets the same bits."""
     shape, box = tuple(shape), tuple((a, b) for a, b in box)
     if isinstance(init, WholeTensor):
         return init.make(shape, box, seed).to(dtype).to(device)
