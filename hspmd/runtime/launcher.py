@@ -37,6 +37,7 @@ from hspmd.runtime.ports import LOOPBACK
 
 DEFAULT_GRACE_S = 3.0
 _KILL_WAIT_S = 5.0
+_PUMP_WAIT_S = 10.0
 _TAIL_LINES = 25
 _POLL_S = 0.05
 
@@ -141,8 +142,12 @@ def launch(
     finally:
         _stop_all(ranks, grace)
         _restore_handlers(previous_handlers)
+        # every rank is reaped: the pumps end once they have forwarded the last lines (a failing
+        # rank's error among them), which on a busy machine may take a moment; one shared bound,
+        # should something outside the ranks' groups still hold a pipe open
+        deadline = time.monotonic() + max(grace, _PUMP_WAIT_S)
         for pump in pumps:
-            pump.join(timeout=grace)
+            pump.join(timeout=max(0.0, deadline - time.monotonic()))
         store.server.close()
     if stop.signal:
         err.write(f"hspmd run: interrupted ({stop.signal}); stopped all {len(ranks)} started rank(s)\n")
