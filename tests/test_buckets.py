@@ -207,7 +207,8 @@ def test_reading_a_synced_gradient_waits_for_its_buckets_alone():
         sync.written(10 + k, backend)
     assert backend.started == [0, 1, 2] and backend.waited == []  # all started inside the backward
     synced = sync.finish(backend)
-    assert sorted(synced) == [20, 21, 22] and backend.waited == []  # nothing waited for yet
+    assert sorted(synced) == [20, 21, 22] and 21 in synced and 23 not in synced
+    assert backend.waited == []  # nothing waited for yet, not even by asking what is there
     assert torch.equal(synced[21], torch.full((2, 3), 1.0)) and backend.waited == [1]
     assert torch.equal(synced[21], torch.full((2, 3), 1.0)) and backend.waited == [1]  # once
     synced[20]

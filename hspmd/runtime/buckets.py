@@ -166,14 +166,14 @@ class BucketSync:
         self._bucket_of: dict[int, list[int]] = {}
         self._copies: dict[int, list[tuple[torch.Tensor, tuple[slice, ...]]]] = {}  # split: (slot view, box)
         self._zeros: dict[int, list[torch.Tensor]] = {}  # slot views this device fills with zeros
-        self._sync_of: dict[int, int] = {}
+        self._tensor_of_sync: dict[int, int] = {}  # sync node id -> the gradient it synchronises
         chains: dict[tuple[Group, torch.dtype], list[int]] = {}
         for k, (bucket, buffer) in enumerate(zip(plan.buckets, self.buffers)):
             chains.setdefault((bucket.group, bucket.dtype), []).append(k)
             for s in bucket.slots:
                 slot = buffer[s.offset: s.offset + s.numel].view(s.shape)
                 self._bucket_of.setdefault(s.tensor_id, []).append(k)
-                self._sync_of[s.tensor_id] = s.sync_node_id
+                self._tensor_of_sync[s.sync_node_id] = s.tensor_id
                 if s.zero:
                     self._zeros.setdefault(s.tensor_id, []).append(slot)
                 if s.box is None:
@@ -265,16 +265,18 @@ class SyncedGradients(Mapping[int, torch.Tensor]):
 
     def __init__(self, sync: BucketSync):
         self._sync = sync
-        self._tensor_of = {node_id: tensor_id for tensor_id, node_id in sync._sync_of.items()}
 
     def __getitem__(self, sync_node_id: int) -> torch.Tensor:
-        return self._sync._synced(self._tensor_of[sync_node_id])
+        return self._sync._synced(self._sync._tensor_of_sync[sync_node_id])
+
+    def __contains__(self, sync_node_id: object) -> bool:  # without waiting (Mapping's reads the value)
+        return sync_node_id in self._sync._tensor_of_sync
 
     def __iter__(self):
-        return iter(self._tensor_of)
+        return iter(self._sync._tensor_of_sync)
 
     def __len__(self) -> int:
-        return len(self._tensor_of)
+        return len(self._sync._tensor_of_sync)
 
     def settle(self) -> None:
         self._sync.settle()
