@@ -14,14 +14,18 @@ work is single-threaded; on a shared machine wall time also counts waiting for a
 are interleaved (each repetition runs every size once) and the ratio to 48 ranks is the median of
 the per-repetition ratios. The figure to watch is that ratio at 1,024 and 4,096 (goal: within 2x).
 
-Also: parsing one 16,384-device annotation, and planning one all-to-all (S0 -> S1 on the same
-devices, n^2 messages by nature) on 256 and 1,024 devices.
+Also: the size of one rank's program file (hspmd.specialize.program) at each size: as written
+(this device's parts of the plans, each distinct annotation text once) against the same program
+with whole plans and every tensor's annotation inline (how programs were written before); parsing
+one 16,384-device annotation, and planning one all-to-all (S0 -> S1 on the same devices, n^2
+messages by nature) on 256 and 1,024 devices.
 Run: python benchmarks/bench_specialize.py [--quick] [--reps N]   (--quick: 48 and 1,024 ranks only;
 --reps: interleaved repetitions, default 3)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -38,6 +42,7 @@ from hspmd.specialize.executable import instantiate, live_nodes
 from hspmd.heap import collector_paused
 from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.pipelines import discover_pipelines, expected_pipelines
+from hspmd.specialize.program import device_program
 from hspmd.specialize.specialized import all_devices, per_micro_batch_pattern
 from hspmd.specialize.strategy_build import uniform_strategy
 
@@ -103,6 +108,36 @@ def scaling(sizes, reps: int = 3) -> None:
                  "discover", "build (apart)", "ops on rank 0"], rows))
 
 
+def program_sizes(sizes) -> None:
+    """Bytes of rank 0's program as written, and as it was with whole plans and inline annotations."""
+    rows, base = [], None
+    for label, strategy in sizes:
+        model = build_llama(LLAMA_32B, [strategy])
+        ratios = strategy.micro_batch_ratios
+        binding = Binding.of({"B": sum(ratios), "S": 4096, "T": 4096 * strategy.global_batch_size}, ratios=ratios)
+        with collector_paused():
+            deduced = deduce(model.graph, 0)
+            live, plans = live_nodes(model.graph), {}
+            exe = instantiate(deduced, 0, binding, live=live, plans=plans)
+            program = device_program(exe, seed=0, place=None, feeds=(), global_batch=strategy.global_batch_size,
+                                     devices=(0,), groups=(), loss=None, loss_summand=False)
+            data = program.to_dict()
+            parts = len(json.dumps(data))
+            whole_plans = dict.fromkeys(exe.plan(i.node, binding) for i in exe.instructions()
+                                        if i.node.opdef.is_comm and i.role != "identity")
+            data["plans"] = [p.to_dict() for p in whole_plans]
+            for t, info in zip(data["tensors"], program.tensors):
+                t["annotation"] = info.annotation
+            del data["annotations"]
+            whole = len(json.dumps(data))
+        base = base or parts
+        rows.append([label, len(strategy.all_ranks), f"{parts / 1e6:.2f}", f"{parts / base:.2f}x", f"{whole / 1e6:.2f}",
+                     f"{whole / parts:.1f}x", len(program.plans)])
+    print("\nRank 0's program file (MB): as written (its parts of the plans, annotation texts once) and with "
+          "whole plans and inline annotations:")
+    print(table(["strategy", "ranks", "program MB", f"vs {sizes[0][0]}", "whole MB", "whole / parts", "plans"], rows))
+
+
 def parse_and_all_to_all(a2a_sizes) -> None:
     ids = ",".join(map(str, range(16384)))
     _, t_list = _clock(lambda: parse(f"S0:16384@[{ids}]"))
@@ -129,6 +164,7 @@ def main() -> int:
         if zero:
             sizes.insert(1, ("Table 5 (16 H800 + 32 H20), ZeRO-1", paper_strategy("table5_32b_16h800_32h20")))
         scaling(sizes, reps)
+    program_sizes(sizes)
     parse_and_all_to_all([256] if quick else [256, 1024])
     return 0
 

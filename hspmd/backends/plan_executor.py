@@ -1,7 +1,8 @@
 """Run a communication plan (hspmd.comm_resolve) on one rank, over any Backend.
 
-The same per-rank code serves every primitive: for each step a device that assembled_on its piece
-allocates its destination piece (empty when the step writes all of it, else zeros), runs the
+A rank runs its part of the plan (comm_resolve/plan_part.py: a whole plan is cut to it once). The
+same per-rank code serves every primitive: for each step in which the device assembles its piece,
+it allocates its destination piece (empty when the step writes all of it, else zeros), runs the
 sub-collectives it is a member of in the plan's global order, then does its local copies and its
 messages, round by round. Results are clipped to the destination piece.
 
@@ -24,8 +25,8 @@ from typing import Callable, Mapping
 import torch
 
 from hspmd.annotations import Annotation, Box, Piece, box_intersection, box_relative, box_shape, device_pieces
-from hspmd.comm_resolve.collectives import tiles
-from hspmd.comm_resolve.plan import Collective, FusedPlan, Plan, Step, Transfer
+from hspmd.comm_resolve.plan import Collective, FusedPlan, Plan, Transfer
+from hspmd.comm_resolve.plan_part import Exchange, PlanPart, StepPart, keeps_own_piece, part_of, tiled, transfers_part
 from hspmd.comm_resolve.slices import box_contains, box_volume
 from hspmd.errors import HSPMDError, ShapeError, ShapeTypeError
 from hspmd.limits import brief
@@ -135,73 +136,26 @@ def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out
         _write(out, dst, region, target)
 
 
-@lru_cache(maxsize=4096)
-def _covered(step: Step, me: int, dst: Box) -> bool:
-    """True when the step's collectives and messages write every element of this device's
-    destination piece exactly once: it then starts empty, not zero-filled."""
-    regions = []
-    for c in step.collectives:
-        if me in c.devices:
-            if c.kind == "all_reduce":
-                regions.append(box_intersection(c.box, dst))
-            elif c.kind == "all_gather":
-                regions += [box_intersection(p, dst) for p in c.parts]
-            else:
-                regions.append(box_intersection(c.parts[c.devices.index(me)], dst))
-    regions += [box_intersection(b, dst) for t in step.transfers if t.dst == me for b in t.boxes]
-    return _tiled(dst, regions)
-
-
-def _tiled(box: Box, regions) -> bool:
-    """The non-empty regions tile `box` (an empty box needs nothing)."""
-    return box_volume(box) == 0 or tiles(box, [r for r in regions if r is not None])
-
-
-@lru_cache(maxsize=4096)
-def message_rounds(transfers: tuple[Transfer, ...]) -> tuple[tuple[Transfer, ...], ...]:
-    """The messages (src != dst) in rounds where each device sends at most one and receives at
-    most one, so a device stages at most one message each way at a time. Greedy in a fixed order
-    (by ring distance, then sender), the same on every device; a cyclic shift pattern takes the
-    fewest rounds. Messages run round by round, each round one batched exchange."""
-    messages = [t for t in transfers if t.src != t.dst]
-    width = 1 + max((max(t.src, t.dst) for t in messages), default=0)
-    rounds: list[list[Transfer]] = []
-    busy: list[tuple[set, set]] = []
-    for t in sorted(messages, key=lambda t: ((t.dst - t.src) % width, t.src, t.dst)):
-        r = next((i for i, (out, into) in enumerate(busy) if t.src not in out and t.dst not in into), len(rounds))
-        if r == len(rounds):
-            rounds.append([])
-            busy.append((set(), set()))
-        rounds[r].append(t)
-        busy[r][0].add(t.src)
-        busy[r][1].add(t.dst)
-    return tuple(tuple(r) for r in rounds)
-
-
 def _exchange(
-    transfers: tuple[Transfer, ...],
+    copies: tuple[Transfer, ...],
+    exchanges: tuple[Exchange, ...],
     backend: Backend,
     sources: Mapping[int, tuple[torch.Tensor, Box]],
     targets: Mapping[int, tuple[torch.Tensor, Box]],
     bufs: Mapping[int, Buffers],
 ) -> None:
-    """Local copies, then the messages round by round (message_rounds: every device passes the
-    step's whole transfer list, so all agree on the rounds); `sources`/`targets` map tensor id ->
-    (tensor, box), `bufs` tensor id -> its buffers (dtype). A message mixing dtypes travels as bytes.
-    A message is sent from a view of its source when it is one contiguous box, and lands straight
-    in its destination when that is one contiguous box: otherwise through one buffer."""
-    me = backend.rank
-    for t in transfers:
-        if t.src == me and t.dst == me:
-            for tid, box in zip(t.tensors, t.boxes):
-                if tid in targets:
-                    value = _cut(sources[tid][0], sources[tid][1], box, bufs[tid])
-                    _write(targets[tid][0], targets[tid][1], box, value)
-    for round_ in message_rounds(tuple(transfers)):
-        send = next((t for t in round_ if t.src == me), None)
-        recv = next((t for t in round_ if t.dst == me), None)
-        if send is None and recv is None:
-            continue
+    """This device's local copies, then its messages round by round (`exchanges`: its (send,
+    receive) in each round it takes part in, from plan_part.transfers_part, in the rounds every
+    device agrees on); `sources`/`targets` map tensor id -> (tensor, box), `bufs` tensor id -> its
+    buffers (dtype). A message mixing dtypes travels as bytes. A message is sent from a view of
+    its source when it is one contiguous box, and lands straight in its destination when that is
+    one contiguous box: otherwise through one buffer."""
+    for t in copies:
+        for tid, box in zip(t.tensors, t.boxes):
+            if tid in targets:
+                value = _cut(sources[tid][0], sources[tid][1], box, bufs[tid])
+                _write(targets[tid][0], targets[tid][1], box, value)
+    for send, recv in exchanges:
         sends = {send.dst: _outgoing(send, sources, bufs)} if send is not None else {}
         landing, staged = _landing(recv, targets, bufs) if recv is not None else (None, False)
         backend.exchange_into(sends, {recv.src: landing} if recv is not None else {})
@@ -288,49 +242,42 @@ def _nbytes(t: Transfer, bufs: Mapping[int, Buffers]) -> int:
     return sum(box_volume(box) * _itemsize(bufs[tid].dtype) for tid, box in zip(t.tensors, t.boxes))
 
 
-def _only_copies_own_piece(transfers, me: int, tid: int, src: Piece | None, dst: Piece) -> bool:
-    """True when the device's only part in tensor `tid` is copying its whole piece to itself."""
-    mine = [(t, b) for t in transfers if me in (t.src, t.dst) for x, b in zip(t.tensors, t.boxes) if x == tid]
-    return (
-        src is not None and src.box == dst.box and src.summand == dst.summand and len(mine) == 1
-        and mine[0][0].src == mine[0][0].dst == me and mine[0][1] == dst.box
-    )
-
-
-def execute_step(step: Step, shape: tuple[int, ...], dtype: torch.dtype, backend: Backend, local, reduce: str = "sum"):
-    me = backend.rank
+def execute_step(step: StepPart, dtype: torch.dtype, backend: Backend, local, reduce: str = "sum"):
+    """One step of this rank's part of a plan: its tensor before the step in, after it out."""
     buf = Buffers.for_rank(dtype, backend, (local,))
-    src, dst = _pieces(step.src, shape).get(me), _pieces(step.dst, shape).get(me)
-    if me not in step.assembled_on:
-        if any(t.src == me for t in step.transfers):
-            _exchange(step.transfers, backend, {0: (local, src.box)}, {}, {0: buf})
-        return local if dst is not None else None
-    if _only_copies_own_piece(step.transfers, me, 0, src, dst) and not any(me in c.devices for c in step.collectives):
-        return local
-    src_box = src.box if src is not None else None
-    out = buf.empty(dst.shape) if _covered(step, me, dst.box) else buf.zeros(dst.shape)
-    mine = [c for c in step.collectives if me in c.devices]
+    src_box = step.src.box if step.src is not None else None
+    if not step.assembles:
+        if step.exchanges:
+            _exchange((), step.exchanges, backend, {0: (local, src_box)}, {}, {0: buf})
+        return local if step.dst is not None else None
+    out = buf.empty(step.dst.shape) if step.covered else buf.zeros(step.dst.shape)
     zero = None  # the reduction's identity, one element, for a member without a value
-    if any(me in c.zero_inputs or src is None for c in mine):
+    if any(backend.rank in c.zero_inputs or src_box is None for c in step.collectives):
         zero = buf.zeros(()) if reduce == "sum" else torch.full((), -torch.inf, dtype=dtype, device=buf.device)
-    for c in mine:
-        _run_collective(c, backend, local, src_box, out, dst.box, buf, zero, reduce)
-    _exchange(step.transfers, backend, {0: (local, src_box)}, {0: (out, dst.box)}, {0: buf})
+    for c in step.collectives:
+        _run_collective(c, backend, local, src_box, out, step.dst.box, buf, zero, reduce)
+    _exchange(step.copies, step.exchanges, backend, {0: (local, src_box)}, {0: (out, step.dst.box)}, {0: buf})
     return out
 
 
-def execute_plan(plan: Plan, backend: Backend, local: torch.Tensor | None, reduce: str = "sum") -> torch.Tensor | None:
-    """This rank's part of `plan`: its source piece in, its destination piece out (None if the
-    rank holds no destination piece). reduce="max" combines partial values by their maximum
-    (a plan whose collectives are all all-reduces: Partial -> Duplicate, SplitAllReduce)."""
-    me, dtype = backend.rank, _torch_dtype(plan.dtype)
-    _check_local(local, _pieces(plan.src, plan.shape).get(me), dtype, me, lambda: f"source {plan.src}")
-    if reduce != "sum" and any(c.kind != "all_reduce" for step in plan.steps for c in step.collectives):
-        raise HSPMDError(f"a {reduce} reduction runs on all-reduces only, and {plan.src} -> {plan.dst} resolves to "
-                         f"{' + '.join(plan.primitives)}; reshard to a layout the partial values all-reduce into")
-    for step in plan.steps:
-        local = execute_step(step, plan.shape, dtype, backend, local, reduce)
-    return local if me in plan.dst.devices else None
+def execute_plan(plan: Plan | PlanPart, backend: Backend, local: torch.Tensor | None,
+                 reduce: str = "sum") -> torch.Tensor | None:
+    """This rank's part of `plan` (a whole plan is cut to it first, once: plan_part.part_of): its
+    source piece in, its destination piece out (None if the rank holds no destination piece).
+    reduce="max" combines partial values by their maximum (a plan whose collectives are all
+    all-reduces: Partial -> Duplicate, SplitAllReduce)."""
+    me = backend.rank
+    part = part_of(plan, me) if isinstance(plan, Plan) else plan
+    if part.device != me:
+        raise HSPMDError(f"rank {me} was given device {part.device}'s part of the plan {part.label}")
+    dtype = _torch_dtype(part.dtype)
+    _check_local(local, part.src, dtype, me, lambda: f"source {part.source}")
+    if reduce != "sum" and set(part.collective_kinds) - {"all_reduce"}:
+        raise HSPMDError(f"a {reduce} reduction runs on all-reduces only, and {part.label} resolves to "
+                         f"{' + '.join(part.collective_kinds)}; reshard to a layout the partial values all-reduce into")
+    for step in part.steps:
+        local = execute_step(step, dtype, backend, local, reduce)
+    return local if part.holds_result else None
 
 
 def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -342,6 +289,7 @@ def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, 
         return {}
     device = Buffers.for_rank(torch.float32, backend, locals_.values()).device
     bufs = {tid: Buffers(_torch_dtype(m.dtype), device) for tid, m in enumerate(plan.moves)}
+    copies, exchanges = transfers_part(plan.transfers, me)
     sources, targets, out = {}, {}, {}
     for tid, move in enumerate(plan.moves):
         src, dst = _pieces(move.src, move.shape).get(me), _pieces(move.dst, move.shape).get(me)
@@ -350,12 +298,12 @@ def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, 
             sources[tid] = (locals_[tid], src.box)
         if dst is None:
             continue
-        if _only_copies_own_piece(plan.transfers, me, tid, src, dst):
+        if keeps_own_piece(copies, exchanges, tid, src, dst):
             out[tid] = locals_[tid]
         else:
             out[tid] = bufs[tid].empty(dst.shape) if _fused_covered(plan, me, tid, dst.box) else bufs[tid].zeros(dst.shape)
             targets[tid] = (out[tid], dst.box)
-    _exchange(plan.transfers, backend, sources, targets, bufs)
+    _exchange(copies, exchanges, backend, sources, targets, bufs)
     return out
 
 
@@ -363,7 +311,7 @@ def _fused_covered(plan: FusedPlan, me: int, tid: int, dst: Box) -> bool:
     """True when the messages into this device write every element of tensor `tid`'s piece once."""
     regions = [box_intersection(b, dst) for t in plan.transfers if t.dst == me
                for x, b in zip(t.tensors, t.boxes) if x == tid]
-    return _tiled(dst, regions)
+    return tiled(dst, regions)
 
 
 def run_plan(plan: Plan | FusedPlan, locals_: Mapping[int, object], timeout: float = 60.0) -> dict[int, object]:

@@ -6,9 +6,11 @@
     print(again)                                                   # ops, plans, schedule, pieces
 
 A program lists the tensors its ops touch (global shape under the program's binding, dtype, this
-device's box, annotation text), its forward / backward / update ops in execution order (kind,
-role, input and output tensor ids, attributes, the index of the resolved plan of a CommOp), the
-plans themselves (hspmd.comm_resolve.plan, the same JSON), its parameter and optimizer-state
+device's box, annotation text: each distinct text written once), its forward / backward /
+update ops in execution order (kind, role, input and output tensor ids, attributes, the index of
+the plan of a CommOp), this device's parts of the resolved plans (hspmd.comm_resolve.plan_part:
+its own collectives and messages only, so that a program's size follows the groups its device is
+in, not the size of the job), its parameter and optimizer-state
 pieces with their boxes and initialisation keys, which tensors are accumulated over micro-batches,
 the loss and gradient tensors, its pipeline stage and schedule order, and which box of the
 step's global batch each placeholder takes for every micro-batch. hspmd.runtime.program_run
@@ -33,7 +35,7 @@ from typing import Any, Mapping, Sequence
 import sympy
 
 from hspmd.annotations import Box
-from hspmd.comm_resolve.plan import Plan
+from hspmd.comm_resolve.plan_part import PlanPart, part_of
 from hspmd.errors import HSPMDError
 from hspmd.ir.dsl import name_seed
 from hspmd.ir.graph import Tensor
@@ -43,7 +45,7 @@ from hspmd.ops.registry import OPERATORS
 from hspmd.specialize.executable import ExecutableGraph, Instruction
 from hspmd.specialize.schedules import BACKWARD, FORWARD, Action, check_order
 
-SCHEMA = "hspmd.program/1"
+SCHEMA = "hspmd.program/2"
 ROLES = ("leaf", "compute", "assign", "identity", "local", "collective", "send", "recv", "send+recv")
 PHASES = ("forward", "backward", "update")
 
@@ -139,7 +141,7 @@ class DeviceProgram:
     forward: tuple[Op, ...]
     backward: tuple[Op, ...]
     update: tuple[Op, ...]
-    plans: tuple[Plan, ...]
+    plans: tuple[PlanPart, ...]
     leaves: tuple[LeafPiece, ...]
     accumulated: tuple[int, ...]
     gradients: tuple[tuple[str, int], ...]
@@ -181,8 +183,7 @@ class DeviceProgram:
             lines.append(f"  {title} ({len(ops)} ops)")
             lines.extend(f"    {op}" for op in ops)
         lines.append(f"  plans ({len(self.plans)})")
-        for i, plan in enumerate(self.plans):
-            lines.append(f"    plan {i}: {plan.src} -> {plan.dst} {list(plan.shape)}: {' ; '.join(plan.primitives)}")
+        lines.extend(f"    plan {i}: {part}" for i, part in enumerate(self.plans))
         lines.append(f"  leaves ({len(self.leaves)})")
         for leaf in self.leaves:
             init = ", ".join(f"{k}={v}" for k, v in leaf.init)
@@ -199,6 +200,8 @@ class DeviceProgram:
             return [{"name": o.name, "kind": o.kind, "role": o.role, "inputs": list(o.inputs), "outputs": list(o.outputs),
                      "attrs": _json_value(dict(o.attrs)), **({} if o.plan is None else {"plan": o.plan})} for o in prog]
 
+        annotations = list(dict.fromkeys(t.annotation for t in self.tensors))  # a few texts shared by many tensors
+        annotation_index = {a: i for i, a in enumerate(annotations)}
         place = None if self.place is None else {
             "stages": [list(s) for s in self.place.stages], "stage": self.place.stage, "pipeline": self.place.pipeline,
             "schedule": self.place.schedule, "order": [str(a) for a in self.place.order],
@@ -208,8 +211,9 @@ class DeviceProgram:
             "binding": {"symbols": dict(self.binding.values),
                         "ratios": None if self.binding.ratios is None else list(self.binding.ratios)},
             "devices": list(self.devices), "groups": [list(g) for g in self.groups],
+            "annotations": annotations,
             "tensors": [{"id": t.id, "name": t.name, "shape": list(t.shape), "dtype": t.dtype, "box": box(t.box),
-                         "annotation": t.annotation} for t in self.tensors],
+                         "annotation": annotation_index[t.annotation]} for t in self.tensors],
             "forward": ops(self.forward), "backward": ops(self.backward), "update": ops(self.update),
             "plans": [p.to_dict() for p in self.plans],
             "leaves": [{"name": l.name, "kind": l.kind, "tensor": l.tensor, "init": dict(l.init), "seed": l.seed}
@@ -269,7 +273,7 @@ def device_program(exe: ExecutableGraph, *, seed: int, place: PipelinePlace | No
     decides the pipeline place, feeds and loss holder, as the Trainer does."""
     binding = exe.binding
     tensors: dict[int, TensorInfo] = {}
-    plans: dict[Plan, int] = {}
+    plans: dict[PlanPart, int] = {}
 
     def note(t: Tensor) -> int:
         if t.id not in tensors:
@@ -284,7 +288,7 @@ def device_program(exe: ExecutableGraph, *, seed: int, place: PipelinePlace | No
         attrs = {k: _frozen_attr(v, binding, f"op {n.name} attribute {k}") for k, v in n.attrs.items()}
         index = None
         if n.opdef.is_comm and ins.role != "identity":
-            index = plans.setdefault(exe.plan(n, binding), len(plans))
+            index = plans.setdefault(part_of(exe.plan(n, binding), exe.device), len(plans))
         return Op(n.name, n.kind, ins.role, tuple(note(t) for t in n.inputs), tuple(note(t) for t in n.outputs),
                   attrs, index)
 
@@ -435,17 +439,27 @@ def _read_program(f: _Field) -> DeviceProgram:
     ratios = binding_f["ratios"]
     binding = Binding(tuple(sorted((k, symbols[k].int()) for k in symbols.value)),
                       None if ratios.value is None else ratios.ints(1))
+    annotations = tuple(a.str() for a in f["annotations"].items())
+
+    def annotation(g: _Field) -> str:
+        i = g.int()
+        if i >= len(annotations):
+            raise g.fail(f"expected an index below {len(annotations)} into the annotations")
+        return annotations[i]
+
     tensors = tuple(TensorInfo(t["id"].int(), t["name"].str(), t["shape"].ints(), t["dtype"].str(),
-                               t["box"].box(optional=True), t["annotation"].str()) for t in f["tensors"].items())
+                               t["box"].box(optional=True), annotation(t["annotation"])) for t in f["tensors"].items())
     known = {t.id for t in tensors}
     if len(known) != len(tensors):
         raise f["tensors"].fail("tensor ids must be unique")
     plans = []
     for p in f["plans"].items():
         try:
-            plans.append(Plan.from_dict(p.value))
+            plans.append(PlanPart.from_dict(p.value))
         except (HSPMDError, KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-            raise p.error(f"not a plan ({type(exc).__name__}: {exc})") from None
+            raise p.error(f"not a plan part ({type(exc).__name__}: {exc})") from None
+        if plans[-1].device != f["device"].value:
+            raise p["device"].fail(f"expected this program's device {f['device'].value}")
     ops = {phase: _read_ops(f[phase], known, len(plans)) for phase in PHASES}
     leaves = []
     for leaf in f["leaves"].items():
