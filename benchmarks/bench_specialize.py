@@ -25,6 +25,7 @@ Run: python benchmarks/bench_specialize.py [--quick] [--reps N]   (--quick: 48 a
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -139,6 +140,7 @@ def program_sizes(sizes) -> None:
 
 
 def parse_and_all_to_all(a2a_sizes) -> None:
+    gc.collect()  # the sections before leave garbage that automatic collections would walk while parsing
     ids = ",".join(map(str, range(16384)))
     _, t_list = _clock(lambda: parse(f"S0:16384@[{ids}]"))
     _, t_range = _clock(lambda: parse("S0:16384@[0-16383]"))

@@ -19,24 +19,20 @@ With torch.distributed, every rank must first create the plan's groups collectiv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Mapping
 
 import torch
 
-from hspmd.annotations import Annotation, Box, Piece, box_intersection, box_relative, box_shape, device_pieces
+from hspmd.annotations import Box, Piece, box_intersection, box_relative, box_shape
 from hspmd.comm_resolve.plan import Collective, FusedPlan, Plan, Transfer
-from hspmd.comm_resolve.plan_part import Exchange, PlanPart, StepPart, keeps_own_piece, part_of, tiled, transfers_part
+from hspmd.comm_resolve.plan_part import (
+    Exchange, PlanPart, StepPart, keeps_own_piece, part_of, piece_of, tiled, transfers_part,
+)
 from hspmd.comm_resolve.slices import box_contains, box_volume
 from hspmd.errors import HSPMDError, ShapeError, ShapeTypeError
 from hspmd.limits import brief
 from hspmd.backends.backend import Backend
 from hspmd.backends.local import run_on_devices
-
-
-@lru_cache(maxsize=4096)
-def _pieces(ann: Annotation, shape: tuple[int, ...]) -> dict[int, Piece]:
-    return device_pieces(ann, shape)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -292,7 +288,7 @@ def execute_fused_plan(plan: FusedPlan, backend: Backend, locals_: Mapping[int, 
     copies, exchanges = transfers_part(plan.transfers, me)
     sources, targets, out = {}, {}, {}
     for tid, move in enumerate(plan.moves):
-        src, dst = _pieces(move.src, move.shape).get(me), _pieces(move.dst, move.shape).get(me)
+        src, dst = piece_of(move.src, move.shape, me), piece_of(move.dst, move.shape, me)
         _check_local(locals_.get(tid), src, bufs[tid].dtype, me, lambda: f"tensor {tid} ({move.src})")
         if src is not None:
             sources[tid] = (locals_[tid], src.box)

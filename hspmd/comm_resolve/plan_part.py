@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping
 
-from hspmd.annotations import Box, Piece, box_intersection, device_pieces
+from hspmd.annotations import Annotation, Box, Piece, box_intersection
+from hspmd.annotations.geometry import device_pieces_of
 from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
@@ -153,7 +154,7 @@ def _cut(plan: Plan, me: int) -> PlanPart:
     shape = plan.shape
     steps = []
     for step in plan.steps:
-        src, dst = _pieces(step.src, shape).get(me), _pieces(step.dst, shape).get(me)
+        src, dst = piece_of(step.src, shape, me), piece_of(step.dst, shape, me)
         assembles = me in step.assembled_on
         if not assembles:  # it keeps its tensor (None where it holds no destination piece) and may send from it
             talks = any(me in (t.src, t.dst) and t.src != t.dst for t in step.transfers)
@@ -168,7 +169,7 @@ def _cut(plan: Plan, me: int) -> PlanPart:
         steps.append(StepPart(step.primitive, src, dst, True, _covered(step, me, dst.box), collectives, copies,
                               exchanges))
     kinds = tuple(sorted({c.kind for s in plan.steps for c in s.collectives}))
-    return PlanPart(me, shape, plan.dtype, _pieces(plan.src, shape).get(me), me in plan.dst.devices, tuple(steps),
+    return PlanPart(me, shape, plan.dtype, piece_of(plan.src, shape, me), me in plan.dst.devices, tuple(steps),
                     kinds, _shortened(str(plan.src)), _shortened(str(plan.dst)))
 
 
@@ -176,9 +177,9 @@ def _shortened(text: str) -> str:
     return text if len(text) <= LABEL_CHARS else text[: LABEL_CHARS - 1] + "…"
 
 
-@lru_cache(maxsize=4096)
-def _pieces(ann, shape: tuple[int, ...]) -> dict[int, Piece]:
-    return device_pieces(ann, shape)
+def piece_of(ann: Annotation, shape: tuple[int, ...], device: int) -> Piece | None:
+    """The device's piece of a layout (None: it holds none), read from the cached pieces uncopied."""
+    return device_pieces_of(ann, shape, (device,)).get(device)
 
 
 def keeps_own_piece(copies: tuple[Transfer, ...], exchanges: tuple[Exchange, ...], tensor: int, src: Piece | None,
@@ -263,4 +264,5 @@ def _bool(value, what: str) -> bool:
     return value
 
 
-__all__ = ["PART_SCHEMA", "PlanPart", "StepPart", "message_rounds", "keeps_own_piece", "part_of", "tiled", "transfers_part"]
+__all__ = ["PART_SCHEMA", "Exchange", "PlanPart", "StepPart", "keeps_own_piece", "message_rounds", "part_of", "piece_of",
+           "tiled", "transfers_part"]
