@@ -16,7 +16,9 @@ from hspmd.ops import AdamW
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.comm_resolve.bucketing import chain_cap
-from hspmd.runtime.buckets import MB, Bucket, BucketPlan, BucketSlot, BucketSync, plan_buckets
+from hspmd.comm_resolve.bucketing import MB
+from hspmd.runtime.buckets import BucketSync
+from hspmd.specialize.bucket_plan import Bucket, BucketPlan, BucketSlot, plan_buckets
 from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.trace import Tracer

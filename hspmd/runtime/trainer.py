@@ -38,7 +38,7 @@ from hspmd.ir.graph import Graph, Node
 from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, SyncedGradients, cap_bytes_of, plan_buckets
+from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, SyncedGradients, cap_bytes_of
 from hspmd.runtime.checkpoint import (
     cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
 )
@@ -48,6 +48,7 @@ from hspmd.runtime.sharded_checkpoint import PendingSave, open_checkpoint, save_
 from hspmd.runtime.trace import Tracer
 from hspmd.specialize.schedules import Schedule, pipeline_schedule, schedule_for
 from hspmd.specialize.deduce import Deduced, check_strategy_index
+from hspmd.specialize.bucket_plan import plan_buckets
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 from hspmd.runtime.run import DeviceState, run_update, synced_gradients
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
