@@ -15,8 +15,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.comm_resolve.bucketing import chain_cap
-from hspmd.comm_resolve.bucketing import MB
+from hspmd.comm_resolve.bucketing import MB, chain_cap
 from hspmd.runtime.buckets import BucketSync
 from hspmd.specialize.bucket_plan import Bucket, BucketPlan, BucketSlot, plan_buckets
 from hspmd.runtime.inprocess import InProcessJob
