@@ -174,6 +174,37 @@ def test_programs_run_in_process_like_the_trainer_and_idle_ranks_return_none():
         assert got == want and got[2] is None and got[0] is not None
 
 
+def test_a_program_carries_its_buckets_and_the_runner_reads_gradients_from_them():
+    """DP2 with small buckets: the programs carry the Trainer's bucket plan through JSON, the
+    update reads the bucketed gradients from the bucket buffers, and the steps give the same
+    bits as programs compiled without buckets."""
+    model, layout, symbols = _model(STRATEGIES["dp"])
+    bucketed = compile_programs(model.graph, 0, layout, "1f1b", symbols, bucket_cap_mb=0.001)
+    plain = compile_programs(model.graph, 0, layout, "1f1b", symbols, bucket_cap_mb=None)
+    assert all(p.buckets is None for p in plain.values())
+    for rank, program in bucketed.items():
+        assert len(program.buckets.buckets) > 1 and not program.buckets.kept
+        assert DeviceProgram.from_json(program.to_json()).buckets == program.buckets
+    world = LocalWorld(range(len(bucketed)))
+    runs = {}
+    for name, programs in (("bucketed", bucketed), ("plain", plain)):
+        runners = world.run(lambda b: ProgramRunner(DeviceProgram.from_json(programs[b.rank].to_json()), b))
+        losses = [world.run(lambda b: runners[b.rank].step(batch)) for batch in _batches(layout)]
+        runs[name] = (losses, world.run(lambda b: runners[b.rank].gradient_pieces()),
+                      world.run(lambda b: runners[b.rank].pieces()))
+        if name == "bucketed":
+            buffers = {b.untyped_storage().data_ptr() for r in runners.values() for b in r.buckets.buffers}
+            read = {g.untyped_storage().data_ptr() for r in runners.values() for g in r.gradients.values()}
+            assert read <= buffers
+    (losses, grads, pieces), (plain_losses, plain_grads, plain_pieces) = runs["bucketed"], runs["plain"]
+    assert losses == plain_losses
+    for rank in grads:
+        for name, (box, value) in grads[rank].items():
+            assert plain_grads[rank][name][0] == box and torch.equal(value, plain_grads[rank][name][1]), name
+        for name, (box, value) in pieces[rank].items():
+            assert torch.equal(value, plain_pieces[rank][name][1]), name
+
+
 def test_every_op_kind_of_llama_steps_is_in_the_registry():
     strategy = parse_strategy("layers=2 ; 1x2: R0,1 L0-1")
     graphs = [build_llama(LlamaConfig(layers=2, **CONFIG), [strategy], optimizer=AdamW(lr=LR)).graph,
@@ -258,6 +289,21 @@ def test_a_damaged_program_is_refused_naming_the_field(tp_program, damage, field
     data = json.loads(json.dumps(tp_program))
     damage(data)
     with pytest.raises(ProgramError, match="program field") as info:
+        DeviceProgram.from_dict(data)
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize("damage, field", [
+    (lambda b: b["buckets"][0]["slots"][0].update(tensor=10**6), "names tensor 1000000, which is not in the tensor"),
+    (lambda b: b["buckets"][0].update(dtype="int4"), "field buckets: not a bucket plan (ValueError: bucket 0: dtype"),
+    (lambda b: b["buckets"][0]["slots"][0].update(offset=3), "slots must follow one another"),
+    (lambda b: b["buckets"][0].pop("group"), "field buckets: not a bucket plan (KeyError"),
+])
+def test_a_damaged_bucket_plan_is_refused_naming_the_field(damage, field):
+    model, layout, symbols = _model(STRATEGIES["dp"])
+    data = compile_programs(model.graph, 0, layout, "1f1b", symbols, bucket_cap_mb=0.001)[0].to_dict()
+    damage(data["buckets"])
+    with pytest.raises(ProgramError, match="program field buckets") as info:
         DeviceProgram.from_dict(data)
     assert field in str(info.value)
 

@@ -129,8 +129,9 @@ class BucketSync:
             self._start(c, backend, only_full=False)
         return SyncedGradients(self)
 
-    def _synced(self, tensor_id: int) -> torch.Tensor:
-        """Gradient `tensor_id` summed over its group: its buckets waited for, split boxes copied back."""
+    def gradient(self, tensor_id: int) -> torch.Tensor:
+        """Gradient `tensor_id` summed over its group: its buckets alone waited for, split boxes
+        copied back (after finish())."""
         if tensor_id not in self._ready:
             for k in self._bucket_of[tensor_id]:
                 if self._pending[k] is not None:
@@ -145,7 +146,7 @@ class BucketSync:
         """Wait for every bucket still under way (the update read them all: normally none), so that
         the next step's backward writes no buffer that is on the wire."""
         for tensor_id in self._bucket_of:
-            self._synced(tensor_id)
+            self.gradient(tensor_id)
 
 
 class SyncedGradients(Mapping[int, torch.Tensor]):
@@ -155,7 +156,7 @@ class SyncedGradients(Mapping[int, torch.Tensor]):
         self._sync = sync
 
     def __getitem__(self, sync_node_id: int) -> torch.Tensor:
-        return self._sync._synced(self._sync._tensor_of_sync[sync_node_id])
+        return self._sync.gradient(self._sync._tensor_of_sync[sync_node_id])
 
     def __contains__(self, sync_node_id: object) -> bool:  # without waiting (Mapping's reads the value)
         return sync_node_id in self._sync._tensor_of_sync
@@ -170,16 +171,16 @@ class SyncedGradients(Mapping[int, torch.Tensor]):
         self._sync.settle()
 
 
-def write_gradient(node, ctx, inputs, target: torch.Tensor, earlier: torch.Tensor | None) -> None:
-    """Make `node`'s single output straight into `target` (plus `earlier`, the sum over the
-    step's earlier micro-batches): through the op's compute_into where it has one, else a copy.
-    Runs inside the executor (under no_grad)."""
-    if earlier is None and node.opdef.compute_into(node, ctx, inputs, target):
+def write_gradient(opdef, node, ctx, inputs, target: torch.Tensor, earlier: torch.Tensor | None) -> None:
+    """Make the single output of `node` (an IR node or a program's op, computed by `opdef`)
+    straight into `target` (plus `earlier`, the sum over the step's earlier micro-batches): through
+    the op's compute_into where it has one, else a copy. Runs inside the executor (under no_grad)."""
+    if earlier is None and opdef.compute_into(node, ctx, inputs, target):
         return
-    (value,) = node.opdef.compute(node, ctx, inputs)
+    (value,) = opdef.compute(node, ctx, inputs)
     if tuple(value.shape) != tuple(target.shape):
-        raise HSPMDError(f"device {ctx.device}: gradient {node.output.name} has shape {tuple(value.shape)} but its "
-                         f"bucket slot is {tuple(target.shape)}")
+        raise HSPMDError(f"device {ctx.device}: the gradient {node.name} makes has shape {tuple(value.shape)} but "
+                         f"its bucket slot is {tuple(target.shape)}")
     if earlier is None:
         target.copy_(value)
     else:

@@ -6,8 +6,10 @@
 
 The interpreter mirrors hspmd.runtime.run and the Trainer's step: the schedule's order of forward
 and backward passes (sends posted without waiting and kept only until received, as
-hspmd.runtime.executor does; gradient buckets are not used: gradients synchronise in the update), gradients
-accumulated over micro-batches, the update once a step, the loss summed over its holders. Ops are
+hspmd.runtime.executor does), gradients accumulated over micro-batches, the program's gradient
+buckets filled by the last backward and all-reduced while it goes on (hspmd.runtime.buckets;
+the update reads each when it reaches it), the update once a step, the loss summed over its
+holders. Ops are
 looked up by kind (hspmd.ops.registry) and computed with the program's attributes and boxes;
 CommOps run their resolved plans (hspmd.backends.plan_executor).
 """
@@ -25,6 +27,7 @@ from hspmd.backends.plan_executor import execute_plan
 from hspmd.errors import HSPMDError, ShapeError
 from hspmd.ir.init import initializer_from_key, make_piece
 from hspmd.ops.registry import operator
+from hspmd.runtime.buckets import BucketSync, write_gradient
 from hspmd.runtime.executor import NonBlockingSends
 from hspmd.specialize.program import DeviceProgram, Op
 from hspmd.specialize.schedules import FORWARD
@@ -91,6 +94,7 @@ class ProgramRunner:
         self.step_count = 0
         self.gradients: dict[str, torch.Tensor] = {}
         self._leaf_of = {leaf.tensor: leaf.name for leaf in program.leaves}
+        self.buckets = None if program.buckets is None or program.idle else BucketSync(program.buckets, backend.device)
         backend.prepare_groups(program.groups)
 
     # ---- one op sequence ---------------------------------------------------------------------------
@@ -102,7 +106,11 @@ class ProgramRunner:
         return None if name is None else self.leaves.get(name)
 
     def _execute(self, ops: Sequence[Op], backend: Backend, env: dict[int, torch.Tensor],
-                 feeds: Mapping[int, torch.Tensor] | None = None) -> None:
+                 feeds: Mapping[int, torch.Tensor] | None = None, accum: dict[int, torch.Tensor] | None = None,
+                 fill: BucketSync | None = None, read: BucketSync | None = None) -> None:
+        """Run `ops` over `env`. `fill`: the last backward's buckets, which bucketed gradients are
+        summed into (with their `accum` of earlier micro-batches); `read`: the buckets after
+        finish(), whose synchronised gradients the update takes in place of running their plans."""
         program = self.program
         for op in ops:
             if op.kind == "placeholder":
@@ -115,6 +123,8 @@ class ProgramRunner:
             elif op.kind == "assign":
                 target, value = op.inputs
                 self.leaves[self._leaf_of[target]] = self._value(env, value)
+            elif op.kind == "comm" and read is not None and op.inputs[0] in read:
+                env[op.outputs[0]] = read.gradient(op.inputs[0])  # waits for its buckets alone
             elif op.kind == "comm":
                 local = self._value(env, op.inputs[0])
                 out = local if op.role == "identity" else execute_plan(program.plans[op.plan], backend, local,
@@ -123,8 +133,16 @@ class ProgramRunner:
                     env[op.outputs[0]] = out
             else:
                 inputs = [self._value(env, t) for t in op.inputs]
+                opdef, ctx = operator(op.kind), _Context(program, op, self.step_count)
+                target = fill.view(op.outputs[0]) if fill is not None else None
+                if target is not None:
+                    with torch.no_grad():
+                        write_gradient(opdef, op, ctx, inputs, target, accum.pop(op.outputs[0], None))
+                    env[op.outputs[0]] = target
+                    fill.written(op.outputs[0], backend)
+                    continue
                 with torch.no_grad():
-                    outs = operator(op.kind).compute(op, _Context(program, op, self.step_count), inputs)
+                    outs = opdef.compute(op, ctx, inputs)
                 for t, v in zip(op.outputs, outs):
                     env[t] = v
 
@@ -162,7 +180,11 @@ class ProgramRunner:
         live: dict[int, dict[int, torch.Tensor]] = {}
         accum: dict[int, torch.Tensor] = {}
         loss = None
-        for action in program.place.order:
+        buckets = self.buckets
+        if buckets is not None:
+            buckets.begin()  # drops what a failed step left under way
+        last_backward = max((i for i, a in enumerate(program.place.order) if a.kind != FORWARD), default=-1)
+        for i, action in enumerate(program.place.order):
             m = action.micro_batch
             sender.tag = (action.kind, m)
             if action.kind == FORWARD:
@@ -173,15 +195,21 @@ class ProgramRunner:
                 live[m] = env
             else:
                 env = live.pop(m)
-                self._execute(program.backward, sender, env)
+                fill = buckets if i == last_backward else None
+                self._execute(program.backward, sender, env, accum=accum, fill=fill)
                 for t in program.accumulated:
                     if t in env:
-                        accum[t] = env[t] if t not in accum else accum[t] + env[t]
+                        bucketed = fill is not None and t in fill  # its view holds every micro-batch's sum
+                        accum[t] = env[t] if bucketed or t not in accum else accum[t] + env[t]
             sender.action_done(action.kind, m)
         sender.wait_sends()
         self.step_count += 1
         env = dict(accum)
-        self._execute(program.update, self.backend, env)
+        if buckets is not None:
+            buckets.finish(self.backend)  # starts any bucket not started yet
+        self._execute(program.update, self.backend, env, read=buckets)
+        if buckets is not None:
+            buckets.settle()
         self.gradients = {name: env[t] for name, t in program.gradients if t in env}
         return self._reduce_loss(loss)
 
@@ -200,9 +228,10 @@ class ProgramRunner:
         return {name: (boxes[name], value) for name, value in self.leaves.items()}
 
     def gradient_pieces(self) -> dict[str, tuple[Box, torch.Tensor]]:
-        """The last step's synchronised gradient pieces held here, with their boxes."""
+        """The last step's synchronised gradient pieces held here, with their boxes: copies (a
+        bucketed gradient lives in its bucket, which the next step's backward writes again)."""
         ids = dict(self.program.gradients)
-        return {name: (self.program.tensor(ids[name]).box, value) for name, value in self.gradients.items()}
+        return {name: (self.program.tensor(ids[name]).box, value.clone()) for name, value in self.gradients.items()}
 
 
 __all__ = ["ProgramRunner", "leaf_pieces"]

@@ -19,10 +19,12 @@ from hspmd.errors import HSPMDError, ShapeError
 from hspmd.ir.graph import Graph
 from hspmd.ir.shapes import Binding
 from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB, cap_bytes_of
 from hspmd.runtime.integrity import atomic_write
 from hspmd.runtime.trainer import (
     as_layout, batch_hsize, batch_subgroup, step_groups, summing_devices, trainer_binding,
 )
+from hspmd.specialize.bucket_plan import plan_buckets
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 from hspmd.specialize.program import DeviceProgram, Feed, PipelinePlace, ProgramError, device_program
 from hspmd.specialize.schedules import schedule_for
@@ -58,10 +60,13 @@ def _feeds(spec: Specialized, exe: ExecutableGraph, layout: MicroBatchLayout, pi
 
 def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
                      symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
-                     world_size: int | None = None) -> dict[int, DeviceProgram]:
+                     world_size: int | None = None,
+                     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB) -> dict[int, DeviceProgram]:
     """Every rank's program (ranks 0..world_size-1; by default up to the strategy's highest device;
     a rank the strategy leaves out gets an idle program). The programs run as Trainers over the
-    same arguments would: same losses, gradients and updated weights."""
+    same arguments would: same losses, gradients and updated weights. `bucket_cap_mb` as the
+    Trainer's (None: every gradient synchronises in the update)."""
+    cap = None if bucket_cap_mb is None else cap_bytes_of(bucket_cap_mb)
     layout = as_layout(layout)
     binding: Binding = trainer_binding(graph, layout, symbols)
     spec = specialize_graph(graph, strategy, binding, topology=topology)
@@ -93,7 +98,7 @@ def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Str
         programs[rank] = device_program(
             exe, seed=seed, place=place, feeds=_feeds(spec, exe, layout, pipeline),
             global_batch=layout.global_batch_size, devices=devices, groups=step_groups(exe, devices, binding),
-            loss=loss, loss_summand=rank in summands)
+            loss=loss, loss_summand=rank in summands, buckets=None if cap is None else plan_buckets(exe, cap))
     return programs
 
 

@@ -150,7 +150,8 @@ def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> 
             target = buckets.view(node.outputs[0].id) if buckets is not None else None
             if target is not None:
                 t = node.outputs[0]
-                write_gradient(node, _OpContext(exe, node, binding, state.step), inputs, target, state.accum.pop(t.id, None))
+                write_gradient(node.opdef, node, _OpContext(exe, node, binding, state.step), inputs, target,
+                               state.accum.pop(t.id, None))
                 env[t.id] = target
                 buckets.written(t.id, backend)
                 continue

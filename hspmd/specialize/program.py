@@ -36,6 +36,7 @@ import sympy
 
 from hspmd.annotations import Box
 from hspmd.comm_resolve.plan_part import PlanPart, part_of
+from hspmd.specialize.bucket_plan import BucketPlan
 from hspmd.errors import HSPMDError
 from hspmd.ir.dsl import name_seed
 from hspmd.ir.graph import Tensor
@@ -129,7 +130,9 @@ class DeviceProgram:
     """One device's whole training step under one strategy, as data (module docstring). An idle
     device (one the strategy leaves out) has no ops and no place. `loss`: the loss tensor if this
     device computes it; `loss_summand`: this device's value counts in the step loss (one holder
-    per distinct piece); `step_loss`: the graph has a loss, so every device joins its sum."""
+    per distinct piece); `step_loss`: the graph has a loss, so every device joins its sum;
+    `buckets`: the gradients it all-reduces in buckets during the last backward (None: every
+    gradient synchronises in the update)."""
 
     device: int
     graph: str
@@ -151,6 +154,7 @@ class DeviceProgram:
     place: PipelinePlace | None
     feeds: tuple[tuple[Feed, ...], ...]
     global_batch: int
+    buckets: BucketPlan | None = None
 
     @property
     def idle(self) -> bool:
@@ -222,6 +226,7 @@ class DeviceProgram:
             "loss": self.loss, "loss_summand": self.loss_summand, "step_loss": self.step_loss, "place": place,
             "feeds": [[{"name": f.name, "tensor": f.tensor, "box": box(f.box)} for f in mb] for mb in self.feeds],
             "global_batch": self.global_batch,
+            "buckets": None if self.buckets is None else self.buckets.to_dict(),
         }
 
     def to_json(self, **kwargs) -> str:
@@ -268,9 +273,9 @@ def _frozen_attr(value: Any, binding: Binding, where: str) -> Any:
 
 def device_program(exe: ExecutableGraph, *, seed: int, place: PipelinePlace | None, feeds: Sequence[Sequence[Feed]],
                    global_batch: int, devices: Sequence[int], groups: Sequence[Sequence[int]],
-                   loss: Tensor | None, loss_summand: bool) -> DeviceProgram:
+                   loss: Tensor | None, loss_summand: bool, buckets: BucketPlan | None = None) -> DeviceProgram:
     """The program of `exe`'s device under its binding. The caller (hspmd.runtime.programs)
-    decides the pipeline place, feeds and loss holder, as the Trainer does."""
+    decides the pipeline place, feeds, loss holder and gradient buckets, as the Trainer does."""
     binding = exe.binding
     tensors: dict[int, TensorInfo] = {}
     plans: dict[PlanPart, int] = {}
@@ -306,7 +311,7 @@ def device_program(exe: ExecutableGraph, *, seed: int, place: PipelinePlace | No
         tuple(tensors[i] for i in sorted(tensors)), forward, backward, update, tuple(plans), tuple(leaves),
         tuple(t.id for t in exe.accumulated if t.id in tensors), gradients,
         loss.id if loss is not None and loss.id in tensors else None, loss_summand, loss is not None, place,
-        tuple(tuple(mb) for mb in feeds), global_batch,
+        tuple(tuple(mb) for mb in feeds), global_batch, buckets,
     )
 
 
@@ -511,7 +516,23 @@ def _read_program(f: _Field) -> DeviceProgram:
         tuple(g.ints() for g in f["groups"].items()), tensors, ops["forward"], ops["backward"], ops["update"],
         tuple(plans), tuple(leaves), tuple(tensor_id(a) for a in f["accumulated"].items()), tuple(gradients), loss,
         f["loss_summand"].bool(), f["step_loss"].bool(), place, feeds, f["global_batch"].int(),
+        _read_buckets(f["buckets"], known),
     )
+
+
+def _read_buckets(f: _Field, known: set[int]) -> BucketPlan | None:
+    if f.value is None:
+        return None
+    try:
+        plan = BucketPlan.from_dict(f.value)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise f.error(f"not a bucket plan ({type(exc).__name__}: {exc})") from None
+    for i, bucket in enumerate(plan.buckets):
+        for slot in bucket.slots:
+            if slot.tensor_id not in known:
+                raise f.error(f"bucket {i}: gradient {slot.gradient} names tensor {slot.tensor_id}, which is not in "
+                              f"the tensor table")
+    return plan
 
 
 __all__ = [
