@@ -9,9 +9,8 @@ and backward passes (sends posted without waiting and kept only until received, 
 hspmd.runtime.executor does), gradients accumulated over micro-batches, the program's gradient
 buckets filled by the last backward and all-reduced while it goes on (hspmd.runtime.buckets;
 the update reads each when it reaches it), the update once a step, the loss summed over its
-holders. Ops are
-looked up by kind (hspmd.ops.registry) and computed with the program's attributes and boxes;
-CommOps run their resolved plans (hspmd.backends.plan_executor).
+holders. Ops are looked up by kind (hspmd.ops.registry) and computed with the program's attributes
+and boxes; CommOps run this device's parts of their plans (hspmd.backends.plan_executor).
 """
 
 from __future__ import annotations

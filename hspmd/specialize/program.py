@@ -12,8 +12,9 @@ the plan of a CommOp), this device's parts of the resolved plans (hspmd.comm_res
 its own collectives and messages only, so that a program's size follows the groups its device is
 in, not the size of the job), its parameter and optimizer-state
 pieces with their boxes and initialisation keys, which tensors are accumulated over micro-batches,
-the loss and gradient tensors, its pipeline stage and schedule order, and which box of the
-step's global batch each placeholder takes for every micro-batch. hspmd.runtime.program_run
+the loss and gradient tensors, its pipeline stage and schedule order, which box of the
+step's global batch each placeholder takes for every micro-batch, and its gradient buckets
+(hspmd.specialize.bucket_plan). hspmd.runtime.program_run
 interprets it, calling each op kind's compute function by name (hspmd.ops.registry).
 
 A program is fixed to one binding of the run-time symbols: shapes and boxes are concrete, and a
