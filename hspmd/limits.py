@@ -1,4 +1,5 @@
-"""Explicit size limits for every user-facing entry point, and the one ASCII-number reader.
+"""Explicit size limits for every user-facing entry point, the one ASCII-number reader, and the
+checks of integers and flags read back from plain-data files.
 
 Each limit keeps the work an input can ask for bounded in time and memory (a device range of a
 billion ids, a topology of 10^10 devices, a 5,000-digit integer). They are far above what the
@@ -52,6 +53,21 @@ def ascii_int(text: str, what: str) -> int:
     if len(text) > MAX_DIGITS:
         raise LimitError(f"{what} {text[:12]}... has {len(text)} digits, over the limit of {MAX_DIGITS}")
     return int(text)
+
+
+def json_count(value: object, what: str) -> int:
+    """`value` read from a plain-data file as a non-negative integer (not a bool), else a
+    ValueError naming `what`: the caller says which file and field."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an integer, at least 0, got {brief(value)}")
+    return value
+
+
+def json_flag(value: object, what: str) -> bool:
+    """`value` read from a plain-data file as true or false, else a ValueError naming `what`."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be true or false, got {brief(value)}")
+    return value
 
 
 def brief(value: object) -> str:

@@ -26,6 +26,7 @@ from hspmd.annotations.geometry import device_pieces_of
 from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
+from hspmd.limits import json_count, json_flag
 
 PART_SCHEMA = "hspmd.plan-part/1"
 LABEL_CHARS = 160
@@ -127,9 +128,9 @@ class PlanPart:
         of another device, a piece that is not a box, an unknown schema)."""
         if d.get("schema") != PART_SCHEMA:
             raise ValueError(f"schema is {d.get('schema')!r}, expected {PART_SCHEMA!r}")
-        device = _int(d["device"], "device")
-        part = cls(device, tuple(_int(n, "shape") for n in d["shape"]), str(d["dtype"]), _piece_from(d["src"]),
-                   _bool(d["holds_result"], "holds_result"), tuple(_step_from(s) for s in d["steps"]),
+        device = json_count(d["device"], "device")
+        part = cls(device, tuple(json_count(n, "shape") for n in d["shape"]), str(d["dtype"]), _piece_from(d["src"]),
+                   json_flag(d["holds_result"], "holds_result"), tuple(_step_from(s) for s in d["steps"]),
                    tuple(str(k) for k in d["collective_kinds"]), str(d["source"]), str(d["destination"]))
         for i, step in enumerate(part.steps):
             for c in step.collectives:
@@ -223,10 +224,10 @@ def _piece_json(piece: Piece | None):
 def _piece_from(d) -> Piece | None:
     if d is None:
         return None
-    box = tuple((_int(a, "box"), _int(b, "box")) for a, b in d["box"])
+    box = tuple((json_count(a, "box"), json_count(b, "box")) for a, b in d["box"])
     if any(b < a for a, b in box):
         raise ValueError(f"piece box {[list(r) for r in box]} has a range that ends before it starts")
-    return Piece(box, tuple(_int(s, "summand") for s in d["summand"]))
+    return Piece(box, tuple(json_count(s, "summand") for s in d["summand"]))
 
 
 def _step_json(s: StepPart) -> dict:
@@ -244,24 +245,12 @@ def _step_from(d: Mapping) -> StepPart:
     for pair in d["exchanges"]:
         send, receive = pair
         exchanges.append((transfer(send), transfer(receive)))
-    step = StepPart(str(d["primitive"]), _piece_from(d["src"]), _piece_from(d["dst"]), _bool(d["assembles"], "assembles"),
-                    _bool(d["covered"], "covered"), tuple(Collective.from_dict(c) for c in d["collectives"]),
+    step = StepPart(str(d["primitive"]), _piece_from(d["src"]), _piece_from(d["dst"]), json_flag(d["assembles"], "assembles"),
+                    json_flag(d["covered"], "covered"), tuple(Collective.from_dict(c) for c in d["collectives"]),
                     tuple(Transfer.from_dict(t) for t in d["copies"]), tuple(exchanges))
     if step.assembles and step.dst is None:
         raise ValueError(f"a {step.primitive} step assembles a destination piece but names none")
     return step
-
-
-def _int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an integer, got {value!r}")
-    return value
-
-
-def _bool(value, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{what} must be true or false, got {value!r}")
-    return value
 
 
 __all__ = ["PART_SCHEMA", "Exchange", "PlanPart", "StepPart", "keeps_own_piece", "message_rounds", "part_of", "piece_of",

@@ -31,6 +31,7 @@ from hspmd.annotations import device_pieces
 from hspmd.backends.backend import Group
 from hspmd.comm_resolve.bucketing import fill_buckets
 from hspmd.errors import HSPMDError
+from hspmd.limits import json_count, json_flag
 from hspmd.specialize.executable import ExecutableGraph
 
 
@@ -92,25 +93,20 @@ class BucketPlan:
         for i, b in enumerate(d["buckets"]):
             if b["dtype"] not in DTYPES:
                 raise ValueError(f"bucket {i}: dtype {b['dtype']!r} is not one of {', '.join(DTYPES)}")
-            slots = tuple(BucketSlot(str(s["gradient"]), _count(s["tensor"]), _count(s["sync"]),
-                                     tuple(_count(n) for n in s["shape"]), _count(s["offset"]),
-                                     None if s["box"] is None else tuple((_count(a), _count(z)) for a, z in s["box"]),
-                                     bool(s["zero"])) for s in b["slots"])
-            bucket = Bucket(tuple(_count(m) for m in b["group"]), DTYPES[b["dtype"]], slots)
+            slots = tuple(BucketSlot(str(s["gradient"]), json_count(s["tensor"], "tensor"), json_count(s["sync"], "sync"),
+                                     tuple(json_count(n, "shape") for n in s["shape"]), json_count(s["offset"], "offset"),
+                                     None if s["box"] is None else
+                                     tuple((json_count(a, "box"), json_count(z, "box")) for a, z in s["box"]),
+                                     json_flag(s["zero"], "zero")) for s in b["slots"])
+            bucket = Bucket(tuple(json_count(m, "group") for m in b["group"]), DTYPES[b["dtype"]], slots)
             ends = [s.offset + s.numel for s in slots]
             if [s.offset for s in slots] != [0] + ends[:-1]:
                 raise ValueError(f"bucket {i}: slots must follow one another from offset 0")
             buckets.append(bucket)
-        return cls(_count(d["cap_bytes"]), tuple(buckets), tuple((str(n), str(why)) for n, why in d["kept"]))
+        return cls(json_count(d["cap_bytes"], "cap_bytes"), tuple(buckets), tuple((str(n), str(why)) for n, why in d["kept"]))
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _count(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"expected a non-negative integer, got {value!r}")
-    return value
 
 
 def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
