@@ -17,7 +17,8 @@ from hspmd.models.llama_annotations import activation_annotation, param_annotati
 from hspmd.ops import rules
 from hspmd.specialize import comm_plans
 from hspmd.specialize.deduce import Deduced, deduce, deduce_node
-from hspmd.specialize.executable import instantiate, live_nodes
+from hspmd.specialize import executable
+from hspmd.specialize.executable import instantiate, instantiate_many, live_nodes
 from hspmd.specialize.specialized import per_micro_batch_pattern
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 from hspmd.specialize.strategy_build import balanced_layers
@@ -96,6 +97,27 @@ def test_every_rank_gets_the_same_program_under_the_fast_and_the_full_path(strat
         full_groups, full_edges = per_micro_batch_pattern(full, binding, live, None, {})
     groups, edges = per_micro_batch_pattern(fast, binding, live, None, shared)
     assert (set(groups), set(edges)) == (set(full_groups), set(full_edges))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(strategy=llama_strategies(), few=st.sampled_from([0, 1]))
+def test_instantiating_every_rank_in_one_pass_gives_each_the_program_of_its_own(strategy, few, monkeypatch):
+    """A job's compiler instantiates every rank in one pass over the graph (each node's devices
+    walked, or each device asked, on either side of FEW_DEVICES); each rank gets what instantiating
+    it alone gives: the same instructions, roles and parts of plans."""
+    config = LlamaConfig(layers=strategy.num_layers, hidden=16, heads=2, ffn=32, vocab=32)
+    model = build_llama(config, [strategy])
+    deduced = deduce(model.graph, 0)
+    ratios = strategy.micro_batch_ratios
+    binding = Binding.of({"B": sum(ratios), "S": 8, "T": 8 * strategy.global_batch_size}, ratios=ratios)
+    with monkeypatch.context() as m:
+        m.setattr(executable, "FEW_DEVICES", few)
+        every = instantiate_many(deduced, strategy.all_ranks, binding)
+    assert sorted(every) == sorted(strategy.all_ranks)
+    for r in strategy.all_ranks:
+        alone = instantiate(deduced, r, binding)  # one device: each node asked whether it runs there
+        assert every[r].device == r
+        assert _program(every[r], binding) == _program(alone, binding)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -495,10 +495,14 @@ class Annotation(_Memo):
         return self.subgroups == other.subgroups
 
     def __str__(self) -> str:
-        if self.hsize == 1:
-            return str(self.subgroups[0])
-        ratios = "" if self.ratios is None else "(" + ":".join(map(str, self.ratios)) + ")"
-        return f"H{self.hdim}{ratios}{{" + " | ".join(map(str, self.subgroups)) + "}"
+        """The text syntax (made once per object: a union of hundreds of subgroups is a long text,
+        and a device program names the annotation of each of its thousands of tensors)."""
+        def compute():
+            if self.hsize == 1:
+                return str(self.subgroups[0])
+            ratios = "" if self.ratios is None else "(" + ":".join(map(str, self.ratios)) + ")"
+            return f"H{self.hdim}{ratios}{{" + " | ".join(map(str, self.subgroups)) + "}"
+        return self._memo("text", compute)
 
     def __repr__(self) -> str:
         return f"Annotation({str(self)!r})"

@@ -100,9 +100,10 @@ class Binding:
                 f"{where or 'shape'}: dim {d} needs a value for symbol(s) {missing}; "
                 f"bind them, e.g. Binding.of({{{', '.join(repr(m) + ': ...' for m in missing)}}})"
             )
+        value = int(value)  # compared as an int: sympy's comparison is slow, and this runs per tensor per rank
         if value < 0:
             raise ShapeError(f"{where or 'shape'}: dim {d} is {value} < 0 under binding {self.mapping}")
-        return int(value)
+        return value
 
     def shape(self, shape: Shape, where: str = "") -> tuple[int, ...]:
         return tuple(self.dim(d, where) for d in shape)

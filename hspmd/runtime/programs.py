@@ -26,7 +26,7 @@ from hspmd.runtime.trainer import (
 )
 from hspmd.specialize.bucket_plan import plan_buckets
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
-from hspmd.specialize.program import DeviceProgram, Feed, PipelinePlace, ProgramError, device_program
+from hspmd.specialize.program import DeviceProgram, Feed, GraphFacts, PipelinePlace, ProgramError, device_program
 from hspmd.specialize.schedules import schedule_for
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
 from hspmd.specialize.strategy import Strategy
@@ -82,7 +82,7 @@ def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Str
     if loss is not None:
         ann = spec.deduced[loss]
         summands = summing_devices(ann, binding.shape(loss.shape, loss.name), run_time_ratios(ann, binding))
-    programs = {}
+    programs, facts = {}, None
     for rank in range(world):
         if rank not in spec.executables:
             programs[rank] = DeviceProgram(rank, graph.name, strategy, binding, devices, (devices,), (), (), (), (),
@@ -90,6 +90,7 @@ def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Str
                                            layout.global_batch_size)
             continue
         exe = spec.executables[rank]
+        facts = facts or GraphFacts(exe)
         discovered, stage = spec.locate(rank)
         stages = spec.pipelines[discovered]
         pipeline = batch_subgroup(spec.deduced, stages.devices)
@@ -98,7 +99,8 @@ def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Str
         programs[rank] = device_program(
             exe, seed=seed, place=place, feeds=_feeds(spec, exe, layout, pipeline),
             global_batch=layout.global_batch_size, devices=devices, groups=step_groups(exe, devices, binding),
-            loss=loss, loss_summand=rank in summands, buckets=None if cap is None else plan_buckets(exe, cap))
+            loss=loss, loss_summand=rank in summands, buckets=None if cap is None else plan_buckets(exe, cap),
+            facts=facts)
     return programs
 
 

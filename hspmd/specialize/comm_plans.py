@@ -12,20 +12,34 @@ def resolve_comm(src: Annotation, dst: Annotation, shape, src_ratios, dst_ratios
     return resolve(src, dst, tuple(shape), topology, dtype=dtype, src_ratios=src_ratios, dst_ratios=dst_ratios)
 
 
-def role_of(plan, device: int) -> str:
-    """How `device` takes part: collective, send, recv, send+recv, or local (no peer)."""
-    sends = recvs = collective = False
+def roles_of(plan) -> dict[int, str]:
+    """How each device of the plan takes part: collective, send, recv, send+recv, or local (no
+    peer). Worked out in one pass over the plan and kept on it (a plan is immutable, and a job's
+    compiler asks for every device of a plan over thousands)."""
+    roles = plan.__dict__.get("_roles")
+    if roles is not None:
+        return roles
+    collective, sends, recvs = set(), set(), set()
     for step in plan.steps:
-        collective |= any(device in c.devices and len(c.devices) > 1 for c in step.collectives)
+        for c in step.collectives:
+            if len(c.devices) > 1:
+                collective.update(c.devices)
         for t in step.transfers:
             if t.src != t.dst:
-                sends |= t.src == device
-                recvs |= t.dst == device
-    if collective:
-        return "collective"
-    if sends and recvs:
-        return "send+recv"
-    return "send" if sends else "recv" if recvs else "local"
+                sends.add(t.src)
+                recvs.add(t.dst)
+    roles = dict.fromkeys(plan.devices, "local")
+    roles.update(dict.fromkeys(sends - recvs, "send"))
+    roles.update(dict.fromkeys(recvs - sends, "recv"))
+    roles.update(dict.fromkeys(sends & recvs, "send+recv"))
+    roles.update(dict.fromkeys(collective, "collective"))
+    plan.__dict__["_roles"] = roles  # beside the frozen fields, as cached_property keeps
+    return roles
+
+
+def role_of(plan, device: int) -> str:
+    """How `device` takes part in `plan` (roles_of)."""
+    return roles_of(plan).get(device, "local")
 
 
 def pattern(plan) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
@@ -71,4 +85,4 @@ def describe_for(plan, device: int) -> str:
     return " ; ".join(parts) or "nothing on this device"
 
 
-__all__ = ["describe_for", "pattern", "renamed", "resolve_comm", "role_of"]
+__all__ = ["describe_for", "pattern", "renamed", "resolve_comm", "role_of", "roles_of"]

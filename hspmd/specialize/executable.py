@@ -197,33 +197,51 @@ def instantiate(deduced: Deduced, device: int, binding: Binding = Binding(), top
                 fetches: Iterable[Tensor] = (), live: set[int] | None = None,
                 plans: dict | None = None) -> ExecutableGraph:
     """The executable graph of `device` (plans for comms are resolved under `binding`)."""
+    return instantiate_many(deduced, (device,), binding, topology, fetches, live, plans)[device]
+
+
+FEW_DEVICES = 8
+"""Up to this many devices, instantiate_many asks each node whether each device runs it; beyond,
+it walks each node's devices instead (a rank asks for one device; a job's compiler for all)."""
+
+
+def instantiate_many(deduced: Deduced, devices: Iterable[int], binding: Binding = Binding(), topology: object = None,
+                     fetches: Iterable[Tensor] = (), live: set[int] | None = None,
+                     plans: dict | None = None) -> dict[int, ExecutableGraph]:
+    """The executable graph of each of `devices`, in one pass over the graph (a pass per device
+    made compiling every rank's program grow with the job: each pass reads every node)."""
     graph = deduced.graph
     live = live_nodes(graph, fetches) if live is None else live
-    exe = ExecutableGraph(device, deduced, (), (), (), topology, binding, {} if plans is None else plans)
-    programs: dict[str, list[Instruction]] = {"forward": [], "backward": [], "update": []}
-    roles: dict[int, tuple[object, str]] = {}  # id(plan) -> (plan, this device's role): layers share plans
+    plans = {} if plans is None else plans
+    chosen = tuple(dict.fromkeys(devices))
+    wanted = set(chosen)
+    programs = {d: {"forward": [], "backward": [], "update": []} for d in chosen}
     for node in graph.nodes:
-        if node.id not in live or not runs_on(node, deduced, device):
+        if node.id not in live:
             continue
+        if len(chosen) <= FEW_DEVICES:
+            on = [d for d in chosen if runs_on(node, deduced, d)]
+        else:
+            on = [d for d in node_devices(node, deduced) if d in wanted]
+        if not on:
+            continue
+        roles = None
         if node.opdef.is_comm:
-            src, dst = deduced[node.inputs[0]], deduced[node.output]
-            if src == dst:
+            if deduced[node.inputs[0]] == deduced[node.output]:
                 role = "identity"
             else:
-                plan = exe.plan(node, binding)
-                if id(plan) not in roles:
-                    roles[id(plan)] = (plan, comm_plans.role_of(plan, device))
-                role = roles[id(plan)][1]
+                roles = comm_plans.roles_of(resolve_node(deduced, node, binding, topology, plans))
         elif node.kind == "assign":
             role = "assign"
         else:
             role = "leaf" if node.opdef.is_leaf else "compute"
-        programs[node.phase].append(Instruction(node, role))
-    exe.forward, exe.backward, exe.update = (tuple(programs[p]) for p in ("forward", "backward", "update"))
-    return exe
+        for d in on:
+            programs[d][node.phase].append(Instruction(node, role if roles is None else roles.get(d, "local")))
+    return {d: ExecutableGraph(d, deduced, *(tuple(programs[d][p]) for p in ("forward", "backward", "update")),
+                               topology, binding, plans) for d in chosen}
 
 
 __all__ = [
-    "ExecutableGraph", "Instruction", "comm_args", "instantiate", "live_nodes", "node_devices", "resolve_node",
+    "ExecutableGraph", "Instruction", "comm_args", "instantiate", "instantiate_many", "live_nodes", "node_devices", "resolve_node",
     "run_time_ratios", "runs_on",
 ]

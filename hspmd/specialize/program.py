@@ -35,16 +35,16 @@ from typing import Any, Mapping, Sequence
 
 import sympy
 
-from hspmd.annotations import Box
+from hspmd.annotations import Box, Piece, device_pieces
 from hspmd.comm_resolve.plan_part import PlanPart, part_of
 from hspmd.specialize.bucket_plan import BucketPlan
 from hspmd.errors import HSPMDError
 from hspmd.ir.dsl import name_seed
-from hspmd.ir.graph import Tensor
+from hspmd.ir.graph import Node, Tensor
 from hspmd.ir.init import initializer_from_key, initializer_key
 from hspmd.ir.shapes import Binding
 from hspmd.ops.registry import OPERATORS
-from hspmd.specialize.executable import ExecutableGraph, Instruction
+from hspmd.specialize.executable import ExecutableGraph, Instruction, run_time_ratios
 from hspmd.specialize.schedules import BACKWARD, FORWARD, Action, check_order
 
 SCHEMA = "hspmd.program/2"
@@ -272,26 +272,56 @@ def _frozen_attr(value: Any, binding: Binding, where: str) -> Any:
 # ---- building --------------------------------------------------------------------------------------
 
 
+class GraphFacts:
+    """What one binding makes of a specialized graph's tensors and ops, the same in every rank's
+    program: each tensor's concrete shape, dtype name, annotation text and every device's piece, and
+    each op's attributes as plain data. compile_programs works them out once for all ranks (per
+    rank, they were most of compiling a job's programs)."""
+
+    def __init__(self, exe: ExecutableGraph):
+        self.deduced, self.binding = exe.deduced, exe.binding
+        self._tensors: dict[int, tuple] = {}
+        self._attrs: dict[int, dict] = {}
+
+    def tensor(self, t: Tensor) -> tuple[tuple[int, ...], str, str, Mapping[int, Piece]]:
+        """(shape, dtype name, annotation text, {device: piece}) of `t`."""
+        if t.id not in self._tensors:
+            ann, shape = self.deduced[t], self.binding.shape(t.shape, t.name)
+            pieces = device_pieces(ann, shape, run_time_ratios(ann, self.binding))
+            self._tensors[t.id] = (shape, _dtype_name(t.dtype), str(ann), pieces)
+        return self._tensors[t.id]
+
+    def attrs(self, n: Node) -> dict[str, Any]:
+        if n.id not in self._attrs:
+            self._attrs[n.id] = {k: _frozen_attr(v, self.binding, f"op {n.name} attribute {k}")
+                                 for k, v in n.attrs.items()}
+        return self._attrs[n.id]
+
+
 def device_program(exe: ExecutableGraph, *, seed: int, place: PipelinePlace | None, feeds: Sequence[Sequence[Feed]],
                    global_batch: int, devices: Sequence[int], groups: Sequence[Sequence[int]],
-                   loss: Tensor | None, loss_summand: bool, buckets: BucketPlan | None = None) -> DeviceProgram:
+                   loss: Tensor | None, loss_summand: bool, buckets: BucketPlan | None = None,
+                   facts: GraphFacts | None = None) -> DeviceProgram:
     """The program of `exe`'s device under its binding. The caller (hspmd.runtime.programs)
-    decides the pipeline place, feeds, loss holder and gradient buckets, as the Trainer does."""
+    decides the pipeline place, feeds, loss holder and gradient buckets, as the Trainer does, and
+    may share one GraphFacts of the same specialization among the programs it makes."""
     binding = exe.binding
+    facts = GraphFacts(exe) if facts is None else facts
     tensors: dict[int, TensorInfo] = {}
     plans: dict[PlanPart, int] = {}
 
     def note(t: Tensor) -> int:
         if t.id not in tensors:
-            tensors[t.id] = TensorInfo(t.id, t.name, binding.shape(t.shape, t.name), _dtype_name(t.dtype),
-                                       exe.box(t, binding), str(exe.deduced[t]))
+            shape, dtype, text, pieces = facts.tensor(t)
+            piece = pieces.get(exe.device)
+            tensors[t.id] = TensorInfo(t.id, t.name, shape, dtype, None if piece is None else piece.box, text)
         return t.id
 
     def op(ins: Instruction) -> Op:
         n = ins.node
         if n.kind not in OPERATORS:
             raise ProgramError(f"op {n.name}: kind {n.kind!r} is not in hspmd.ops.registry; programs call ops by kind")
-        attrs = {k: _frozen_attr(v, binding, f"op {n.name} attribute {k}") for k, v in n.attrs.items()}
+        attrs = facts.attrs(n)
         index = None
         if n.opdef.is_comm and ins.role != "identity":
             index = plans.setdefault(part_of(exe.plan(n, binding), exe.device), len(plans))

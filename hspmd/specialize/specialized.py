@@ -16,7 +16,7 @@ from hspmd.ir.graph import Graph, Tensor
 from hspmd.ir.shapes import Binding
 from hspmd.specialize import comm_plans
 from hspmd.specialize.deduce import Deduced, deduce
-from hspmd.specialize.executable import ExecutableGraph, comm_args, instantiate, live_nodes, resolve_node
+from hspmd.specialize.executable import ExecutableGraph, comm_args, instantiate_many, live_nodes, resolve_node
 from hspmd.heap import collector_paused
 from hspmd.specialize.pipelines import PipelineLayout, discover_pipelines
 
@@ -39,12 +39,15 @@ class Specialized:
         return tuple(sorted(self.executables))
 
     def locate(self, device: int) -> tuple[int, int]:
-        """(pipeline index, stage index) of `device`."""
-        for i, p in enumerate(self.pipelines):
-            for j, stage in enumerate(p.stages):
-                if device in stage:
-                    return i, j
-        raise HSPMDError(f"device {device} is in no pipeline of this specialization")
+        """(pipeline index, stage index) of `device` (an index built once: compiling every rank's
+        program asks for each of thousands of ranks)."""
+        places = self.__dict__.get("_places")
+        if places is None:
+            places = {d: (i, j) for i, p in enumerate(self.pipelines) for j, stage in enumerate(p.stages) for d in stage}
+            self._places = places
+        if device not in places:
+            raise HSPMDError(f"device {device} is in no pipeline of this specialization")
+        return places[device]
 
     def __str__(self) -> str:
         lines = [f"graph {self.graph.name} under strategy {self.deduced.strategy}: "
@@ -116,7 +119,7 @@ def specialize_graph(graph: Graph, strategy: int = 0, binding: Binding | None = 
         every = all_devices(deduced)
         chosen = every if devices is None else tuple(devices)
         plans: dict = {}
-        executables = {d: instantiate(deduced, d, binding, topology, fetches, live, plans) for d in chosen}
+        executables = instantiate_many(deduced, chosen, binding, topology, fetches, live, plans)
         groups, edges = per_micro_batch_pattern(deduced, binding, live, topology, plans)
         pipelines = discover_pipelines(groups, edges, every)
     return Specialized(deduced, executables, pipelines, binding)
