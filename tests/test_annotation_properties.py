@@ -15,6 +15,7 @@ from hspmd.annotations import (
     Partial,
     Split,
     Subgroup,
+    device_piece,
     device_pieces,
     expand_hsize,
     parse,
@@ -218,3 +219,19 @@ def test_split_dims_outside_the_rank_are_rejected(case, extra):
         assert "outside" in str(exc)
     else:
         raise AssertionError(f"{ann} accepted a rank-{low_rank.dim()} tensor")
+
+
+@MANY
+@given(st.integers(1, 3).flatmap(lambda n: st.tuples(annotations(n), annotations(n), shapes(n))), st.data())
+def test_one_devices_piece_is_its_piece_of_the_union_and_of_unions_made_subgroup_by_subgroup(case, data):
+    """device_piece reads one subgroup where device_pieces passes over the union; both agree, also
+    for a union with one subgroup replaced (the planners' intermediate layouts, which keep the
+    union's device index and regions) and for a device the union does not hold."""
+    ann, other, shape = case
+    k = data.draw(st.integers(0, ann.hsize - 1))
+    sub = ann.subgroups[k]
+    states = data.draw(st.sampled_from([s.ds for s in other.subgroups if s.ds.size == len(sub.dg)] or [sub.ds]))
+    for layout in (ann, ann.with_subgroup(k, Subgroup(sub.dg, states))):
+        pieces = device_pieces(layout, shape)
+        for device in set(layout.devices) | {max(layout.devices) + 1}:
+            assert device_piece(layout, shape, device) == pieces.get(device)

@@ -8,6 +8,7 @@ from hspmd.annotations.geometry import (
     box_is_empty,
     box_relative,
     box_shape,
+    device_piece,
     device_pieces,
     split_bounds,
     subgroup_pieces,
@@ -31,6 +32,6 @@ from hspmd.annotations.syntax import parse, parse_hierarchy
 __all__ = [
     "Annotation", "Axis", "align_hsize", "expand_hsize", "Box", "DeviceGroup", "DistributedStates", "Duplicate", "HDim", "Hierarchy",
     "Partial", "Piece", "Split", "Subgroup", "box_intersection", "box_is_empty", "box_relative", "box_shape",
-    "device_pieces", "infer_shape", "parse", "parse_hierarchy", "shard", "split_bounds", "subgroup_pieces",
+    "device_piece", "device_pieces", "infer_shape", "parse", "parse_hierarchy", "shard", "split_bounds", "subgroup_pieces",
     "subgroup_regions", "unshard",
 ]

@@ -138,9 +138,11 @@ def subgroup_regions(ann: Annotation, shape: Sequence[Length], ratios: Sequence[
 
     `ratios` binds a run-time HDim split (`H0{...}`); it is ignored when the annotation has its own.
     Kept with the annotation: planners ask for one subgroup's region of a large union per step."""
-    shape = check_shape(ann, shape)
-    ratios = check_ratios(ratios)
-    return list(ann.derived(("regions", shape, ratios), lambda: tuple(_regions(ann, shape, ratios))))
+    return list(_kept_regions(ann, check_shape(ann, shape), check_ratios(ratios)))
+
+
+def _kept_regions(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int, ...] | None) -> tuple[Box, ...]:
+    return ann.derived(("regions", shape, ratios), lambda: tuple(_regions(ann, shape, ratios)))
 
 
 def _regions(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int, ...] | None) -> list[Box]:
@@ -185,9 +187,13 @@ def subgroup_pieces(sub: Subgroup, region: Box) -> dict[int, Piece]:
 
 def _placed_pieces(sub: Subgroup, region: Box):
     """(device, (box, summand index or None)) of each device of the subgroup in `region`."""
-    starts = [start for start, _ in region]
     relative = _relative_pieces(sub.ds, tuple(stop - start for start, stop in region))
-    return zip(sub.dg.devices, (((tuple((a + o, b + o) for (a, b), o in zip(box, starts))), j) for box, j in relative))
+    return zip(sub.dg.devices, ((_moved_to(box, region), j) for box, j in relative))
+
+
+def _moved_to(box: Box, region: Box) -> Box:
+    """A box relative to the region's start, in global coordinates."""
+    return tuple((a + start, b + start) for (a, b), (start, _) in zip(box, region))
 
 
 @lru_cache(maxsize=4096)
@@ -213,9 +219,11 @@ def _relative_pieces(ds: DistributedStates, extents: tuple[Length, ...]) -> tupl
 
 def _union_pieces(ann: Annotation, k: int, region: Box) -> dict[int, Piece]:
     """Subgroup k's pieces as members of the union (summands named (k, j))."""
-    top_partial = ann.hdim == "P"
-    return {device: Piece(box, (k, j or 0) if top_partial or j is not None else ())
-            for device, (box, j) in _placed_pieces(ann.subgroups[k], region)}
+    return {device: Piece(box, _union_summand(ann, k, j)) for device, (box, j) in _placed_pieces(ann.subgroups[k], region)}
+
+
+def _union_summand(ann: Annotation, k: int, j: int | None) -> tuple[int, ...]:
+    return (k, j or 0) if ann.hdim == "P" or j is not None else ()
 
 
 def device_pieces(ann: Annotation, shape: Sequence[Length], ratios: Sequence[int] | None = None) -> dict[int, Piece]:
@@ -260,6 +268,20 @@ def device_pieces_of(ann: Annotation, shape: Sequence[Length], devices: Iterable
     return {d: pieces[d] for d in devices if d in pieces}
 
 
+def device_piece(ann: Annotation, shape: Sequence[Length], device: int,
+                 ratios: Sequence[int] | None = None) -> Piece | None:
+    """`device`'s piece (None: it holds none), worked out from its own subgroup. Unions made from one
+    another subgroup by subgroup keep their device index and regions (Annotation.with_subgroup),
+    so reading one device's piece of each of a plan's hundreds of intermediate layouts costs a
+    subgroup each, where device_pieces would pass over every device of each."""
+    if device not in ann.device_set:
+        return None
+    k = ann.subgroup_of(device)
+    sub, region = ann.subgroups[k], _kept_regions(ann, check_shape(ann, shape), check_ratios(ratios))[k]
+    box, j = _relative_pieces(sub.ds, tuple(stop - start for start, stop in region))[sub.dg.devices.index(device)]
+    return Piece(_moved_to(box, region), _union_summand(ann, k, j))
+
+
 def subgroup_device_pieces(
     ann: Annotation, k: int, shape: Sequence[Length], ratios: Sequence[int] | None = None
 ) -> dict[int, Piece]:
@@ -271,6 +293,7 @@ def subgroup_device_pieces(
 __all__ = [
     "Box",
     "Piece",
+    "device_piece",
     "split_bounds",
     "box_shape",
     "box_intersection",

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping
 
-from hspmd.annotations import Annotation, Box, Piece, box_intersection
-from hspmd.annotations.geometry import device_pieces_of
+from hspmd.annotations import Annotation, Box, Piece, box_intersection, device_piece
 from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
@@ -179,8 +178,8 @@ def _shortened(text: str) -> str:
 
 
 def piece_of(ann: Annotation, shape: tuple[int, ...], device: int) -> Piece | None:
-    """The device's piece of a layout (None: it holds none), read from the cached pieces uncopied."""
-    return device_pieces_of(ann, shape, (device,)).get(device)
+    """The device's piece of a layout (None: it holds none), from its own subgroup (device_piece)."""
+    return device_piece(ann, shape, device)
 
 
 def keeps_own_piece(copies: tuple[Transfer, ...], exchanges: tuple[Exchange, ...], tensor: int, src: Piece | None,
