@@ -14,7 +14,9 @@ work is single-threaded; on a shared machine wall time also counts waiting for a
 are interleaved (each repetition runs every size once) and the ratio to 48 ranks is the median of
 the per-repetition ratios. The figure to watch is that ratio at 1,024 and 4,096 (goal: within 2x).
 
-Also: the size of one rank's program file (hspmd.specialize.program) at each size: as written
+Also: compiling every rank's program in one process (compile_programs) at 48, 256 and 1,024 ranks,
+per rank, and one rank reading its program back (what a rank of a compiled job does in place of
+specializing); the size of one rank's program file (hspmd.specialize.program) at each size: as written
 (this device's parts of the plans, each distinct annotation text once) against the same program
 with whole plans and every tensor's annotation inline (how programs were written before); parsing
 one 16,384-device annotation, and planning one all-to-all (S0 -> S1 on the same devices, n^2
@@ -43,7 +45,8 @@ from hspmd.specialize.executable import instantiate, live_nodes
 from hspmd.heap import collector_paused
 from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.pipelines import discover_pipelines, expected_pipelines
-from hspmd.specialize.program import device_program
+from hspmd.specialize.program import DeviceProgram, device_program
+from hspmd.runtime.programs import compile_programs
 from hspmd.specialize.specialized import all_devices, per_micro_batch_pattern
 from hspmd.specialize.strategy_build import uniform_strategy
 
@@ -139,6 +142,30 @@ def program_sizes(sizes) -> None:
     print(table(["strategy", "ranks", "program MB", f"vs {sizes[0][0]}", "whole MB", "whole / parts", "plans"], rows))
 
 
+def compiled_job(sizes) -> None:
+    """What sharing the work across the job costs instead: one process compiles every rank's
+    program (compile_programs: deduction and every plan once, each rank's program cut from them),
+    and a rank reads its own back (what a rank of a compiled job does in place of specializing)."""
+    rows, base = [], None
+    for label, strategy in sizes:
+        model = build_llama(LLAMA_32B, [strategy])
+        symbols = {"S": 4096, "T": 4096 * strategy.global_batch_size}
+        gc.collect()
+        programs, seconds = _clock(lambda: compile_programs(model.graph, 0, strategy, symbols=symbols))
+        n = len(strategy.all_ranks)
+        text = programs[0].to_json()
+        del programs
+        gc.collect()
+        _, read = _clock(lambda: DeviceProgram.from_json(text))
+        per_rank = seconds / n * 1e3
+        base = base or per_rank
+        rows.append([label, n, f"{seconds:.1f}", f"{per_rank:.1f}", f"{per_rank / base:.2f}x", f"{read:.3f}",
+                     f"{len(text) / 1e6:.2f}"])
+    print("\nCompiling every rank's program in one process (CPU s in all, ms per rank) and one rank reading its "
+          "program back (CPU s):")
+    print(table(["strategy", "ranks", "compile s", "per rank ms", f"vs {sizes[0][0]}", "read s", "program MB"], rows))
+
+
 def parse_and_all_to_all(a2a_sizes) -> None:
     gc.collect()  # the sections before leave garbage that automatic collections would walk while parsing
     ids = ",".join(map(str, range(16384)))
@@ -167,6 +194,8 @@ def main() -> int:
             sizes.insert(1, ("Table 5 (16 H800 + 32 H20), ZeRO-1", paper_strategy("table5_32b_16h800_32h20")))
         scaling(sizes, reps)
     program_sizes(sizes)
+    compiled_job([(f"DP{dp} x TP4 x PP4, ZeRO-1", uniform_strategy(60, dp=dp, tp=4, pp=4, micro_batches=4, zero=True))
+                  for dp in ((3, 16) if quick else (3, 16, 64))])
     parse_and_all_to_all([256] if quick else [256, 1024])
     return 0
 
