@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Sequence
 
 from hspmd.comm_resolve import relabel
@@ -38,16 +39,17 @@ class Specialized:
     def devices(self) -> tuple[int, ...]:
         return tuple(sorted(self.executables))
 
+    @cached_property
+    def _places(self) -> dict[int, tuple[int, int]]:
+        """device -> (pipeline index, stage index), built once: compiling every rank's program
+        asks for each of thousands of ranks."""
+        return {d: (i, j) for i, p in enumerate(self.pipelines) for j, stage in enumerate(p.stages) for d in stage}
+
     def locate(self, device: int) -> tuple[int, int]:
-        """(pipeline index, stage index) of `device` (an index built once: compiling every rank's
-        program asks for each of thousands of ranks)."""
-        places = self.__dict__.get("_places")
-        if places is None:
-            places = {d: (i, j) for i, p in enumerate(self.pipelines) for j, stage in enumerate(p.stages) for d in stage}
-            self._places = places
-        if device not in places:
+        """(pipeline index, stage index) of `device`."""
+        if device not in self._places:
             raise HSPMDError(f"device {device} is in no pipeline of this specialization")
-        return places[device]
+        return self._places[device]
 
     def __str__(self) -> str:
         lines = [f"graph {self.graph.name} under strategy {self.deduced.strategy}: "
