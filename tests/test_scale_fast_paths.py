@@ -2,7 +2,7 @@
 general code gives (sessions 5 and 6 of issue 14): merging cells, pairing fine and coarse cells,
 restating a union's states, sharing value pieces, pricing only where another route applies, box
 arithmetic, pricing without byte tables, one-link clusters, comparing uniform unions, device orders,
-pipeline discovery over repeated groups."""
+pipeline discovery over repeated groups, disjointness of many boxes."""
 
 from itertools import product
 from math import prod
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Split, Subgroup, box_intersection, device_pieces, parse
 from hspmd.annotations.geometry import split_index, subgroup_device_pieces
 from hspmd.comm_resolve import resolve
+from hspmd.comm_resolve.collectives import disjoint
 from hspmd.comm_resolve.resolver import VIAS, _representatives_of, _root_of
 from hspmd.comm_resolve.slices import Grid, box_volume
 from hspmd.comm_resolve.split_collectives import _aligned_step, _cell_step, split_step
@@ -282,3 +283,33 @@ def test_pipelines_are_the_same_when_groups_and_edges_repeat(data):
     edges = [(s * width + i, (s + 1) * width + i) for s in range(stages - 1) for i in range(width)]
     repeat = data.draw(st.integers(1, 3))
     assert discover_pipelines(groups * repeat, edges * repeat) == discover_pipelines(groups, edges)
+
+
+@st.composite
+def box_lists(draw):
+    """Boxes in 0-3 dims, often touching or repeating (the cases a sweep could get wrong)."""
+    ndim = draw(st.integers(0, 3))
+    coordinate = st.integers(0, 6)
+    boxes = []
+    for _ in range(draw(st.integers(0, 8))):
+        box = []
+        for _ in range(ndim):
+            a, b = sorted(draw(st.tuples(coordinate, coordinate)))
+            box.append((a, b + 1))
+        boxes.append(tuple(box))
+    if boxes and draw(st.booleans()):
+        boxes.append(draw(st.sampled_from(boxes)))
+    return boxes
+
+
+@SETTINGS
+@given(box_lists())
+def test_the_sweep_finds_an_overlap_exactly_when_some_pair_overlaps(boxes):
+    pairwise = all(box_intersection(p, q) is None for i, p in enumerate(boxes) for q in boxes[i + 1:])
+    assert disjoint(boxes) == pairwise
+
+
+def test_a_gather_over_thousands_of_slices_checks_in_one_sweep():
+    slices = [((4 * i, 4 * i + 4), (0, 8)) for i in range(4096)]
+    assert disjoint(slices[::-1])
+    assert not disjoint(slices + [((6, 9), (7, 8))])

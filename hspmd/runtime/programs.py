@@ -16,6 +16,7 @@ from typing import Mapping
 
 from hspmd.annotations import box_relative, subgroup_regions
 from hspmd.errors import HSPMDError, ShapeError
+from hspmd.heap import collector_paused
 from hspmd.ir.graph import Graph
 from hspmd.ir.shapes import Binding
 from hspmd.runtime.batches import MicroBatchLayout
@@ -83,24 +84,25 @@ def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Str
         ann = spec.deduced[loss]
         summands = summing_devices(ann, binding.shape(loss.shape, loss.name), run_time_ratios(ann, binding))
     programs, facts = {}, None
-    for rank in range(world):
-        if rank not in spec.executables:
-            programs[rank] = DeviceProgram(rank, graph.name, strategy, binding, devices, (devices,), (), (), (), (),
-                                           (), (), (), (), None, False, loss is not None, None, (),
-                                           layout.global_batch_size)
-            continue
-        exe = spec.executables[rank]
-        facts = facts or GraphFacts(exe)
-        discovered, stage = spec.locate(rank)
-        stages = spec.pipelines[discovered]
-        pipeline = batch_subgroup(spec.deduced, stages.devices)
-        order = schedule_for(schedule, len(stages.stages), stage, layout.counts[pipeline])
-        place = PipelinePlace(stages.stages, stage, pipeline, schedule, tuple(order))
-        programs[rank] = device_program(
-            exe, seed=seed, place=place, feeds=_feeds(spec, exe, layout, pipeline),
-            global_batch=layout.global_batch_size, devices=devices, groups=step_groups(exe, devices, binding),
-            loss=loss, loss_summand=rank in summands, buckets=None if cap is None else plan_buckets(exe, cap),
-            facts=facts)
+    with collector_paused():  # thousands of long-lived programs: no collection walks them meanwhile (heap.py)
+        for rank in range(world):
+            if rank not in spec.executables:
+                programs[rank] = DeviceProgram(rank, graph.name, strategy, binding, devices, (devices,), (), (), (), (),
+                                               (), (), (), (), None, False, loss is not None, None, (),
+                                               layout.global_batch_size)
+                continue
+            exe = spec.executables[rank]
+            facts = facts or GraphFacts(exe)
+            discovered, stage = spec.locate(rank)
+            stages = spec.pipelines[discovered]
+            pipeline = batch_subgroup(spec.deduced, stages.devices)
+            order = schedule_for(schedule, len(stages.stages), stage, layout.counts[pipeline])
+            place = PipelinePlace(stages.stages, stage, pipeline, schedule, tuple(order))
+            programs[rank] = device_program(
+                exe, seed=seed, place=place, feeds=_feeds(spec, exe, layout, pipeline),
+                global_batch=layout.global_batch_size, devices=devices, groups=step_groups(exe, devices, binding),
+                loss=loss, loss_summand=rank in summands, buckets=None if cap is None else plan_buckets(exe, cap),
+                facts=facts)
     return programs
 
 
