@@ -37,11 +37,6 @@ def roles_of(plan) -> dict[int, str]:
     return roles
 
 
-def role_of(plan, device: int) -> str:
-    """How `device` takes part in `plan` (roles_of)."""
-    return roles_of(plan).get(device, "local")
-
-
 def pattern(plan) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
     """(collective groups, P2P edges) of a plan, as pipeline discovery reads them.
 
@@ -85,4 +80,4 @@ def describe_for(plan, device: int) -> str:
     return " ; ".join(parts) or "nothing on this device"
 
 
-__all__ = ["describe_for", "pattern", "renamed", "resolve_comm", "role_of", "roles_of"]
+__all__ = ["describe_for", "pattern", "renamed", "resolve_comm", "roles_of"]

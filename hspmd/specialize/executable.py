@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable
 
-from hspmd.annotations import Annotation, device_pieces
+from hspmd.annotations import Annotation, device_piece
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph, Node, Tensor
 from hspmd.ir.shapes import Binding, format_shape
@@ -165,7 +165,7 @@ class ExecutableGraph:
         if key not in self._boxes:
             ann = self.deduced[t]
             shape = binding.shape(t.shape, t.name)
-            piece = device_pieces(ann, shape, run_time_ratios(ann, binding)).get(self.device)
+            piece = device_piece(ann, shape, self.device, run_time_ratios(ann, binding))
             self._boxes[key] = None if piece is None else piece.box
         return self._boxes[key]
 

@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 import sympy
 
-from hspmd.annotations import Box, Piece, device_pieces
+from hspmd.annotations import Box, device_piece
 from hspmd.comm_resolve.plan_part import PlanPart, part_of
 from hspmd.specialize.bucket_plan import BucketPlan
 from hspmd.errors import HSPMDError
@@ -274,8 +274,8 @@ def _frozen_attr(value: Any, binding: Binding, where: str) -> Any:
 
 class GraphFacts:
     """What one binding makes of a specialized graph's tensors and ops, the same in every rank's
-    program: each tensor's concrete shape, dtype name, annotation text and every device's piece, and
-    each op's attributes as plain data. compile_programs works them out once for all ranks (per
+    program: each tensor's concrete shape, dtype name and annotation text, and each op's
+    attributes as plain data. compile_programs works them out once for all ranks (per
     rank, they were most of compiling a job's programs)."""
 
     def __init__(self, exe: ExecutableGraph):
@@ -283,13 +283,17 @@ class GraphFacts:
         self._tensors: dict[int, tuple] = {}
         self._attrs: dict[int, dict] = {}
 
-    def tensor(self, t: Tensor) -> tuple[tuple[int, ...], str, str, Mapping[int, Piece]]:
-        """(shape, dtype name, annotation text, {device: piece}) of `t`."""
+    def tensor(self, t: Tensor) -> tuple[tuple[int, ...], str, str]:
+        """(shape, dtype name, annotation text) of `t`."""
         if t.id not in self._tensors:
-            ann, shape = self.deduced[t], self.binding.shape(t.shape, t.name)
-            pieces = device_pieces(ann, shape, run_time_ratios(ann, self.binding))
-            self._tensors[t.id] = (shape, _dtype_name(t.dtype), str(ann), pieces)
+            self._tensors[t.id] = (self.binding.shape(t.shape, t.name), _dtype_name(t.dtype), str(self.deduced[t]))
         return self._tensors[t.id]
+
+    def box(self, t: Tensor, device: int) -> Box | None:
+        """`device`'s piece of `t` (None: none), from its own subgroup (geometry.device_piece)."""
+        ann = self.deduced[t]
+        piece = device_piece(ann, self.tensor(t)[0], device, run_time_ratios(ann, self.binding))
+        return None if piece is None else piece.box
 
     def attrs(self, n: Node) -> dict[str, Any]:
         if n.id not in self._attrs:
@@ -312,9 +316,8 @@ def device_program(exe: ExecutableGraph, *, seed: int, place: PipelinePlace | No
 
     def note(t: Tensor) -> int:
         if t.id not in tensors:
-            shape, dtype, text, pieces = facts.tensor(t)
-            piece = pieces.get(exe.device)
-            tensors[t.id] = TensorInfo(t.id, t.name, shape, dtype, None if piece is None else piece.box, text)
+            shape, dtype, text = facts.tensor(t)
+            tensors[t.id] = TensorInfo(t.id, t.name, shape, dtype, facts.box(t, exe.device), text)
         return t.id
 
     def op(ins: Instruction) -> Op:
