@@ -14,8 +14,9 @@ work is single-threaded; on a shared machine wall time also counts waiting for a
 are interleaved (each repetition runs every size once) and the ratio to 48 ranks is the median of
 the per-repetition ratios. The figure to watch is that ratio at 1,024 and 4,096 (goal: within 2x).
 
-Also: compiling every rank's program in one process (compile_programs) at 48, 256 and 1,024 ranks,
-per rank, and one rank reading its program back (what a rank of a compiled job does in place of
+Also: compiling every rank's program in one process and writing each as it is made
+(iter_programs into write_programs) at 48, 1,024 and 4,096 ranks (quick: 48 and 256), per rank
+and with the peak memory it adds, and one rank reading its program back (what a rank of a compiled job does in place of
 specializing); the size of one rank's program file (hspmd.specialize.program) at each size: as written
 (this device's parts of the plans, each distinct annotation text once) against the same program
 with whole plans and every tensor's annotation inline (how programs were written before); parsing
@@ -32,7 +33,9 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from _common import table
 
@@ -46,7 +49,7 @@ from hspmd.heap import collector_paused
 from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.pipelines import discover_pipelines, expected_pipelines
 from hspmd.specialize.program import DeviceProgram, device_program
-from hspmd.runtime.programs import compile_programs
+from hspmd.runtime.programs import PROGRAM_FILE, iter_programs, write_programs
 from hspmd.specialize.specialized import all_devices, per_micro_batch_pattern
 from hspmd.specialize.strategy_build import uniform_strategy
 
@@ -142,29 +145,46 @@ def program_sizes(sizes) -> None:
     print(table(["strategy", "ranks", "program MB", f"vs {sizes[0][0]}", "whole MB", "whole / parts", "plans"], rows))
 
 
+def _resident_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def _peak_mb(fn):
+    """(fn(), the most resident memory it added, MB): Linux's peak-RSS mark is reset first
+    (clear_refs 5), so the figure is this call's, not an earlier section's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = _resident_kb("VmRSS")
+    out = fn()
+    return out, (_resident_kb("VmHWM") - start) / 1024
+
+
 def compiled_job(sizes) -> None:
     """What sharing the work across the job costs instead: one process compiles every rank's
-    program (compile_programs: deduction and every plan once, each rank's program cut from them),
+    program (deduction and every plan once, each rank's program cut from them) and writes them one
+    by one as they are made (iter_programs into write_programs, so one program is held at a time),
     and a rank reads its own back (what a rank of a compiled job does in place of specializing)."""
     rows, base = [], None
     for label, strategy in sizes:
         model = build_llama(LLAMA_32B, [strategy])
         symbols = {"S": 4096, "T": 4096 * strategy.global_batch_size}
         gc.collect()
-        programs, seconds = _clock(lambda: compile_programs(model.graph, 0, strategy, symbols=symbols))
+        with tempfile.TemporaryDirectory() as out:
+            (_, seconds), peak = _peak_mb(lambda: _clock(
+                lambda: write_programs(iter_programs(model.graph, 0, strategy, symbols=symbols), out)))
+            text = (Path(out) / PROGRAM_FILE.format(rank=0)).read_text()
         n = len(strategy.all_ranks)
-        text = programs[0].to_json()
-        del programs
         gc.collect()
         _, read = _clock(lambda: DeviceProgram.from_json(text))
         cold = one_rank(strategy, 0)["rank"]  # the same rank specializing on its own, side by side
         per_rank = seconds / n * 1e3
         base = base or per_rank
-        rows.append([label, n, f"{seconds:.1f}", f"{per_rank:.1f}", f"{per_rank / base:.2f}x", f"{read:.3f}",
-                     f"{cold:.3f}", f"{read / cold:.2f}x", f"{len(text) / 1e6:.2f}"])
-    print("\nCompiling every rank's program in one process (CPU s in all, ms per rank), one rank reading its "
-          "program back against the same rank specializing cold (CPU s):")
-    print(table(["strategy", "ranks", "compile s", "per rank ms", f"vs {sizes[0][0]}", "read s", "cold s",
+        rows.append([label, n, f"{seconds:.1f}", f"{per_rank:.1f}", f"{per_rank / base:.2f}x", f"{peak:.0f}",
+                     f"{read:.3f}", f"{cold:.3f}", f"{read / cold:.2f}x", f"{len(text) / 1e6:.2f}"])
+    print("\nCompiling and writing every rank's program in one process (CPU s in all, ms per rank, peak memory "
+          "added), one rank reading its program back against the same rank specializing cold (CPU s):")
+    print(table(["strategy", "ranks", "compile s", "per rank ms", f"vs {sizes[0][0]}", "peak MB", "read s", "cold s",
                  "read / cold", "program MB"], rows))
 
 
@@ -197,7 +217,7 @@ def main() -> int:
         scaling(sizes, reps)
     program_sizes(sizes)
     compiled_job([(f"DP{dp} x TP4 x PP4, ZeRO-1", uniform_strategy(60, dp=dp, tp=4, pp=4, micro_batches=4, zero=True))
-                  for dp in ((3, 16) if quick else (3, 16, 64))])
+                  for dp in ((3, 16) if quick else (3, 64, 256))])
     parse_and_all_to_all([256] if quick else [256, 1024])
     return 0
 

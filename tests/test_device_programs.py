@@ -31,7 +31,7 @@ from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.program_tool import synthetic_batches
 from hspmd.runtime.program_run import ProgramRunner
-from hspmd.runtime.programs import compile_programs, read_program, write_programs
+from hspmd.runtime.programs import compile_programs, iter_programs, read_program, write_programs
 from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.program import DeviceProgram, ProgramError, device_program
 from hspmd.specialize.specialized import specialize_graph
@@ -160,6 +160,22 @@ def test_a_program_prints_its_place_ops_plans_and_pieces():
     assert programs[4].idle and "idle" in str(programs[4])
     for p in programs.values():
         assert DeviceProgram.from_json(p.to_json()) == p
+
+
+def test_streamed_programs_are_the_compiled_ones_one_at_a_time(tmp_path):
+    """iter_programs gives compile_programs' programs in rank order, each rank's executable graph let
+    go once its program is made; write_programs writes them as they come; a bad layout fails at
+    the call, before any program."""
+    model, layout, symbols = _model(STRATEGIES["hetero"])
+    compiled = compile_programs(model.graph, 0, layout, "1f1b", symbols, world_size=5)
+    stream = iter_programs(model.graph, 0, layout, "1f1b", symbols, world_size=5)
+    first_rank, first = next(stream)
+    assert first_rank == 0 and first == compiled[0]
+    paths = write_programs(stream, tmp_path)
+    assert [p.name for p in paths] == [f"rank{r}.json" for r in range(1, 5)]
+    assert all(read_program(tmp_path, r) == compiled[r] for r in range(1, 5))
+    with pytest.raises(HSPMDError, match="the micro-batch layout has 1 pipeline"):
+        iter_programs(model.graph, 0, MicroBatchLayout((2,), (2,)), "1f1b", symbols)
 
 
 def test_programs_run_in_process_like_the_trainer_and_idle_ranks_return_none():

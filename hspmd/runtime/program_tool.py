@@ -26,7 +26,7 @@ from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.integrity import atomic_write
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.program_run import ProgramRunner
-from hspmd.runtime.programs import compile_programs, read_program, write_programs
+from hspmd.runtime.programs import iter_programs, read_program, write_programs
 from hspmd.specialize.program import ProgramError
 from hspmd.specialize.strategy_files import strategy_from
 from hspmd.specialize.strategy_text import format_strategy
@@ -55,22 +55,23 @@ def compile_main(argv: Sequence[str]) -> int:
     model = build_llama(config, [strategy], optimizer=AdamW(lr=1e-2))
     layout = MicroBatchLayout.of(strategy)
     symbols = {model.seq.name: args.seq, model.tokens_per_step.name: layout.global_batch_size * args.seq}
-    programs = compile_programs(model.graph, 0, layout, args.schedule, symbols, seed=args.seed)
-    paths = write_programs(programs, args.out)
-    job = {"schema": JOB_SCHEMA, "world_size": len(programs), "global_batch": layout.global_batch_size,
-           "seq": args.seq, "vocab": args.vocab, "strategy": format_strategy(strategy)}
-    data = json.dumps(job, indent=2).encode()
-    atomic_write(Path(args.out) / JOB_FILE, lambda tmp: Path(tmp).write_bytes(data))
-    for rank, path in zip(sorted(programs), paths):
-        prog = programs[rank]
+    shown, world = None, 0
+    for rank, prog in iter_programs(model.graph, 0, layout, args.schedule, symbols, seed=args.seed):
+        (path,) = write_programs([(rank, prog)], args.out)  # one program in memory at a time
         where = "idle" if prog.idle else f"stage {prog.place.stage + 1}/{len(prog.place.stages)} of pipeline " \
                                           f"{prog.place.pipeline}"
         print(f"rank {rank}: {where}, {len(prog.forward)}+{len(prog.backward)}+{len(prog.update)} ops, "
               f"{len(prog.plans)} plans, {len(prog.leaves)} pieces -> {path} ({path.stat().st_size} bytes)")
+        shown = prog if rank == args.show else shown
+        world += 1
+    job = {"schema": JOB_SCHEMA, "world_size": world, "global_batch": layout.global_batch_size,
+           "seq": args.seq, "vocab": args.vocab, "strategy": format_strategy(strategy)}
+    data = json.dumps(job, indent=2).encode()
+    atomic_write(Path(args.out) / JOB_FILE, lambda tmp: Path(tmp).write_bytes(data))
     if args.show is not None:
-        if args.show not in programs:
-            raise HSPMDError(f"--print {args.show}: the job has ranks 0-{len(programs) - 1}")
-        print(programs[args.show])
+        if shown is None:
+            raise HSPMDError(f"--print {args.show}: the job has ranks 0-{world - 1}")
+        print(shown)
     return 0
 
 

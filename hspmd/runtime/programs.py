@@ -6,13 +6,16 @@ adds its loss into the step loss. Writing and reading a directory of programs:
     programs = compile_programs(graph, 0, MicroBatchLayout.of(strategy), "1f1b", {"S": 8, "T": 64})
     write_programs(programs, "out/")          # out/rank0.json, out/rank1.json, ...
     program = read_program("out/", rank)      # what a rank loads; runs with ProgramRunner
+
+A large job streams instead: `write_programs(iter_programs(...), "out/")` holds one rank's program
+at a time, not thousands.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Iterator, Mapping
 
 from hspmd.annotations import box_relative, subgroup_regions
 from hspmd.errors import HSPMDError, ShapeError
@@ -67,6 +70,16 @@ def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Str
     a rank the strategy leaves out gets an idle program). The programs run as Trainers over the
     same arguments would: same losses, gradients and updated weights. `bucket_cap_mb` as the
     Trainer's (None: every gradient synchronises in the update)."""
+    return dict(iter_programs(graph, strategy, layout, schedule, symbols, seed, topology, world_size, bucket_cap_mb))
+
+
+def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
+                  symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
+                  world_size: int | None = None,
+                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB) -> Iterator[tuple[int, DeviceProgram]]:
+    """compile_programs one rank at a time, in rank order: (rank, program) pairs. Deduction and the
+    plans are made once before the first; each rank's executable graph is let go once its program
+    is made, so a consumer that writes and drops each program holds one at a time."""
     cap = None if bucket_cap_mb is None else cap_bytes_of(bucket_cap_mb)
     layout = as_layout(layout)
     binding: Binding = trainer_binding(graph, layout, symbols)
@@ -83,35 +96,41 @@ def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Str
     if loss is not None:
         ann = spec.deduced[loss]
         summands = summing_devices(ann, binding.shape(loss.shape, loss.name), run_time_ratios(ann, binding))
-    programs, facts = {}, None
-    with collector_paused():  # thousands of long-lived programs: no collection walks them meanwhile (heap.py)
-        for rank in range(world):
-            if rank not in spec.executables:
-                programs[rank] = DeviceProgram(rank, graph.name, strategy, binding, devices, (devices,), (), (), (), (),
-                                               (), (), (), (), None, False, loss is not None, None, (),
-                                               layout.global_batch_size)
-                continue
-            exe = spec.executables[rank]
-            facts = facts or GraphFacts(exe)
-            discovered, stage = spec.locate(rank)
-            stages = spec.pipelines[discovered]
-            pipeline = batch_subgroup(spec.deduced, stages.devices)
-            order = schedule_for(schedule, len(stages.stages), stage, layout.counts[pipeline])
-            place = PipelinePlace(stages.stages, stage, pipeline, schedule, tuple(order))
-            programs[rank] = device_program(
-                exe, seed=seed, place=place, feeds=_feeds(spec, exe, layout, pipeline),
-                global_batch=layout.global_batch_size, devices=devices, groups=step_groups(exe, devices, binding),
-                loss=loss, loss_summand=rank in summands, buckets=None if cap is None else plan_buckets(exe, cap),
-                facts=facts)
-    return programs
+
+    def each_rank() -> Iterator[tuple[int, DeviceProgram]]:
+        facts = None
+        with collector_paused():  # thousands of long-lived objects: no collection walks them meanwhile (heap.py)
+            for rank in range(world):
+                if rank not in spec.executables:
+                    yield rank, DeviceProgram(rank, graph.name, strategy, binding, devices, (devices,), (), (), (),
+                                              (), (), (), (), (), None, False, loss is not None, None, (),
+                                              layout.global_batch_size)
+                    continue
+                exe = spec.executables.pop(rank)
+                facts = facts or GraphFacts(exe)
+                discovered, stage = spec.locate(rank)
+                stages = spec.pipelines[discovered]
+                pipeline = batch_subgroup(spec.deduced, stages.devices)
+                order = schedule_for(schedule, len(stages.stages), stage, layout.counts[pipeline])
+                place = PipelinePlace(stages.stages, stage, pipeline, schedule, tuple(order))
+                yield rank, device_program(
+                    exe, seed=seed, place=place, feeds=_feeds(spec, exe, layout, pipeline),
+                    global_batch=layout.global_batch_size, devices=devices, groups=step_groups(exe, devices, binding),
+                    loss=loss, loss_summand=rank in summands, buckets=None if cap is None else plan_buckets(exe, cap),
+                    facts=facts)
+
+    return each_rank()  # the checks above fail at the call, not at the first program
 
 
-def write_programs(programs: Mapping[int, DeviceProgram], directory: str | os.PathLike) -> list[Path]:
-    """One JSON file per rank (atomically written); returns the paths."""
+def write_programs(programs: Mapping[int, DeviceProgram] | Iterable[tuple[int, DeviceProgram]],
+                   directory: str | os.PathLike) -> list[Path]:
+    """One JSON file per rank (atomically written), in rank order for a mapping, as they come for
+    (rank, program) pairs (iter_programs: one program in memory at a time); returns the paths."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     paths = []
-    for rank, program in sorted(programs.items()):
+    pairs = sorted(programs.items()) if isinstance(programs, Mapping) else programs
+    for rank, program in pairs:
         path = root / PROGRAM_FILE.format(rank=rank)
         data = program.to_json().encode()
         atomic_write(path, lambda tmp, data=data: Path(tmp).write_bytes(data))
@@ -132,4 +151,4 @@ def read_program(directory: str | os.PathLike, rank: int) -> DeviceProgram:
     return program
 
 
-__all__ = ["PROGRAM_FILE", "compile_programs", "read_program", "write_programs"]
+__all__ = ["PROGRAM_FILE", "compile_programs", "iter_programs", "read_program", "write_programs"]
