@@ -178,6 +178,24 @@ def test_streamed_programs_are_the_compiled_ones_one_at_a_time(tmp_path):
         iter_programs(model.graph, 0, MicroBatchLayout((2,), (2,)), "1f1b", symbols)
 
 
+@pytest.mark.parametrize("name", ["hetero", "tp", "dp"])
+def test_a_program_names_its_own_groups_and_the_ranks_together_name_every_plans_groups(name):
+    """Each rank lists only collective groups it is in (what it passes to prepare_groups, which
+    creates the union of every rank's); together they are every group the job's plans use."""
+    model, layout, symbols = _model(STRATEGIES[name])
+    programs = compile_programs(model.graph, 0, layout, "1f1b", symbols)
+    spec = specialize_graph(model.graph, 0, programs[0].binding)
+    used = {g for exe in spec.executables.values() for ins in exe.instructions() if ins.role == "collective"
+            for g in exe.plan(ins.node, spec.binding).collective_groups() if len(g) > 1}
+    assert used, "the strategy has collectives"
+    named = set()
+    for rank, program in programs.items():
+        own = {tuple(g) for g in program.groups}
+        assert all(rank in g for g in own - {tuple(program.devices)}), (rank, own)
+        named |= own
+    assert used <= named and named - used <= {tuple(programs[0].devices)}
+
+
 def test_programs_run_in_process_like_the_trainer_and_idle_ranks_return_none():
     model, layout, symbols = _model(STRATEGIES["pp-1f1b"])
     programs = compile_programs(model.graph, 0, layout, "1f1b", symbols, world_size=3)

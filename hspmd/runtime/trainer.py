@@ -46,6 +46,7 @@ from hspmd.runtime.executor import ScheduleRun, run_schedule
 from hspmd.runtime.checks import check_bound, check_feeds, check_seed, checked_ranks, checked_symbols
 from hspmd.runtime.sharded_checkpoint import PendingSave, open_checkpoint, save_sharded
 from hspmd.runtime.trace import Tracer
+from hspmd.specialize import comm_plans
 from hspmd.specialize.schedules import Schedule, pipeline_schedule, schedule_for
 from hspmd.specialize.deduce import Deduced, check_strategy_index
 from hspmd.specialize.bucket_plan import plan_buckets
@@ -100,11 +101,12 @@ def batch_subgroup(deduced: Deduced, devices) -> int:
 
 
 def step_groups(exe: ExecutableGraph, devices: tuple[int, ...], binding: Binding) -> list[tuple[int, ...]]:
-    """The collective groups a rank's step uses (created up front by backends that need it)."""
+    """The collective groups a rank's step uses, its own alone (backends that create groups up front
+    create the union of every rank's, so another rank's groups come from their members)."""
     groups = {devices}
     for ins in exe.instructions():
         if ins.role == "collective":
-            groups.update(exe.plan(ins.node, binding).collective_groups())
+            groups.update(comm_plans.groups_of(exe.plan(ins.node, binding)).get(exe.device, ()))
     return sorted(groups)
 
 

@@ -37,6 +37,24 @@ def roles_of(plan) -> dict[int, str]:
     return roles
 
 
+def groups_of(plan) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Each device's collective groups in the plan (of two or more members), in plan order, worked
+    out in one pass and kept on the plan: a rank names only its own groups (a backend creates the
+    union of every rank's), where the plan's whole list grows with the job."""
+    groups = plan.__dict__.get("_groups")
+    if groups is not None:
+        return groups
+    found: dict[int, dict[tuple[int, ...], None]] = {}
+    for step in plan.steps:
+        for c in step.collectives:
+            if len(c.devices) > 1:
+                for d in c.devices:
+                    found.setdefault(d, {})[c.devices] = None
+    groups = {d: tuple(g) for d, g in found.items()}
+    plan.__dict__["_groups"] = groups
+    return groups
+
+
 def pattern(plan) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
     """(collective groups, P2P edges) of a plan, as pipeline discovery reads them.
 
@@ -80,4 +98,4 @@ def describe_for(plan, device: int) -> str:
     return " ; ".join(parts) or "nothing on this device"
 
 
-__all__ = ["describe_for", "pattern", "renamed", "resolve_comm", "roles_of"]
+__all__ = ["describe_for", "groups_of", "pattern", "renamed", "resolve_comm", "roles_of"]
