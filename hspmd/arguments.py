@@ -48,6 +48,21 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def rank_list(text: str) -> tuple[int, ...]:
+    """Ranks as `0-7` or `0,3,8-11` (ranges inclusive), in the order given, each once."""
+    ranks: dict[int, None] = {}
+    for item in text.split(","):
+        first, dash, last = item.partition("-")
+        lo = non_negative_int(first)
+        hi = non_negative_int(last) if dash else lo
+        if hi < lo:
+            raise argparse.ArgumentTypeError(f"rank range {item!r} runs backwards; write {hi}-{lo}")
+        if hi - lo >= 1 << 20:
+            raise argparse.ArgumentTypeError(f"rank range {item!r} is longer than {1 << 20} ranks")
+        ranks.update(dict.fromkeys(range(lo, hi + 1)))
+    return tuple(ranks)
+
+
 def non_negative_float(text: str) -> float:
     try:
         value = float(text) if text.isascii() else math.nan
@@ -58,4 +73,4 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-__all__ = ["ArgumentParser", "non_negative_float", "non_negative_int", "positive_int"]
+__all__ = ["ArgumentParser", "non_negative_float", "non_negative_int", "positive_int", "rank_list"]

@@ -196,6 +196,19 @@ def test_a_program_names_its_own_groups_and_the_ranks_together_name_every_plans_
     assert used <= named and named - used <= {tuple(programs[0].devices)}
 
 
+def test_some_ranks_programs_are_those_of_the_whole_job():
+    """A node compiling its own ranks (an idle one among them) gets the programs the whole job's
+    compile gives those ranks; a rank outside the job is refused by name."""
+    model, layout, symbols = _model(STRATEGIES["hetero"])
+    whole = compile_programs(model.graph, 0, layout, "1f1b", symbols, world_size=5)
+    some = compile_programs(model.graph, 0, layout, "1f1b", symbols, world_size=5, ranks=[4, 1, 3, 1])
+    assert sorted(some) == [1, 3, 4] and all(some[r] == whole[r] for r in some)
+    assert some[4].idle and not some[1].idle
+    for bad in ([5], [-1], ["0"], [True]):
+        with pytest.raises(HSPMDError, match=r"are not ranks of the job: it has ranks 0-4"):
+            compile_programs(model.graph, 0, layout, "1f1b", symbols, world_size=5, ranks=bad)
+
+
 def test_programs_run_in_process_like_the_trainer_and_idle_ranks_return_none():
     model, layout, symbols = _model(STRATEGIES["pp-1f1b"])
     programs = compile_programs(model.graph, 0, layout, "1f1b", symbols, world_size=3)
@@ -378,6 +391,20 @@ def test_hspmd_compile_then_run_programs_trains_like_the_in_process_job(tmp_path
     job_file = json.loads((tmp_path / "job.json").read_text())
     expected = [job.step(b) for b in synthetic_batches(job_file, 2, 3)]
     assert printed == pytest.approx(expected, rel=1e-6)
+
+
+def test_hspmd_compile_ranks_writes_those_ranks_files_as_the_whole_compile_does(tmp_path, capsys):
+    text = STRATEGIES["hetero"]
+    assert cli.main(["compile", text, "--out", str(tmp_path / "all")]) == 0
+    assert cli.main(["compile", text, "--out", str(tmp_path / "node"), "--ranks", "2-3,0"]) == 0
+    assert sorted(os.listdir(tmp_path / "node")) == ["job.json", "rank0.json", "rank2.json", "rank3.json"]
+    for name in os.listdir(tmp_path / "node"):
+        assert (tmp_path / "node" / name).read_bytes() == (tmp_path / "all" / name).read_bytes(), name
+    capsys.readouterr()
+    assert cli.main(["compile", text, "--out", str(tmp_path / "bad"), "--ranks", "3-1"]) == 2
+    assert "rank range '3-1' runs backwards; write 1-3" in capsys.readouterr().err
+    assert cli.main(["compile", text, "--out", str(tmp_path / "bad"), "--ranks", "0", "--print", "2"]) == 2
+    assert "--print 2: not a rank compiled here (the job has ranks 0-3)" in capsys.readouterr().err
 
 
 def test_run_programs_refuses_a_missing_job_or_a_damaged_program_before_launching(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
     hspmd compile "layers=4 ; 4x1: R0 L0-1 | R1 L2-3" --out progs/    # progs/rank0.json, ... + job.json
     hspmd compile ... --print 1                                        # also print rank 1's program
+    hspmd compile ... --ranks 8-15                                     # one node's programs (+ job.json)
     hspmd run-programs progs/ --steps 3                                # one gloo process per rank
 
 Each rank of `run-programs` reads its own program file and nothing else of the model (no graph is
@@ -17,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from hspmd.arguments import ArgumentParser, non_negative_int, positive_int
+from hspmd.arguments import ArgumentParser, non_negative_int, positive_int, rank_list
 from hspmd.backends.backend import Backend
 from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
@@ -46,6 +47,8 @@ def compile_main(argv: Sequence[str]) -> int:
     p.add_argument("--heads", type=positive_int, default=2)
     p.add_argument("--ffn", type=positive_int, default=32)
     p.add_argument("--seed", type=non_negative_int, default=0, help="initialisation seed")
+    p.add_argument("--ranks", type=rank_list, default=None, metavar="LIST",
+                   help="only these ranks' programs, e.g. 8-15 or 0,4-7 (each node compiles its own); default all")
     p.add_argument("--print", type=non_negative_int, default=None, dest="show", metavar="RANK",
                    help="print this rank's program")
     args = p.parse_args(list(argv))
@@ -55,22 +58,21 @@ def compile_main(argv: Sequence[str]) -> int:
     model = build_llama(config, [strategy], optimizer=AdamW(lr=1e-2))
     layout = MicroBatchLayout.of(strategy)
     symbols = {model.seq.name: args.seq, model.tokens_per_step.name: layout.global_batch_size * args.seq}
-    shown, world = None, 0
-    for rank, prog in iter_programs(model.graph, 0, layout, args.schedule, symbols, seed=args.seed):
+    shown, world = None, max(strategy.all_ranks) + 1
+    for rank, prog in iter_programs(model.graph, 0, layout, args.schedule, symbols, seed=args.seed, ranks=args.ranks):
         (path,) = write_programs([(rank, prog)], args.out)  # one program in memory at a time
         where = "idle" if prog.idle else f"stage {prog.place.stage + 1}/{len(prog.place.stages)} of pipeline " \
                                           f"{prog.place.pipeline}"
         print(f"rank {rank}: {where}, {len(prog.forward)}+{len(prog.backward)}+{len(prog.update)} ops, "
               f"{len(prog.plans)} plans, {len(prog.leaves)} pieces -> {path} ({path.stat().st_size} bytes)")
         shown = prog if rank == args.show else shown
-        world += 1
     job = {"schema": JOB_SCHEMA, "world_size": world, "global_batch": layout.global_batch_size,
            "seq": args.seq, "vocab": args.vocab, "strategy": format_strategy(strategy)}
     data = json.dumps(job, indent=2).encode()
     atomic_write(Path(args.out) / JOB_FILE, lambda tmp: Path(tmp).write_bytes(data))
     if args.show is not None:
         if shown is None:
-            raise HSPMDError(f"--print {args.show}: the job has ranks 0-{world - 1}")
+            raise HSPMDError(f"--print {args.show}: not a rank compiled here (the job has ranks 0-{world - 1})")
         print(shown)
     return 0
 

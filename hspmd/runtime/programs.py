@@ -29,6 +29,7 @@ from hspmd.runtime.trainer import (
     as_layout, batch_hsize, batch_subgroup, step_groups, summing_devices, trainer_binding,
 )
 from hspmd.specialize.bucket_plan import plan_buckets
+from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 from hspmd.specialize.program import DeviceProgram, Feed, GraphFacts, PipelinePlace, ProgramError, device_program
 from hspmd.specialize.schedules import schedule_for
@@ -64,33 +65,45 @@ def _feeds(spec: Specialized, exe: ExecutableGraph, layout: MicroBatchLayout, pi
 
 def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
                      symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
-                     world_size: int | None = None,
-                     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB) -> dict[int, DeviceProgram]:
+                     world_size: int | None = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+                     ranks: Iterable[int] | None = None) -> dict[int, DeviceProgram]:
     """Every rank's program (ranks 0..world_size-1; by default up to the strategy's highest device;
     a rank the strategy leaves out gets an idle program). The programs run as Trainers over the
     same arguments would: same losses, gradients and updated weights. `bucket_cap_mb` as the
-    Trainer's (None: every gradient synchronises in the update)."""
-    return dict(iter_programs(graph, strategy, layout, schedule, symbols, seed, topology, world_size, bucket_cap_mb))
+    Trainer's (None: every gradient synchronises in the update). `ranks`: only these ranks'
+    programs (e.g. one node's), each the same as in the whole job's; only their executable graphs
+    are made, the deduction, plans and pipelines are the job's."""
+    return dict(iter_programs(graph, strategy, layout, schedule, symbols, seed, topology, world_size, bucket_cap_mb,
+                              ranks))
 
 
 def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
                   symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
-                  world_size: int | None = None,
-                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB) -> Iterator[tuple[int, DeviceProgram]]:
+                  world_size: int | None = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+                  ranks: Iterable[int] | None = None) -> Iterator[tuple[int, DeviceProgram]]:
     """compile_programs one rank at a time, in rank order: (rank, program) pairs. Deduction and the
     plans are made once before the first; each rank's executable graph is let go once its program
     is made, so a consumer that writes and drops each program holds one at a time."""
     cap = None if bucket_cap_mb is None else cap_bytes_of(bucket_cap_mb)
     layout = as_layout(layout)
     binding: Binding = trainer_binding(graph, layout, symbols)
-    spec = specialize_graph(graph, strategy, binding, topology=topology)
-    devices = all_devices(spec.deduced)
-    if layout.pipelines != batch_hsize(spec.deduced):
+    with collector_paused():
+        deduced = deduce(graph, strategy)
+    devices = all_devices(deduced)
+    if layout.pipelines != batch_hsize(deduced):
         raise HSPMDError(f"the micro-batch layout has {layout.pipelines} pipeline(s) but the batch of strategy "
-                         f"{strategy} is split across {batch_hsize(spec.deduced)}: give one count and size per pipeline")
+                         f"{strategy} is split across {batch_hsize(deduced)}: give one count and size per pipeline")
     world = max(devices) + 1 if world_size is None else world_size
     if world <= max(devices):
         raise HSPMDError(f"strategy {strategy} uses devices {list(devices)}: world_size {world} is too small")
+    chosen = range(world) if ranks is None else tuple(ranks)
+    outside = [r for r in chosen if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world]
+    if outside:
+        raise HSPMDError(f"ranks {outside[:8]} are not ranks of the job: it has ranks 0-{world - 1}")
+    chosen = sorted(set(chosen))
+    in_strategy = set(devices)
+    spec = specialize_graph(graph, strategy, binding, devices=[r for r in chosen if r in in_strategy],
+                            topology=topology, deduced=deduced)
     loss = graph.losses[0] if graph.losses else None
     summands: tuple[int, ...] = ()
     if loss is not None:
@@ -100,7 +113,7 @@ def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strate
     def each_rank() -> Iterator[tuple[int, DeviceProgram]]:
         facts = None
         with collector_paused():  # thousands of long-lived objects: no collection walks them meanwhile (heap.py)
-            for rank in range(world):
+            for rank in chosen:
                 if rank not in spec.executables:
                     yield rank, DeviceProgram(rank, graph.name, strategy, binding, devices, (devices,), (), (), (),
                                               (), (), (), (), (), None, False, loss is not None, None, (),
