@@ -31,6 +31,7 @@ from hspmd.runtime.inprocess import InProcessJob
 from hspmd.runtime.multiprocess import run_multiprocess
 from hspmd.runtime.program_tool import synthetic_batches
 from hspmd.runtime.program_run import ProgramRunner
+import hspmd.runtime.programs as programs_module
 from hspmd.runtime.programs import compile_programs, iter_programs, read_program, write_programs
 from hspmd.runtime.trainer import Trainer
 from hspmd.specialize.program import DeviceProgram, ProgramError, device_program
@@ -162,12 +163,13 @@ def test_a_program_prints_its_place_ops_plans_and_pieces():
         assert DeviceProgram.from_json(p.to_json()) == p
 
 
-def test_streamed_programs_are_the_compiled_ones_one_at_a_time(tmp_path):
-    """iter_programs gives compile_programs' programs in rank order, each rank's executable graph let
-    go once its program is made; write_programs writes them as they come; a bad layout fails at
-    the call, before any program."""
+def test_streamed_programs_are_the_compiled_ones_one_at_a_time(tmp_path, monkeypatch):
+    """iter_programs gives compile_programs' programs in rank order, its ranks' executable graphs
+    made a batch at a time (here two ranks, against all at once); write_programs writes them as
+    they come; a bad layout fails at the call, before any program."""
     model, layout, symbols = _model(STRATEGIES["hetero"])
     compiled = compile_programs(model.graph, 0, layout, "1f1b", symbols, world_size=5)
+    monkeypatch.setattr(programs_module, "RANKS_AT_ONCE", 2)
     stream = iter_programs(model.graph, 0, layout, "1f1b", symbols, world_size=5)
     first_rank, first = next(stream)
     assert first_rank == 0 and first == compiled[0]

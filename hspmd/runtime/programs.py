@@ -37,6 +37,9 @@ from hspmd.specialize.specialized import Specialized, all_devices, specialize_gr
 from hspmd.specialize.strategy import Strategy
 
 PROGRAM_FILE = "rank{rank}.json"
+RANKS_AT_ONCE = 64
+"""iter_programs makes this many ranks' executable graphs at a time: holding a 4,096-rank job's
+all at once slowed every program made after them (a larger heap to work in), and cost memory."""
 
 
 def _feeds(spec: Specialized, exe: ExecutableGraph, layout: MicroBatchLayout, pipeline: int) -> list[list[Feed]]:
@@ -82,8 +85,9 @@ def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strate
                   world_size: int | None = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
                   ranks: Iterable[int] | None = None) -> Iterator[tuple[int, DeviceProgram]]:
     """compile_programs one rank at a time, in rank order: (rank, program) pairs. Deduction and the
-    plans are made once before the first; each rank's executable graph is let go once its program
-    is made, so a consumer that writes and drops each program holds one at a time."""
+    pipelines are worked out once before the first; executable graphs are made RANKS_AT_ONCE ranks
+    at a time and each let go once its program is made, so a consumer that writes and drops each
+    program holds one program and a batch of executable graphs at a time."""
     cap = None if bucket_cap_mb is None else cap_bytes_of(bucket_cap_mb)
     layout = as_layout(layout)
     binding: Binding = trainer_binding(graph, layout, symbols)
@@ -102,8 +106,7 @@ def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strate
         raise HSPMDError(f"ranks {outside[:8]} are not ranks of the job: it has ranks 0-{world - 1}")
     chosen = sorted(set(chosen))
     in_strategy = set(devices)
-    spec = specialize_graph(graph, strategy, binding, devices=[r for r in chosen if r in in_strategy],
-                            topology=topology, deduced=deduced)
+    spec = specialize_graph(graph, strategy, binding, devices=(), topology=topology, deduced=deduced)
     loss = graph.losses[0] if graph.losses else None
     summands: tuple[int, ...] = ()
     if loss is not None:
@@ -113,24 +116,27 @@ def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strate
     def each_rank() -> Iterator[tuple[int, DeviceProgram]]:
         facts = None
         with collector_paused():  # thousands of long-lived objects: no collection walks them meanwhile (heap.py)
-            for rank in chosen:
-                if rank not in spec.executables:
-                    yield rank, DeviceProgram(rank, graph.name, strategy, binding, devices, (devices,), (), (), (),
-                                              (), (), (), (), (), None, False, loss is not None, None, (),
-                                              layout.global_batch_size)
-                    continue
-                exe = spec.executables.pop(rank)
-                facts = facts or GraphFacts(exe)
-                discovered, stage = spec.locate(rank)
-                stages = spec.pipelines[discovered]
-                pipeline = batch_subgroup(spec.deduced, stages.devices)
-                order = schedule_for(schedule, len(stages.stages), stage, layout.counts[pipeline])
-                place = PipelinePlace(stages.stages, stage, pipeline, schedule, tuple(order))
-                yield rank, device_program(
-                    exe, seed=seed, place=place, feeds=_feeds(spec, exe, layout, pipeline),
-                    global_batch=layout.global_batch_size, devices=devices, groups=step_groups(exe, devices, binding),
-                    loss=loss, loss_summand=rank in summands, buckets=None if cap is None else plan_buckets(exe, cap),
-                    facts=facts)
+            for first in range(0, len(chosen), RANKS_AT_ONCE):
+                batch = chosen[first:first + RANKS_AT_ONCE]
+                executables = spec.instantiate([r for r in batch if r in in_strategy])
+                for rank in batch:
+                    if rank not in executables:
+                        yield rank, DeviceProgram(rank, graph.name, strategy, binding, devices, (devices,), (), (),
+                                                  (), (), (), (), (), (), None, False, loss is not None, None, (),
+                                                  layout.global_batch_size)
+                        continue
+                    exe = executables.pop(rank)
+                    facts = facts or GraphFacts(exe)
+                    discovered, stage = spec.locate(rank)
+                    stages = spec.pipelines[discovered]
+                    pipeline = batch_subgroup(spec.deduced, stages.devices)
+                    order = schedule_for(schedule, len(stages.stages), stage, layout.counts[pipeline])
+                    place = PipelinePlace(stages.stages, stage, pipeline, schedule, tuple(order))
+                    yield rank, device_program(
+                        exe, seed=seed, place=place, feeds=_feeds(spec, exe, layout, pipeline), devices=devices,
+                        global_batch=layout.global_batch_size, groups=step_groups(exe, devices, binding),
+                        loss=loss, loss_summand=rank in summands, facts=facts,
+                        buckets=None if cap is None else plan_buckets(exe, cap))
 
     return each_rank()  # the checks above fail at the call, not at the first program
 

@@ -202,7 +202,8 @@ def instantiate(deduced: Deduced, device: int, binding: Binding = Binding(), top
 
 FEW_DEVICES = 8
 """Up to this many devices, instantiate_many asks each node whether each device runs it; beyond,
-it walks each node's devices instead (a rank asks for one device; a job's compiler for all)."""
+it intersects the chosen devices with each of the node's tensors' devices (each intersection
+walks the smaller set), so a batch of ranks costs in proportion to its size, not the job's."""
 
 
 def instantiate_many(deduced: Deduced, devices: Iterable[int], binding: Binding = Binding(), topology: object = None,
@@ -221,8 +222,8 @@ def instantiate_many(deduced: Deduced, devices: Iterable[int], binding: Binding 
             continue
         if len(chosen) <= FEW_DEVICES:
             on = [d for d in chosen if runs_on(node, deduced, d)]
-        else:
-            on = [d for d in node_devices(node, deduced) if d in wanted]
+        else:  # each intersection walks the smaller side: a node's devices or the chosen ones
+            on = set().union(*(wanted & deduced.devices_of(t) for t in _node_tensors(node)))
         if not on:
             continue
         roles = None

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable, Sequence
 
@@ -30,6 +30,9 @@ class Specialized:
     executables: dict[int, ExecutableGraph]
     pipelines: tuple[PipelineLayout, ...]
     binding: Binding
+    topology: object = None
+    live: set[int] = field(default_factory=set, repr=False)  # the nodes the fetches need
+    plans: dict = field(default_factory=dict, repr=False)  # resolved CommOps, shared by every executable
 
     @property
     def graph(self) -> Graph:
@@ -44,6 +47,11 @@ class Specialized:
         """device -> (pipeline index, stage index), built once: compiling every rank's program
         asks for each of thousands of ranks."""
         return {d: (i, j) for i, p in enumerate(self.pipelines) for j, stage in enumerate(p.stages) for d in stage}
+
+    def instantiate(self, devices: Iterable[int]) -> dict[int, ExecutableGraph]:
+        """More devices' executable graphs, sharing this specialization's plans (not kept in
+        `executables`): a job's compiler makes its ranks' batch by batch."""
+        return instantiate_many(self.deduced, devices, self.binding, self.topology, live=self.live, plans=self.plans)
 
     def locate(self, device: int) -> tuple[int, int]:
         """(pipeline index, stage index) of `device`."""
@@ -124,7 +132,7 @@ def specialize_graph(graph: Graph, strategy: int = 0, binding: Binding | None = 
         executables = instantiate_many(deduced, chosen, binding, topology, fetches, live, plans)
         groups, edges = per_micro_batch_pattern(deduced, binding, live, topology, plans)
         pipelines = discover_pipelines(groups, edges, every)
-    return Specialized(deduced, executables, pipelines, binding)
+    return Specialized(deduced, executables, pipelines, binding, topology, live, plans)
 
 
 __all__ = ["Specialized", "all_devices", "per_micro_batch_pattern", "specialize_graph"]
