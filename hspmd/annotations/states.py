@@ -373,9 +373,12 @@ class Annotation(_Memo):
     def has_partial(self) -> bool:
         return self._memo("partial", lambda: self.hdim == "P" or any(s.ds.partial_count > 1 for s in self.subgroups))
 
+    def _subgroup_index(self) -> dict[int, int]:
+        return self._memo("subgroup_of", lambda: {d: k for k, s in enumerate(self.subgroups) for d in s.dg})
+
     def subgroup_of(self, device: int) -> int:
         """Index of the subgroup holding `device`."""
-        index = self._memo("subgroup_of", lambda: {d: k for k, s in enumerate(self.subgroups) for d in s.dg})
+        index = self._subgroup_index()
         if device not in index:
             raise AnnotationError(f"device {device} is not in annotation {self}")
         return index[device]
@@ -397,6 +400,7 @@ class Annotation(_Memo):
         subs = self.subgroups[:k] + (sub,) + self.subgroups[k + 1 :]
         if not isinstance(sub, Subgroup) or not 0 <= k < self.hsize or sub.dg != self.subgroups[k].dg:
             return Annotation(subs, self.hdim, self.ratios)
+        self._subgroup_index()  # made here once, it passes down a plan's chain of layouts (else one per layout)
         new = object.__new__(Annotation)
         for name, value in (("subgroups", subs), ("hdim", self.hdim), ("ratios", self.ratios)):
             object.__setattr__(new, name, value)
