@@ -154,14 +154,15 @@ def _cut(plan: Plan, me: int) -> PlanPart:
     shape = plan.shape
     steps = []
     for step in plan.steps:
-        src, dst = piece_of(step.src, shape, me), piece_of(step.dst, shape, me)
-        assembles = me in step.assembled_on
-        if not assembles:  # it keeps its tensor (None where it holds no destination piece) and may send from it
+        if me not in step.assembled_on:  # it keeps its tensor (None where it holds no destination piece) and may send
             talks = any(me in (t.src, t.dst) and t.src != t.dst for t in step.transfers)
             exchanges = transfers_part(step.transfers, me)[1] if talks else ()
-            if exchanges or dst is None:
-                steps.append(StepPart(step.primitive, src, dst, False, exchanges=exchanges))
+            if exchanges or me not in step.dst.device_set:  # pieces read only here: most steps of a
+                # plan over hundreds of subgroups are another subgroup's, and the device skips them
+                steps.append(StepPart(step.primitive, piece_of(step.src, shape, me), piece_of(step.dst, shape, me),
+                                      False, exchanges=exchanges))
             continue
+        src, dst = piece_of(step.src, shape, me), piece_of(step.dst, shape, me)
         copies, exchanges = transfers_part(step.transfers, me)
         collectives = tuple(c for c in step.collectives if me in c.devices)
         if not collectives and keeps_own_piece(copies, exchanges, 0, src, dst):
