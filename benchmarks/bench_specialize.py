@@ -187,12 +187,13 @@ def compiled_job(sizes) -> None:
         base = base or per_rank
         rows.append([label, n, f"{seconds:.1f}", f"{per_rank:.1f}", f"{per_rank / base:.2f}x", f"{peak:.0f}",
                      f"{read:.3f}", f"{node / NODE:.3f}", f"{cold:.3f}", f"{read / cold:.2f}x",
+                     f"{node / NODE / cold:.2f}x",
                      f"{len(text) / 1e6:.2f}"])
     print("\nCompiling and writing every rank's program in one process (CPU s in all, ms per rank, peak memory "
           f"added); one rank reading its program back, a node compiling its {NODE} ranks (s per rank) and the same "
           "rank specializing cold (CPU s):")
     print(table(["strategy", "ranks", "compile s", "per rank ms", f"vs {sizes[0][0]}", "peak MB", "read s",
-                 f"node of {NODE} s", "cold s", "read / cold", "program MB"], rows))
+                 f"node of {NODE} s", "cold s", "read / cold", "node / cold", "program MB"], rows))
 
 
 def parse_and_all_to_all(a2a_sizes) -> None:

@@ -59,7 +59,9 @@ def compile_main(argv: Sequence[str]) -> int:
     layout = MicroBatchLayout.of(strategy)
     symbols = {model.seq.name: args.seq, model.tokens_per_step.name: layout.global_batch_size * args.seq}
     shown, world = None, max(strategy.all_ranks) + 1
-    for rank, prog in iter_programs(model.graph, 0, layout, args.schedule, symbols, seed=args.seed, ranks=args.ranks):
+    programs = iter_programs(model.graph, 0, layout, args.schedule, symbols, seed=args.seed, world_size=world,
+                             ranks=args.ranks)
+    for rank, prog in programs:
         (path,) = write_programs([(rank, prog)], args.out)  # one program in memory at a time
         where = "idle" if prog.idle else f"stage {prog.place.stage + 1}/{len(prog.place.stages)} of pipeline " \
                                           f"{prog.place.pipeline}"

@@ -157,6 +157,4 @@ def plan_buckets(exe: ExecutableGraph, cap_bytes: int) -> BucketPlan:
     return BucketPlan(cap_bytes, tuple(b for _, b in buckets), tuple(kept))
 
 
-
-
 __all__ = ["Bucket", "BucketPlan", "BucketSlot", "plan_buckets"]

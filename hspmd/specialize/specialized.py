@@ -31,7 +31,7 @@ class Specialized:
     pipelines: tuple[PipelineLayout, ...]
     binding: Binding
     topology: object = None
-    live: set[int] = field(default_factory=set, repr=False)  # the nodes the fetches need
+    live: set[int] | None = field(default=None, repr=False)  # the nodes the fetches need (None: the graph's)
     plans: dict = field(default_factory=dict, repr=False)  # resolved CommOps, shared by every executable
 
     @property
