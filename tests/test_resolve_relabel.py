@@ -8,9 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hspmd.annotations import Annotation, DistributedStates, Split, Subgroup
-from hspmd.cluster import uniform
+from hspmd.cluster import LinkClass, uniform
 from hspmd.comm_resolve import relabel, resolve
-from hspmd.errors import HSPMDError
+from hspmd.comm_resolve.plan_part import part_of
+from hspmd.errors import CommunicationError, HSPMDError
+from hspmd.specialize import comm_plans
 from hspmd.testing import distributed_states
 
 
@@ -97,3 +99,59 @@ def test_subgroups_on_other_links_are_planned_on_their_own():
     assert relabel.same_links((0, 1), (2, 3), uniform(2, 2))
     assert not relabel.same_links((0, 1), (1, 2), uniform(2, 2))
     assert relabel.order_pattern((5, 3, 9)) == (1, 0, 2) == relabel.order_pattern((7, 2, 8))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=repeated_unions(), data=st.data())
+def test_a_plan_resolved_for_some_devices_is_the_whole_plan_for_them(case, data):
+    """Every device the plan is resolved for, and every device whose steps it keeps, gets the
+    whole plan's part; the cost, and everyone's groups, roles and pipeline pattern (the left-out
+    subgroups renamed from their templates) are the whole plan's; a left-out device's part is
+    refused by name rather than cut wrong."""
+    src, dst, shape, topology = case
+    try:
+        whole = resolve(src, dst, shape, topology)
+    except HSPMDError as exc:
+        with pytest.raises(type(exc)):
+            resolve(src, dst, shape, topology, for_devices=[src.devices[0]])
+        return
+    focus = data.draw(st.lists(st.sampled_from(whole.devices), max_size=3, unique=True))
+    plan = resolve(src, dst, shape, topology, for_devices=focus)
+    assert not whole.left_out and plan.covers(focus)
+    assert plan.estimated_seconds == whole.estimated_seconds
+    for d in whole.devices:
+        if plan.covers([d]):
+            assert part_of(plan, d) == part_of(whole, d), d
+        else:
+            with pytest.raises(CommunicationError, match=f"device {d}'s steps are left out"):
+                part_of(plan, d)
+    assert comm_plans.groups_of(plan) == comm_plans.groups_of(whole)
+    assert comm_plans.roles_of(plan) == comm_plans.roles_of(whole)
+    assert comm_plans.touched(plan) == comm_plans.touched(whole)
+    assert [set(p) for p in comm_plans.pattern(plan)] == [set(p) for p in comm_plans.pattern(whole)]
+
+
+def test_a_plan_for_one_device_of_many_equal_subgroups_lists_two_of_them():
+    groups = " | ".join(f"S0:4@[{4 * k}-{4 * k + 3}]" for k in range(64))
+    src, dst = f"HD{{{groups}}}", f"HD{{{groups.replace('S0', 'D')}}}"
+    whole = resolve(src, dst, (64,))
+    plan = resolve(src, dst, (64,), for_devices=[42])
+    assert len(whole.steps) == 64
+    assert [c.devices for s in plan.steps for c in s.collectives] == [(0, 1, 2, 3), (40, 41, 42, 43)]
+    assert plan.left_out == frozenset(range(256)) - {0, 1, 2, 3, 40, 41, 42, 43}
+    assert part_of(plan, 42) == part_of(whole, 42)
+    assert plan.covers([1, 43]) and not plan.covers([1, 44]) and not plan.covers(None)
+    with pytest.raises(HSPMDError, match="for_devices must be device ids"):
+        resolve(src, dst, (64,), for_devices=["42"])
+
+
+def test_a_subgroup_moving_over_a_shared_link_is_kept():
+    """Messages over a shared link queue on one pipe across subgroups: leaving some out would
+    understate the step's time, so a plan for one device keeps every such subgroup."""
+    wan = uniform(2, 2, inter=LinkClass("wan", 1.25e9, 100e-6, shared=True))
+    src = "H0(1:1){D:1@[0] | D:1@[1]}"
+    dst = "H0(1:1){D:1@[2] | D:1@[3]}"
+    whole = resolve(src, dst, (4, 2), wan)
+    plan = resolve(src, dst, (4, 2), wan, for_devices=[0])
+    assert plan == whole and plan.estimated_seconds == whole.estimated_seconds
+    assert resolve(src, dst, (4, 2), for_devices=[0]).left_out == {1, 3}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Callable, Literal, Union
+from typing import Callable, Literal, Mapping, Union
 
 from hspmd.errors import AnnotationError, AnnotationTypeError
 from hspmd.limits import MAX_DEVICES, MAX_DIMS, MAX_RATIO, brief, check_limit
@@ -397,8 +397,16 @@ class Annotation(_Memo):
         When `sub` keeps subgroup k's device group, the result is valid by construction (nothing
         to check again) and keeps what this union knows of its devices and regions, so a step
         costs a tuple copy rather than a revalidation of every device."""
-        subs = self.subgroups[:k] + (sub,) + self.subgroups[k + 1 :]
-        if not isinstance(sub, Subgroup) or not 0 <= k < self.hsize or sub.dg != self.subgroups[k].dg:
+        return self.with_subgroups({k: sub})
+
+    def with_subgroups(self, replaced: Mapping[int, Subgroup]) -> "Annotation":
+        """This union with each subgroup k in `replaced` replaced by `replaced[k]`, in one copy
+        (with_subgroup, for many subgroups at once)."""
+        outside = [k for k in replaced if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < self.hsize]
+        if outside:
+            raise AnnotationError(f"{self} has subgroups 0-{self.hsize - 1}; there is no subgroup {outside[0]!r} to replace")
+        subs = tuple(replaced.get(k, s) for k, s in enumerate(self.subgroups))
+        if not all(isinstance(sub, Subgroup) and sub.dg == self.subgroups[k].dg for k, sub in replaced.items()):
             return Annotation(subs, self.hdim, self.ratios)
         self._subgroup_index()  # made here once, it passes down a plan's chain of layouts (else one per layout)
         new = object.__new__(Annotation)
@@ -409,7 +417,7 @@ class Annotation(_Memo):
         kept.update((key, v) for key, v in known.items() if isinstance(key, tuple) and key[:1] == ("derived",)
                     and isinstance(key[1], tuple) and key[1][:1] == ("regions",))  # regions: HDim, ratios, HSize only
         if "dim_bound" in known:
-            kept["dim_bound"] = max(known["dim_bound"], max(sub.ds.split_dims, default=-1))
+            kept["dim_bound"] = max([known["dim_bound"]] + [d for sub in replaced.values() for d in sub.ds.split_dims])
         object.__setattr__(new, "_memo_cache", kept)
         return new
 

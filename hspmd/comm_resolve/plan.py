@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from hspmd.annotations import Annotation, Box, device_pieces, parse
 from hspmd.comm_resolve.cost import DTYPE_SIZES, Traffic, collective_traffic, transfer_traffic
@@ -103,7 +103,10 @@ class Transfer:
 class Step:
     """One primitive of a plan. `assembled_on`: see the module docstring. `round`: steps of one round
     act on disjoint subgroups and may run side by side (the time estimate overlaps them); rounds
-    run one after another. (Not the IR's forward/backward/update phase of a node.)"""
+    run one after another. (Not the IR's forward/backward/update phase of a node.) `repeats`:
+    (template devices, devices) pairs, in a plan resolved for some devices only: the step also
+    runs, unlisted, on each `devices` as it runs on its `template` devices (renamed position by
+    position, boxes moved to that subgroup's region; relabel.py), at the same cost."""
 
     primitive: str
     src: Annotation
@@ -113,6 +116,7 @@ class Step:
     assembled_on: tuple[int, ...] = ()
     subgroup: int | None = None
     round: int = 0
+    repeats: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -140,7 +144,7 @@ class Step:
         return traffic
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "primitive": self.primitive, "round": self.round, "subgroup": self.subgroup,
             "src": str(self.src), "dst": str(self.dst),
             "groups": [list(g) for g in self.groups],
@@ -148,6 +152,9 @@ class Step:
             "transfers": [t.to_dict() for t in self.transfers],
             "assembled_on": list(self.assembled_on),
         }
+        if self.repeats:
+            out["repeats"] = [[list(template), list(devices)] for template, devices in self.repeats]
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Step":
@@ -156,6 +163,7 @@ class Step:
             tuple(Collective.from_dict(c) for c in d["collectives"]),
             tuple(Transfer.from_dict(t) for t in d["transfers"]),
             tuple(d["assembled_on"]), d.get("subgroup"), d.get("round", 0),
+            tuple((tuple(template), tuple(devices)) for template, devices in d.get("repeats", ())),
         )
 
 
@@ -256,6 +264,17 @@ class Plan(_Stats):
     def devices(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.src.devices) | set(self.dst.devices)))
 
+    @cached_property
+    def left_out(self) -> frozenset[int]:
+        """Devices whose steps the plan leaves out (Step.repeats; empty for a whole plan): resolved
+        for some devices only, it holds their parts, its cost and, renamed, everyone's groups, but
+        not every device's steps, nor every byte in its tables."""
+        return frozenset(d for s in self.steps for _, devices in s.repeats for d in devices)
+
+    def covers(self, devices: Iterable[int] | None) -> bool:
+        """Whether the plan lists the steps of every one of `devices` (None: of every device)."""
+        return not self.left_out if devices is None else self.left_out.isdisjoint(devices)
+
     @property
     def primitives(self) -> tuple[str, ...]:
         return tuple(s.primitive for s in self.steps)
@@ -296,6 +315,8 @@ class Plan(_Stats):
         boxes it reduces tile that piece: a plain or a split all-reduce (a gradient that pipelines
         of different TP degrees hold in different pieces), members without a summand giving
         zeros, which buckets can carry; otherwise what differs."""
+        if self.left_out:
+            return "its plan has a step per subgroup"
         if len(self.steps) != 1:
             return f"its plan has {len(self.steps)} steps"
         step = self.steps[0]

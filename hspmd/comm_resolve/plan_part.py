@@ -25,6 +25,7 @@ from hspmd.annotations import Annotation, Box, Piece, box_intersection, device_p
 from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
+from hspmd.errors import CommunicationError
 from hspmd.limits import json_count, json_flag
 
 PART_SCHEMA = "hspmd.plan-part/1"
@@ -36,9 +37,41 @@ def message_rounds(transfers: tuple[Transfer, ...]) -> tuple[tuple[Transfer, ...
     """The messages (src != dst) in rounds where each device sends at most one and receives at
     most one, so a device stages at most one message each way at a time. Greedy in a fixed order
     (by ring distance, then sender), the same on every device; a cyclic shift pattern takes the
-    fewest rounds. Messages run round by round, each round one batched exchange."""
-    messages = [t for t in transfers if t.src != t.dst]
-    width = 1 + max((max(t.src, t.dst) for t in messages), default=0)
+    fewest rounds. Messages run round by round, each round one batched exchange. Worked out per
+    set of devices that exchange messages (a connected component), so that a device's rounds
+    depend only on the messages of its own component: a plan resolved for some devices lists
+    only their subgroups' messages (Step.repeats), and its devices must agree with the whole plan."""
+    rounds: list[list[Transfer]] = []
+    for component in _components([t for t in transfers if t.src != t.dst]):
+        for i, round_ in enumerate(_greedy_rounds(component)):
+            if i == len(rounds):
+                rounds.append([])
+            rounds[i] += round_
+    return tuple(tuple(r) for r in rounds)
+
+
+def _components(messages: list[Transfer]) -> list[list[Transfer]]:
+    """The messages grouped by connected component of the devices they join, in order of first message."""
+    parent: dict[int, int] = {}
+
+    def root(d: int) -> int:
+        while parent.setdefault(d, d) != d:
+            parent[d] = parent[parent[d]]
+            d = parent[d]
+        return d
+
+    for t in messages:
+        a, b = root(t.src), root(t.dst)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[Transfer]] = {}
+    for t in messages:
+        groups.setdefault(root(t.src), []).append(t)
+    return list(groups.values())
+
+
+def _greedy_rounds(messages: list[Transfer]) -> list[list[Transfer]]:
+    width = 1 + max(max(t.src, t.dst) for t in messages)
     rounds: list[list[Transfer]] = []
     busy: list[tuple[set, set]] = []
     for t in sorted(messages, key=lambda t: ((t.dst - t.src) % width, t.src, t.dst)):
@@ -49,7 +82,7 @@ def message_rounds(transfers: tuple[Transfer, ...]) -> tuple[tuple[Transfer, ...
         rounds[r].append(t)
         busy[r][0].add(t.src)
         busy[r][1].add(t.dst)
-    return tuple(tuple(r) for r in rounds)
+    return rounds
 
 
 Exchange = tuple[Transfer | None, Transfer | None]
@@ -146,6 +179,10 @@ def part_of(plan: Plan, device: int) -> PlanPart:
     rank running a plan every micro-batch cuts it once."""
     parts = plan.__dict__.setdefault("_parts", {})  # a cache beside the frozen fields, as cached_property keeps
     if device not in parts:
+        if device in plan.left_out:
+            raise CommunicationError(f"device {device}'s steps are left out of this plan of {_shortened(str(plan.src))} -> "
+                                     f"{_shortened(str(plan.dst))}, resolved for other devices; resolve it for "
+                                     f"device {device} (resolve(..., for_devices=[{device}]))")
         parts[device] = _cut(plan, device)
     return parts[device]
 
@@ -159,8 +196,9 @@ def _cut(plan: Plan, me: int) -> PlanPart:
             exchanges = transfers_part(step.transfers, me)[1] if talks else ()
             if exchanges or me not in step.dst.device_set:  # pieces read only here: most steps of a
                 # plan over hundreds of subgroups are another subgroup's, and the device skips them
-                steps.append(StepPart(step.primitive, piece_of(step.src, shape, me), piece_of(step.dst, shape, me),
-                                      False, exchanges=exchanges))
+                src, dst = piece_of(step.src, shape, me), piece_of(step.dst, shape, me)
+                if exchanges or src != dst:  # it sends, or drops its piece; not another subgroup's step
+                    steps.append(StepPart(step.primitive, src, dst, False, exchanges=exchanges))
             continue
         src, dst = piece_of(step.src, shape, me), piece_of(step.dst, shape, me)
         copies, exchanges = transfers_part(step.transfers, me)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from hspmd.annotations import Annotation, Box, DistributedStates, Split, Subgroup, device_pieces, parse, subgroup_regions
 from hspmd.annotations.geometry import check_ratios
@@ -57,7 +57,7 @@ from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.split_collectives import split_step
 from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
-from hspmd.errors import CommunicationError, ShapeError, ShapeTypeError, UnsupportedReshard
+from hspmd.errors import CommunicationError, HSPMDTypeError, ShapeError, ShapeTypeError, UnsupportedReshard
 from hspmd.heap import collector_paused
 from hspmd.limits import MAX_DIMS, brief, check_limit
 
@@ -72,7 +72,13 @@ class _Reshard:
     topology: ClusterSpec
     itemsize: int
     reduce_partial: bool
+    focus: frozenset[int] | None = None  # resolved for these devices (None: every device)
     planned: dict = field(default_factory=dict, compare=False)  # BSR transfers already planned, by hop
+
+    def leaves_out(self, devices) -> bool:
+        """Whether a repeated subgroup on `devices` may be left out of the plan (it holds none of
+        the devices the plan is resolved for)."""
+        return self.focus is not None and self.focus.isdisjoint(devices)
 
     def refuse(self, why: str) -> UnsupportedReshard:
         return UnsupportedReshard(
@@ -121,6 +127,7 @@ def resolve(
     dst_ratios: Sequence[int] | None = None,
     reduce_partial: bool = True,
     via: str | None = None,
+    for_devices: Iterable[int] | None = None,
 ) -> Plan:
     """The communication plan turning a tensor of `shape` laid out as `src` into `dst`.
 
@@ -129,18 +136,32 @@ def resolve(
     `src_ratios` / `dst_ratios` bind top-tier ratios left to run time (`H0{...}`). A Partial
     source with no collective path is reduced in place first; `reduce_partial=False` raises
     UnsupportedReshard instead (the paper's rule). `via` (one of VIAS) forces one route, None picks
-    the cheapest (module docstring). Raises AnnotationError / ShapeError when the
-    annotations do not fit the shape or the topology."""
+    the cheapest (module docstring). `for_devices` resolves the plan for those devices only: a
+    subgroup holding none of them whose steps repeat an earlier subgroup's (relabel.py) is left
+    out, named in Step.repeats instead (a rank specializing alone then plans its own subgroups,
+    not every data-parallel replica's); their parts, the plan's cost and choice of route, and
+    everyone's groups (comm_plans) are the whole plan's. Raises AnnotationError / ShapeError when
+    the annotations do not fit the shape or the topology."""
     src = bind_ratios(parse(src), src_ratios, "source", "src_ratios")
     dst = bind_ratios(parse(dst), dst_ratios, "destination", "dst_ratios")
     shape = concrete_shape(shape, src, dst)
     topology = cluster_for(topology, src.device_set | dst.device_set, lambda: f"reshard {src} -> {dst}")
     name = dtype_name(dtype)
-    ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial)
+    focus = None if for_devices is None else _focus(for_devices)
+    ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial, focus)
     with collector_paused():  # a large plan is many long-lived objects and no cycles (hspmd.heap)
         if via is not None:
             return _plan(ctx, name, _via(via, src, dst, ctx))
         return _cheapest(ctx, name)
+
+
+def _focus(devices: Iterable[int]) -> frozenset[int]:
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise HSPMDTypeError(f"for_devices must be device ids, got {brief(devices)}")
+    devices = frozenset(devices)
+    if any(isinstance(d, bool) or not isinstance(d, int) for d in devices):
+        raise HSPMDTypeError(f"for_devices must be device ids (ints), got {brief(sorted(devices, key=str))}")
+    return devices
 
 
 VIAS = ("hierarchical", "merged-allgather", "direct", "root", "representatives")
@@ -369,21 +390,50 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tup
 
 
 def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup, ctx: _Reshard,
-                   region: Box) -> tuple[list[Step], Annotation]:
+                   region: Box, left_out: "_LeftOut") -> tuple[list[Step], Annotation]:
     """_equalise, or an earlier subgroup's steps of the same frame moved onto subgroup k (exactly
     what _equalise would plan: relabel.py), so that a union of hundreds of equal subgroups is
-    planned once. `templates` is kept by the caller for one pass over the subgroups; `region` is
-    subgroup k's (the caller's union and `union` share HDim, ratios and HSize, so their regions)."""
+    planned once; or none, when the plan leaves subgroup k out (ctx.leaves_out: `left_out` keeps
+    it). `templates` and `left_out` are kept by the caller for one pass over the subgroups;
+    `region` is subgroup k's (the caller's union and `union` share HDim, ratios and HSize, so
+    their regions)."""
     key = relabel.frame(union.subgroups[k], target, region)
     if key in templates:
         steps, k0, region0 = templates[key]
         sub0, sub = union.subgroups[k0].dg.devices, union.subgroups[k].dg.devices
-        if not relabel.has_messages(steps) or relabel.same_links(sub0, sub, ctx.topology):
+        same_links = relabel.same_links(sub0, sub, ctx.topology)
+        if same_links and ctx.leaves_out(sub):  # (its collectives' cost, too, follows the links)
+            left_out.add(k0, sub0, k, sub, target)
+            return [], union
+        if same_links or not relabel.has_messages(steps):
             moved = relabel.moved_steps(steps, k0, k, union, region0, region)
             return moved, moved[-1].dst  # k in `target`'s states: the template's last layout moved
     steps, done = _equalise(union, k, target, ctx)
     templates.setdefault(key, (steps, k, region))
     return steps, done
+
+
+class _LeftOut:
+    """The subgroups a plan resolved for some devices leaves out in one pass over a union: each
+    repeats a template subgroup's steps (Step.repeats) and ends in its target states. The
+    layouts of the steps kept show left-out subgroups as they were (only the kept devices'
+    pieces are read from them); the union after the pass has every one in its target."""
+
+    def __init__(self) -> None:
+        self.repeats: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        self.targets: dict[int, Subgroup] = {}
+
+    def add(self, k0: int, template: tuple[int, ...], k: int, devices: tuple[int, ...], target: Subgroup) -> None:
+        self.repeats.setdefault(k0, []).append((template, devices))
+        self.targets[k] = target
+
+    def finish(self, steps: list[Step], union: Annotation) -> tuple[list[Step], Annotation]:
+        """(the steps, each template subgroup's naming its repeats; the union after the pass)."""
+        if not self.repeats:
+            return steps, union
+        steps = [replace(s, repeats=tuple(self.repeats[s.subgroup])) if s.subgroup in self.repeats else s
+                 for s in steps]
+        return steps, union.with_subgroups(self.targets)
 
 
 def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tuple[list[Step], Annotation]:
@@ -399,7 +449,7 @@ def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tupl
 
 
 def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
-    union, steps, moving, templates = src, [], [], {}
+    union, steps, moving, templates, left_out = src, [], [], {}, _LeftOut()
     regions = _regions(src, ctx)
     for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
         if s.dg != t.dg:
@@ -408,8 +458,9 @@ def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
                 sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
                 steps += sub_steps
             continue
-        sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k])
+        sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out)
         steps += sub_steps
+    steps, union = left_out.finish(steps, union)
     if moving:
         before = [s for s in steps if s.subgroup in moving]  # the move overlaps the other subgroups' steps
         steps.append(replace(_move_step(union, dst, moving, ctx), round=_next_round(before)))
@@ -422,24 +473,43 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     """Subgroups whose device group changes, in one fused exchange. Same distributed states:
     SendRecv (partial summands go device to device by position; values go through the BSR table,
     so replicas already in place stay and each missing piece comes from the best owner).
-    Otherwise BSR within the subgroup."""
+    Otherwise BSR within the subgroup. A plan resolved for some devices leaves out a subgroup
+    moved like an earlier one (_moved_subgroup) and names it in the step's repeats."""
     sp = device_pieces(union, ctx.shape)
-    transfers, reshaped, templates = [], False, {}
+    transfers, reshaped, templates, repeats = [], False, {}, []
+    alone = _alone(union, dst, moving) if ctx.focus is not None else frozenset()
     for k in moving:
         s, t = union.subgroups[k], dst.subgroups[k]
         if s.ds == t.ds and s.ds.partial_count > 1:
             transfers += [Transfer(a, b, (sp[a].box,), (0,)) for a, b in zip(s.dg, t.dg)]
         else:
             reshaped |= s.ds != t.ds
-            transfers += _moved_subgroup(templates, union, dst, k, sp, ctx)
+            transfers += _moved_subgroup(templates, union, dst, k, sp, ctx, alone, repeats)
     assembled_on = tuple(sorted(d for k in moving for d in dst.subgroups[k].dg))
-    return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), _fuse(transfers), assembled_on)
+    return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), _fuse(transfers), assembled_on,
+                repeats=tuple(repeats))
 
 
-def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, sp, ctx: _Reshard) -> list[Transfer]:
+def _alone(union: Annotation, dst: Annotation, moving: list[int]) -> frozenset[int]:
+    """The devices of exactly one moving subgroup. Only a subgroup on such devices may be left out,
+    and only as a repeat of a template on such devices: then every message a kept device's
+    rounds depend on stays (plan_part.message_rounds), and the messages among a template's
+    devices are its own (comm_plans renames them)."""
+    count: dict[int, int] = {}
+    for k in moving:
+        for d in set(union.subgroups[k].dg.devices + dst.subgroups[k].dg.devices):
+            count[d] = count.get(d, 0) + 1
+    return frozenset(d for d, n in count.items() if n == 1)
+
+
+def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, sp, ctx: _Reshard,
+                    alone: frozenset[int], repeats: list) -> list[Transfer]:
     """The BSR messages taking subgroup k of `union` to subgroup k of `dst`. Moving subgroups share
     no sender, so each is planned alone (the senders' loads never meet), and one of the same
-    frame planned before is moved onto this one (relabel.py)."""
+    frame planned before is moved onto this one (relabel.py), or, where the plan leaves k out
+    and k and its template lie on devices of no other moving subgroup (`alone`), named in
+    `repeats`. Not where the template's messages cross a shared link, whose time adds up over
+    subgroups."""
     s, t = union.subgroups[k], dst.subgroups[k]
     region = _regions(union, ctx)[k]
     key = relabel.frame(s, t, region)
@@ -447,6 +517,10 @@ def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int,
     if key in templates:
         transfers, template, region0 = templates[key]
         if relabel.same_links(template, devices, ctx.topology):
+            if (ctx.leaves_out(devices) and alone.issuperset(devices) and alone.issuperset(template)
+                    and not _shares_links(transfers, ctx.topology)):
+                repeats.append((template, devices))
+                return []
             shift = relabel.region_shift(region0, region)
             return relabel.moved_transfers(transfers, dict(zip(template, devices)), shift)
     owners = {d: sp[d].box for d in s.dg}
@@ -454,6 +528,10 @@ def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int,
     transfers = plan_transfers([family], ctx.topology, ctx.itemsize)
     templates.setdefault(key, (transfers, devices, region))
     return list(transfers)
+
+
+def _shares_links(transfers, topology: ClusterSpec) -> bool:
+    return any(t.src != t.dst and topology.link(t.src, t.dst).shared for t in transfers)
 
 
 def _fuse(transfers: list[Transfer]) -> tuple[Transfer, ...]:
@@ -476,11 +554,12 @@ def _top_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step] | N
         return None
     union, steps = src, []
     if any(s.ds != t.ds for s, t in zip(src.subgroups, dst.subgroups)):
-        templates: dict = {}
+        templates, left_out = {}, _LeftOut()
         regions = _regions(src, ctx)
         for k, t in enumerate(dst.subgroups):
-            sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k])
+            sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out)
             steps += sub_steps
+        steps, union = left_out.finish(steps, union)
     step = split_step(primitive, union, dst, ctx.shape)
     if step is None:
         return None

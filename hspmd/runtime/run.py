@@ -28,6 +28,7 @@ from hspmd.ir.graph import Node, Tensor
 from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
 from hspmd.backends.plan_executor import execute_plan
+from hspmd.specialize import comm_plans
 from hspmd.specialize.executable import ExecutableGraph, Instruction
 from hspmd.runtime.buckets import BucketSync, write_gradient
 
@@ -70,10 +71,7 @@ def recomputable(exe: ExecutableGraph, ins: Instruction, binding: Binding, stage
         return False
     if ins.role != "collective":
         return True
-    plan = exe.plan(node, binding)
-    touched = {d for s in plan.steps for c in s.collectives for d in c.devices}
-    touched |= {d for s in plan.steps for t in s.transfers if t.src != t.dst for d in (t.src, t.dst)}
-    return touched <= stage
+    return comm_plans.touched(exe.plan(node, binding)) <= stage
 
 
 class _OpContext:

@@ -5,29 +5,50 @@ P2P edges it has (what pipeline discovery reads), and a one-line view per device
 from __future__ import annotations
 
 from hspmd.annotations import Annotation
+from hspmd.comm_resolve.plan_part import part_of
 from hspmd.comm_resolve.resolver import resolve
 
 
-def resolve_comm(src: Annotation, dst: Annotation, shape, src_ratios, dst_ratios, topology, dtype):
-    return resolve(src, dst, tuple(shape), topology, dtype=dtype, src_ratios=src_ratios, dst_ratios=dst_ratios)
+def resolve_comm(src: Annotation, dst: Annotation, shape, src_ratios, dst_ratios, topology, dtype, for_devices=None):
+    return resolve(src, dst, tuple(shape), topology, dtype=dtype, src_ratios=src_ratios, dst_ratios=dst_ratios,
+                   for_devices=for_devices)
+
+
+def _exchanges(plan):
+    """Per step, (its collective groups, its messages as (src, dst) pairs), then the same for each
+    subgroup a plan resolved for some devices leaves out (Step.repeats): the template devices'
+    groups and messages, renamed. Every consumer below reads plans through this, so that a
+    rank's focused plan gives the whole plan's groups, roles and pattern."""
+    for step in plan.steps:
+        groups = [c.devices for c in step.collectives]
+        messages = [(t.src, t.dst) for t in step.transfers if t.src != t.dst]
+        yield groups, messages
+        among: dict[tuple, tuple] = {}  # template devices -> its groups and messages (few templates)
+        for template, devices in step.repeats:
+            if template not in among:
+                members = set(template)
+                among[template] = ([g for g in groups if members.issuperset(g)],
+                                   [m for m in messages if m[0] in members and m[1] in members])
+            name = dict(zip(template, devices))
+            mine, sent = among[template]
+            yield [tuple(name[d] for d in g) for g in mine], [(name[a], name[b]) for a, b in sent]
 
 
 def roles_of(plan) -> dict[int, str]:
-    """How each device of the plan takes part: collective, send, recv, send+recv, or local (no
+    """How each device takes part in a plan: collective, send, recv, send+recv, or local (no
     peer). Worked out in one pass over the plan and kept on it (a plan is immutable, and a job's
     compiler asks for every device of a plan over thousands)."""
     roles = plan.__dict__.get("_roles")
     if roles is not None:
         return roles
     collective, sends, recvs = set(), set(), set()
-    for step in plan.steps:
-        for c in step.collectives:
-            if len(c.devices) > 1:
-                collective.update(c.devices)
-        for t in step.transfers:
-            if t.src != t.dst:
-                sends.add(t.src)
-                recvs.add(t.dst)
+    for groups, messages in _exchanges(plan):
+        for g in groups:
+            if len(g) > 1:
+                collective.update(g)
+        for a, b in messages:
+            sends.add(a)
+            recvs.add(b)
     roles = dict.fromkeys(plan.devices, "local")
     roles.update(dict.fromkeys(sends - recvs, "send"))
     roles.update(dict.fromkeys(recvs - sends, "recv"))
@@ -45,14 +66,25 @@ def groups_of(plan) -> dict[int, tuple[tuple[int, ...], ...]]:
     if groups is not None:
         return groups
     found: dict[int, dict[tuple[int, ...], None]] = {}
-    for step in plan.steps:
-        for c in step.collectives:
-            if len(c.devices) > 1:
-                for d in c.devices:
-                    found.setdefault(d, {})[c.devices] = None
+    for step_groups, _ in _exchanges(plan):
+        for g in step_groups:
+            if len(g) > 1:
+                for d in g:
+                    found.setdefault(d, {})[g] = None
     groups = {d: tuple(g) for d, g in found.items()}
     plan.__dict__["_groups"] = groups
     return groups
+
+
+def touched(plan) -> set[int]:
+    """Every device that is a member of a collective of the plan or sends or receives a message."""
+    out: set[int] = set()
+    for groups, messages in _exchanges(plan):
+        for g in groups:
+            out.update(g)
+        for m in messages:
+            out.update(m)
+    return out
 
 
 def pattern(plan) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
@@ -62,17 +94,15 @@ def pattern(plan) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
     is a reshard inside one stage (it may run both ways, e.g. `@[0] | D:3@[1-3]` to
     `S0:2,D:2@[0-3]`), not a hand-off from one stage to the next: it joins its two devices like a
     collective. Only a transfer with an end outside the source or the destination is a P2P edge."""
-    groups = [c.devices for s in plan.steps for c in s.collectives if len(c.devices) > 1]
     both = set(plan.src.devices) & set(plan.dst.devices)
-    edges = []
-    for s in plan.steps:
-        for t in s.transfers:
-            if t.src == t.dst:
-                continue
-            if t.src in both and t.dst in both:
-                groups.append((t.src, t.dst))
+    groups, edges = [], []
+    for step_groups, messages in _exchanges(plan):
+        groups += [g for g in step_groups if len(g) > 1]
+        for a, b in messages:
+            if a in both and b in both:
+                groups.append((a, b))
             else:
-                edges.append((t.src, t.dst))
+                edges.append((a, b))
     return groups, edges
 
 
@@ -83,19 +113,9 @@ def renamed(pattern_: tuple[list[tuple[int, ...]], list[tuple[int, int]]], name:
 
 
 def describe_for(plan, device: int) -> str:
-    """The plan's steps as this device sees them, e.g. 'AllReduce[0,1] ; SendRecv 1->3'."""
-    parts = []
-    for s in plan.steps:
-        mine = [c for c in s.collectives if device in c.devices]
-        moves = [t for t in s.transfers if device in (t.src, t.dst) and t.src != t.dst]
-        if mine:
-            parts.append(s.primitive + "".join("[" + ",".join(map(str, c.devices)) + "]"
-                                               for c in dict.fromkeys(c for c in mine)))
-        elif moves:
-            parts.append(s.primitive + " " + ",".join(f"{t.src}->{t.dst}" for t in moves))
-        elif device in s.assembled_on or device in s.dst.devices:
-            parts.append(s.primitive + " (local)")
-    return " ; ".join(parts) or "nothing on this device"
+    """The plan's steps as this device runs them (its part), e.g. 'AllReduce all_reduce[0,1] ;
+    SendRecv 1->3'; steps of other subgroups, in which it does nothing, are not listed."""
+    return " ; ".join(map(str, part_of(plan, device).steps)) or "nothing on this device"
 
 
-__all__ = ["describe_for", "groups_of", "pattern", "renamed", "resolve_comm", "roles_of"]
+__all__ = ["describe_for", "groups_of", "pattern", "renamed", "resolve_comm", "roles_of", "touched"]

@@ -61,8 +61,11 @@ def comm_args(deduced: Deduced, node: Node, binding: Binding, topology=None) -> 
             run_time_ratios(dst, binding), topology, node.output.dtype)
 
 
-def resolve_node(deduced: Deduced, node: Node, binding: Binding, topology=None, cache: dict | None = None):
-    """The plan of a CommOp under a binding (plans are global values, cached per binding).
+def resolve_node(deduced: Deduced, node: Node, binding: Binding, topology=None, cache: dict | None = None,
+                 focus: frozenset[int] | None = None):
+    """The plan of a CommOp under a binding (plans are global values, cached per binding),
+    resolved for the devices `focus` (None: every device; resolve's for_devices). A cached plan
+    serves when it covers them; one resolved for other devices is resolved again (and replaced).
 
     `cache` keeps each plan under two keys: (node id, binding), the quick hit for a node seen
     before, and the resolver's own arguments (src, dst, concrete shape, ratios, topology, dtype),
@@ -70,12 +73,13 @@ def resolve_node(deduced: Deduced, node: Node, binding: Binding, topology=None, 
     identical layers) share one plan. Sharing is safe: `resolve` is a pure function of exactly
     those arguments and plans are immutable values that name no node."""
     node_key = (node.id, binding)
-    if cache is not None and node_key in cache:
-        return cache[node_key]
+    plan = None if cache is None else cache.get(node_key)
+    if plan is not None and plan.covers(focus):
+        return plan
     args = comm_args(deduced, node, binding, topology)
     plan = None if cache is None else cache.get(args)
-    if plan is None:
-        plan = comm_plans.resolve_comm(*args)
+    if plan is None or not plan.covers(focus):
+        plan = comm_plans.resolve_comm(*args, for_devices=focus)
     if cache is not None:
         cache[node_key] = cache[args] = plan
     return plan
@@ -125,6 +129,7 @@ class ExecutableGraph:
     topology: object = None
     binding: Binding = field(default_factory=Binding)
     plans: dict = field(default_factory=dict, repr=False)
+    focus: frozenset[int] | None = None  # the devices its plans are resolved for (None: every device)
     _boxes: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -170,7 +175,7 @@ class ExecutableGraph:
         return self._boxes[key]
 
     def plan(self, node: Node, binding: Binding):
-        return resolve_node(self.deduced, node, binding, self.topology, self.plans)
+        return resolve_node(self.deduced, node, binding, self.topology, self.plans, self.focus)
 
     def __str__(self) -> str:
         lines = [f"executable graph of device {self.device} (strategy {self.strategy}, graph {self.graph.name})"]
@@ -196,8 +201,8 @@ class ExecutableGraph:
 def instantiate(deduced: Deduced, device: int, binding: Binding = Binding(), topology: object = None,
                 fetches: Iterable[Tensor] = (), live: set[int] | None = None,
                 plans: dict | None = None) -> ExecutableGraph:
-    """The executable graph of `device` (plans for comms are resolved under `binding`)."""
-    return instantiate_many(deduced, (device,), binding, topology, fetches, live, plans)[device]
+    """The executable graph of `device` (plans for comms are resolved under `binding`, for it)."""
+    return instantiate_many(deduced, (device,), binding, topology, fetches, live, plans, focused=True)[device]
 
 
 FEW_DEVICES = 8
@@ -208,14 +213,18 @@ walks the smaller set), so a batch of ranks costs in proportion to its size, not
 
 def instantiate_many(deduced: Deduced, devices: Iterable[int], binding: Binding = Binding(), topology: object = None,
                      fetches: Iterable[Tensor] = (), live: set[int] | None = None,
-                     plans: dict | None = None) -> dict[int, ExecutableGraph]:
+                     plans: dict | None = None, focused: bool = False) -> dict[int, ExecutableGraph]:
     """The executable graph of each of `devices`, in one pass over the graph (a pass per device
-    made compiling every rank's program grow with the job: each pass reads every node)."""
+    made compiling every rank's program grow with the job: each pass reads every node).
+    `focused`: their plans are resolved for these devices alone (resolve's for_devices), so that
+    a rank of a large job plans its own subgroups, not every data-parallel replica's; otherwise
+    whole plans, which every device can share (and any later batch of devices reuses)."""
     graph = deduced.graph
     live = live_nodes(graph, fetches) if live is None else live
     plans = {} if plans is None else plans
     chosen = tuple(dict.fromkeys(devices))
     wanted = set(chosen)
+    focus = frozenset(chosen) if focused else None
     programs = {d: {"forward": [], "backward": [], "update": []} for d in chosen}
     for node in graph.nodes:
         if node.id not in live:
@@ -231,7 +240,7 @@ def instantiate_many(deduced: Deduced, devices: Iterable[int], binding: Binding 
             if deduced[node.inputs[0]] == deduced[node.output]:
                 role = "identity"
             else:
-                roles = comm_plans.roles_of(resolve_node(deduced, node, binding, topology, plans))
+                roles = comm_plans.roles_of(resolve_node(deduced, node, binding, topology, plans, focus))
         elif node.kind == "assign":
             role = "assign"
         else:
@@ -239,7 +248,7 @@ def instantiate_many(deduced: Deduced, devices: Iterable[int], binding: Binding 
         for d in on:
             programs[d][node.phase].append(Instruction(node, role if roles is None else roles.get(d, "local")))
     return {d: ExecutableGraph(d, deduced, *(tuple(programs[d][p]) for p in ("forward", "backward", "update")),
-                               topology, binding, plans) for d in chosen}
+                               topology, binding, plans, focus) for d in chosen}
 
 
 __all__ = [

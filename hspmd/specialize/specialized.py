@@ -49,9 +49,10 @@ class Specialized:
         return {d: (i, j) for i, p in enumerate(self.pipelines) for j, stage in enumerate(p.stages) for d in stage}
 
     def instantiate(self, devices: Iterable[int]) -> dict[int, ExecutableGraph]:
-        """More devices' executable graphs, sharing this specialization's plans (not kept in
-        `executables`): a job's compiler makes its ranks' batch by batch."""
-        return instantiate_many(self.deduced, devices, self.binding, self.topology, live=self.live, plans=self.plans)
+        """More devices' executable graphs (not kept in `executables`), their plans resolved for
+        them (instantiate_many's `focused`): a job's compiler makes its ranks' batch by batch."""
+        return instantiate_many(self.deduced, devices, self.binding, self.topology, live=self.live, plans=self.plans,
+                                focused=True)
 
     def locate(self, device: int) -> tuple[int, int]:
         """(pipeline index, stage index) of `device`."""
@@ -111,7 +112,9 @@ def _pattern_of(deduced: Deduced, node, binding: Binding, topology, cache, args:
         if held is None and key in read:
             template, found = read[key]
             return comm_plans.renamed(found, dict(zip(template, devices)))
-    found = comm_plans.pattern(held if held is not None else resolve_node(deduced, node, binding, topology, cache))
+    if held is None:  # any devices' plan gives the whole pattern (comm_plans: left-out subgroups renamed)
+        held = resolve_node(deduced, node, binding, topology, cache, frozenset())
+    found = comm_plans.pattern(held)
     if key is not None:
         read.setdefault(key, (devices, found))
     return found
@@ -120,8 +123,10 @@ def _pattern_of(deduced: Deduced, node, binding: Binding, topology, cache, args:
 def specialize_graph(graph: Graph, strategy: int = 0, binding: Binding | None = None, devices: Iterable[int] | None = None,
                topology=None, fetches: Sequence[Tensor] = (), deduced: Deduced | None = None) -> Specialized:
     """Deduce, instantiate one executable graph per device (all devices of the strategy unless
-    `devices` is given), resolve CommOps under `binding`, and discover the pipelines. The graph
-    and everything older stay out of the cyclic collector's walks meanwhile (heap.py)."""
+    `devices` is given), resolve CommOps under `binding`, and discover the pipelines. Given
+    `devices`, the plans are resolved for them alone (instantiate_many's `focused`: a rank of a
+    large job plans its own subgroups). The graph and everything older stay out of the cyclic
+    collector's walks meanwhile (heap.py)."""
     binding = binding or Binding()
     with collector_paused():
         deduced = deduced or deduce(graph, strategy)
@@ -129,7 +134,7 @@ def specialize_graph(graph: Graph, strategy: int = 0, binding: Binding | None = 
         every = all_devices(deduced)
         chosen = every if devices is None else tuple(devices)
         plans: dict = {}
-        executables = instantiate_many(deduced, chosen, binding, topology, fetches, live, plans)
+        executables = instantiate_many(deduced, chosen, binding, topology, fetches, live, plans, devices is not None)
         groups, edges = per_micro_batch_pattern(deduced, binding, live, topology, plans)
         pipelines = discover_pipelines(groups, edges, every)
     return Specialized(deduced, executables, pipelines, binding, topology, live, plans)
