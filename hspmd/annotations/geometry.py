@@ -260,12 +260,14 @@ def _device_pieces(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int
 
 def device_pieces_of(ann: Annotation, shape: Sequence[Length], devices: Iterable[int],
                      ratios: Sequence[int] | None = None) -> dict[int, Piece]:
-    """device_pieces restricted to `devices` (those of the union, in the order given), read from the
-    cached whole without copying it: a planner asking once per subgroup stays linear."""
+    """device_pieces restricted to `devices` (those of the union, in the order given), each worked
+    out from its own subgroup (device_piece): a planner asking for one subgroup's devices of a
+    large union pays for those, not for the union."""
     if not isinstance(ann, Annotation):
         raise ShapeTypeError(f"device_pieces needs an Annotation (parse text first), got {brief(ann)}")
-    pieces = _device_pieces(ann, check_shape(ann, shape), check_ratios(ratios))
-    return {d: pieces[d] for d in devices if d in pieces}
+    shape = check_shape(ann, shape)
+    pieces = ((d, device_piece(ann, shape, d, ratios)) for d in devices)
+    return {d: p for d, p in pieces if p is not None}
 
 
 def device_piece(ann: Annotation, shape: Sequence[Length], device: int,

@@ -43,10 +43,12 @@ are not built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Iterable, Sequence
 
-from hspmd.annotations import Annotation, Box, DistributedStates, Split, Subgroup, device_pieces, parse, subgroup_regions
+from hspmd.annotations import (Annotation, Box, DistributedStates, Split, Subgroup, device_piece, device_pieces, parse,
+                               subgroup_regions)
+from hspmd.annotations.geometry import device_pieces_of
 from hspmd.annotations.geometry import check_ratios
 from hspmd.comm_resolve.bounds import reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
@@ -475,16 +477,16 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     so replicas already in place stay and each missing piece comes from the best owner).
     Otherwise BSR within the subgroup. A plan resolved for some devices leaves out a subgroup
     moved like an earlier one (_moved_subgroup) and names it in the step's repeats."""
-    sp = device_pieces(union, ctx.shape)
+    piece = partial(device_piece, union, ctx.shape)  # read for the subgroups planned only
     transfers, reshaped, templates, repeats = [], False, {}, []
     alone = _alone(union, dst, moving) if ctx.focus is not None else frozenset()
     for k in moving:
         s, t = union.subgroups[k], dst.subgroups[k]
         if s.ds == t.ds and s.ds.partial_count > 1:
-            transfers += [Transfer(a, b, (sp[a].box,), (0,)) for a, b in zip(s.dg, t.dg)]
+            transfers += [Transfer(a, b, (piece(a).box,), (0,)) for a, b in zip(s.dg, t.dg)]
         else:
             reshaped |= s.ds != t.ds
-            transfers += _moved_subgroup(templates, union, dst, k, sp, ctx, alone, repeats)
+            transfers += _moved_subgroup(templates, union, dst, k, piece, ctx, alone, repeats)
     assembled_on = tuple(sorted(d for k in moving for d in dst.subgroups[k].dg))
     return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), _fuse(transfers), assembled_on,
                 repeats=tuple(repeats))
@@ -502,7 +504,7 @@ def _alone(union: Annotation, dst: Annotation, moving: list[int]) -> frozenset[i
     return frozenset(d for d, n in count.items() if n == 1)
 
 
-def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, sp, ctx: _Reshard,
+def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, piece, ctx: _Reshard,
                     alone: frozenset[int], repeats: list) -> list[Transfer]:
     """The BSR messages taking subgroup k of `union` to subgroup k of `dst`. Moving subgroups share
     no sender, so each is planned alone (the senders' loads never meet), and one of the same
@@ -523,7 +525,7 @@ def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int,
                 return []
             shift = relabel.region_shift(region0, region)
             return relabel.moved_transfers(transfers, dict(zip(template, devices)), shift)
-    owners = {d: sp[d].box for d in s.dg}
+    owners = {d: piece(d).box for d in s.dg}
     family = TensorSlices(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg))
     transfers = plan_transfers([family], ctx.topology, ctx.itemsize)
     templates.setdefault(key, (transfers, devices, region))
@@ -615,9 +617,11 @@ def _transfer_step(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: in
 
 
 def _transfers(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: int | None) -> tuple[Transfer, ...]:
-    sp = device_pieces(src, ctx.shape)
-    devices = None if restrict is None else dst.subgroups[restrict].dg.devices
-    owners = {d: p.box for d, p in sp.items() if restrict is None or d in src.subgroups[restrict].dg.devices}
+    if restrict is None:
+        devices, sp = None, device_pieces(src, ctx.shape)
+    else:  # one subgroup's pieces, not the union's (its intermediate layouts are many)
+        devices, sp = dst.subgroups[restrict].dg.devices, device_pieces_of(src, ctx.shape, src.subgroups[restrict].dg)
+    owners = {d: p.box for d, p in sp.items()}
     needs = destination_needs(dst, ctx.shape, owners, devices)
     return plan_transfers([TensorSlices(0, len(ctx.shape), owners, needs)], ctx.topology, ctx.itemsize)
 
