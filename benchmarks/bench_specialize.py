@@ -6,8 +6,10 @@
 Per rank, cold (what one process of the job does, nothing shared with another rank): deduction,
 instantiation of its own program (pruning, CommOp substitution, resolving the plans of its
 CommOps) and pipeline discovery (the patterns of every per-micro-batch CommOp). Each measured rank
-gets a freshly built graph, so no cache survives from another rank; building the graph (making
-the strategy's leaf annotations) is reported apart. The phases run with automatic garbage
+runs in a fresh process, as a rank of a job does, so no cache survives from another rank (the
+module-level ones included: the memos of interned layouts, the resolver's bound and piece
+tables; with them warm, as measured here before, 4,096 ranks looked ~20% cheaper); building the
+graph (making the strategy's leaf annotations) is reported apart. The phases run with automatic garbage
 collection paused, as specialize_graph runs them (hspmd/heap.py); the per-rank total counts
 the collection that closes the block. Times are CPU seconds of the process (the
 work is single-threaded; on a shared machine wall time also counts waiting for a core), the sizes
@@ -31,11 +33,13 @@ from __future__ import annotations
 
 import gc
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from _common import table
@@ -89,15 +93,21 @@ def one_rank(strategy, rank: int) -> dict[str, float]:
     return seconds | {"ops": len(exe.instructions()), "nodes": len(model.graph.nodes)}
 
 
+def fresh_rank(strategy, rank: int) -> dict[str, float]:
+    """one_rank in a process of its own (spawned: nothing inherited), as a job's rank runs."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(one_rank, strategy, rank).result()
+
+
 def scaling(sizes, reps: int = 3) -> None:
-    """Interleaved: each repetition times one rank (first, middle, last in turn) of every size, so
-    that the per-repetition ratios to the first size see the same machine load."""
+    """Interleaved: each repetition times one rank (first, middle, last in turn) of every size, each
+    in a fresh process, so that the per-repetition ratios to the first size see the same machine load."""
     runs: dict[str, list[dict]] = {label: [] for label, _ in sizes}
     load_before = os.getloadavg()[0]
     for rep in range(reps):
         for label, strategy in sizes:
             n = len(strategy.all_ranks)
-            runs[label].append(one_rank(strategy, (0, n // 2 + 1, n - 1)[rep % 3]))
+            runs[label].append(fresh_rank(strategy, (0, n // 2 + 1, n - 1)[rep % 3]))
         print(f"  repetition {rep + 1} of {reps} done", file=sys.stderr, flush=True)
     base = runs[sizes[0][0]]
     rows = []
@@ -110,7 +120,7 @@ def scaling(sizes, reps: int = 3) -> None:
                      f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})",
                      f"{phase['deduce']:.3f}", f"{phase['instantiate']:.3f}", f"{phase['discover']:.3f}",
                      f"{phase['build']:.2f}", f"{mine[0]['ops']}/{mine[0]['nodes']}"])
-    print(f"\nPer-rank specialization, cold, CPU s (deduction + instantiation + pipeline discovery), "
+    print(f"\nPer-rank specialization, cold (a fresh process per rank), CPU s (deduction + instantiation + pipeline discovery), "
           f"{reps} interleaved repetitions (ranks first/middle/last), load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after:")
     print(table(["strategy", "ranks", "per rank s", f"vs {sizes[0][0]} (spread)", "deduce", "instantiate",
@@ -182,7 +192,7 @@ def compiled_job(sizes) -> None:
         with tempfile.TemporaryDirectory() as out:  # one node compiling its own 8 ranks, setup included
             _, node = _clock(lambda: write_programs(
                 iter_programs(model.graph, 0, strategy, symbols=symbols, ranks=range(NODE)), out))
-        cold = one_rank(strategy, 0)["rank"]  # the same rank specializing on its own, side by side
+        cold = fresh_rank(strategy, 0)["rank"]  # the same rank specializing on its own, side by side
         per_rank = seconds / n * 1e3
         base = base or per_rank
         rows.append([label, n, f"{seconds:.1f}", f"{per_rank:.1f}", f"{per_rank / base:.2f}x", f"{peak:.0f}",
