@@ -48,8 +48,7 @@ from typing import Iterable, Sequence
 
 from hspmd.annotations import (Annotation, Box, DistributedStates, Split, Subgroup, device_piece, device_pieces, parse,
                                subgroup_regions)
-from hspmd.annotations.geometry import device_pieces_of
-from hspmd.annotations.geometry import check_ratios
+from hspmd.annotations.geometry import check_ratios, device_pieces_of
 from hspmd.comm_resolve.bounds import reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
