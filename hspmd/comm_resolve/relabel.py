@@ -10,10 +10,15 @@ steps with devices renamed position by position and boxes shifted by the differe
 region starts, which is exactly what planning them again would give. Device order is kept by
 requiring equal order patterns (an order-preserving renaming keeps every tie-break and sorted
 list), and links by comparing bandwidths pair by pair where a step has messages between devices.
+
+A plan resolved for some devices (resolve's `for_devices`) does not even move them: a subgroup
+holding none of those devices is left out and named in its template's steps (`LeftOut`,
+Step.repeats), where its steps' cost is surely the template's (same links, no shared pipe).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from hspmd.annotations import Annotation, Box, Subgroup
@@ -122,5 +127,45 @@ def moved_steps(steps: Sequence[Step], k0: int, k: int, union: Annotation, regio
     return [moved_step(s, name, shift, at(s.src), at(s.dst), k) for s in steps]
 
 
-__all__ = ["canonical", "frame", "has_messages", "keeps_links", "moved_step", "moved_steps", "moved_transfers",
-           "order_pattern", "region_shift", "same_links"]
+class LeftOut:
+    """The subgroups a plan resolved for some devices leaves out in one pass over a union: each
+    repeats a template subgroup's steps (Step.repeats) and ends in its target states. The
+    layouts of the steps kept show left-out subgroups as they were (only the kept devices'
+    pieces are read from them); the union after the pass has every one in its target."""
+
+    def __init__(self) -> None:
+        self.repeats: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        self.targets: dict[int, Subgroup] = {}
+
+    def add(self, k0: int, template: tuple[int, ...], k: int, devices: tuple[int, ...], target: Subgroup) -> None:
+        self.repeats.setdefault(k0, []).append((template, devices))
+        self.targets[k] = target
+
+    def finish(self, steps: list[Step], union: Annotation) -> tuple[list[Step], Annotation]:
+        """(the steps, each template subgroup's naming its repeats; the union after the pass)."""
+        if not self.repeats:
+            return steps, union
+        steps = [replace(s, repeats=tuple(self.repeats[s.subgroup])) if s.subgroup in self.repeats else s
+                 for s in steps]
+        return steps, union.with_subgroups(self.targets)
+
+
+def alone_devices(union: Annotation, dst: Annotation, moving: list[int]) -> frozenset[int]:
+    """The devices of exactly one moving subgroup. Only a subgroup on such devices may be left out,
+    and only as a repeat of a template on such devices: then every message a kept device's
+    rounds depend on stays (plan_part.message_rounds), and the messages among a template's
+    devices are its own (comm_plans renames them)."""
+    count: dict[int, int] = {}
+    for k in moving:
+        for d in set(union.subgroups[k].dg.devices + dst.subgroups[k].dg.devices):
+            count[d] = count.get(d, 0) + 1
+    return frozenset(d for d, n in count.items() if n == 1)
+
+
+def crosses_shared_link(transfers: Sequence[Transfer], topology: ClusterSpec) -> bool:
+    """Whether a message crosses a shared link class (its time queues with other subgroups' there)."""
+    return any(t.src != t.dst and topology.link(t.src, t.dst).shared for t in transfers)
+
+
+__all__ = ["LeftOut", "alone_devices", "canonical", "crosses_shared_link", "frame", "has_messages", "keeps_links",
+           "moved_step", "moved_steps", "moved_transfers", "order_pattern", "region_shift", "same_links"]

@@ -391,7 +391,7 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tup
 
 
 def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup, ctx: _Reshard,
-                   region: Box, left_out: "_LeftOut") -> tuple[list[Step], Annotation]:
+                   region: Box, left_out: relabel.LeftOut) -> tuple[list[Step], Annotation]:
     """_equalise, or an earlier subgroup's steps of the same frame moved onto subgroup k (exactly
     what _equalise would plan: relabel.py), so that a union of hundreds of equal subgroups is
     planned once; or none, when the plan leaves subgroup k out (ctx.leaves_out: `left_out` keeps
@@ -414,29 +414,6 @@ def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup,
     return steps, done
 
 
-class _LeftOut:
-    """The subgroups a plan resolved for some devices leaves out in one pass over a union: each
-    repeats a template subgroup's steps (Step.repeats) and ends in its target states. The
-    layouts of the steps kept show left-out subgroups as they were (only the kept devices'
-    pieces are read from them); the union after the pass has every one in its target."""
-
-    def __init__(self) -> None:
-        self.repeats: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-        self.targets: dict[int, Subgroup] = {}
-
-    def add(self, k0: int, template: tuple[int, ...], k: int, devices: tuple[int, ...], target: Subgroup) -> None:
-        self.repeats.setdefault(k0, []).append((template, devices))
-        self.targets[k] = target
-
-    def finish(self, steps: list[Step], union: Annotation) -> tuple[list[Step], Annotation]:
-        """(the steps, each template subgroup's naming its repeats; the union after the pass)."""
-        if not self.repeats:
-            return steps, union
-        steps = [replace(s, repeats=tuple(self.repeats[s.subgroup])) if s.subgroup in self.repeats else s
-                 for s in steps]
-        return steps, union.with_subgroups(self.targets)
-
-
 def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tuple[list[Step], Annotation]:
     """Reduce subgroup k's bottom-tier Partial in place (ReduceScatter, else AllReduce)."""
     if not ctx.reduce_partial:
@@ -450,7 +427,7 @@ def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tupl
 
 
 def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
-    union, steps, moving, templates, left_out = src, [], [], {}, _LeftOut()
+    union, steps, moving, templates, left_out = src, [], [], {}, relabel.LeftOut()
     regions = _regions(src, ctx)
     for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
         if s.dg != t.dg:
@@ -478,7 +455,7 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     moved like an earlier one (_moved_subgroup) and names it in the step's repeats."""
     piece = partial(device_piece, union, ctx.shape)  # read for the subgroups planned only
     transfers, reshaped, templates, repeats = [], False, {}, []
-    alone = _alone(union, dst, moving) if ctx.focus is not None else frozenset()
+    alone = relabel.alone_devices(union, dst, moving) if ctx.focus is not None else frozenset()
     for k in moving:
         s, t = union.subgroups[k], dst.subgroups[k]
         if s.ds == t.ds and s.ds.partial_count > 1:
@@ -489,18 +466,6 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     assembled_on = tuple(sorted(d for k in moving for d in dst.subgroups[k].dg))
     return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), _fuse(transfers), assembled_on,
                 repeats=tuple(repeats))
-
-
-def _alone(union: Annotation, dst: Annotation, moving: list[int]) -> frozenset[int]:
-    """The devices of exactly one moving subgroup. Only a subgroup on such devices may be left out,
-    and only as a repeat of a template on such devices: then every message a kept device's
-    rounds depend on stays (plan_part.message_rounds), and the messages among a template's
-    devices are its own (comm_plans renames them)."""
-    count: dict[int, int] = {}
-    for k in moving:
-        for d in set(union.subgroups[k].dg.devices + dst.subgroups[k].dg.devices):
-            count[d] = count.get(d, 0) + 1
-    return frozenset(d for d, n in count.items() if n == 1)
 
 
 def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, piece, ctx: _Reshard,
@@ -519,7 +484,7 @@ def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int,
         transfers, template, region0 = templates[key]
         if relabel.same_links(template, devices, ctx.topology):
             if (ctx.leaves_out(devices) and alone.issuperset(devices) and alone.issuperset(template)
-                    and not _shares_links(transfers, ctx.topology)):
+                    and not relabel.crosses_shared_link(transfers, ctx.topology)):
                 repeats.append((template, devices))
                 return []
             shift = relabel.region_shift(region0, region)
@@ -529,10 +494,6 @@ def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int,
     transfers = plan_transfers([family], ctx.topology, ctx.itemsize)
     templates.setdefault(key, (transfers, devices, region))
     return list(transfers)
-
-
-def _shares_links(transfers, topology: ClusterSpec) -> bool:
-    return any(t.src != t.dst and topology.link(t.src, t.dst).shared for t in transfers)
 
 
 def _fuse(transfers: list[Transfer]) -> tuple[Transfer, ...]:
@@ -555,7 +516,7 @@ def _top_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step] | N
         return None
     union, steps = src, []
     if any(s.ds != t.ds for s, t in zip(src.subgroups, dst.subgroups)):
-        templates, left_out = {}, _LeftOut()
+        templates, left_out = {}, relabel.LeftOut()
         regions = _regions(src, ctx)
         for k, t in enumerate(dst.subgroups):
             sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out)
