@@ -7,13 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hspmd.annotations import Annotation, DistributedStates, Split, Subgroup
+from hspmd.annotations import Annotation, Subgroup
 from hspmd.cluster import LinkClass, uniform
 from hspmd.comm_resolve import relabel, resolve
 from hspmd.comm_resolve.plan_part import part_of
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.specialize import comm_plans
-from hspmd.testing import distributed_states
+from hspmd.testing import repeated_unions
 
 
 def _planned_alone(monkeypatch):
@@ -23,51 +23,6 @@ def _planned_alone(monkeypatch):
             m.setattr(relabel, "frame", lambda *a: object())
             return resolve(*args, **kwargs)
     return plan
-
-
-@st.composite
-def repeated_unions(draw):
-    """(src, dst, shape, topology): unions of 2-5 subgroups sharing one or two layouts, devices in
-    any order (sometimes not order-preserving between subgroups), HDim D / P / a dim with equal or
-    uneven ratios; the destination keeps the device groups (bottom-tier and top-tier routes) or
-    moves to others, overlapping them or not (SendRecv / BSR between groups); one or more nodes."""
-    ndim = draw(st.integers(1, 2))
-    size = draw(st.sampled_from([1, 2, 4]))
-    hsize = draw(st.integers(2, 5))
-    pool = draw(st.permutations(range(size * hsize)))
-    if draw(st.booleans()):
-        pool = sorted(pool)
-    groups = [tuple(pool[k * size:(k + 1) * size]) for k in range(hsize)]
-    layouts = [draw(distributed_states(size, ndim)) for _ in range(2)]
-    targets = [draw(distributed_states(size, ndim)) for _ in range(2)]
-    if ndim == 2 and draw(st.booleans()):  # splits moved to the other dim: an all-to-all inside each subgroup
-        targets = [DistributedStates(tuple(Split(1 - a.dim, a.n) if isinstance(a, Split) else a for a in ds.axes))
-                   for ds in layouts]
-    pick = [draw(st.integers(0, 1)) if draw(st.booleans()) else 0 for _ in range(hsize)]
-
-    moved = groups
-    if draw(st.booleans()):  # the destination moves to other devices (SendRecv / BSR between groups)
-        others = draw(st.permutations(range(size * hsize // 2, size * hsize * 3 // 2)))
-        if draw(st.booleans()):
-            others = sorted(others)
-        moved = [tuple(others[k * size:(k + 1) * size]) for k in range(hsize)]
-
-    def union(states, hdim, on):
-        ratios = None
-        if isinstance(hdim, int):
-            ratios = tuple(draw(st.sampled_from([(1,) * hsize, tuple(draw(st.integers(1, 3)) for _ in range(hsize))])))
-        return Annotation(tuple(Subgroup(g, states[p]) for g, p in zip(on, pick)), hdim, ratios)
-
-    hdims = ["D", "P"] + list(range(ndim))
-    src = union(layouts, draw(st.sampled_from(hdims)), groups)
-    dst = union(targets, draw(st.sampled_from(hdims)) if draw(st.booleans()) else src.hdim, moved)
-    if dst.hdim == src.hdim:
-        dst = Annotation(dst.subgroups, src.hdim, src.ratios)
-    shape = tuple(draw(st.integers(0, 9)) for _ in range(ndim))
-    devices = max(src.devices + dst.devices) + 1
-    nodes = draw(st.sampled_from([1, 2, devices]))
-    topology = uniform(nodes, devices // nodes) if devices % nodes == 0 else None
-    return src, dst, shape, topology
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,

@@ -284,6 +284,66 @@ def device_piece(ann: Annotation, shape: Sequence[Length], device: int,
     return Piece(_moved_to(box, region), _union_summand(ann, k, j))
 
 
+def subgroup_kinds(before: Annotation, after: Annotation, shape: Sequence[Length]) -> tuple[int | None, ...]:
+    """Per subgroup of `after`, a number equal for two subgroups exactly where, position by
+    position in their device groups, the pieces they hold in `after` and their devices' pieces in
+    `before` are the same up to a shift of their regions. The kind is made of the subgroup's
+    states and region extents, with the states and region extents of the subgroup of `before`
+    holding all its devices, their positions there and the offset between the two regions
+    (_relative_start), or with nothing when `before` holds none of its devices; None where its
+    devices lie otherwise in `before` (in several subgroups, or some outside it). A planner then
+    works out one subgroup per kind of a union of hundreds, in a pass over subgroups."""
+    return _subgroup_kinds(before, after, check_shape(after, shape))
+
+
+@lru_cache(maxsize=64)
+def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, ...]) -> tuple[int | None, ...]:
+    after_regions, before_regions = _kept_regions(after, shape, None), _kept_regions(before, check_shape(before, shape), None)
+    after_extents, before_extents = region_extents(after, shape), region_extents(before, shape)
+    held, kinds, numbers, last = before.device_set, [], {}, (None, None)
+    for sub, region, extents in zip(after.subgroups, after_regions, after_extents):
+        devices = sub.dg.devices
+        if held.isdisjoint(devices):
+            source = ()
+        else:
+            j = before.subgroup_of(devices[0]) if devices[0] in held else None
+            other = None if j is None else before.subgroups[j].dg.devices
+            if other == devices:
+                positions = None
+            elif other is not None and all(d in held and before.subgroup_of(d) == j for d in devices):
+                index = {d: i for i, d in enumerate(other)}
+                positions = tuple(index[d] for d in devices)
+            else:
+                kinds.append(None)
+                continue
+            ds = before.subgroups[j].ds
+            source = (ds, before_extents[j], positions, _relative_start(ds.split_dims, before_regions[j], sub.ds.split_dims, region))
+        kind = (sub.ds, extents, source)
+        if kind != last[0]:  # (consecutive subgroups are mostly alike: compared, not hashed)
+            last = (kind, numbers.setdefault(kind, len(numbers)))
+        kinds.append(last[1])
+    return tuple(kinds)
+
+
+def region_extents(ann: Annotation, shape: tuple[Length, ...]) -> tuple[tuple[Length, ...], ...]:
+    """Each subgroup's region extents (box_shape of subgroup_regions), kept with the annotation."""
+    return ann.derived(("extents", shape), lambda: tuple(box_shape(r) for r in _kept_regions(ann, shape, None)))
+
+
+def _relative_start(split0: tuple[int, ...], region0: Box, split: tuple[int, ...], region: Box) -> tuple:
+    """How far `region` starts from `region0`, dim by dim, or None on a dim where that changes
+    no intersection of a piece of one with a piece of the other: one layout does not split the
+    dim (`split0`, `split`: the dims each splits) and its region's range holds the other's (its
+    pieces span the whole range there), as the DP replicas of a ZeRO layout change have."""
+    return tuple(None if (d not in split0 and a0 <= a and b <= b0) or (d not in split and a <= a0 and b0 <= b) else a - a0
+                 for d, ((a0, b0), (a, b)) in enumerate(zip(region0, region)))
+
+
+def region_shift(region0: Box, region: Box) -> tuple[Length, ...]:
+    """How far `region` starts from `region0`, dim by dim."""
+    return tuple(b - a for (a, _), (b, _) in zip(region0, region))
+
+
 def subgroup_device_pieces(
     ann: Annotation, k: int, shape: Sequence[Length], ratios: Sequence[int] | None = None
 ) -> dict[int, Piece]:
@@ -308,6 +368,8 @@ __all__ = [
     "device_pieces",
     "device_pieces_of",
     "subgroup_device_pieces",
+    "subgroup_kinds",
+    "region_shift",
     "check_shape",
     "check_ratios",
 ]

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
-from hspmd.annotations import Annotation, box_intersection, device_pieces
+from hspmd.annotations import Annotation, box_intersection, device_piece
+from hspmd.annotations.geometry import region_extents, subgroup_device_pieces, subgroup_kinds
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.topology import ClusterSpec
 
@@ -37,47 +38,85 @@ def fastest_link(cluster: ClusterSpec) -> tuple[float, float]:
     return min(a for a, _ in figures), max(b for _, b in figures)
 
 
+class Lacks(NamedTuple):
+    """What the bounds read of a reshard: the most and the total elements a device of the
+    destination lacks, and the largest and the number of value pieces of the source."""
+
+    most: int
+    total: int
+    largest: int
+    pieces: int
+
+
 @lru_cache(maxsize=256)
-def _lacks(before: Annotation, after: Annotation, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(elements each device of `after` lacks, sizes of the value pieces of `before`); cached, as
-    a pure function of immutable values that the floor and the routes' first hops share."""
-    held = device_pieces(before, shape)
+def _lacks(before: Annotation, after: Annotation, shape: tuple[int, ...]) -> Lacks:
+    """Lacks of `after` from `before`; cached, as a pure function of immutable values that the
+    floor and the routes' first hops share. Worked out once per kind of subgroup
+    (subgroup_kinds): a union of hundreds of equal subgroups costs a pass over its subgroups."""
+    most = total = 0
+    known: dict[int, tuple[int, int]] = {}
+    for k, kind in enumerate(subgroup_kinds(before, after, shape)):
+        summary = known.get(kind) if kind is not None else None
+        if summary is None:
+            lacks = _subgroup_lacks(before, after, shape, k)
+            summary = (max(lacks, default=0), sum(lacks))
+            if kind is not None:
+                known[kind] = summary
+        most, total = max(most, summary[0]), total + summary[1]
+    largest = pieces = 0
+    sizes: dict[tuple, list[int]] = {}
+    for k, (sub, extents) in enumerate(zip(before.subgroups, region_extents(before, shape))):
+        kind = (id(sub.ds), extents)  # (equal states are mostly one object: a miss only repeats work)
+        if kind not in sizes:
+            held = subgroup_device_pieces(before, k, shape).values()
+            sizes[kind] = [n for n in (box_volume(p.box) for p in held if not p.summand) if n]
+        largest, pieces = max([largest, *sizes[kind]]), pieces + len(sizes[kind])
+    return Lacks(most, total, largest, pieces)
+
+
+def _subgroup_lacks(before: Annotation, after: Annotation, shape: tuple[int, ...], k: int) -> list[int]:
+    """Elements each device of `after`'s subgroup k lacks: partial pieces count as holding nothing
+    and lacking nothing."""
     lacks = []
-    for device, piece in device_pieces(after, shape).items():
-        if piece.summand:  # partial
+    for device, piece in subgroup_device_pieces(after, k, shape).items():
+        if piece.summand:
             continue
         need = box_volume(piece.box)
-        have = held.get(device)
+        have = device_piece(before, shape, device)
         if need and have is not None and not have.summand:
             common = box_intersection(piece.box, have.box)
             need -= box_volume(common) if common is not None else 0
         if need:
             lacks.append(need)
-    sizes = [box_volume(p.box) for p in held.values() if not p.summand]
-    return tuple(lacks), tuple(n for n in sizes if n)
+    return lacks
+
+
+def nothing_lacks(before: Annotation, after: Annotation, shape: Sequence[int]) -> bool:
+    """Whether every device of `after` holds its piece inside its own piece of `before`."""
+    return _lacks(before, after, tuple(shape)).total == 0
 
 
 def reshard_bound(src: Annotation, dst: Annotation, shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:
     """Seconds no plan from `src` to `dst` undercuts, whatever its steps (module docstring)."""
-    lacks, _ = _lacks(src, dst, tuple(shape))
-    if not lacks:
+    lacks = _lacks(src, dst, tuple(shape))
+    if not lacks.total:
         return 0.0
     latency, bandwidth = fastest_link(cluster)
-    relays = len(set(src.devices) | set(dst.devices))
-    return latency + max(max(lacks), sum(lacks) / relays) * itemsize / bandwidth
+    relays = len(src.device_set | dst.device_set)
+    return latency + max(lacks.most, lacks.total / relays) * itemsize / bandwidth
 
 
 def bsr_bound(before: Annotation, after: Annotation, shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:
     """Seconds no single BatchedSendRecv from `before` to `after` undercuts (module docstring)."""
-    lacks, pieces = _lacks(before, after, tuple(shape))
-    if not lacks:
+    lacks = _lacks(before, after, tuple(shape))
+    if not lacks.total:
         return 0.0
-    if not pieces:
+    if not lacks.pieces:
         return math.inf  # nothing to send from: the hop cannot be one BSR
     latency, bandwidth = fastest_link(cluster)
-    largest = max(pieces)
-    receive = max(-(-lack // largest) * latency + lack * itemsize / bandwidth for lack in lacks)
-    return max(receive, latency + sum(lacks) * itemsize / len(pieces) / bandwidth)
+    most = lacks.most  # the receive time grows with the lack: the device lacking most bounds it
+    receive = -(-most // lacks.largest) * latency + most * itemsize / bandwidth
+    return max(receive, latency + lacks.total * itemsize / lacks.pieces / bandwidth)
 
 
 def route_bound(hops: Sequence[Annotation], shape: Sequence[int], itemsize: int, cluster: ClusterSpec,
@@ -93,4 +132,4 @@ def route_bound(hops: Sequence[Annotation], shape: Sequence[int], itemsize: int,
     return total
 
 
-__all__ = ["bsr_bound", "fastest_link", "reshard_bound", "route_bound"]
+__all__ = ["Lacks", "bsr_bound", "fastest_link", "nothing_lacks", "reshard_bound", "route_bound"]

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from hspmd.annotations import Annotation, Box, Subgroup
+from hspmd.annotations.geometry import region_shift
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
 from hspmd.comm_resolve.topology import ClusterSpec
 
@@ -98,10 +99,6 @@ def moved_transfers(transfers: Sequence[Transfer], name: dict[int, int], shift: 
     return [_transfer(t, name, shift) for t in transfers]
 
 
-def region_shift(region0: Box, region: Box) -> tuple[int, ...]:
-    return tuple(b - a for (a, _), (b, _) in zip(region0, region))
-
-
 def moved_step(step: Step, name: dict[int, int], shift: tuple[int, ...], src: Annotation, dst: Annotation,
                subgroup: int | None) -> Step:
     """`step` with devices renamed by `name`, boxes shifted by `shift`, and the given layouts."""
@@ -168,4 +165,4 @@ def crosses_shared_link(transfers: Sequence[Transfer], topology: ClusterSpec) ->
 
 
 __all__ = ["LeftOut", "alone_devices", "canonical", "crosses_shared_link", "frame", "has_messages", "keeps_links",
-           "moved_step", "moved_steps", "moved_transfers", "order_pattern", "region_shift", "same_links"]
+           "moved_step", "moved_steps", "moved_transfers", "order_pattern", "same_links"]
