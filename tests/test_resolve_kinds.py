@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hspmd.annotations import box_intersection, device_pieces
 from hspmd.annotations.geometry import subgroup_kinds
 from hspmd.comm_resolve import resolve
-from hspmd.comm_resolve.bounds import Lacks, _lacks
+from hspmd.comm_resolve.bounds import Lacks, lacks
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.testing import annotations, repeated_unions, shapes
@@ -16,7 +16,7 @@ from hspmd.testing import annotations, repeated_unions, shapes
 
 def lacks_device_by_device(before, after, shape) -> Lacks:
     """bounds' module docstring, read literally: partial pieces hold nothing and lack nothing."""
-    held, lacks = device_pieces(before, shape), []
+    held, missing = device_pieces(before, shape), []
     for device, piece in device_pieces(after, shape).items():
         if piece.summand:
             continue
@@ -26,9 +26,9 @@ def lacks_device_by_device(before, after, shape) -> Lacks:
             common = box_intersection(piece.box, have.box)
             need -= box_volume(common) if common is not None else 0
         if need:
-            lacks.append(need)
+            missing.append(need)
     sizes = [n for n in (box_volume(p.box) for p in held.values() if not p.summand) if n]
-    return Lacks(max(lacks, default=0), sum(lacks), max(sizes, default=0), len(sizes))
+    return Lacks(max(missing, default=0), sum(missing), max(sizes, default=0), len(sizes), sum(sizes))
 
 
 @st.composite
@@ -42,7 +42,7 @@ def any_pair(draw):
 def test_lacks_per_kind_of_subgroup_equal_lacks_device_by_device(case):
     src, dst, shape = case
     for before, after in ((src, dst), (dst, src), (src, src)):
-        assert _lacks(before, after, tuple(shape)) == lacks_device_by_device(before, after, shape)
+        assert lacks(before, after, shape) == lacks_device_by_device(before, after, shape)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -50,7 +50,7 @@ def test_lacks_per_kind_of_subgroup_equal_lacks_device_by_device(case):
 def test_a_local_reshard_copies_what_the_bsr_table_would(case):
     """Where every device finds its piece in its own piece, the plan's copies are the BSR table's."""
     src, dst, shape, topology = case
-    if src.has_partial or dst.has_partial or _lacks(src, dst, tuple(shape)).total:
+    if src.has_partial or dst.has_partial or lacks(src, dst, shape).total:
         return
     plan = resolve(src, dst, shape, topology, via="direct")
     owners = {d: p.box for d, p in device_pieces(src, shape).items()}

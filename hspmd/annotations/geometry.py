@@ -300,11 +300,19 @@ def subgroup_kinds(before: Annotation, after: Annotation, shape: Sequence[Length
 def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, ...]) -> tuple[int | None, ...]:
     after_regions, before_regions = _kept_regions(after, shape, None), _kept_regions(before, check_shape(before, shape), None)
     after_extents, before_extents = region_extents(after, shape), region_extents(before, shape)
-    held, kinds, numbers, last = before.device_set, [], {}, (None, None)
-    for sub, region, extents in zip(after.subgroups, after_regions, after_extents):
+    aligned = before.same_dg_union(after)  # the usual case: subgroup k on the same devices in both
+    if aligned and before.uniform_states and after.uniform_states:  # every subgroup alike in both layouts
+        split0, split = before.uniform_states[0].split_dims, after.uniform_states[0].split_dims
+        starts = [_relative_start(split0, r0, split, r) for r0, r in zip(before_regions, after_regions)]
+        numbers: dict[tuple, int] = {}  # (of ints: hashed in C)
+        return tuple(numbers.setdefault(key, len(numbers)) for key in zip(after_extents, before_extents, starts))
+    held, kinds, numbers, last, splits = before.device_set, [], {}, (None, None), {}
+    for k, (sub, region, extents) in enumerate(zip(after.subgroups, after_regions, after_extents)):
         devices = sub.dg.devices
-        if held.isdisjoint(devices):
-            source = ()
+        if aligned:
+            j, positions = k, None
+        elif held.isdisjoint(devices):
+            j = None
         else:
             j = before.subgroup_of(devices[0]) if devices[0] in held else None
             other = None if j is None else before.subgroups[j].dg.devices
@@ -316,8 +324,14 @@ def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, 
             else:
                 kinds.append(None)
                 continue
+        source = ()  # (before holds none of its devices)
+        if j is not None:
             ds = before.subgroups[j].ds
-            source = (ds, before_extents[j], positions, _relative_start(ds.split_dims, before_regions[j], sub.ds.split_dims, region))
+            for states in (ds, sub.ds):
+                if id(states) not in splits:  # (few distinct states objects: looked up by id)
+                    splits[id(states)] = states.split_dims
+            start = _relative_start(splits[id(ds)], before_regions[j], splits[id(sub.ds)], region)
+            source = (ds, before_extents[j], positions, start)
         kind = (sub.ds, extents, source)
         if kind != last[0]:  # (consecutive subgroups are mostly alike: compared, not hashed)
             last = (kind, numbers.setdefault(kind, len(numbers)))

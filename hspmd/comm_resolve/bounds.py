@@ -22,6 +22,7 @@ never exceeds the true estimate; shared-link contention only adds time.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from functools import lru_cache
 from typing import NamedTuple, Sequence
 
@@ -40,12 +41,14 @@ def fastest_link(cluster: ClusterSpec) -> tuple[float, float]:
 
 class Lacks(NamedTuple):
     """What the bounds read of a reshard: the most and the total elements a device of the
-    destination lacks, and the largest and the number of value pieces of the source."""
+    destination lacks, and the largest, the number and the total size of the (non-empty) value
+    pieces of the source."""
 
     most: int
     total: int
     largest: int
     pieces: int
+    held: int
 
 
 @lru_cache(maxsize=256)
@@ -53,25 +56,29 @@ def _lacks(before: Annotation, after: Annotation, shape: tuple[int, ...]) -> Lac
     """Lacks of `after` from `before`; cached, as a pure function of immutable values that the
     floor and the routes' first hops share. Worked out once per kind of subgroup
     (subgroup_kinds): a union of hundreds of equal subgroups costs a pass over its subgroups."""
-    most = total = 0
-    known: dict[int, tuple[int, int]] = {}
-    for k, kind in enumerate(subgroup_kinds(before, after, shape)):
-        summary = known.get(kind) if kind is not None else None
-        if summary is None:
-            lacks = _subgroup_lacks(before, after, shape, k)
-            summary = (max(lacks, default=0), sum(lacks))
-            if kind is not None:
-                known[kind] = summary
-        most, total = max(most, summary[0]), total + summary[1]
-    largest = pieces = 0
-    sizes: dict[tuple, list[int]] = {}
-    for k, (sub, extents) in enumerate(zip(before.subgroups, region_extents(before, shape))):
-        kind = (id(sub.ds), extents)  # (equal states are mostly one object: a miss only repeats work)
-        if kind not in sizes:
-            held = subgroup_device_pieces(before, k, shape).values()
-            sizes[kind] = [n for n in (box_volume(p.box) for p in held if not p.summand) if n]
-        largest, pieces = max([largest, *sizes[kind]]), pieces + len(sizes[kind])
-    return Lacks(most, total, largest, pieces)
+    kinds = subgroup_kinds(before, after, shape)
+    first = {kind: k for k, kind in reversed(list(enumerate(kinds)))}  # kind -> its first subgroup
+    lacking = [(_subgroup_lacks(before, after, shape, first[kind]), n) for kind, n in Counter(kinds).items()
+               if kind is not None]
+    lacking += [(_subgroup_lacks(before, after, shape, k), 1) for k, kind in enumerate(kinds) if kind is None]
+    # the source's value pieces, per states object and region extents (equal states are mostly one
+    # object: where they are not, a kind is only worked out twice)
+    keys = list(zip(map(id, before.ds_union), region_extents(before, shape)))
+    first = {key: k for k, key in reversed(list(enumerate(keys)))}
+    held = []
+    for key, n in Counter(keys).items():
+        values = (p for p in subgroup_device_pieces(before, first[key], shape).values() if not p.summand)
+        held.append(([size for size in (box_volume(p.box) for p in values) if size], n))
+    return Lacks(most=max((max(sizes) for sizes, _ in lacking if sizes), default=0),
+                 total=sum(sum(sizes) * n for sizes, n in lacking),
+                 largest=max((max(sizes) for sizes, _ in held if sizes), default=0),
+                 pieces=sum(len(sizes) * n for sizes, n in held),
+                 held=sum(sum(sizes) * n for sizes, n in held))
+
+
+def lacks(before: Annotation, after: Annotation, shape: Sequence[int]) -> Lacks:
+    """Lacks of `after` from `before` (see Lacks)."""
+    return _lacks(before, after, tuple(shape))
 
 
 def _subgroup_lacks(before: Annotation, after: Annotation, shape: tuple[int, ...], k: int) -> list[int]:
@@ -89,11 +96,6 @@ def _subgroup_lacks(before: Annotation, after: Annotation, shape: tuple[int, ...
         if need:
             lacks.append(need)
     return lacks
-
-
-def nothing_lacks(before: Annotation, after: Annotation, shape: Sequence[int]) -> bool:
-    """Whether every device of `after` holds its piece inside its own piece of `before`."""
-    return _lacks(before, after, tuple(shape)).total == 0
 
 
 def reshard_bound(src: Annotation, dst: Annotation, shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:
@@ -132,4 +134,4 @@ def route_bound(hops: Sequence[Annotation], shape: Sequence[int], itemsize: int,
     return total
 
 
-__all__ = ["Lacks", "bsr_bound", "fastest_link", "nothing_lacks", "reshard_bound", "route_bound"]
+__all__ = ["Lacks", "bsr_bound", "fastest_link", "lacks", "reshard_bound", "route_bound"]

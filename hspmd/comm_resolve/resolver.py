@@ -50,7 +50,7 @@ from hspmd.annotations import (Annotation, Box, DistributedStates, Split, Subgro
                                subgroup_regions)
 from hspmd.annotations.geometry import (check_ratios, device_pieces_of, region_shift, subgroup_device_pieces,
                                         subgroup_kinds)
-from hspmd.comm_resolve.bounds import nothing_lacks, reshard_bound, route_bound
+from hspmd.comm_resolve.bounds import lacks, reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
@@ -326,17 +326,23 @@ def _representatives(ds: DistributedStates, dim: int) -> tuple[tuple[int, ...], 
 def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Reshard) -> Step | None:
     """One AllGather over the whole union, when every source device holds a disjoint piece, the
     pieces tile the tensor and every destination device (the same devices) wants all of it."""
-    if src.has_partial or set(src.devices) != set(dst.devices):
+    if src.has_partial or src.device_set != dst.device_set:
         return None
     whole = tuple((0, n) for n in ctx.shape)
-    if any(p.box != whole or p.is_partial for p in device_pieces(dst, ctx.shape).values()):
+    if box_volume(whole) == 0 or not _whole_everywhere(dst, ctx) or lacks(src, dst, ctx.shape).held != box_volume(whole):
         return None
     pieces = device_pieces(src, ctx.shape)
-    if sum(box_volume(p.box) for p in pieces.values()) != box_volume(whole) or box_volume(whole) == 0:
-        return None
     devices = tuple(src.devices)
     gather = Collective("all_gather", devices, whole, tuple(pieces[d].box for d in devices))
     return Step("AllGather", src, dst, (gather,), (), devices)
+
+
+def _whole_everywhere(ann: Annotation, ctx: _Reshard) -> bool:
+    """Whether every device of `ann` holds the whole tensor as a value, read from its subgroups:
+    a region short of the tensor, or states splitting a dim of some length, leave a device less."""
+    whole = tuple((0, n) for n in ctx.shape)
+    return (not ann.has_partial and all(r == whole for r in _regions(ann, ctx))
+            and not any(ds.split_dims for ds in set(ann.ds_union)))
 
 
 # routing ------------------------------------------------------------------------------------------
@@ -570,7 +576,7 @@ def _transfer_step(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: in
     whole = restrict is None or (src.hsize == 1 and dst.hsize == 1)  # one subgroup: the whole union
     key = (src, dst, None if whole else restrict)
     if key not in ctx.planned:
-        local = whole and not src.has_partial and not dst.has_partial and nothing_lacks(src, dst, ctx.shape)
+        local = whole and not src.has_partial and not dst.has_partial and not lacks(src, dst, ctx.shape).total
         ctx.planned[key] = _local_copies(src, dst, ctx) if local else (_transfers(src, dst, ctx, None if whole else restrict), ())
     transfers, repeats = ctx.planned[key]
     assembled_on = tuple(sorted(dst.devices if whole else dst.subgroups[restrict].dg.devices))
