@@ -182,7 +182,7 @@ class DeviceGroup(_Memo):
 
 
 @dataclass(frozen=True)
-class DistributedStates(_Memo):
+class DistributedStates:
     """Ordered axes, outermost first; device index i is read in the mixed radix of the axis sizes."""
 
     axes: tuple[Axis, ...] = ()
@@ -213,17 +213,7 @@ class DistributedStates(_Memo):
 
     @property
     def split_dims(self) -> tuple[int, ...]:
-        return self._memo("split_dims", lambda: tuple(sorted({a.dim for a in self.axes if isinstance(a, Split)})))
-
-    def __hash__(self) -> int:
-        return self._memo("hash", lambda: hash(self.axes))
-
-    def __eq__(self, other) -> bool:
-        if self is other:
-            return True
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self.axes == other.axes
+        return tuple(sorted({a.dim for a in self.axes if isinstance(a, Split)}))
 
     def __str__(self) -> str:
         return ",".join(str(a) for a in self.axes)

@@ -57,17 +57,17 @@ def _lacks(before: Annotation, after: Annotation, shape: tuple[int, ...]) -> Lac
     floor and the routes' first hops share. Worked out once per kind of subgroup
     (subgroup_kinds): a union of hundreds of equal subgroups costs a pass over its subgroups."""
     kinds = subgroup_kinds(before, after, shape)
-    first = {kind: k for k, kind in reversed(list(enumerate(kinds)))}  # kind -> its first subgroup
-    lacking = [(_subgroup_lacks(before, after, shape, first[kind]), n) for kind, n in Counter(kinds).items()
+    first_of = {kind: k for k, kind in reversed(list(enumerate(kinds)))}  # kind -> its first subgroup
+    lacking = [(_subgroup_lacks(before, after, shape, first_of[kind]), n) for kind, n in Counter(kinds).items()
                if kind is not None]
     lacking += [(_subgroup_lacks(before, after, shape, k), 1) for k, kind in enumerate(kinds) if kind is None]
     # the source's value pieces, per states object and region extents (equal states are mostly one
     # object: where they are not, a kind is only worked out twice)
     keys = list(zip(map(id, before.ds_union), region_extents(before, shape)))
-    first = {key: k for k, key in reversed(list(enumerate(keys)))}
+    first_of = {key: k for k, key in reversed(list(enumerate(keys)))}
     held = []
     for key, n in Counter(keys).items():
-        values = (p for p in subgroup_device_pieces(before, first[key], shape).values() if not p.summand)
+        values = (p for p in subgroup_device_pieces(before, first_of[key], shape).values() if not p.summand)
         held.append(([size for size in (box_volume(p.box) for p in values) if size], n))
     return Lacks(most=max((max(sizes) for sizes, _ in lacking if sizes), default=0),
                  total=sum(sum(sizes) * n for sizes, n in lacking),
@@ -84,7 +84,7 @@ def lacks(before: Annotation, after: Annotation, shape: Sequence[int]) -> Lacks:
 def _subgroup_lacks(before: Annotation, after: Annotation, shape: tuple[int, ...], k: int) -> list[int]:
     """Elements each device of `after`'s subgroup k lacks: partial pieces count as holding nothing
     and lacking nothing."""
-    lacks = []
+    missing = []
     for device, piece in subgroup_device_pieces(after, k, shape).items():
         if piece.summand:
             continue
@@ -94,31 +94,31 @@ def _subgroup_lacks(before: Annotation, after: Annotation, shape: tuple[int, ...
             common = box_intersection(piece.box, have.box)
             need -= box_volume(common) if common is not None else 0
         if need:
-            lacks.append(need)
-    return lacks
+            missing.append(need)
+    return missing
 
 
 def reshard_bound(src: Annotation, dst: Annotation, shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:
     """Seconds no plan from `src` to `dst` undercuts, whatever its steps (module docstring)."""
-    lacks = _lacks(src, dst, tuple(shape))
-    if not lacks.total:
+    need = _lacks(src, dst, tuple(shape))
+    if not need.total:
         return 0.0
     latency, bandwidth = fastest_link(cluster)
     relays = len(src.device_set | dst.device_set)
-    return latency + max(lacks.most, lacks.total / relays) * itemsize / bandwidth
+    return latency + max(need.most, need.total / relays) * itemsize / bandwidth
 
 
 def bsr_bound(before: Annotation, after: Annotation, shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:
     """Seconds no single BatchedSendRecv from `before` to `after` undercuts (module docstring)."""
-    lacks = _lacks(before, after, tuple(shape))
-    if not lacks.total:
+    need = _lacks(before, after, tuple(shape))
+    if not need.total:
         return 0.0
-    if not lacks.pieces:
+    if not need.pieces:
         return math.inf  # nothing to send from: the hop cannot be one BSR
     latency, bandwidth = fastest_link(cluster)
-    most = lacks.most  # the receive time grows with the lack: the device lacking most bounds it
-    receive = -(-most // lacks.largest) * latency + most * itemsize / bandwidth
-    return max(receive, latency + lacks.total * itemsize / lacks.pieces / bandwidth)
+    most = need.most  # the receive time grows with the lack: the device lacking most bounds it
+    receive = -(-most // need.largest) * latency + most * itemsize / bandwidth
+    return max(receive, latency + need.total * itemsize / need.pieces / bandwidth)
 
 
 def route_bound(hops: Sequence[Annotation], shape: Sequence[int], itemsize: int, cluster: ClusterSpec,

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from hspmd.annotations import Annotation, Box, device_pieces
-from hspmd.annotations.geometry import device_pieces_of
+from hspmd.annotations.geometry import device_pieces_of, subgroup_device_pieces, subgroup_kinds
 from hspmd.comm_resolve.cost import itemsize_of
 from hspmd.comm_resolve.plan import Transfer
 from hspmd.comm_resolve.slices import Cell, Grid, box_contains, box_volume
@@ -81,6 +81,26 @@ def destination_needs(
             for d in by_key[min(by_key, key=score)]:
                 needs[d].append(cell)
     return {d: grid.merge(cells) for d, cells in needs.items()}
+
+
+def local_copies(src: Annotation, dst: Annotation, shape: Sequence[int],
+                 leaves_out: Callable[[Sequence[int]], bool]) -> tuple[tuple[Transfer, ...], tuple]:
+    """(the copies, the repeats) of a reshard in which every device finds its piece in its own
+    piece: what plan_transfers would give (each device copies its destination box), without the
+    table. A subgroup on devices `leaves_out` accepts whose kind (subgroup_kinds) an earlier
+    subgroup has is left out and named in the repeats (Step.repeats), as a plan for some
+    devices leaves out repeated subgroups."""
+    copies, repeats, templates = [], [], {}
+    for k, kind in enumerate(subgroup_kinds(src, dst, shape)):
+        devices = dst.subgroups[k].dg.devices
+        if kind is not None and kind in templates and leaves_out(devices):
+            repeats.append((templates[kind], devices))
+            continue
+        if kind is not None:
+            templates.setdefault(kind, devices)
+        pieces = subgroup_device_pieces(dst, k, shape).items()
+        copies += [Transfer(d, d, (p.box,), (0,)) for d, p in pieces if box_volume(p.box)]
+    return tuple(sorted(copies, key=lambda t: t.src)), tuple(repeats)
 
 
 def unowned_boxes(fam: TensorSlices) -> list[Box]:
@@ -204,5 +224,5 @@ def max_send_lower_bound(
     return hi
 
 
-__all__ = ["TensorSlices", "demand_by_owner_set", "destination_needs", "max_send_lower_bound", "plan_transfers",
-           "unowned_boxes"]
+__all__ = ["TensorSlices", "demand_by_owner_set", "destination_needs", "local_copies", "max_send_lower_bound",
+           "plan_transfers", "unowned_boxes"]

@@ -48,10 +48,9 @@ from typing import Iterable, Sequence
 
 from hspmd.annotations import (Annotation, Box, DistributedStates, Split, Subgroup, device_piece, device_pieces, parse,
                                subgroup_regions)
-from hspmd.annotations.geometry import (check_ratios, device_pieces_of, region_shift, subgroup_device_pieces,
-                                        subgroup_kinds)
+from hspmd.annotations.geometry import check_ratios, device_pieces_of, region_shift
 from hspmd.comm_resolve.bounds import lacks, reshard_bound, route_bound
-from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
+from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, local_copies, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.comm_resolve import relabel
@@ -329,7 +328,7 @@ def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Reshard) -> Step 
     if src.has_partial or src.device_set != dst.device_set:
         return None
     whole = tuple((0, n) for n in ctx.shape)
-    if box_volume(whole) == 0 or not _whole_everywhere(dst, ctx) or lacks(src, dst, ctx.shape).held != box_volume(whole):
+    if not box_volume(whole) or not _whole_everywhere(dst, ctx) or lacks(src, dst, ctx.shape).held != box_volume(whole):
         return None
     pieces = device_pieces(src, ctx.shape)
     devices = tuple(src.devices)
@@ -577,30 +576,13 @@ def _transfer_step(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: in
     key = (src, dst, None if whole else restrict)
     if key not in ctx.planned:
         local = whole and not src.has_partial and not dst.has_partial and not lacks(src, dst, ctx.shape).total
-        ctx.planned[key] = _local_copies(src, dst, ctx) if local else (_transfers(src, dst, ctx, None if whole else restrict), ())
+        planned = local_copies(src, dst, ctx.shape, ctx.leaves_out) if local else (_transfers(src, dst, ctx, None if whole else restrict), ())
+        ctx.planned[key] = planned
     transfers, repeats = ctx.planned[key]
     assembled_on = tuple(sorted(dst.devices if whole else dst.subgroups[restrict].dg.devices))
     remote = any(t.src != t.dst for t in transfers)
     return Step("BatchedSendRecv" if remote else "LocalSplit", src, dst, (), transfers, assembled_on, restrict,
                 repeats=repeats)
-
-
-def _local_copies(src: Annotation, dst: Annotation, ctx: _Reshard) -> tuple[tuple[Transfer, ...], tuple]:
-    """(the copies, the repeats) of a reshard in which every device finds its piece in its own
-    piece: what the BSR table would give (each device copies its destination box), without the
-    table. A plan for some devices leaves out a subgroup holding none of them whose kind
-    (subgroup_kinds) an earlier subgroup has, and names it in the step's repeats."""
-    copies, repeats, templates = [], [], {}
-    for k, kind in enumerate(subgroup_kinds(src, dst, ctx.shape)):
-        devices = dst.subgroups[k].dg.devices
-        if kind is not None and kind in templates and ctx.leaves_out(devices):
-            repeats.append((templates[kind], devices))
-            continue
-        if kind is not None:
-            templates.setdefault(kind, devices)
-        pieces = subgroup_device_pieces(dst, k, ctx.shape).items()
-        copies += [Transfer(d, d, (p.box,), (0,)) for d, p in pieces if box_volume(p.box)]
-    return tuple(sorted(copies, key=lambda t: t.src)), tuple(repeats)
 
 
 def _transfers(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: int | None) -> tuple[Transfer, ...]:
