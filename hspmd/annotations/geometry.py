@@ -298,7 +298,8 @@ def subgroup_kinds(before: Annotation, after: Annotation, shape: Sequence[Length
 
 @lru_cache(maxsize=64)
 def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, ...]) -> tuple[int | None, ...]:
-    after_regions, before_regions = _kept_regions(after, shape, None), _kept_regions(before, check_shape(before, shape), None)
+    after_regions = _kept_regions(after, shape, None)
+    before_regions = _kept_regions(before, check_shape(before, shape), None)
     after_extents, before_extents = region_extents(after, shape), region_extents(before, shape)
     aligned = before.same_dg_union(after)  # the usual case: subgroup k on the same devices in both
     if aligned and before.uniform_states and after.uniform_states:  # every subgroup alike in both layouts
@@ -306,7 +307,7 @@ def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, 
         starts = [_relative_start(split0, r0, split, r) for r0, r in zip(before_regions, after_regions)]
         numbers: dict[tuple, int] = {}  # (of ints: hashed in C)
         return tuple(numbers.setdefault(key, len(numbers)) for key in zip(after_extents, before_extents, starts))
-    held, kinds, numbers, last, splits = before.device_set, [], {}, (None, None), {}
+    held, kinds, numbers, last = before.device_set, [], {}, (None, None)
     for k, (sub, region, extents) in enumerate(zip(after.subgroups, after_regions, after_extents)):
         devices = sub.dg.devices
         if aligned:
@@ -327,10 +328,7 @@ def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, 
         source = ()  # (before holds none of its devices)
         if j is not None:
             ds = before.subgroups[j].ds
-            for states in (ds, sub.ds):
-                if id(states) not in splits:  # (few distinct states objects: looked up by id)
-                    splits[id(states)] = states.split_dims
-            start = _relative_start(splits[id(ds)], before_regions[j], splits[id(sub.ds)], region)
+            start = _relative_start(ds.split_dims, before_regions[j], sub.ds.split_dims, region)
             source = (ds, before_extents[j], positions, start)
         kind = (sub.ds, extents, source)
         if kind != last[0]:  # (consecutive subgroups are mostly alike: compared, not hashed)
@@ -349,8 +347,8 @@ def _relative_start(split0: tuple[int, ...], region0: Box, split: tuple[int, ...
     no intersection of a piece of one with a piece of the other: one layout does not split the
     dim (`split0`, `split`: the dims each splits) and its region's range holds the other's (its
     pieces span the whole range there), as the DP replicas of a ZeRO layout change have."""
-    return tuple(None if (d not in split0 and a0 <= a and b <= b0) or (d not in split and a <= a0 and b0 <= b) else a - a0
-                 for d, ((a0, b0), (a, b)) in enumerate(zip(region0, region)))
+    return tuple(None if (d not in split0 and a0 <= a and b <= b0) or (d not in split and a <= a0 and b0 <= b)
+                 else a - a0 for d, ((a0, b0), (a, b)) in enumerate(zip(region0, region)))
 
 
 def region_shift(region0: Box, region: Box) -> tuple[Length, ...]:

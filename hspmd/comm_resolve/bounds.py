@@ -57,23 +57,28 @@ def _lacks(before: Annotation, after: Annotation, shape: tuple[int, ...]) -> Lac
     floor and the routes' first hops share. Worked out once per kind of subgroup
     (subgroup_kinds): a union of hundreds of equal subgroups costs a pass over its subgroups."""
     kinds = subgroup_kinds(before, after, shape)
-    first_of = {kind: k for k, kind in reversed(list(enumerate(kinds)))}  # kind -> its first subgroup
-    lacking = [(_subgroup_lacks(before, after, shape, first_of[kind]), n) for kind, n in Counter(kinds).items()
-               if kind is not None]
+    lacking = [(_subgroup_lacks(before, after, shape, k), n) for k, n in _first_and_count(kinds)
+               if kinds[k] is not None]
     lacking += [(_subgroup_lacks(before, after, shape, k), 1) for k, kind in enumerate(kinds) if kind is None]
     # the source's value pieces, per states object and region extents (equal states are mostly one
     # object: where they are not, a kind is only worked out twice)
-    keys = list(zip(map(id, before.ds_union), region_extents(before, shape)))
-    first_of = {key: k for k, key in reversed(list(enumerate(keys)))}
     held = []
-    for key, n in Counter(keys).items():
-        values = (p for p in subgroup_device_pieces(before, first_of[key], shape).values() if not p.summand)
+    for k, n in _first_and_count(list(zip(map(id, before.ds_union), region_extents(before, shape)))):
+        values = (p for p in subgroup_device_pieces(before, k, shape).values() if not p.summand)
         held.append(([size for size in (box_volume(p.box) for p in values) if size], n))
     return Lacks(most=max((max(sizes) for sizes, _ in lacking if sizes), default=0),
                  total=sum(sum(sizes) * n for sizes, n in lacking),
                  largest=max((max(sizes) for sizes, _ in held if sizes), default=0),
                  pieces=sum(len(sizes) * n for sizes, n in held),
                  held=sum(sum(sizes) * n for sizes, n in held))
+
+
+def _first_and_count(keys: Sequence) -> list[tuple[int, int]]:
+    """(index of its first occurrence, occurrences) of each distinct key."""
+    first: dict = {}
+    for k, key in enumerate(keys):
+        first.setdefault(key, k)
+    return [(first[key], n) for key, n in Counter(keys).items()]
 
 
 def lacks(before: Annotation, after: Annotation, shape: Sequence[int]) -> Lacks:
@@ -100,7 +105,7 @@ def _subgroup_lacks(before: Annotation, after: Annotation, shape: tuple[int, ...
 
 def reshard_bound(src: Annotation, dst: Annotation, shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:
     """Seconds no plan from `src` to `dst` undercuts, whatever its steps (module docstring)."""
-    need = _lacks(src, dst, tuple(shape))
+    need = lacks(src, dst, shape)
     if not need.total:
         return 0.0
     latency, bandwidth = fastest_link(cluster)
@@ -110,7 +115,7 @@ def reshard_bound(src: Annotation, dst: Annotation, shape: Sequence[int], itemsi
 
 def bsr_bound(before: Annotation, after: Annotation, shape: Sequence[int], itemsize: int, cluster: ClusterSpec) -> float:
     """Seconds no single BatchedSendRecv from `before` to `after` undercuts (module docstring)."""
-    need = _lacks(before, after, tuple(shape))
+    need = lacks(before, after, shape)
     if not need.total:
         return 0.0
     if not need.pieces:

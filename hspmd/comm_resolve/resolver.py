@@ -328,7 +328,8 @@ def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Reshard) -> Step 
     if src.has_partial or src.device_set != dst.device_set:
         return None
     whole = tuple((0, n) for n in ctx.shape)
-    if not box_volume(whole) or not _whole_everywhere(dst, ctx) or lacks(src, dst, ctx.shape).held != box_volume(whole):
+    volume = box_volume(whole)
+    if not volume or not _whole_everywhere(dst, whole, ctx) or lacks(src, dst, ctx.shape).held != volume:
         return None
     pieces = device_pieces(src, ctx.shape)
     devices = tuple(src.devices)
@@ -336,10 +337,9 @@ def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Reshard) -> Step 
     return Step("AllGather", src, dst, (gather,), (), devices)
 
 
-def _whole_everywhere(ann: Annotation, ctx: _Reshard) -> bool:
-    """Whether every device of `ann` holds the whole tensor as a value, read from its subgroups:
+def _whole_everywhere(ann: Annotation, whole: Box, ctx: _Reshard) -> bool:
+    """Whether every device of `ann` holds the `whole` tensor as a value, read from its subgroups:
     a region short of the tensor, or states splitting a dim of some length, leave a device less."""
-    whole = tuple((0, n) for n in ctx.shape)
     return (not ann.has_partial and all(r == whole for r in _regions(ann, ctx))
             and not any(ds.split_dims for ds in set(ann.ds_union)))
 
@@ -576,8 +576,10 @@ def _transfer_step(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: in
     key = (src, dst, None if whole else restrict)
     if key not in ctx.planned:
         local = whole and not src.has_partial and not dst.has_partial and not lacks(src, dst, ctx.shape).total
-        planned = local_copies(src, dst, ctx.shape, ctx.leaves_out) if local else (_transfers(src, dst, ctx, None if whole else restrict), ())
-        ctx.planned[key] = planned
+        if local:  # every device holds what it needs: copies, without the BSR table
+            ctx.planned[key] = local_copies(src, dst, ctx.shape, ctx.leaves_out)
+        else:
+            ctx.planned[key] = _transfers(src, dst, ctx, None if whole else restrict), ()
     transfers, repeats = ctx.planned[key]
     assembled_on = tuple(sorted(dst.devices if whole else dst.subgroups[restrict].dg.devices))
     remote = any(t.src != t.dst for t in transfers)
