@@ -128,9 +128,17 @@ def test_the_probes_run_on_this_machine_and_fit():
     from hspmd.runtime.calibrate import Probe
 
     probe = Probe(None)
-    runs = [probe.once() for _ in range(4)]  # medians of 4: steady enough on a busy machine
-    assert all(t > 0 for run in runs for key in ("matmul", "add") for t in run[key])
-    assert all(len(run["steps"]) == len(PROBE_RUNS) and min(run["steps"]) > 0 and "pingpong" not in run for run in runs)
-    calibration = fit(runs)
+    runs = []
+    for attempt in range(3):  # medians of 4, 8, 12 runs: a burst of load on a shared machine passes
+        runs += [probe.once() for _ in range(4)]
+        assert all(t > 0 for run in runs for key in ("matmul", "add") for t in run[key])
+        assert all(len(run["steps"]) == len(PROBE_RUNS) and min(run["steps"]) > 0 and "pingpong" not in run
+                   for run in runs)
+        try:
+            calibration = fit(runs)
+            break
+        except HSPMDError as exc:  # only the documented noise refusal is retried
+            if "too noisy" not in str(exc) or attempt == 2:
+                raise
     assert calibration.peak_flops > 0 and calibration.bandwidth > 0
     assert calibration.gamma > 0 and calibration.overhead >= 0 and calibration.step_overhead >= 0

@@ -304,7 +304,7 @@ def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, 
     aligned = before.same_dg_union(after)  # the usual case: subgroup k on the same devices in both
     if aligned and before.uniform_states and after.uniform_states:  # every subgroup alike in both layouts
         split0, split = before.uniform_states[0].split_dims, after.uniform_states[0].split_dims
-        starts = [_relative_start(split0, r0, split, r) for r0, r in zip(before_regions, after_regions)]
+        starts = _relative_starts(split0, before_regions, split, after_regions)
         numbers: dict[tuple, int] = {}  # (of ints: hashed in C)
         return tuple(numbers.setdefault(key, len(numbers)) for key in zip(after_extents, before_extents, starts))
     held, kinds, numbers, last = before.device_set, [], {}, (None, None)
@@ -337,6 +337,13 @@ def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, 
     return tuple(kinds)
 
 
+def kept_regions(ann: Annotation, shape: tuple[Length, ...]) -> tuple[Box, ...]:
+    """subgroup_regions for a shape already checked against `ann` and ratios bound: the tuple kept
+    with the annotation, not a copy (planners read one subgroup's region per step of a pass over
+    hundreds)."""
+    return _kept_regions(ann, shape, None)
+
+
 def region_extents(ann: Annotation, shape: tuple[Length, ...]) -> tuple[tuple[Length, ...], ...]:
     """Each subgroup's region extents (box_shape of subgroup_regions), kept with the annotation."""
     return ann.derived(("extents", shape), lambda: tuple(box_shape(r) for r in _kept_regions(ann, shape, None)))
@@ -347,8 +354,30 @@ def _relative_start(split0: tuple[int, ...], region0: Box, split: tuple[int, ...
     no intersection of a piece of one with a piece of the other: one layout does not split the
     dim (`split0`, `split`: the dims each splits) and its region's range holds the other's (its
     pieces span the whole range there), as the DP replicas of a ZeRO layout change have."""
+    if region0 == region:  # (the usual case: both layouts' subgroup k covers the same box)
+        return _start_in_place(split0, split, len(region))
     return tuple(None if (d not in split0 and a0 <= a and b <= b0) or (d not in split and a <= a0 and b0 <= b)
                  else a - a0 for d, ((a0, b0), (a, b)) in enumerate(zip(region0, region)))
+
+
+def _relative_starts(split0: tuple[int, ...], regions0: Sequence[Box], split: tuple[int, ...],
+                     regions: Sequence[Box]) -> list[tuple]:
+    """_relative_start of regions0[k] and regions[k] for every k, one dim at a time (a comprehension
+    per dim rather than a call per subgroup of a union of hundreds)."""
+    if regions0 == regions:
+        return [_start_in_place(split0, split, len(regions[0]))] * len(regions) if regions else []
+    columns = []
+    for d in range(len(regions[0]) if regions else 0):
+        whole0, whole = d not in split0, d not in split
+        columns.append([None if (whole0 and a0 <= a and b <= b0) or (whole and a <= a0 and b0 <= b) else a - a0
+                        for (a0, b0), (a, b) in zip([r[d] for r in regions0], [r[d] for r in regions])])
+    return list(zip(*columns)) if columns else [()] * len(regions)
+
+
+@lru_cache(maxsize=256)
+def _start_in_place(split0: tuple[int, ...], split: tuple[int, ...], ndim: int) -> tuple:
+    """_relative_start of two equal regions: a dim either layout leaves whole holds the other's."""
+    return tuple(0 if d in split0 and d in split else None for d in range(ndim))
 
 
 def region_shift(region0: Box, region: Box) -> tuple[Length, ...]:

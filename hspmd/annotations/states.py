@@ -156,7 +156,10 @@ class DeviceGroup(_Memo):
         """Each device's rank among the group's devices (0 for the smallest): groups of equal
         order are one group under an order-preserving renaming (what relabelling planners check)."""
         def compute():
-            rank = {d: i for i, d in enumerate(sorted(self.devices))}
+            ordered = sorted(self.devices)
+            if ordered == list(self.devices):  # (the usual group: ascending ids)
+                return tuple(range(len(ordered)))
+            rank = {d: i for i, d in enumerate(ordered)}
             return tuple(rank[d] for d in self.devices)
         return self._memo("order", compute)
 
@@ -182,8 +185,10 @@ class DeviceGroup(_Memo):
 
 
 @dataclass(frozen=True)
-class DistributedStates:
-    """Ordered axes, outermost first; device index i is read in the mixed radix of the axis sizes."""
+class DistributedStates(_Memo):
+    """Ordered axes, outermost first; device index i is read in the mixed radix of the axis sizes.
+    A union's hundreds of subgroups mostly share one states object: what planners ask of it per
+    subgroup (size, partial count, split dims) is worked out once."""
 
     axes: tuple[Axis, ...] = ()
 
@@ -198,14 +203,14 @@ class DistributedStates:
 
     @property
     def size(self) -> int:
-        return prod(a.n for a in self.axes)
+        return self._memo("size", lambda: prod(a.n for a in self.axes))
 
     def split_count(self, dim: int) -> int:
         return prod(a.n for a in self.axes if isinstance(a, Split) and a.dim == dim)
 
     @property
     def partial_count(self) -> int:
-        return prod(a.n for a in self.axes if isinstance(a, Partial))
+        return self._memo("partial", lambda: prod(a.n for a in self.axes if isinstance(a, Partial)))
 
     @property
     def duplicate_count(self) -> int:
@@ -213,7 +218,10 @@ class DistributedStates:
 
     @property
     def split_dims(self) -> tuple[int, ...]:
-        return tuple(sorted({a.dim for a in self.axes if isinstance(a, Split)}))
+        return self._memo("split_dims", lambda: tuple(sorted({a.dim for a in self.axes if isinstance(a, Split)})))
+
+    def __hash__(self) -> int:
+        return self._memo("hash", lambda: hash(self.axes))
 
     def __str__(self) -> str:
         return ",".join(str(a) for a in self.axes)
@@ -242,8 +250,9 @@ class Subgroup(_Memo):
         """Subgroup(dg, ds) for values the caller made valid (states of the group's size, derived
         from valid ones), without checking them again."""
         made = object.__new__(cls)
-        object.__setattr__(made, "dg", dg)
-        object.__setattr__(made, "ds", ds)
+        fields = made.__dict__  # (written directly: unions of thousands make one per subgroup)
+        fields["dg"] = dg
+        fields["ds"] = ds
         return made
 
     def __hash__(self) -> int:
@@ -273,8 +282,9 @@ def _top_tier(hdim, ratios, hsize: int) -> tuple[HDim, tuple[int, ...] | None]:
         if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__iter__"):
             raise AnnotationTypeError(f"split ratios must be a sequence of positive integers, got {brief(ratios)}")
         ratios = tuple(ratios)
-        for r in ratios:
-            _positive_int(r, "a top-tier split ratio", MAX_RATIO)
+        if not (set(map(type, ratios)) <= {int} and 1 <= min(ratios, default=1) and max(ratios, default=1) <= MAX_RATIO):
+            for r in ratios:  # (checked in C above where all are fine: a union has hundreds)
+                _positive_int(r, "a top-tier split ratio", MAX_RATIO)
         if not isinstance(hdim, int):
             raise AnnotationError(f"split ratios {brief(ratios)} need a tensor-dim HDim, but HDim is {hdim!r}")
         if len(ratios) != hsize:
@@ -351,9 +361,10 @@ class Annotation(_Memo):
         int tuples, without a Python call per subgroup)."""
         if self.dg_union is other.dg_union:
             return True
-        return self._dg_key() == other._dg_key()
+        return self.dg_key == other.dg_key
 
-    def _dg_key(self) -> tuple[tuple[int, ...], ...]:
+    @property
+    def dg_key(self) -> tuple[tuple[int, ...], ...]:
         """The device groups as plain int tuples (compared and hashed in C)."""
         return self._memo("dg_key", lambda: tuple(dg.devices for dg in self.dg_union))
 
@@ -390,6 +401,15 @@ class Annotation(_Memo):
 
     _KEPT_BY_WITH_SUBGROUP = ("devices", "device_set", "dg_union", "dg_key", "subgroup_of")
 
+    @classmethod
+    def known(cls, subgroups, hdim: HDim, ratios: tuple[int, ...] | None) -> "Annotation":
+        """Annotation(subgroups, hdim, ratios) for values the caller made valid (disjoint device
+        groups, a normalised top tier: derived from a valid union), without checking them again."""
+        made = object.__new__(cls)
+        fields = made.__dict__
+        fields["subgroups"], fields["hdim"], fields["ratios"] = tuple(subgroups), hdim, ratios
+        return made
+
     def with_subgroup(self, k: int, sub: Subgroup) -> "Annotation":
         """This union with subgroup k replaced by `sub` (same HDim and ratios).
 
@@ -409,9 +429,7 @@ class Annotation(_Memo):
         if not all(isinstance(sub, Subgroup) and sub.dg == self.subgroups[k].dg for k, sub in replaced.items()):
             return Annotation(subs, self.hdim, self.ratios)
         self._subgroup_index()  # made here once, it passes down a plan's chain of layouts (else one per layout)
-        new = object.__new__(Annotation)
-        for name, value in (("subgroups", subs), ("hdim", self.hdim), ("ratios", self.ratios)):
-            object.__setattr__(new, name, value)
+        new = Annotation.known(subs, self.hdim, self.ratios)
         known = self.__dict__.get("_memo_cache") or {}
         kept = {key: known[key] for key in self._KEPT_BY_WITH_SUBGROUP if key in known}
         kept.update((key, v) for key, v in known.items() if isinstance(key, tuple) and key[:1] == ("derived",)
@@ -430,6 +448,16 @@ class Annotation(_Memo):
         one dominated deducing a large job: a deduced layout, a gradient or ZeRO layout); a
         subgroup whose states stay is kept as it is, and what this union knows of its devices is
         kept."""
+        uniform = self.uniform_states
+        if uniform is not None:  # one layout: restated once
+            ds = states(uniform[0])
+            if ds == uniform[0]:
+                subs = list(self.subgroups)
+            else:
+                if ds.size != uniform[1]:
+                    Subgroup(self.subgroups[0].dg, ds)  # raises, naming both
+                subs = [Subgroup.known(dg, ds) for dg in self.dg_union]
+            return self._restated_as(subs, hdim, ratios, (ds, uniform[1]))
         new_states: dict[DistributedStates, tuple] = {}  # old -> (new, its size, unchanged)
         by_object: dict[int, tuple] = {}  # the same by id: hashed once per object
         subs = []
@@ -448,15 +476,18 @@ class Annotation(_Memo):
             if size != len(sub.dg):
                 Subgroup(sub.dg, ds)  # raises, naming both
             subs.append(Subgroup.known(sub.dg, ds))
-        hdim, ratios = _top_tier(hdim, ratios, len(subs))  # the device groups are this union's: valid
-        new = object.__new__(Annotation)
-        for name, value in (("subgroups", tuple(subs)), ("hdim", hdim), ("ratios", ratios)):
-            object.__setattr__(new, name, value)
+        return self._restated_as(subs, hdim, ratios, None)
+
+    def _restated_as(self, subs: list[Subgroup], hdim: HDim, ratios: tuple[int, ...] | None,
+                     uniform: tuple[DistributedStates, int] | None) -> "Annotation":
+        """A union of `subs` (this union's device groups, valid states) and the given top tier,
+        keeping what this union knows of its devices (and `uniform`, when known)."""
+        new = Annotation.known(subs, *_top_tier(hdim, ratios, len(subs)))  # the device groups are this union's
         known = self.__dict__.get("_memo_cache") or {}
         cache = new.__dict__.setdefault("_memo_cache", {})
         cache.update((key, known[key]) for key in self._KEPT_BY_WITH_SUBGROUP if key in known and key not in cache)
-        if len(new_states) == 1 and self.uniform_states is not None:
-            cache.setdefault("uniform", (subs[0].ds, len(subs[0].dg)))
+        if uniform is not None:
+            cache.setdefault("uniform", uniform)
         return new
 
     def with_ratios(self, ratios: tuple[int, ...] | None) -> "Annotation":
@@ -489,7 +520,7 @@ class Annotation(_Memo):
         uniformity is a property of the value, so equal unions still hash alike."""
         uniform = self.uniform_states
         if uniform is not None:
-            return hash((uniform, self._dg_key(), self.hdim, self.ratios))
+            return hash((uniform, self.dg_key, self.hdim, self.ratios))
         return hash((self.subgroups, self.hdim, self.ratios))
 
     def __eq__(self, other) -> bool:
@@ -503,7 +534,7 @@ class Annotation(_Memo):
             return False
         mine, theirs = self.uniform_states, other.uniform_states
         if mine is not None or theirs is not None:  # one layout each: compare it and the int-tuple groups in C
-            return mine == theirs and self._dg_key() == other._dg_key()
+            return mine == theirs and self.dg_key == other.dg_key
         return self.subgroups == other.subgroups
 
     def __str__(self) -> str:

@@ -294,6 +294,12 @@ class ClusterSpec:
         name = n.intra if n.intra is not None else dict(self.intra).get(n.device_type)
         return LOCAL if name is None else self._links[name]
 
+    @property
+    def only_link(self) -> LinkClass | None:
+        """The link between every two distinct devices when there is one (one node, no per-pair
+        links), else None: a planner pricing a ring of hundreds of devices then asks once."""
+        return self._only_link
+
     def link(self, a: int, b: int) -> LinkClass:
         """The link class between devices a and b (LOCAL for a device with itself)."""
         n = len(self._node_of)

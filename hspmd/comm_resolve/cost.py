@@ -94,6 +94,12 @@ def collective_traffic(traffic: Traffic, topology: ClusterSpec, itemsize: int, k
         skip = [sizes[(i + 1) % n] for i in range(n)] if kind == "all_gather" else sizes
         per_edge = [total - s for s in skip]
         steps = n - 1
+    link = topology.only_link
+    if link is not None and not link.shared and not traffic.tables:  # one link for every edge: no walk
+        seconds = steps * link.latency + max(per_edge) / link.bandwidth
+        for d in devices:
+            traffic.busy[d] += seconds
+        return
     worst_latency, worst_transfer = 0.0, 0.0
     on_pipes: dict[tuple, int] = defaultdict(int)
     for i, a in enumerate(devices):

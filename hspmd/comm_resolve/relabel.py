@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from hspmd.annotations import Annotation, Box, Subgroup
+from hspmd.annotations import Annotation, Box, DistributedStates, Subgroup
 from hspmd.annotations.geometry import region_shift
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
 from hspmd.comm_resolve.topology import ClusterSpec
@@ -38,12 +38,17 @@ def frame(sub: Subgroup, target: Subgroup, region: Box) -> tuple:
     """What a subgroup's steps from `sub` to `target` depend on, apart from device ids, region
     starts and links (see the module docstring)."""
     extents = tuple(stop - start for start, stop in region)
-    if sub.dg == target.dg:  # the usual bottom-tier case: the group's own order, twice
-        order = sub.dg.order
-        pattern = order + order
-    else:
-        pattern = order_pattern(sub.dg.devices + target.dg.devices)
-    return sub.ds, target.ds, pattern, extents
+    if sub.dg == target.dg:  # the usual bottom-tier case: the group's own order
+        return sub.ds, target.ds, sub.dg.order, extents
+    return sub.ds, target.ds, order_pattern(sub.dg.devices + target.dg.devices), extents
+
+
+def frames_in_place(union: Annotation, targets: Sequence[DistributedStates],
+                    extents: Sequence[tuple[int, ...]]) -> list[tuple]:
+    """frame() of every subgroup k of `union` going to states targets[k] on its own device group,
+    `extents` its region's, in one pass of tuples (a pass over hundreds of subgroups that mostly
+    repeat one template reads nothing else of most of them)."""
+    return list(zip(union.ds_union, targets, [dg.order for dg in union.dg_union], extents))
 
 
 def same_links(template: Sequence[int], devices: Sequence[int], topology: ClusterSpec) -> bool:
@@ -73,7 +78,9 @@ def canonical(src: Annotation, dst: Annotation) -> tuple[tuple, tuple[int, ...]]
     rank = {d: i for i, d in enumerate(devices)}
 
     def skeleton(ann: Annotation) -> tuple:
-        return ann.hdim, ann.ratios, tuple((tuple(rank[d] for d in s.dg.devices), s.ds) for s in ann.subgroups)
+        groups = tuple(tuple(map(rank.__getitem__, devices)) for devices in ann.dg_key)
+        states = ann.uniform_states or ann.ds_union  # (one layout for all: named once)
+        return ann.hdim, ann.ratios, groups, states
 
     return (skeleton(src), skeleton(dst)), devices
 
@@ -164,5 +171,5 @@ def crosses_shared_link(transfers: Sequence[Transfer], topology: ClusterSpec) ->
     return any(t.src != t.dst and topology.link(t.src, t.dst).shared for t in transfers)
 
 
-__all__ = ["LeftOut", "alone_devices", "canonical", "crosses_shared_link", "frame", "has_messages", "keeps_links",
+__all__ = ["LeftOut", "alone_devices", "canonical", "crosses_shared_link", "frame", "frames_in_place", "has_messages", "keeps_links",
            "moved_step", "moved_steps", "moved_transfers", "order_pattern", "same_links"]

@@ -46,9 +46,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from typing import Iterable, Sequence
 
-from hspmd.annotations import (Annotation, Box, DistributedStates, Split, Subgroup, device_piece, device_pieces, parse,
-                               subgroup_regions)
-from hspmd.annotations.geometry import check_ratios, device_pieces_of, region_shift
+from hspmd.annotations import Annotation, Box, DistributedStates, Split, Subgroup, device_piece, device_pieces, parse
+from hspmd.annotations.geometry import check_ratios, device_pieces_of, kept_regions, region_extents, region_shift
 from hspmd.comm_resolve.bounds import lacks, reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, local_copies, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
@@ -286,8 +285,9 @@ def _within(ann: Annotation, keep) -> Annotation:
     """`ann` with each subgroup's piece gathered onto the devices `keep` picks, the union's HDim and
     ratios unchanged: HetAuto gathers inside each outer-DP partition (an hspmd subgroup), never
     across partitions, so that one pipeline's data never passes through another's devices.
-    Made once per annotation (plans of many shapes share their layouts)."""
-    return ann.derived(("within", keep), lambda: Annotation(tuple(keep(sub) for sub in ann.subgroups), ann.hdim, ann.ratios))
+    Made once per annotation (plans of many shapes share their layouts); a subset of each valid
+    group is valid, so nothing is checked again."""
+    return ann.derived(("within", keep), lambda: Annotation.known(map(keep, ann.subgroups), ann.hdim, ann.ratios))
 
 
 def _root_of(sub: Subgroup) -> Subgroup:
@@ -357,8 +357,8 @@ def _route(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
     return _general(src, dst, ctx)
 
 
-def _regions(ann: Annotation, ctx: _Reshard):
-    return subgroup_regions(ann, ctx.shape)
+def _regions(ann: Annotation, ctx: _Reshard) -> tuple[Box, ...]:
+    return kept_regions(ann, ctx.shape)  # (ctx.shape is checked against both layouts by resolve)
 
 
 def _identity(union: Annotation, k: int) -> Step:
@@ -397,14 +397,13 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tup
 
 
 def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup, ctx: _Reshard,
-                   region: Box, left_out: relabel.LeftOut) -> tuple[list[Step], Annotation]:
+                   region: Box, left_out: relabel.LeftOut, key: tuple) -> tuple[list[Step], Annotation]:
     """_equalise, or an earlier subgroup's steps of the same frame moved onto subgroup k (exactly
     what _equalise would plan: relabel.py), so that a union of hundreds of equal subgroups is
     planned once; or none, when the plan leaves subgroup k out (ctx.leaves_out: `left_out` keeps
     it). `templates` and `left_out` are kept by the caller for one pass over the subgroups;
     `region` is subgroup k's (the caller's union and `union` share HDim, ratios and HSize, so
-    their regions)."""
-    key = relabel.frame(union.subgroups[k], target, region)
+    their regions); `key` is subgroup k's frame (relabel.frames_in_place)."""
     if key in templates:
         steps, k0, region0 = templates[key]
         sub0, sub = union.subgroups[k0].dg.devices, union.subgroups[k].dg.devices
@@ -435,6 +434,7 @@ def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tupl
 def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
     union, steps, moving, templates, left_out = src, [], [], {}, relabel.LeftOut()
     regions = _regions(src, ctx)
+    frames = relabel.frames_in_place(src, dst.ds_union, region_extents(src, ctx.shape))  # (of moving ones: unread)
     for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
         if s.dg != t.dg:
             moving.append(k)
@@ -442,7 +442,7 @@ def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
                 sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
                 steps += sub_steps
             continue
-        sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out)
+        sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out, frames[k])
         steps += sub_steps
     steps, union = left_out.finish(steps, union)
     if moving:
@@ -462,19 +462,20 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     piece = partial(device_piece, union, ctx.shape)  # read for the subgroups planned only
     transfers, reshaped, templates, repeats = [], False, {}, []
     alone = relabel.alone_devices(union, dst, moving) if ctx.focus is not None else frozenset()
+    regions = _regions(union, ctx)
     for k in moving:
         s, t = union.subgroups[k], dst.subgroups[k]
         if s.ds == t.ds and s.ds.partial_count > 1:
             transfers += [Transfer(a, b, (piece(a).box,), (0,)) for a, b in zip(s.dg, t.dg)]
         else:
             reshaped |= s.ds != t.ds
-            transfers += _moved_subgroup(templates, union, dst, k, piece, ctx, alone, repeats)
+            transfers += _moved_subgroup(templates, union, dst, k, regions[k], piece, ctx, alone, repeats)
     assembled_on = tuple(sorted(d for k in moving for d in dst.subgroups[k].dg))
     return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), _fuse(transfers), assembled_on,
                 repeats=tuple(repeats))
 
 
-def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, piece, ctx: _Reshard,
+def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, region: Box, piece, ctx: _Reshard,
                     alone: frozenset[int], repeats: list) -> list[Transfer]:
     """The BSR messages taking subgroup k of `union` to subgroup k of `dst`. Moving subgroups share
     no sender, so each is planned alone (the senders' loads never meet), and one of the same
@@ -483,14 +484,12 @@ def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int,
     `repeats`. Not where the template's messages cross a shared link, whose time adds up over
     subgroups."""
     s, t = union.subgroups[k], dst.subgroups[k]
-    region = _regions(union, ctx)[k]
     key = relabel.frame(s, t, region)
     devices = s.dg.devices + t.dg.devices
     if key in templates:
-        transfers, template, region0 = templates[key]
+        transfers, template, region0, shared = templates[key]
         if relabel.same_links(template, devices, ctx.topology):
-            if (ctx.leaves_out(devices) and alone.issuperset(devices) and alone.issuperset(template)
-                    and not relabel.crosses_shared_link(transfers, ctx.topology)):
+            if ctx.leaves_out(devices) and not shared and alone.issuperset(devices) and alone.issuperset(template):
                 repeats.append((template, devices))
                 return []
             shift = region_shift(region0, region)
@@ -498,7 +497,8 @@ def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int,
     owners = {d: piece(d).box for d in s.dg}
     family = TensorSlices(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg))
     transfers = plan_transfers([family], ctx.topology, ctx.itemsize)
-    templates.setdefault(key, (transfers, devices, region))
+    shared = relabel.crosses_shared_link(transfers, ctx.topology)
+    templates.setdefault(key, (transfers, devices, region, shared))
     return list(transfers)
 
 
@@ -524,8 +524,9 @@ def _top_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step] | N
     if any(s.ds != t.ds for s, t in zip(src.subgroups, dst.subgroups)):
         templates, left_out = {}, relabel.LeftOut()
         regions = _regions(src, ctx)
+        frames = relabel.frames_in_place(src, dst.ds_union, region_extents(src, ctx.shape))
         for k, t in enumerate(dst.subgroups):
-            sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out)
+            sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out, frames[k])
             steps += sub_steps
         steps, union = left_out.finish(steps, union)
     step = split_step(primitive, union, dst, ctx.shape)

@@ -73,39 +73,66 @@ class CommPattern:
     devices: tuple[int, ...]
 
 
+def _device_ids(values) -> bool:
+    """Whether every value is a device id (in C: a pattern lists thousands)."""
+    return set(map(type, values)) <= {int} and min(values, default=0) >= 0
+
+
 def _check_devices(values: tuple, where: str) -> None:
+    if _device_ids(values):
+        return
     for value in values:
         if type(value) is not int or value < 0:  # a bool is not a device id
             raise HSPMDError(f"{where}: device ids must be non-negative integers, got {value!r}")
 
 
+def _checked(groups: list[tuple], edges: list[tuple], devices: tuple) -> None:
+    """Raise naming the first malformed group, edge or device (checked all at once when none is)."""
+    if not (all(groups) and _device_ids([d for g in groups for d in g])):
+        for i, members in enumerate(groups):
+            _check_devices(members, f"collective group {i}")
+            if not members:
+                raise HSPMDError(f"collective group {i} is empty; a collective needs at least one device")
+    if not (all(len(e) == 2 for e in edges) and _device_ids([d for e in edges for d in e])):
+        for i, edge in enumerate(edges):
+            if len(edge) != 2:
+                raise HSPMDError(f"P2P edge {i} is {edge!r}; give (src, dst) pairs")
+            _check_devices(edge, f"P2P edge {i}")
+    _check_devices(devices, "devices")
+
+
 class _Stages:
-    """Union-find over devices: the classes are the stages."""
+    """Union-find over devices: the classes are the stages. A device met first in a group joins
+    the group's class at once (the usual case: tensor-parallel groups are disjoint)."""
 
     def __init__(self):
         self.parent: dict[int, int] = {}
 
-    def add(self, d: int) -> None:
-        self.parent.setdefault(d, d)
-
     def find(self, d: int) -> int:
-        root = d
-        while self.parent[root] != root:
-            root = self.parent[root]
-        while self.parent[d] != root:
-            self.parent[d], d = root, self.parent[d]
-        return root
+        parent = self.parent
+        while parent[d] != d:
+            parent[d] = d = parent[parent[d]]
+        return d
 
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
+    def join(self, members: tuple[int, ...]) -> None:
+        parent = self.parent
+        root = self.find(members[0]) if members[0] in parent else parent.setdefault(members[0], members[0])
+        for d in members[1:]:
+            if d not in parent:
+                parent[d] = root
+                continue
+            other = self.find(d)
+            if other != root:
+                root, other = min(root, other), max(root, other)
+                parent[other] = root
 
-    def classes(self) -> dict[int, StageDevices]:
+    def classes(self) -> tuple[dict[int, StageDevices], dict[int, int]]:
+        """(the devices of each class by its root, each device's root)."""
+        root_of = {d: self.find(d) for d in self.parent}
         members: dict[int, list[int]] = {}
-        for d in self.parent:
-            members.setdefault(self.find(d), []).append(d)
-        return {root: tuple(sorted(ds)) for root, ds in members.items()}
+        for d, root in root_of.items():
+            members.setdefault(root, []).append(d)
+        return {root: tuple(sorted(ds)) for root, ds in members.items()}, root_of
 
 
 def discover_pipelines(
@@ -115,39 +142,22 @@ def discover_pipelines(
 ) -> tuple[PipelineLayout, ...]:
     """Pipelines from per-micro-batch communication (module docstring), ordered by smallest rank.
     `devices` adds devices that take part in no communication (each its own pipeline)."""
+    groups, edges, devices = list(map(tuple, collective_groups)), list(map(tuple, p2p_edges)), tuple(devices)
+    _checked(groups, edges, devices)
+    edges = list(dict.fromkeys(edges))  # repeated edges joined once
     stages = _Stages()
-    seen_groups: set[tuple] = set()  # plans of several CommOps name the same groups: join each once
-    for i, group in enumerate(collective_groups):
-        members = tuple(group)
-        _check_devices(members, f"collective group {i}")
-        if members in seen_groups:
-            continue
-        seen_groups.add(members)
-        if not members:
-            raise HSPMDError(f"collective group {i} is empty; a collective needs at least one device")
-        for d in members:
-            stages.add(d)
-            stages.union(members[0], d)
-    edges: set[tuple[int, int]] = set()  # repeated edges joined once
-    for i, edge in enumerate(p2p_edges):
-        edge = tuple(edge)
-        if len(edge) != 2:
-            raise HSPMDError(f"P2P edge {i} is {edge!r}; give (src, dst) pairs")
-        _check_devices(edge, f"P2P edge {i}")
-        edges.add(edge)
-    for src, dst in edges:
-        stages.add(src)
-        stages.add(dst)
-    devices = tuple(devices)
-    _check_devices(devices, "devices")
+    for members in dict.fromkeys(groups):  # plans of several CommOps name the same groups: join each once
+        stages.join(members)
+    for d in (d for edge in edges for d in edge):
+        stages.parent.setdefault(d, d)
     for d in devices:
-        stages.add(d)
+        stages.parent.setdefault(d, d)
 
-    classes = stages.classes()
+    classes, root_of = stages.classes()
     successors: dict[int, set[int]] = {root: set() for root in classes}
     neighbours: dict[int, set[int]] = {root: set() for root in classes}
     for src, dst in edges:
-        a, b = stages.find(src), stages.find(dst)
+        a, b = root_of[src], root_of[dst]
         if a != b:
             successors[a].add(b)
             neighbours[a].add(b)
