@@ -373,9 +373,9 @@ class Annotation(_Memo):
         """(states, group size) when every subgroup has the same states and size, else None: the
         common case of a homogeneous stage, which deduction handles as one subgroup."""
         def compute():
-            first = self.subgroups[0]
+            first, states = self.subgroups[0], self.ds_union
             size = len(first.dg)
-            if all(s.ds == first.ds and len(s.dg) == size for s in self.subgroups):
+            if states.count(first.ds) == len(states) and set(map(len, self.dg_key)) == {size}:  # (in C)
                 return first.ds, size
             return None
         return self._memo("uniform", compute)
@@ -507,7 +507,8 @@ class Annotation(_Memo):
                     raise AnnotationError(f"split dim {d} in {s} is outside a rank-{ndim} tensor{at}")
 
     def _max_dim(self) -> int:
-        states = {id(ds): ds for ds in self.ds_union}.values()  # unions repeat a few states objects
+        uniform = self.uniform_states
+        states = [uniform[0]] if uniform else {id(ds): ds for ds in self.ds_union}.values()  # (a few objects)
         dims = [d for ds in states for d in ds.split_dims]
         return max(dims + ([self.hdim] if isinstance(self.hdim, int) else []), default=-1)
 
