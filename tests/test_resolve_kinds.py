@@ -10,6 +10,7 @@ from hspmd.annotations.geometry import subgroup_kinds
 from hspmd.comm_resolve import resolve
 from hspmd.comm_resolve.bounds import Lacks, lacks
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
+from hspmd.comm_resolve.resolver import _representatives_of, _root_of, _within
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.testing import annotations, repeated_unions, shapes
 
@@ -43,6 +44,19 @@ def test_lacks_per_kind_of_subgroup_equal_lacks_device_by_device(case):
     src, dst, shape = case
     for before, after in ((src, dst), (dst, src), (src, src)):
         assert lacks(before, after, shape) == lacks_device_by_device(before, after, shape)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=repeated_unions())
+def test_lacks_of_gathered_layouts_equal_lacks_device_by_device(case):
+    """HetAuto's gathered layouts (each subgroup on the devices at some positions of its own) are
+    kinds worked out from regions alone where both unions repeat one layout: the same lacks."""
+    src, dst, shape, _ = case
+    for ann in (src, dst):
+        for keep in (_root_of, _representatives_of):
+            gathered = _within(ann, keep)
+            for before, after in ((ann, gathered), (gathered, ann)):
+                assert lacks(before, after, shape) == lacks_device_by_device(before, after, shape)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 from math import prod
+from operator import itemgetter
 from typing import Iterable, Sequence, Union
 
 import sympy
@@ -302,7 +303,9 @@ def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, 
     before_regions = _kept_regions(before, check_shape(before, shape), None)
     after_extents, before_extents = region_extents(after, shape), region_extents(before, shape)
     aligned = before.same_dg_union(after)  # the usual case: subgroup k on the same devices in both
-    if aligned and before.uniform_states and after.uniform_states:  # every subgroup alike in both layouts
+    if before.uniform_states and after.uniform_states and (aligned or _picked_alike(before, after)):
+        # every subgroup alike in both layouts, on the same devices or (HetAuto's gathered layouts)
+        # on those at the same positions of the source's subgroup k: the regions tell kinds apart
         split0, split = before.uniform_states[0].split_dims, after.uniform_states[0].split_dims
         starts = _relative_starts(split0, before_regions, split, after_regions)
         numbers: dict[tuple, int] = {}  # (of ints: hashed in C)
@@ -342,6 +345,19 @@ def kept_regions(ann: Annotation, shape: tuple[Length, ...]) -> tuple[Box, ...]:
     with the annotation, not a copy (planners read one subgroup's region per step of a pass over
     hundreds)."""
     return _kept_regions(ann, shape, None)
+
+
+def _picked_alike(before: Annotation, after: Annotation) -> bool:
+    """Whether every subgroup k of `after` is on the devices at one list of positions of subgroup
+    k of `before` (compared in C, group by group)."""
+    if before.hsize != after.hsize:
+        return False
+    index = {d: i for i, d in enumerate(before.dg_key[0])}
+    first = after.dg_key[0]
+    if not all(d in index for d in first):
+        return False
+    picked, mine = itemgetter(*(index[d] for d in first)), itemgetter(*range(len(first)))
+    return list(map(picked, before.dg_key)) == list(map(mine, after.dg_key))
 
 
 def region_extents(ann: Annotation, shape: tuple[Length, ...]) -> tuple[tuple[Length, ...], ...]:
