@@ -82,6 +82,10 @@ def test_a_plan_resolved_for_some_devices_is_the_whole_plan_for_them(case, data)
                 part_of(plan, d)
     assert comm_plans.groups_of(plan) == comm_plans.groups_of(whole)
     assert comm_plans.roles_of(plan) == comm_plans.roles_of(whole)
+    everyone = comm_plans.roles_of(whole)
+    extra = data.draw(st.lists(st.sampled_from(whole.devices), max_size=2, unique=True))  # covered or not
+    for devices in (tuple(focus), tuple(dict.fromkeys(focus + extra)), (max(whole.devices) + 1,)):
+        assert comm_plans.roles_for(plan, devices) == {d: everyone.get(d, "local") for d in devices}
     assert comm_plans.touched(plan) == comm_plans.touched(whole)
     assert [set(p) for p in comm_plans.pattern(plan)] == [set(p) for p in comm_plans.pattern(whole)]
 

@@ -483,6 +483,7 @@ class Annotation(_Memo):
         """A union of `subs` (this union's device groups, valid states) and the given top tier,
         keeping what this union knows of its devices (and `uniform`, when known)."""
         new = Annotation.known(subs, *_top_tier(hdim, ratios, len(subs)))  # the device groups are this union's
+        self.device_set  # made here once, every layout deduced or derived from this one shares it
         known = self.__dict__.get("_memo_cache") or {}
         cache = new.__dict__.setdefault("_memo_cache", {})
         cache.update((key, known[key]) for key in self._KEPT_BY_WITH_SUBGROUP if key in known and key not in cache)

@@ -58,6 +58,38 @@ def roles_of(plan) -> dict[int, str]:
     return roles
 
 
+def roles_for(plan, devices: tuple[int, ...]) -> dict[int, str]:
+    """roles_of for a few devices the plan covers, read from the steps it lists (those are every
+    step of theirs: no left-out subgroup is renamed), so a rank's role in a plan over thousands of
+    devices costs the plan's listed steps. Kept on the plan per device tuple."""
+    if not plan.covers(devices):
+        roles = roles_of(plan)
+        return {d: roles.get(d, "local") for d in devices}
+    known = plan.__dict__.setdefault("_roles_for", {})
+    if devices not in known:
+        wanted, collective, sends, recvs = set(devices), set(), set(), set()
+        for step in plan.steps:
+            for c in step.collectives:
+                if len(c.devices) > 1:
+                    collective.update(wanted.intersection(c.devices))
+            for t in step.transfers:
+                if t.src != t.dst:
+                    if t.src in wanted:
+                        sends.add(t.src)
+                    if t.dst in wanted:
+                        recvs.add(t.dst)
+        known[devices] = {d: _role(d, collective, sends, recvs) for d in devices}
+    return known[devices]
+
+
+def _role(device: int, collective: set[int], sends: set[int], recvs: set[int]) -> str:
+    if device in collective:
+        return "collective"
+    if device in sends:
+        return "send+recv" if device in recvs else "send"
+    return "recv" if device in recvs else "local"
+
+
 def groups_of(plan) -> dict[int, tuple[tuple[int, ...], ...]]:
     """Each device's collective groups in the plan (of two or more members), in plan order, worked
     out in one pass and kept on the plan: a rank names only its own groups (a backend creates the
@@ -118,4 +150,4 @@ def describe_for(plan, device: int) -> str:
     return " ; ".join(map(str, part_of(plan, device).steps)) or "nothing on this device"
 
 
-__all__ = ["describe_for", "groups_of", "pattern", "renamed", "resolve_comm", "roles_of", "touched"]
+__all__ = ["describe_for", "groups_of", "pattern", "renamed", "resolve_comm", "roles_for", "roles_of", "touched"]

@@ -240,7 +240,8 @@ def instantiate_many(deduced: Deduced, devices: Iterable[int], binding: Binding 
             if deduced[node.inputs[0]] == deduced[node.output]:
                 role = "identity"
             else:
-                roles = comm_plans.roles_of(resolve_node(deduced, node, binding, topology, plans, focus))
+                plan = resolve_node(deduced, node, binding, topology, plans, focus)
+                roles = comm_plans.roles_of(plan) if len(chosen) > FEW_DEVICES else comm_plans.roles_for(plan, chosen)
         elif node.kind == "assign":
             role = "assign"
         else:
