@@ -361,8 +361,15 @@ def _picked_alike(before: Annotation, after: Annotation) -> bool:
 
 
 def region_extents(ann: Annotation, shape: tuple[Length, ...]) -> tuple[tuple[Length, ...], ...]:
-    """Each subgroup's region extents (box_shape of subgroup_regions), kept with the annotation."""
-    return ann.derived(("extents", shape), lambda: tuple(box_shape(r) for r in _kept_regions(ann, shape, None)))
+    """Each subgroup's region extents (box_shape of subgroup_regions), kept with the annotation;
+    worked out one dim at a time (a comprehension per dim, not a call per subgroup)."""
+    def compute():
+        regions = _kept_regions(ann, shape, None)
+        if regions.count(regions[0]) == len(regions):  # HD / HP: one region for all
+            return (box_shape(regions[0]),) * len(regions)
+        columns = [[stop - start for start, stop in column] for column in zip(*regions)]
+        return tuple(zip(*columns))
+    return ann.derived(("extents", shape), compute)
 
 
 def _relative_start(split0: tuple[int, ...], region0: Box, split: tuple[int, ...], region: Box) -> tuple:

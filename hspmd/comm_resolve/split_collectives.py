@@ -138,11 +138,13 @@ def _aligned_step(primitive: str, src: Annotation, dst: Annotation, shape) -> St
     collectives = []
     for i, row in enumerate(rows):
         box = whole[:axis.dim] + (row,) + whole[axis.dim + 1:]
-        at = {sub.dg.devices[i]: k for k, sub in enumerate(src.subgroups)}
-        members = tuple(sorted(at))
-        parts = () if sliced is None else tuple(
-            box[:sliced.hdim] + (slabs[at[m]],) + box[sliced.hdim + 1:] for m in members)
-        collectives.append(Collective(kind, members, box, parts, ()))
+        column = [devices[i] for devices in src.dg_key]  # position i of every subgroup
+        order = sorted(range(len(column)), key=column.__getitem__)
+        parts = ()
+        if sliced is not None:
+            before, after = box[:sliced.hdim], box[sliced.hdim + 1:]
+            parts = tuple(before + (slabs[k],) + after for k in order)
+        collectives.append(Collective(kind, tuple(column[k] for k in order), box, parts, ()))
     collectives.sort(key=lambda c: c.devices)
     return Step(primitive, src, dst, tuple(collectives), (), tuple(sorted(dst.devices)))
 
