@@ -171,5 +171,5 @@ def crosses_shared_link(transfers: Sequence[Transfer], topology: ClusterSpec) ->
     return any(t.src != t.dst and topology.link(t.src, t.dst).shared for t in transfers)
 
 
-__all__ = ["LeftOut", "alone_devices", "canonical", "crosses_shared_link", "frame", "frames_in_place", "has_messages", "keeps_links",
-           "moved_step", "moved_steps", "moved_transfers", "order_pattern", "same_links"]
+__all__ = ["LeftOut", "alone_devices", "canonical", "crosses_shared_link", "frame", "frames_in_place", "has_messages",
+           "keeps_links", "moved_step", "moved_steps", "moved_transfers", "order_pattern", "same_links"]
