@@ -14,17 +14,18 @@ def resolve_comm(src: Annotation, dst: Annotation, shape, src_ratios, dst_ratios
                    for_devices=for_devices)
 
 
-def _exchanges(plan):
+def _exchanges(plan, repeats: bool = True):
     """Per step, (its collective groups, its messages as (src, dst) pairs), then the same for each
     subgroup a plan resolved for some devices leaves out (Step.repeats): the template devices'
     groups and messages, renamed. Every consumer below reads plans through this, so that a
-    rank's focused plan gives the whole plan's groups, roles and pattern."""
+    rank's focused plan gives the whole plan's groups, roles and pattern. `repeats=False`: the
+    listed steps alone (every step of a device the plan covers)."""
     for step in plan.steps:
         groups = [c.devices for c in step.collectives]
         messages = [(t.src, t.dst) for t in step.transfers if t.src != t.dst]
         yield groups, messages
         among: dict[tuple, tuple] = {}  # template devices -> its groups and messages (few templates)
-        for template, devices in step.repeats:
+        for template, devices in step.repeats if repeats else ():
             if template not in among:
                 members = set(template)
                 among[template] = ([g for g in groups if members.issuperset(g)],
@@ -39,55 +40,39 @@ def roles_of(plan) -> dict[int, str]:
     peer). Worked out in one pass over the plan and kept on it (a plan is immutable, and a job's
     compiler asks for every device of a plan over thousands)."""
     roles = plan.__dict__.get("_roles")
-    if roles is not None:
-        return roles
+    if roles is None:
+        roles = _roles(_exchanges(plan), plan.devices)
+        plan.__dict__["_roles"] = roles  # beside the frozen fields, as cached_property keeps
+    return roles
+
+
+def roles_for(plan, devices: tuple[int, ...]) -> dict[int, str]:
+    """The roles of `devices` in the plan. Where the plan covers them, read from the steps it lists,
+    those being every step of theirs (no left-out subgroup renamed): a rank's role in a plan over
+    thousands of devices costs the plan's listed steps. Kept on the plan per device tuple."""
+    known = plan.__dict__.setdefault("_roles_for", {})
+    if devices not in known:
+        if plan.covers(devices):
+            known[devices] = _roles(_exchanges(plan, repeats=False), devices)
+        else:
+            everyone = roles_of(plan)
+            known[devices] = {d: everyone.get(d, "local") for d in devices}
+    return known[devices]
+
+
+def _roles(exchanges, devices) -> dict[int, str]:
+    """Each of `devices`' role in the exchanges (see roles_of)."""
     collective, sends, recvs = set(), set(), set()
-    for groups, messages in _exchanges(plan):
+    for groups, messages in exchanges:
         for g in groups:
             if len(g) > 1:
                 collective.update(g)
         for a, b in messages:
             sends.add(a)
             recvs.add(b)
-    roles = dict.fromkeys(plan.devices, "local")
-    roles.update(dict.fromkeys(sends - recvs, "send"))
-    roles.update(dict.fromkeys(recvs - sends, "recv"))
-    roles.update(dict.fromkeys(sends & recvs, "send+recv"))
-    roles.update(dict.fromkeys(collective, "collective"))
-    plan.__dict__["_roles"] = roles  # beside the frozen fields, as cached_property keeps
-    return roles
-
-
-def roles_for(plan, devices: tuple[int, ...]) -> dict[int, str]:
-    """roles_of for a few devices the plan covers, read from the steps it lists (those are every
-    step of theirs: no left-out subgroup is renamed), so a rank's role in a plan over thousands of
-    devices costs the plan's listed steps. Kept on the plan per device tuple."""
-    if not plan.covers(devices):
-        roles = roles_of(plan)
-        return {d: roles.get(d, "local") for d in devices}
-    known = plan.__dict__.setdefault("_roles_for", {})
-    if devices not in known:
-        wanted, collective, sends, recvs = set(devices), set(), set(), set()
-        for step in plan.steps:
-            for c in step.collectives:
-                if len(c.devices) > 1:
-                    collective.update(wanted.intersection(c.devices))
-            for t in step.transfers:
-                if t.src != t.dst:
-                    if t.src in wanted:
-                        sends.add(t.src)
-                    if t.dst in wanted:
-                        recvs.add(t.dst)
-        known[devices] = {d: _role(d, collective, sends, recvs) for d in devices}
-    return known[devices]
-
-
-def _role(device: int, collective: set[int], sends: set[int], recvs: set[int]) -> str:
-    if device in collective:
-        return "collective"
-    if device in sends:
-        return "send+recv" if device in recvs else "send"
-    return "recv" if device in recvs else "local"
+    return {d: "collective" if d in collective else
+            ("send+recv" if d in recvs else "send") if d in sends else
+            "recv" if d in recvs else "local" for d in devices}
 
 
 def groups_of(plan) -> dict[int, tuple[tuple[int, ...], ...]]:

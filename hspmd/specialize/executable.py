@@ -240,8 +240,7 @@ def instantiate_many(deduced: Deduced, devices: Iterable[int], binding: Binding 
             if deduced[node.inputs[0]] == deduced[node.output]:
                 role = "identity"
             else:
-                plan = resolve_node(deduced, node, binding, topology, plans, focus)
-                roles = comm_plans.roles_of(plan) if len(chosen) > FEW_DEVICES else comm_plans.roles_for(plan, chosen)
+                roles = comm_plans.roles_for(resolve_node(deduced, node, binding, topology, plans, focus), chosen)
         elif node.kind == "assign":
             role = "assign"
         else:

@@ -108,6 +108,9 @@ class _Stages:
     def __init__(self):
         self.parent: dict[int, int] = {}
 
+    def add(self, d: int) -> None:
+        self.parent.setdefault(d, d)
+
     def find(self, d: int) -> int:
         parent = self.parent
         while parent[d] != d:
@@ -116,7 +119,8 @@ class _Stages:
 
     def join(self, members: tuple[int, ...]) -> None:
         parent = self.parent
-        root = self.find(members[0]) if members[0] in parent else parent.setdefault(members[0], members[0])
+        self.add(members[0])
+        root = self.find(members[0])
         for d in members[1:]:
             if d not in parent:
                 parent[d] = root
@@ -149,9 +153,9 @@ def discover_pipelines(
     for members in dict.fromkeys(groups):  # plans of several CommOps name the same groups: join each once
         stages.join(members)
     for d in (d for edge in edges for d in edge):
-        stages.parent.setdefault(d, d)
+        stages.add(d)
     for d in devices:
-        stages.parent.setdefault(d, d)
+        stages.add(d)
 
     classes, root_of = stages.classes()
     successors: dict[int, set[int]] = {root: set() for root in classes}
