@@ -4,6 +4,7 @@ restating a union's states, sharing value pieces, pricing only where another rou
 arithmetic, pricing without byte tables, one-link clusters, comparing uniform unions, device orders,
 pipeline discovery over repeated groups, disjointness of many boxes."""
 
+from functools import partial
 from itertools import product
 from math import prod
 
@@ -15,7 +16,7 @@ from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Split,
 from hspmd.annotations.geometry import split_index, subgroup_device_pieces
 from hspmd.comm_resolve import resolve
 from hspmd.comm_resolve.collectives import disjoint
-from hspmd.comm_resolve.resolver import VIAS, _representatives_of, _root_of
+from hspmd.comm_resolve.resolver import VIAS, _representatives, _root, _within
 from hspmd.comm_resolve.slices import Grid, box_volume
 from hspmd.comm_resolve.split_collectives import _aligned_step, _cell_step, split_step
 from hspmd.comm_resolve.topology import cluster_for
@@ -170,14 +171,19 @@ def test_the_one_node_cluster_is_made_once_per_size():
 @SETTINGS
 @given(data=st.data())
 def test_representatives_and_roots_equal_subgroups_made_from_scratch(data):
-    """HetAuto's gathered layouts pick devices by positions worked out once per states."""
+    """HetAuto's gathered layouts pick devices by positions worked out once per states object."""
     ndim = data.draw(st.integers(1, 2))
-    sub = data.draw(annotations(ndim, max_hsize=1)).subgroups[0]
+    ann = data.draw(annotations(ndim))
     dim = data.draw(st.integers(0, ndim - 1))
-    reps = tuple(d for i, d in enumerate(sub.dg) if split_index(sub, i, dim)[0] == 0)
-    rest = tuple(a for a in sub.ds.axes if not (isinstance(a, Split) and a.dim == dim))
-    assert _representatives_of(sub, dim) == Subgroup(reps, rest)
-    assert _root_of(sub) == Subgroup((sub.dg.devices[0],))
+    representatives = _within(ann, partial(_representatives, dim=dim))
+    roots = _within(ann, _root)
+    for gathered in (representatives, roots):
+        assert (gathered.hdim, gathered.ratios, gathered.hsize) == (ann.hdim, ann.ratios, ann.hsize)
+    for sub, rep, root in zip(ann.subgroups, representatives.subgroups, roots.subgroups):
+        reps = tuple(d for i, d in enumerate(sub.dg) if split_index(sub, i, dim)[0] == 0)
+        rest = tuple(a for a in sub.ds.axes if not (isinstance(a, Split) and a.dim == dim))
+        assert rep == Subgroup(reps, rest)
+        assert root == Subgroup((sub.dg.devices[0],))
 
 
 @st.composite

@@ -24,13 +24,12 @@ class _Memo:
     and never enters a pickle: str hashes differ between processes."""
 
     def _memo(self, key, compute):
-        cache = self.__dict__.get("_memo_cache")
-        if cache is None:
-            cache = {}
-            object.__setattr__(self, "_memo_cache", cache)
-        if key not in cache:
-            cache[key] = compute()
-        return cache[key]
+        try:
+            return self.__dict__["_memo_cache"][key]  # (asked thousands of times a plan: the one lookup first)
+        except KeyError:
+            cache = self.__dict__.setdefault("_memo_cache", {})
+            value = cache[key] = compute()
+            return value
 
     def _cached_hash(self) -> int | None:
         cache = self.__dict__.get("_memo_cache")
@@ -163,12 +162,13 @@ class DeviceGroup(_Memo):
             return tuple(rank[d] for d in self.devices)
         return self._memo("order", compute)
 
-    def picked(self, positions: tuple[int, ...]) -> "DeviceGroup":
-        """The devices at `positions` (distinct, in range), in that order: distinct devices of a
-        valid group, so nothing is checked again (planners pick a few devices of every subgroup)."""
-        new = object.__new__(DeviceGroup)
-        object.__setattr__(new, "devices", tuple(self.devices[i] for i in positions))
-        return new
+    @classmethod
+    def known(cls, devices: tuple[int, ...]) -> "DeviceGroup":
+        """DeviceGroup(devices) for distinct device ids the caller took from a valid group, without
+        checking them again (planners pick a few devices of every subgroup of a union)."""
+        made = object.__new__(cls)
+        made.__dict__["devices"] = devices
+        return made
 
     def __hash__(self) -> int:
         return self._memo("hash", lambda: hash(self.devices))
@@ -356,6 +356,12 @@ class Annotation(_Memo):
     def ds_union(self) -> tuple[DistributedStates, ...]:
         return self._memo("ds_union", lambda: tuple(s.ds for s in self.subgroups))
 
+    @property
+    def distinct_states(self) -> tuple[DistributedStates, ...]:
+        """The subgroups' states objects, each once (by identity, in C: a union of hundreds mostly
+        shares one), for questions asked of every subgroup's states."""
+        return self._memo("distinct_states", lambda: tuple(dict(zip(map(id, self.ds_union), self.ds_union)).values()))
+
     def same_dg_union(self, other: "Annotation") -> bool:
         """Whether both unions have the same device groups in the same order (compared as plain
         int tuples, without a Python call per subgroup)."""
@@ -382,14 +388,16 @@ class Annotation(_Memo):
 
     @property
     def has_partial(self) -> bool:
-        return self._memo("partial", lambda: self.hdim == "P" or any(s.ds.partial_count > 1 for s in self.subgroups))
+        return self._memo("partial", lambda: self.hdim == "P" or any(ds.partial_count > 1 for ds in self.distinct_states))
 
-    def _subgroup_index(self) -> dict[int, int]:
+    @property
+    def subgroup_index(self) -> dict[int, int]:
+        """{device: index of its subgroup} (read-only by convention: made once per union)."""
         return self._memo("subgroup_of", lambda: {d: k for k, s in enumerate(self.subgroups) for d in s.dg})
 
     def subgroup_of(self, device: int) -> int:
         """Index of the subgroup holding `device`."""
-        index = self._subgroup_index()
+        index = self.subgroup_index
         if device not in index:
             raise AnnotationError(f"device {device} is not in annotation {self}")
         return index[device]
@@ -428,7 +436,7 @@ class Annotation(_Memo):
         subs = tuple(replaced.get(k, s) for k, s in enumerate(self.subgroups))
         if not all(isinstance(sub, Subgroup) and sub.dg == self.subgroups[k].dg for k, sub in replaced.items()):
             return Annotation(subs, self.hdim, self.ratios)
-        self._subgroup_index()  # made here once, it passes down a plan's chain of layouts (else one per layout)
+        self.subgroup_index  # made here once, it passes down a plan's chain of layouts (else one per layout)
         new = Annotation.known(subs, self.hdim, self.ratios)
         known = self.__dict__.get("_memo_cache") or {}
         kept = {key: known[key] for key in self._KEPT_BY_WITH_SUBGROUP if key in known}

@@ -18,7 +18,10 @@ Step.repeats), where its steps' cost is surely the template's (same links, no sh
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
+from functools import lru_cache
+from itertools import chain
 from typing import Sequence
 
 from hspmd.annotations import Annotation, Box, DistributedStates, Subgroup
@@ -30,8 +33,16 @@ from hspmd.comm_resolve.topology import ClusterSpec
 def order_pattern(devices: Sequence[int]) -> tuple[int, ...]:
     """Each device's rank among the distinct devices listed: two lists have equal patterns exactly
     when renaming one onto the other position by position is a function that keeps the order."""
+    ordered = sorted(devices)
+    if ordered == list(devices) and len(set(ordered)) == len(ordered):  # (the usual lists: ascending, in C)
+        return _ascending(len(ordered))
     rank = {d: i for i, d in enumerate(sorted(set(devices)))}
     return tuple(rank[d] for d in devices)
+
+
+@lru_cache(maxsize=64)
+def _ascending(n: int) -> tuple[int, ...]:
+    return tuple(range(n))
 
 
 def frame(sub: Subgroup, target: Subgroup, region: Box) -> tuple:
@@ -45,10 +56,19 @@ def frame(sub: Subgroup, target: Subgroup, region: Box) -> tuple:
 
 def frames_in_place(union: Annotation, targets: Sequence[DistributedStates],
                     extents: Sequence[tuple[int, ...]]) -> list[tuple]:
-    """frame() of every subgroup k of `union` going to states targets[k] on its own device group,
-    `extents` its region's, in one pass of tuples (a pass over hundreds of subgroups that mostly
-    repeat one template reads nothing else of most of them)."""
-    return list(zip(union.ds_union, targets, [dg.order for dg in union.dg_union], extents))
+    """A key per subgroup k of `union` going to states targets[k] on its own device group,
+    `extents` its region's, equal for two subgroups exactly where their frame() is: states are
+    named by small ints (equal states, one int), so a pass over hundreds of subgroups that mostly
+    repeat one template hashes and compares its keys in C."""
+    return list(zip(_value_codes(union.ds_union), _value_codes(targets), [dg.order for dg in union.dg_union], extents))
+
+
+def _value_codes(states: Sequence[DistributedStates]):
+    """An int per entry, equal exactly where the states are equal (each distinct object hashed once)."""
+    objects = dict(zip(map(id, states), states))
+    numbers: dict[DistributedStates, int] = {}
+    code = {i: numbers.setdefault(ds, len(numbers)) for i, ds in objects.items()}
+    return map(code.__getitem__, map(id, states))
 
 
 def same_links(template: Sequence[int], devices: Sequence[int], topology: ClusterSpec) -> bool:
@@ -159,10 +179,8 @@ def alone_devices(union: Annotation, dst: Annotation, moving: list[int]) -> froz
     and only as a repeat of a template on such devices: then every message a kept device's
     rounds depend on stays (plan_part.message_rounds), and the messages among a template's
     devices are its own (comm_plans renames them)."""
-    count: dict[int, int] = {}
-    for k in moving:
-        for d in set(union.subgroups[k].dg.devices + dst.subgroups[k].dg.devices):
-            count[d] = count.get(d, 0) + 1
+    before, after = union.dg_key, dst.dg_key
+    count = Counter(chain.from_iterable(set(before[k] + after[k]) for k in moving))
     return frozenset(d for d, n in count.items() if n == 1)
 
 

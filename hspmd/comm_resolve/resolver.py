@@ -44,9 +44,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
+from operator import itemgetter
 from typing import Iterable, Sequence
 
-from hspmd.annotations import Annotation, Box, DistributedStates, Split, Subgroup, device_piece, device_pieces, parse
+from hspmd.annotations import Annotation, Box, DeviceGroup, DistributedStates, Split, Subgroup, device_piece, device_pieces, parse
 from hspmd.annotations.geometry import check_ratios, device_pieces_of, kept_regions, region_extents, region_shift
 from hspmd.comm_resolve.bounds import lacks, reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, local_copies, plan_transfers
@@ -209,8 +210,8 @@ def _hops(via: str, ctx: _Reshard) -> tuple[Annotation, ...] | None:
         return (src, dst)
     if dst.has_partial:
         return None
-    keep = _root_of if via == "root" else _representatives_of
-    hops = (src, _within(src, keep), _within(dst, keep), dst)
+    pick = _root if via == "root" else _representatives
+    hops = (src, _within(src, pick), _within(dst, pick), dst)
     return tuple(h for i, h in enumerate(hops) if i == 0 or h != hops[i - 1])
 
 
@@ -281,34 +282,40 @@ def _same_messages(steps: list[Step], others: tuple[Step, ...]) -> bool:
             and steps[0].transfers is others[0].transfers)
 
 
-def _within(ann: Annotation, keep) -> Annotation:
-    """`ann` with each subgroup's piece gathered onto the devices `keep` picks, the union's HDim and
-    ratios unchanged: HetAuto gathers inside each outer-DP partition (an hspmd subgroup), never
-    across partitions, so that one pipeline's data never passes through another's devices.
-    Made once per annotation (plans of many shapes share their layouts); a subset of each valid
-    group is valid, so nothing is checked again."""
-    return ann.derived(("within", keep), lambda: Annotation.known(map(keep, ann.subgroups), ann.hdim, ann.ratios))
+def _within(ann: Annotation, pick) -> Annotation:
+    """`ann` with each subgroup's piece gathered onto the devices `pick` (_root or _representatives:
+    states -> (positions in the group, states there)) chooses, the union's HDim and ratios
+    unchanged: HetAuto gathers inside each outer-DP partition (an hspmd subgroup), never across
+    partitions, so that one pipeline's data never passes through another's devices. Made once per
+    annotation (plans of many shapes share their layouts), `pick` asked once per states object;
+    a subset of each valid group is valid, so nothing is checked again."""
+    def compute():
+        picked = {id(ds): _picking(*pick(ds)) for ds in ann.distinct_states}
+        subs = [Subgroup.known(DeviceGroup.known(take(devices)), states)
+                for (take, states), devices in zip(map(picked.__getitem__, map(id, ann.ds_union)), ann.dg_key)]
+        return Annotation.known(subs, ann.hdim, ann.ratios)
+    return ann.derived(("within", pick), compute)
 
 
-def _root_of(sub: Subgroup) -> Subgroup:
+def _picking(positions: tuple[int, ...], states: DistributedStates):
+    """(a function taking the devices at `positions` of a group's, as a tuple; `states`)."""
+    take = itemgetter(*positions)
+    return (take if len(positions) > 1 else lambda devices: (take(devices),)), states
+
+
+def _root(ds: DistributedStates) -> tuple[tuple[int, ...], DistributedStates]:
     """The subgroup's whole piece on its first device (S2's root)."""
-    return Subgroup.known(sub.dg.picked((0,)), _WHOLE)
+    return (0,), _WHOLE
 
 
 _WHOLE = DistributedStates()
 
 
-def _representatives_of(sub: Subgroup, dim: int = 0) -> Subgroup:
-    """The subgroup gathered along `dim` onto the devices at index 0 of every Split of `dim`
-    (HetAuto's inner-DP-rank-0 devices); the other axes keep their devices' order and pieces."""
-    positions, states = _representatives(sub.ds, dim)
-    return Subgroup.known(sub.dg.picked(positions), states)
-
-
 @lru_cache(maxsize=256)
-def _representatives(ds: DistributedStates, dim: int) -> tuple[tuple[int, ...], DistributedStates]:
-    """(positions in the group of the representatives, their states): a function of the states
-    only, so worked out once for the hundreds of subgroups of a union."""
+def _representatives(ds: DistributedStates, dim: int = 0) -> tuple[tuple[int, ...], DistributedStates]:
+    """The subgroup gathered along `dim` onto the devices at index 0 of every Split of `dim`
+    (HetAuto's inner-DP-rank-0 devices), the other axes keeping their devices' order and pieces:
+    (their positions in the group, their states)."""
     axes = ds.axes
     gathered = [isinstance(a, Split) and a.dim == dim for a in axes]
     positions = []
@@ -341,7 +348,7 @@ def _whole_everywhere(ann: Annotation, whole: Box, ctx: _Reshard) -> bool:
     """Whether every device of `ann` holds the `whole` tensor as a value, read from its subgroups:
     a region short of the tensor, or states splitting a dim of some length, leave a device less."""
     return (not ann.has_partial and all(r == whole for r in _regions(ann, ctx))
-            and not any(ds.split_dims for ds in set(ann.ds_union)))
+            and not any(ds.split_dims for ds in ann.distinct_states))
 
 
 # routing ------------------------------------------------------------------------------------------
@@ -432,25 +439,58 @@ def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tupl
 
 
 def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
-    union, steps, moving, templates, left_out = src, [], [], {}, relabel.LeftOut()
-    regions = _regions(src, ctx)
-    frames = relabel.frames_in_place(src, dst.ds_union, region_extents(src, ctx.shape))  # (of moving ones: unread)
-    for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
-        if s.dg != t.dg:
-            moving.append(k)
-            if s.ds != t.ds and s.ds.partial_count > 1:
-                sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
-                steps += sub_steps
-            continue
-        sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out, frames[k])
-        steps += sub_steps
-    steps, union = left_out.finish(steps, union)
+    moving = () if src.same_dg_union(dst) else [k for k, (a, b) in enumerate(zip(src.dg_key, dst.dg_key)) if a != b]
+    steps, union = _equalise_pass(src, dst, ctx, moving)
     if moving:
         before = [s for s in steps if s.subgroup in moving]  # the move overlaps the other subgroups' steps
         steps.append(replace(_move_step(union, dst, moving, ctx), round=_next_round(before)))
     elif steps[-1].dst != dst:
         steps[-1] = replace(steps[-1], dst=dst)  # equal regions written with other ratios: the same layout
     return steps
+
+
+def _equalise_pass(src: Annotation, dst: Annotation, ctx: _Reshard, moving=()) -> tuple[list[Step], Annotation]:
+    """Every subgroup of `src` but the `moving` ones (whose device group changes: only their
+    partial sums are reduced here) into its states in `dst`, in one pass (_equalise_like), and the
+    union after it. A subgroup the plan leaves out is found in bulk where links are kept: one
+    whose frame an earlier subgroup has and that holds none of the focus devices."""
+    union, steps, templates, left_out = src, [], {}, relabel.LeftOut()
+    regions = _regions(src, ctx)
+    frames = relabel.frames_in_place(src, dst.ds_union, region_extents(src, ctx.shape))  # (of moving ones: unread)
+    repeating = _repeating(src, frames, ctx, moving)
+    for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
+        if k in repeating:
+            continue
+        if moving and k in moving:
+            if s.ds != t.ds and s.ds.partial_count > 1:
+                sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
+                steps += sub_steps
+            continue
+        sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out, frames[k])
+        steps += sub_steps
+    groups = src.dg_key
+    for k, k0 in repeating.items():
+        left_out.add(k0, groups[k0], k, groups[k], dst.subgroups[k])
+    return left_out.finish(steps, union)
+
+
+def _repeating(union: Annotation, frames: list[tuple], ctx: _Reshard, moving) -> dict[int, int]:
+    """{k: its template k0} for each subgroup (not moving) that _equalise_like would leave out: an
+    earlier one (the first) has its frame, links are kept (relabel.keeps_links: every pair of
+    devices alike) and it holds none of the focus devices. Worked out in a pass of C-level lookups
+    rather than a planner call per subgroup; empty where the plan is for every device."""
+    if ctx.focus is None or not relabel.keeps_links(ctx.topology):
+        return {}
+    if moving:
+        moved = set(moving)
+        kept = [k for k in range(union.hsize) if k not in moved]
+        kept_frames = [frames[k] for k in kept]
+    else:
+        kept, kept_frames = range(union.hsize), frames
+    first = dict(zip(reversed(kept_frames), reversed(kept)))  # each frame's first subgroup
+    focus = ctx.focus
+    touching = {k for k, devices in enumerate(union.dg_key) if not focus.isdisjoint(devices)}
+    return {k: k0 for k, k0 in zip(kept, map(first.__getitem__, kept_frames)) if k0 != k and k not in touching}
 
 
 def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Reshard) -> Step:
@@ -518,17 +558,11 @@ _SPLIT = {("P", "D"): "SplitAllReduce", ("P", "dim"): "SplitReduceScatter", ("di
 def _top_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step] | None:
     kind = lambda h: "dim" if isinstance(h, int) else h  # noqa: E731
     primitive = _SPLIT.get((kind(src.hdim), kind(dst.hdim)))
-    if primitive is None or any(s.ds.partial_count > 1 for s in dst.subgroups):
+    if primitive is None or any(ds.partial_count > 1 for ds in dst.distinct_states):
         return None
     union, steps = src, []
-    if any(s.ds != t.ds for s, t in zip(src.subgroups, dst.subgroups)):
-        templates, left_out = {}, relabel.LeftOut()
-        regions = _regions(src, ctx)
-        frames = relabel.frames_in_place(src, dst.ds_union, region_extents(src, ctx.shape))
-        for k, t in enumerate(dst.subgroups):
-            sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out, frames[k])
-            steps += sub_steps
-        steps, union = left_out.finish(steps, union)
+    if src.ds_union != dst.ds_union:  # (in C: equal states are mostly one object)
+        steps, union = _equalise_pass(src, dst, ctx)
     step = split_step(primitive, union, dst, ctx.shape)
     if step is None:
         return None
