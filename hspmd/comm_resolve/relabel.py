@@ -95,10 +95,11 @@ def canonical(src: Annotation, dst: Annotation) -> tuple[tuple, tuple[int, ...]]
     order-preserving renaming of devices, so where links are kept (keeps_links) the resolver plans
     them alike up to that renaming: it reads devices only through their order and links."""
     devices = tuple(sorted(src.device_set | dst.device_set))
-    rank = {d: i for i, d in enumerate(devices)}
+    rank = dict(zip(devices, range(len(devices))))
 
     def skeleton(ann: Annotation) -> tuple:
-        groups = tuple(tuple(map(rank.__getitem__, devices)) for devices in ann.dg_key)
+        # the groups as every device's rank, subgroup by subgroup, and the group sizes (in C)
+        groups = tuple(map(rank.__getitem__, ann.devices)), tuple(map(len, ann.dg_key))
         states = ann.uniform_states or ann.ds_union  # (one layout for all: named once)
         return ann.hdim, ann.ratios, groups, states
 

@@ -18,6 +18,8 @@ the only inconsistent pattern (one micro-batch's data would return to an earlier
 from __future__ import annotations
 
 import heapq
+from itertools import chain, repeat
+from operator import itemgetter
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -88,12 +90,12 @@ def _check_devices(values: tuple, where: str) -> None:
 
 def _checked(groups: list[tuple], edges: list[tuple], devices: tuple) -> None:
     """Raise naming the first malformed group, edge or device (checked all at once when none is)."""
-    if not (all(groups) and _device_ids([d for g in groups for d in g])):
+    if not (all(groups) and _device_ids(list(chain.from_iterable(groups)))):
         for i, members in enumerate(groups):
             _check_devices(members, f"collective group {i}")
             if not members:
                 raise HSPMDError(f"collective group {i} is empty; a collective needs at least one device")
-    if not (all(len(e) == 2 for e in edges) and _device_ids([d for e in edges for d in e])):
+    if not (set(map(len, edges)) <= {2} and _device_ids(list(chain.from_iterable(edges)))):
         for i, edge in enumerate(edges):
             if len(edge) != 2:
                 raise HSPMDError(f"P2P edge {i} is {edge!r}; give (src, dst) pairs")
@@ -139,6 +141,28 @@ class _Stages:
         return {root: tuple(sorted(ds)) for root, ds in members.items()}, root_of
 
 
+def _stage_classes(groups: list[tuple[int, ...]], edges: list[tuple[int, int]],
+                   devices: tuple[int, ...]) -> tuple[dict[int, StageDevices], dict[int, int]]:
+    """(the devices of each stage by its root, each device's root). Where no two groups share a
+    device (the usual case: one tensor-parallel group per stage), each group is a stage, rooted
+    at its first device, worked out in C; otherwise by union-find."""
+    flat = list(chain.from_iterable(groups))
+    if len(set(flat)) == len(flat):
+        roots = [g[0] for g in groups]
+        root_of = dict(zip(flat, chain.from_iterable(map(repeat, roots, map(len, groups)))))
+        classes = dict(zip(roots, map(tuple, map(sorted, groups))))
+        alone = set(chain.from_iterable(edges)).union(devices).difference(root_of)
+        root_of.update(zip(alone, alone))
+        classes.update(zip(alone, zip(alone)))
+        return classes, root_of
+    stages = _Stages()
+    for members in groups:
+        stages.join(members)
+    for d in chain(chain.from_iterable(edges), devices):
+        stages.add(d)
+    return stages.classes()
+
+
 def discover_pipelines(
     collective_groups: Iterable[Iterable[int]],
     p2p_edges: Iterable[tuple[int, int]],
@@ -148,20 +172,12 @@ def discover_pipelines(
     `devices` adds devices that take part in no communication (each its own pipeline)."""
     groups, edges, devices = list(map(tuple, collective_groups)), list(map(tuple, p2p_edges)), tuple(devices)
     _checked(groups, edges, devices)
-    edges = list(dict.fromkeys(edges))  # repeated edges joined once
-    stages = _Stages()
-    for members in dict.fromkeys(groups):  # plans of several CommOps name the same groups: join each once
-        stages.join(members)
-    for d in (d for edge in edges for d in edge):
-        stages.add(d)
-    for d in devices:
-        stages.add(d)
-
-    classes, root_of = stages.classes()
+    classes, root_of = _stage_classes(list(dict.fromkeys(groups)), edges, devices)
     successors: dict[int, set[int]] = {root: set() for root in classes}
     neighbours: dict[int, set[int]] = {root: set() for root in classes}
-    for src, dst in edges:
-        a, b = root_of[src], root_of[dst]
+    stage = root_of.__getitem__
+    for a, b in set(zip(map(stage, map(itemgetter(0), edges)), map(stage, map(itemgetter(1), edges)))):
+        # (thousands of device edges are mostly a few hundred stage edges)
         if a != b:
             successors[a].add(b)
             neighbours[a].add(b)
@@ -179,7 +195,7 @@ def discover_pipelines(
                 frontier.append(n)
         seen |= component
         layouts.append(_order(component, successors, classes))
-    return tuple(sorted(layouts, key=lambda p: p.devices[0]))
+    return tuple(sorted(layouts, key=lambda p: min(map(itemgetter(0), p.stages))))
 
 
 def _order(component: set[int], successors: dict[int, set[int]], classes: dict[int, StageDevices]) -> PipelineLayout:
