@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Split, Subgroup, box_intersection, device_pieces, parse
 from hspmd.annotations.geometry import split_index, subgroup_device_pieces
-from hspmd.comm_resolve import resolve
+from hspmd.comm_resolve import relabel, resolve
 from hspmd.comm_resolve.collectives import disjoint
 from hspmd.comm_resolve.resolver import VIAS, _representatives, _root, _within
 from hspmd.comm_resolve.slices import Grid, box_volume
@@ -23,7 +23,7 @@ from hspmd.comm_resolve.topology import cluster_for
 from hspmd.cluster import parse_cluster, single_node
 from hspmd.comm_resolve.relabel import order_pattern
 from hspmd.errors import AnnotationError, ClusterError, UnsupportedReshard
-from hspmd.specialize.pipelines import discover_pipelines
+from hspmd.specialize.pipelines import _Stages, _stage_classes, discover_pipelines
 from hspmd.testing import annotations, distributed_states, shapes
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -319,3 +319,32 @@ def test_a_gather_over_thousands_of_slices_checks_in_one_sweep():
     slices = [((4 * i, 4 * i + 4), (0, 8)) for i in range(4096)]
     assert disjoint(slices[::-1])
     assert not disjoint(slices + [((6, 9), (7, 8))])
+
+
+@SETTINGS
+@given(data=st.data())
+def test_stages_of_disjoint_groups_are_the_union_find_classes(data):
+    """Disjoint collective groups are taken as the stages at once; union-find gives the same."""
+    devices = data.draw(st.permutations(range(12)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, 11), max_size=6)))
+    groups = [tuple(devices[a:b]) for a, b in zip([0] + cuts, cuts + [12])][:data.draw(st.integers(0, 7))]
+    edges = data.draw(st.lists(st.tuples(st.integers(0, 14), st.integers(0, 14)), max_size=8))
+    extra = tuple(data.draw(st.lists(st.integers(0, 16), max_size=4)))
+    classes, root_of = _stage_classes(groups, edges, extra)
+    stages = _Stages()
+    for members in groups:
+        stages.join(members)
+    for d in [d for e in edges for d in e] + list(extra):
+        stages.add(d)
+    expected, expected_root = stages.classes()
+    assert sorted(classes.values()) == sorted(expected.values())
+    assert set(root_of) == set(expected_root)
+    assert all(d in classes[root_of[d]] for d in root_of)
+
+
+@SETTINGS
+@given(devices=st.lists(st.integers(0, 9), max_size=8))
+def test_order_patterns_are_ranks_among_the_distinct_devices(devices):
+    """Ascending lists take a cached range; any list (repeats too) gets each entry's rank."""
+    distinct = sorted(set(devices))
+    assert relabel.order_pattern(devices) == tuple(distinct.index(d) for d in devices)
