@@ -21,7 +21,7 @@ def _planned_alone(monkeypatch):
     def plan(*args, **kwargs):
         with monkeypatch.context() as m:
             m.setattr(relabel, "frame", lambda *a: object())
-            m.setattr(relabel, "frames_in_place", lambda union, targets, extents: [object() for _ in targets])
+            m.setattr(relabel, "frames_in_place", lambda union, target, extents: [object() for _ in union.subgroups])
             return resolve(*args, **kwargs)
     return plan
 

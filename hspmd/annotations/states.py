@@ -390,14 +390,12 @@ class Annotation(_Memo):
     def has_partial(self) -> bool:
         return self._memo("partial", lambda: self.hdim == "P" or any(ds.partial_count > 1 for ds in self.distinct_states))
 
-    @property
-    def subgroup_index(self) -> dict[int, int]:
-        """{device: index of its subgroup} (read-only by convention: made once per union)."""
+    def _subgroup_index(self) -> dict[int, int]:
         return self._memo("subgroup_of", lambda: {d: k for k, s in enumerate(self.subgroups) for d in s.dg})
 
     def subgroup_of(self, device: int) -> int:
         """Index of the subgroup holding `device`."""
-        index = self.subgroup_index
+        index = self._subgroup_index()
         if device not in index:
             raise AnnotationError(f"device {device} is not in annotation {self}")
         return index[device]
@@ -436,7 +434,7 @@ class Annotation(_Memo):
         subs = tuple(replaced.get(k, s) for k, s in enumerate(self.subgroups))
         if not all(isinstance(sub, Subgroup) and sub.dg == self.subgroups[k].dg for k, sub in replaced.items()):
             return Annotation(subs, self.hdim, self.ratios)
-        self.subgroup_index  # made here once, it passes down a plan's chain of layouts (else one per layout)
+        self._subgroup_index()  # made here once, it passes down a plan's chain of layouts (else one per layout)
         new = Annotation.known(subs, self.hdim, self.ratios)
         known = self.__dict__.get("_memo_cache") or {}
         kept = {key: known[key] for key in self._KEPT_BY_WITH_SUBGROUP if key in known}

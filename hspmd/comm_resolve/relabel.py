@@ -54,21 +54,20 @@ def frame(sub: Subgroup, target: Subgroup, region: Box) -> tuple:
     return sub.ds, target.ds, order_pattern(sub.dg.devices + target.dg.devices), extents
 
 
-def frames_in_place(union: Annotation, targets: Sequence[DistributedStates],
-                    extents: Sequence[tuple[int, ...]]) -> list[tuple]:
-    """A key per subgroup k of `union` going to states targets[k] on its own device group,
-    `extents` its region's, equal for two subgroups exactly where their frame() is: states are
-    named by small ints (equal states, one int), so a pass over hundreds of subgroups that mostly
-    repeat one template hashes and compares its keys in C."""
-    return list(zip(_value_codes(union.ds_union), _value_codes(targets), [dg.order for dg in union.dg_union], extents))
+def frames_in_place(union: Annotation, target: Annotation, extents: Sequence[tuple[int, ...]]) -> list[tuple]:
+    """A key per subgroup k of `union` going to the states of `target`'s subgroup k on its own
+    device group, `extents` its region's, equal for two subgroups exactly where their frame() is:
+    states are named by small ints (equal states, one int), so a pass over hundreds of subgroups
+    that mostly repeat one template hashes and compares its keys in C."""
+    return list(zip(_value_codes(union), _value_codes(target), [dg.order for dg in union.dg_union], extents))
 
 
-def _value_codes(states: Sequence[DistributedStates]):
-    """An int per entry, equal exactly where the states are equal (each distinct object hashed once)."""
-    objects = dict(zip(map(id, states), states))
+def _value_codes(ann: Annotation):
+    """An int per subgroup, equal exactly where the subgroups' states are equal (each distinct
+    states object hashed once)."""
     numbers: dict[DistributedStates, int] = {}
-    code = {i: numbers.setdefault(ds, len(numbers)) for i, ds in objects.items()}
-    return map(code.__getitem__, map(id, states))
+    code = {id(ds): numbers.setdefault(ds, len(numbers)) for ds in ann.distinct_states}
+    return map(code.__getitem__, map(id, ann.ds_union))
 
 
 def same_links(template: Sequence[int], devices: Sequence[int], topology: ClusterSpec) -> bool:

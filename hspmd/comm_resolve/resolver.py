@@ -404,21 +404,15 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tup
 
 
 def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup, ctx: _Reshard,
-                   region: Box, left_out: relabel.LeftOut, key: tuple) -> tuple[list[Step], Annotation]:
+                   region: Box, key: tuple) -> tuple[list[Step], Annotation]:
     """_equalise, or an earlier subgroup's steps of the same frame moved onto subgroup k (exactly
     what _equalise would plan: relabel.py), so that a union of hundreds of equal subgroups is
-    planned once; or none, when the plan leaves subgroup k out (ctx.leaves_out: `left_out` keeps
-    it). `templates` and `left_out` are kept by the caller for one pass over the subgroups;
-    `region` is subgroup k's (the caller's union and `union` share HDim, ratios and HSize, so
-    their regions); `key` is subgroup k's frame (relabel.frames_in_place)."""
+    planned once. `templates` is kept by the caller for one pass over the subgroups; `region` is
+    subgroup k's (the caller's union and `union` share HDim, ratios and HSize, so their regions);
+    `key` is subgroup k's frame (relabel.frames_in_place)."""
     if key in templates:
         steps, k0, region0 = templates[key]
-        sub0, sub = union.subgroups[k0].dg.devices, union.subgroups[k].dg.devices
-        same_links = relabel.same_links(sub0, sub, ctx.topology)
-        if same_links and ctx.leaves_out(sub):  # (its collectives' cost, too, follows the links)
-            left_out.add(k0, sub0, k, sub, target)
-            return [], union
-        if same_links or not relabel.has_messages(steps):
+        if relabel.same_links(union.dg_key[k0], union.dg_key[k], ctx.topology) or not relabel.has_messages(steps):
             moved = relabel.moved_steps(steps, k0, k, union, region0, region)
             return moved, moved[-1].dst  # k in `target`'s states: the template's last layout moved
     steps, done = _equalise(union, k, target, ctx)
@@ -452,11 +446,11 @@ def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
 def _equalise_pass(src: Annotation, dst: Annotation, ctx: _Reshard, moving=()) -> tuple[list[Step], Annotation]:
     """Every subgroup of `src` but the `moving` ones (whose device group changes: only their
     partial sums are reduced here) into its states in `dst`, in one pass (_equalise_like), and the
-    union after it. A subgroup the plan leaves out is found in bulk where links are kept: one
-    whose frame an earlier subgroup has and that holds none of the focus devices."""
+    union after it. The subgroups a plan for some devices leaves out (_repeating) are named in
+    their template's steps and end in their target states (relabel.LeftOut)."""
     union, steps, templates, left_out = src, [], {}, relabel.LeftOut()
     regions = _regions(src, ctx)
-    frames = relabel.frames_in_place(src, dst.ds_union, region_extents(src, ctx.shape))  # (of moving ones: unread)
+    frames = relabel.frames_in_place(src, dst, region_extents(src, ctx.shape))  # (of moving ones: unread)
     repeating = _repeating(src, frames, ctx, moving)
     for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
         if k in repeating:
@@ -466,7 +460,7 @@ def _equalise_pass(src: Annotation, dst: Annotation, ctx: _Reshard, moving=()) -
                 sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
                 steps += sub_steps
             continue
-        sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], left_out, frames[k])
+        sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], frames[k])
         steps += sub_steps
     groups = src.dg_key
     for k, k0 in repeating.items():
@@ -475,11 +469,12 @@ def _equalise_pass(src: Annotation, dst: Annotation, ctx: _Reshard, moving=()) -
 
 
 def _repeating(union: Annotation, frames: list[tuple], ctx: _Reshard, moving) -> dict[int, int]:
-    """{k: its template k0} for each subgroup (not moving) that _equalise_like would leave out: an
-    earlier one (the first) has its frame, links are kept (relabel.keeps_links: every pair of
-    devices alike) and it holds none of the focus devices. Worked out in a pass of C-level lookups
-    rather than a planner call per subgroup; empty where the plan is for every device."""
-    if ctx.focus is None or not relabel.keeps_links(ctx.topology):
+    """{k: its template k0} for each subgroup (not moving) the plan leaves out and names in its
+    template's repeats (Step.repeats): an earlier one (the first) has its frame, every pair of
+    its devices has the template's link (its collectives' cost, too, follows the links), and it
+    holds none of the focus devices. Worked out in a pass of C-level lookups rather than a planner
+    call per subgroup; empty where the plan is for every device."""
+    if ctx.focus is None:
         return {}
     if moving:
         moved = set(moving)
@@ -488,9 +483,12 @@ def _repeating(union: Annotation, frames: list[tuple], ctx: _Reshard, moving) ->
     else:
         kept, kept_frames = range(union.hsize), frames
     first = dict(zip(reversed(kept_frames), reversed(kept)))  # each frame's first subgroup
-    focus = ctx.focus
-    touching = {k for k, devices in enumerate(union.dg_key) if not focus.isdisjoint(devices)}
-    return {k: k0 for k, k0 in zip(kept, map(first.__getitem__, kept_frames)) if k0 != k and k not in touching}
+    focus, groups = ctx.focus, union.dg_key
+    touching = {k for k, devices in enumerate(groups) if not focus.isdisjoint(devices)}
+    repeating = {k: k0 for k, k0 in zip(kept, map(first.__getitem__, kept_frames)) if k0 != k and k not in touching}
+    if relabel.keeps_links(ctx.topology):  # (every pair of devices alike)
+        return repeating
+    return {k: k0 for k, k0 in repeating.items() if relabel.same_links(groups[k0], groups[k], ctx.topology)}
 
 
 def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Reshard) -> Step:
