@@ -69,7 +69,8 @@ def repeated_unions(draw):
     """(src, dst, shape, topology): unions of 2-5 subgroups sharing one or two layouts, devices in
     any order (sometimes not order-preserving between subgroups), HDim D / P / a dim with equal or
     uneven ratios; the destination keeps the device groups (bottom-tier and top-tier routes) or
-    moves to others, overlapping them or not (SendRecv / BSR between groups); one or more nodes."""
+    moves to others, overlapping half of them or none (SendRecv / BSR between groups); one or more
+    nodes."""
     ndim = draw(st.integers(1, 2))
     size = draw(st.sampled_from([1, 2, 4]))
     hsize = draw(st.integers(2, 5))
@@ -86,7 +87,8 @@ def repeated_unions(draw):
 
     moved = groups
     if draw(st.booleans()):  # the destination moves to other devices (SendRecv / BSR between groups)
-        others = draw(st.permutations(range(size * hsize // 2, size * hsize * 3 // 2)))
+        start = draw(st.sampled_from([size * hsize // 2, size * hsize]))  # half of them overlapping, or none
+        others = draw(st.permutations(range(start, start + size * hsize)))
         if draw(st.booleans()):
             others = sorted(others)
         moved = [tuple(others[k * size:(k + 1) * size]) for k in range(hsize)]
@@ -107,6 +109,15 @@ def repeated_unions(draw):
     nodes = draw(st.sampled_from([1, 2, devices]))
     topology = uniform(nodes, devices // nodes) if devices % nodes == 0 else None
     return src, dst, shape, topology
+
+
+def plan_every_subgroup(patch) -> None:
+    """Switch off the resolver's reuse of steps across subgroups (comm_resolve/relabel.py): with
+    `patch` (a pytest MonkeyPatch or its context), every subgroup gets a frame of its own, so
+    each is planned on its own, as the reference that reuse must equal."""
+    from hspmd.comm_resolve import relabel
+    patch.setattr(relabel, "frames_moved", lambda union, target, moving, extents: [object() for _ in moving])
+    patch.setattr(relabel, "frames_in_place", lambda union, target, extents: [object() for _ in union.subgroups])
 
 
 def shapes(ndim: int, max_len: int = 7):

@@ -13,15 +13,14 @@ from hspmd.comm_resolve import relabel, resolve
 from hspmd.comm_resolve.plan_part import part_of
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.specialize import comm_plans
-from hspmd.testing import repeated_unions
+from hspmd.testing import plan_every_subgroup, repeated_unions
 
 
 def _planned_alone(monkeypatch):
     """resolve with every subgroup planned on its own (no two frames ever equal)."""
     def plan(*args, **kwargs):
         with monkeypatch.context() as m:
-            m.setattr(relabel, "frame", lambda *a: object())
-            m.setattr(relabel, "frames_in_place", lambda union, target, extents: [object() for _ in union.subgroups])
+            plan_every_subgroup(m)
             return resolve(*args, **kwargs)
     return plan
 

@@ -22,7 +22,7 @@ from hspmd.specialize.executable import instantiate, instantiate_many, live_node
 from hspmd.specialize.specialized import per_micro_batch_pattern
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 from hspmd.specialize.strategy_build import balanced_layers
-from hspmd.testing import annotations, shapes
+from hspmd.testing import annotations, plan_every_subgroup, shapes
 
 
 def _full_path_deduce(graph, strategy, monkeypatch) -> Deduced:
@@ -88,7 +88,7 @@ def test_every_rank_gets_the_same_program_under_the_fast_and_the_full_path(strat
     for r in ranks:
         quick = instantiate(fast, r, binding, live=live, plans=shared)
         with monkeypatch.context() as m:
-            m.setattr(relabel, "frame", lambda *a: object())  # every subgroup's steps planned on their own
+            plan_every_subgroup(m)
             slow = instantiate(full, r, binding, live=live, plans={})
             slow_program = _program(slow, binding)
         assert _program(quick, binding) == slow_program

@@ -5,7 +5,7 @@ the resolver's steps inside subgroup k are a function of k's states, target stat
 extents, the order of its devices and the links between them, never of the device ids or where
 the region lies: pieces are cut relative to the region's start (geometry.py), collectives group
 devices by their index in the device group, and the BSR planner ranks senders by bandwidth, then
-load, then device id. So subgroups whose `frame` (that description) is equal get the first one's
+load, then device id. So subgroups whose frame (that description) is equal get the first one's
 steps with devices renamed position by position and boxes shifted by the difference of the
 region starts, which is exactly what planning them again would give. Device order is kept by
 requiring equal order patterns (an order-preserving renaming keeps every tie-break and sorted
@@ -45,19 +45,20 @@ def _ascending(n: int) -> tuple[int, ...]:
     return tuple(range(n))
 
 
-def frame(sub: Subgroup, target: Subgroup, region: Box) -> tuple:
-    """What a subgroup's steps from `sub` to `target` depend on, apart from device ids, region
-    starts and links (see the module docstring)."""
-    extents = tuple(stop - start for start, stop in region)
-    if sub.dg == target.dg:  # the usual bottom-tier case: the group's own order
-        return sub.ds, target.ds, sub.dg.order, extents
-    return sub.ds, target.ds, order_pattern(sub.dg.devices + target.dg.devices), extents
+def frames_moved(union: Annotation, target: Annotation, moving: Sequence[int],
+                 extents: Sequence[tuple[int, ...]]) -> list[tuple]:
+    """A key per subgroup k in `moving` going from its device group in `union` to its own in
+    `target` (frames_in_place's, with the order pattern of both groups' devices listed one after
+    the other in place of the group's own order)."""
+    before, after = union.dg_key, target.dg_key
+    src, dst = list(_value_codes(union)), list(_value_codes(target))
+    return [(src[k], dst[k], order_pattern(before[k] + after[k]), extents[k]) for k in moving]
 
 
 def frames_in_place(union: Annotation, target: Annotation, extents: Sequence[tuple[int, ...]]) -> list[tuple]:
     """A key per subgroup k of `union` going to the states of `target`'s subgroup k on its own
-    device group, `extents` its region's, equal for two subgroups exactly where their frame() is:
-    states are named by small ints (equal states, one int), so a pass over hundreds of subgroups
+    device group, `extents` its region's, equal for two subgroups exactly where their frames (the
+    module docstring) are: states are named by small ints (equal states, one int), so a pass over hundreds of subgroups
     that mostly repeat one template hashes and compares its keys in C."""
     return list(zip(_value_codes(union), _value_codes(target), [dg.order for dg in union.dg_union], extents))
 
@@ -189,5 +190,5 @@ def crosses_shared_link(transfers: Sequence[Transfer], topology: ClusterSpec) ->
     return any(t.src != t.dst and topology.link(t.src, t.dst).shared for t in transfers)
 
 
-__all__ = ["LeftOut", "alone_devices", "canonical", "crosses_shared_link", "frame", "frames_in_place", "has_messages",
+__all__ = ["LeftOut", "alone_devices", "canonical", "crosses_shared_link", "frames_in_place", "frames_moved", "has_messages",
            "keeps_links", "moved_step", "moved_steps", "moved_transfers", "order_pattern", "same_links"]

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
-from operator import itemgetter
+from operator import add, itemgetter
 from typing import Iterable, Sequence
 
 from hspmd.annotations import Annotation, Box, DeviceGroup, DistributedStates, Split, Subgroup, device_piece, device_pieces, parse
@@ -495,48 +495,79 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     """Subgroups whose device group changes, in one fused exchange. Same distributed states:
     SendRecv (partial summands go device to device by position; values go through the BSR table,
     so replicas already in place stay and each missing piece comes from the best owner).
-    Otherwise BSR within the subgroup. A plan resolved for some devices leaves out a subgroup
-    moved like an earlier one (_moved_subgroup) and names it in the step's repeats."""
+    Otherwise BSR within the subgroup, planned once per frame and moved onto the subgroups of that
+    frame (_moved_subgroup). A plan resolved for some devices leaves out the subgroups
+    _moves_left_out finds and names them in the step's repeats."""
     piece = partial(device_piece, union, ctx.shape)  # read for the subgroups planned only
-    transfers, reshaped, templates, repeats = [], False, {}, []
-    alone = relabel.alone_devices(union, dst, moving) if ctx.focus is not None else frozenset()
     regions = _regions(union, ctx)
-    for k in moving:
-        s, t = union.subgroups[k], dst.subgroups[k]
-        if s.ds == t.ds and s.ds.partial_count > 1:
-            transfers += [Transfer(a, b, (piece(a).box,), (0,)) for a, b in zip(s.dg, t.dg)]
+    before, after = union.ds_union, dst.ds_union
+    partial_sums = {id(ds) for ds in union.distinct_states if ds.partial_count > 1}
+    summands = [k for k in moving if id(before[k]) in partial_sums and before[k] == after[k]] if partial_sums else []
+    if summands:
+        sending = set(summands)
+        reshaping = [k for k in moving if k not in sending]
+    else:
+        reshaping = moving
+    frames = dict(zip(reshaping, relabel.frames_moved(union, dst, reshaping, region_extents(union, ctx.shape))))
+    left_out = _moves_left_out(union, dst, moving, frames, ctx)
+    transfers, templates = [], {}
+    for k in summands:
+        transfers += [Transfer(a, b, (piece(a).box,), (0,)) for a, b in zip(union.dg_key[k], dst.dg_key[k])]
+    for k, key in frames.items():
+        if k not in left_out:
+            transfers += _moved_subgroup(templates, union, dst, k, key, regions[k], piece, ctx)
+    groups, repeats = _moving_devices(union, dst), []
+    for k, k0 in left_out.items():
+        if templates[frames[k0]][3]:  # the template's messages cross a shared link: its time adds up
+            transfers += _moved_subgroup(templates, union, dst, k, frames[k], regions[k], piece, ctx)
         else:
-            reshaped |= s.ds != t.ds
-            transfers += _moved_subgroup(templates, union, dst, k, regions[k], piece, ctx, alone, repeats)
-    assembled_on = tuple(sorted(d for k in moving for d in dst.subgroups[k].dg))
+            repeats.append((groups[k0], groups[k]))
+    reshaped = [before[k] for k in reshaping] != [after[k] for k in reshaping]  # (in C: mostly one object each)
+    assembled_on = tuple(sorted(d for k in moving for d in dst.dg_key[k]))
     return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), _fuse(transfers), assembled_on,
                 repeats=tuple(repeats))
 
 
-def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, region: Box, piece, ctx: _Reshard,
-                    alone: frozenset[int], repeats: list) -> list[Transfer]:
-    """The BSR messages taking subgroup k of `union` to subgroup k of `dst`. Moving subgroups share
-    no sender, so each is planned alone (the senders' loads never meet), and one of the same
-    frame planned before is moved onto this one (relabel.py), or, where the plan leaves k out
-    and k and its template lie on devices of no other moving subgroup (`alone`), named in
-    `repeats`. Not where the template's messages cross a shared link, whose time adds up over
-    subgroups."""
+def _moving_devices(union: Annotation, dst: Annotation) -> list[tuple[int, ...]]:
+    """Per subgroup, the devices of its group in `union` then those of its group in `dst`."""
+    return list(map(add, union.dg_key, dst.dg_key))
+
+
+def _moves_left_out(union: Annotation, dst: Annotation, moving: list[int], frames: dict[int, tuple],
+                    ctx: _Reshard) -> dict[int, int]:
+    """{k: its template k0} for each moving subgroup k the plan leaves out: an earlier one (the
+    first) has its frame and every pair of its devices the template's link, it holds none of the
+    focus devices, and both lie on devices of no other moving subgroup (relabel.alone_devices).
+    Worked out in one pass of C-level lookups; empty where the plan is for every device."""
+    if ctx.focus is None or not frames:
+        return {}
+    first = dict(zip(reversed(frames.values()), reversed(frames.keys())))  # each frame's first subgroup
+    alone, focus, groups = relabel.alone_devices(union, dst, moving), ctx.focus, _moving_devices(union, dst)
+    left_out = {k: first[key] for k, key in frames.items()
+                if first[key] != k and focus.isdisjoint(groups[k]) and alone.issuperset(groups[k])}
+    left_out = {k: k0 for k, k0 in left_out.items() if alone.issuperset(groups[k0])}
+    if relabel.keeps_links(ctx.topology):  # (every pair of devices alike)
+        return left_out
+    return {k: k0 for k, k0 in left_out.items() if relabel.same_links(groups[k0], groups[k], ctx.topology)}
+
+
+def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, key: tuple, region: Box, piece,
+                    ctx: _Reshard) -> list[Transfer]:
+    """The BSR messages taking subgroup k of `union` to subgroup k of `dst`, `key` its frame.
+    Moving subgroups share no sender, so each is planned alone (the senders' loads never meet),
+    and one of the same frame planned before, on the same links, is moved onto this one
+    (relabel.py). `templates`: frame -> (messages, devices, region, whether a message crosses a
+    shared link)."""
     s, t = union.subgroups[k], dst.subgroups[k]
-    key = relabel.frame(s, t, region)
     devices = s.dg.devices + t.dg.devices
     if key in templates:
-        transfers, template, region0, shared = templates[key]
+        transfers, template, region0, _ = templates[key]
         if relabel.same_links(template, devices, ctx.topology):
-            if ctx.leaves_out(devices) and not shared and alone.issuperset(devices) and alone.issuperset(template):
-                repeats.append((template, devices))
-                return []
-            shift = region_shift(region0, region)
-            return relabel.moved_transfers(transfers, dict(zip(template, devices)), shift)
+            return relabel.moved_transfers(transfers, dict(zip(template, devices)), region_shift(region0, region))
     owners = {d: piece(d).box for d in s.dg}
     family = TensorSlices(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg))
     transfers = plan_transfers([family], ctx.topology, ctx.itemsize)
-    shared = relabel.crosses_shared_link(transfers, ctx.topology)
-    templates.setdefault(key, (transfers, devices, region, shared))
+    templates.setdefault(key, (transfers, devices, region, relabel.crosses_shared_link(transfers, ctx.topology)))
     return list(transfers)
 
 
