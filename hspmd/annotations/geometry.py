@@ -22,7 +22,7 @@ from typing import Iterable, Sequence, Union
 
 import sympy
 
-from hspmd.annotations.states import Annotation, DistributedStates, Partial, Split, Subgroup
+from hspmd.annotations.states import Annotation, DistributedStates, Partial, Split, Subgroup, numbered
 from hspmd.errors import ShapeError, ShapeTypeError
 from hspmd.limits import MAX_DIMS, MAX_RATIO, brief, check_limit
 
@@ -40,8 +40,11 @@ def _floor_div(a: Length, b: int) -> Length:
 def split_bounds(length: Length, weights: Sequence[int]) -> list[Range]:
     """The ranges of a dim of `length` split by `weights` (see the module docstring)."""
     total = sum(weights)
-    cuts = [0] + [_floor_div(length * c, total) for c in accumulate(weights)]
-    return [(cuts[k], cuts[k + 1]) for k in range(len(weights))]
+    if isinstance(length, int):  # (the usual case: no symbolic floor per weight)
+        cuts = [0] + [length * c // total for c in accumulate(weights)]
+    else:
+        cuts = [0] + [_floor_div(length * c, total) for c in accumulate(weights)]
+    return list(zip(cuts, cuts[1:]))
 
 
 def box_shape(box: Box) -> tuple[Length, ...]:
@@ -143,13 +146,12 @@ def subgroup_regions(ann: Annotation, shape: Sequence[Length], ratios: Sequence[
 
 
 def _kept_regions(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int, ...] | None) -> tuple[Box, ...]:
-    return ann.derived(("regions", shape, ratios), lambda: tuple(_regions(ann, shape, ratios)))
+    return ann.derived(("regions", shape, ratios), lambda: _regions(ann, shape, ratios))
 
 
-def _regions(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int, ...] | None) -> list[Box]:
-    whole = tuple((0, s) for s in shape)
+def _regions(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int, ...] | None) -> tuple[Box, ...]:
     if not isinstance(ann.hdim, int):
-        return [whole] * ann.hsize
+        return _top_tier_regions(ann.hdim, None, ann.hsize, shape)
     weights = ann.ratios or ratios
     if weights is None:
         raise ShapeError(
@@ -158,9 +160,18 @@ def _regions(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int, ...]
         )
     if len(weights) != ann.hsize:
         raise ShapeError(f"{len(weights)} ratios given for {ann}, which has HSize {ann.hsize}")
-    return [
-        whole[: ann.hdim] + (rng,) + whole[ann.hdim + 1 :] for rng in split_bounds(shape[ann.hdim], list(weights))
-    ]
+    return _top_tier_regions(ann.hdim, tuple(weights), ann.hsize, shape)
+
+
+@lru_cache(maxsize=256)
+def _top_tier_regions(hdim, weights: tuple[int, ...] | None, hsize: int, shape: tuple[Length, ...]) -> tuple[Box, ...]:
+    """Each subgroup's region: a function of the top tier and the shape alone, so the many
+    layouts of a plan through one union share one tuple."""
+    whole = tuple((0, s) for s in shape)
+    if not isinstance(hdim, int):
+        return (whole,) * hsize
+    head, tail = whole[:hdim], whole[hdim + 1:]
+    return tuple(head + (rng,) + tail for rng in split_bounds(shape[hdim], weights))
 
 
 def split_index(sub: Subgroup, index: int, dim: int) -> tuple[int, int]:
@@ -308,9 +319,11 @@ def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, 
         # on those at the same positions of the source's subgroup k: the regions tell kinds apart
         split0, split = before.uniform_states[0].split_dims, after.uniform_states[0].split_dims
         starts = _relative_starts(split0, before_regions, split, after_regions)
-        numbers: dict[tuple, int] = {}  # (of ints: hashed in C)
-        return tuple(numbers.setdefault(key, len(numbers)) for key in zip(after_extents, before_extents, starts))
-    held, kinds, numbers, last = before.device_set, [], {}, (None, None)
+        return numbered(list(zip(after_extents, before_extents, starts)))  # (of ints: hashed in C)
+    held = before.device_set
+    if held.isdisjoint(after.devices):  # (a move onto other devices: only the states and extents tell)
+        return numbered(list(zip(after.states_codes, after_extents)))
+    kinds, numbers, last = [], {}, (None, None)
     for k, (sub, region, extents) in enumerate(zip(after.subgroups, after_regions, after_extents)):
         devices = sub.dg.devices
         if aligned:

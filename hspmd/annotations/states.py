@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Callable, Literal, Mapping, Union
+from typing import Callable, Hashable, Literal, Mapping, Sequence, Union
 
 from hspmd.errors import AnnotationError, AnnotationTypeError
 from hspmd.limits import MAX_DEVICES, MAX_DIMS, MAX_RATIO, brief, check_limit
@@ -269,6 +269,16 @@ class Subgroup(_Memo):
         return f"{self.ds}@{self.dg}"
 
 
+def numbered(keys: Sequence[Hashable]) -> tuple[int, ...]:
+    """A small int per key, equal exactly where the keys are, in order of first appearance
+    (worked out in C: a union of hundreds of subgroups mostly repeats a few keys, often one,
+    which comparing costs less than hashing)."""
+    if keys.count(keys[0] if keys else None) == len(keys):
+        return (0,) * len(keys)
+    distinct = dict.fromkeys(keys)
+    return tuple(map(dict(zip(distinct, range(len(distinct)))).__getitem__, keys))
+
+
 def _top_tier(hdim, ratios, hsize: int) -> tuple[HDim, tuple[int, ...] | None]:
     """(HDim, ratios) of a union of `hsize` subgroups, checked and normalised (HSize 1 is plain
     SPMD: HDim Duplicate, no ratios)."""
@@ -362,6 +372,26 @@ class Annotation(_Memo):
         shares one), for questions asked of every subgroup's states."""
         return self._memo("distinct_states", lambda: tuple(dict(zip(map(id, self.ds_union), self.ds_union)).values()))
 
+    @property
+    def states_codes(self) -> tuple[int, ...]:
+        """A small int per subgroup, equal exactly where the subgroups' states are (numbered;
+        each distinct states object hashed once), for keys compared and hashed in C."""
+        def compute():
+            code = dict(zip(map(id, self.distinct_states), numbered(self.distinct_states)))
+            return tuple(map(code.__getitem__, map(id, self.ds_union)))
+        return self._memo("states_codes", compute)
+
+    @property
+    def order_codes(self) -> tuple[int, ...]:
+        """A small int per subgroup, equal exactly where the device groups' orders
+        (DeviceGroup.order) are."""
+        def compute():
+            devices = self.devices
+            if sorted(devices) == list(devices):  # (in C) every group ascending: the sizes tell orders apart
+                return numbered(list(map(len, self.dg_key)))
+            return numbered([dg.order for dg in self.dg_union])
+        return self._memo("order_codes", compute)
+
     def same_dg_union(self, other: "Annotation") -> bool:
         """Whether both unions have the same device groups in the same order (compared as plain
         int tuples, without a Python call per subgroup)."""
@@ -405,7 +435,7 @@ class Annotation(_Memo):
         object (e.g. the ZeRO layout or the gradient layout of a parameter's annotation)."""
         return self._memo(("derived", key), compute)
 
-    _KEPT_BY_WITH_SUBGROUP = ("devices", "device_set", "dg_union", "dg_key", "subgroup_of")
+    _KEPT_BY_WITH_SUBGROUP = ("devices", "device_set", "dg_union", "dg_key", "order_codes", "subgroup_of")
 
     @classmethod
     def known(cls, subgroups, hdim: HDim, ratios: tuple[int, ...] | None) -> "Annotation":
@@ -432,7 +462,9 @@ class Annotation(_Memo):
         if outside:
             raise AnnotationError(f"{self} has subgroups 0-{self.hsize - 1}; there is no subgroup {outside[0]!r} to replace")
         subs = tuple(replaced.get(k, s) for k, s in enumerate(self.subgroups))
-        if not all(isinstance(sub, Subgroup) and sub.dg == self.subgroups[k].dg for k, sub in replaced.items()):
+        groups = self.dg_union
+        if not (all(isinstance(sub, Subgroup) for sub in replaced.values())
+                and [sub.dg for sub in replaced.values()] == [groups[k] for k in replaced]):  # (in C: mostly one object each)
             return Annotation(subs, self.hdim, self.ratios)
         self._subgroup_index()  # made here once, it passes down a plan's chain of layouts (else one per layout)
         new = Annotation.known(subs, self.hdim, self.ratios)

@@ -74,10 +74,11 @@ def _lacks(before: Annotation, after: Annotation, shape: tuple[int, ...]) -> Lac
 
 
 def _first_and_count(keys: Sequence) -> list[tuple[int, int]]:
-    """(index of its first occurrence, occurrences) of each distinct key."""
-    first: dict = {}
-    for k, key in enumerate(keys):
-        first.setdefault(key, k)
+    """(index of its first occurrence, occurrences) of each distinct key (in C; one key: compared,
+    not hashed)."""
+    if keys.count(keys[0] if keys else None) == len(keys):
+        return [(0, len(keys))] if keys else []
+    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
     return [(first[key], n) for key, n in Counter(keys).items()]
 
 

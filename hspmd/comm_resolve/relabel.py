@@ -12,7 +12,7 @@ requiring equal order patterns (an order-preserving renaming keeps every tie-bre
 list), and links by comparing bandwidths pair by pair where a step has messages between devices.
 
 A plan resolved for some devices (resolve's `for_devices`) does not even move them: a subgroup
-holding none of those devices is left out and named in its template's steps (`LeftOut`,
+holding none of those devices is left out and named in its template's steps (`leave_out`,
 Step.repeats), where its steps' cost is surely the template's (same links, no shared pipe).
 """
 
@@ -24,7 +24,8 @@ from functools import lru_cache
 from itertools import chain
 from typing import Sequence
 
-from hspmd.annotations import Annotation, Box, DistributedStates, Subgroup
+from hspmd.annotations import Annotation, Box, Subgroup
+from hspmd.annotations.states import numbered
 from hspmd.annotations.geometry import region_shift
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
 from hspmd.comm_resolve.topology import ClusterSpec
@@ -51,24 +52,17 @@ def frames_moved(union: Annotation, target: Annotation, moving: Sequence[int],
     `target` (frames_in_place's, with the order pattern of both groups' devices listed one after
     the other in place of the group's own order)."""
     before, after = union.dg_key, target.dg_key
-    src, dst = list(_value_codes(union)), list(_value_codes(target))
+    src, dst = union.states_codes, target.states_codes
     return [(src[k], dst[k], order_pattern(before[k] + after[k]), extents[k]) for k in moving]
 
 
 def frames_in_place(union: Annotation, target: Annotation, extents: Sequence[tuple[int, ...]]) -> list[tuple]:
     """A key per subgroup k of `union` going to the states of `target`'s subgroup k on its own
     device group, `extents` its region's, equal for two subgroups exactly where their frames (the
-    module docstring) are: states are named by small ints (equal states, one int), so a pass over hundreds of subgroups
-    that mostly repeat one template hashes and compares its keys in C."""
-    return list(zip(_value_codes(union), _value_codes(target), [dg.order for dg in union.dg_union], extents))
-
-
-def _value_codes(ann: Annotation):
-    """An int per subgroup, equal exactly where the subgroups' states are equal (each distinct
-    states object hashed once)."""
-    numbers: dict[DistributedStates, int] = {}
-    code = {id(ds): numbers.setdefault(ds, len(numbers)) for ds in ann.distinct_states}
-    return map(code.__getitem__, map(id, ann.ds_union))
+    module docstring) are: states, device orders and extents are named by small ints (numbered),
+    so a pass over hundreds of subgroups that mostly repeat one template hashes and compares its
+    keys, tuples of ints, in C."""
+    return list(zip(union.states_codes, target.states_codes, union.order_codes, numbered(extents)))
 
 
 def same_links(template: Sequence[int], devices: Sequence[int], topology: ClusterSpec) -> bool:
@@ -152,27 +146,20 @@ def moved_steps(steps: Sequence[Step], k0: int, k: int, union: Annotation, regio
     return [moved_step(s, name, shift, at(s.src), at(s.dst), k) for s in steps]
 
 
-class LeftOut:
-    """The subgroups a plan resolved for some devices leaves out in one pass over a union: each
-    repeats a template subgroup's steps (Step.repeats) and ends in its target states. The
-    layouts of the steps kept show left-out subgroups as they were (only the kept devices'
-    pieces are read from them); the union after the pass has every one in its target."""
-
-    def __init__(self) -> None:
-        self.repeats: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-        self.targets: dict[int, Subgroup] = {}
-
-    def add(self, k0: int, template: tuple[int, ...], k: int, devices: tuple[int, ...], target: Subgroup) -> None:
-        self.repeats.setdefault(k0, []).append((template, devices))
-        self.targets[k] = target
-
-    def finish(self, steps: list[Step], union: Annotation) -> tuple[list[Step], Annotation]:
-        """(the steps, each template subgroup's naming its repeats; the union after the pass)."""
-        if not self.repeats:
-            return steps, union
-        steps = [replace(s, repeats=tuple(self.repeats[s.subgroup])) if s.subgroup in self.repeats else s
-                 for s in steps]
-        return steps, union.with_subgroups(self.targets)
+def leave_out(steps: list[Step], union: Annotation, repeating: dict[int, int], groups: Sequence[tuple[int, ...]],
+              targets: Sequence[Subgroup]) -> tuple[list[Step], Annotation]:
+    """The subgroups a plan resolved for some devices leaves out of one pass over a union
+    (`repeating`: {k: its template k0}): each template's steps name their repeats (Step.repeats:
+    the template's devices and k's, from `groups`), and each left-out k ends in `targets[k]`.
+    Returns (the steps, the union after the pass). The layouts of the steps kept show left-out
+    subgroups as they were (only the kept devices' pieces are read from them)."""
+    if not repeating:
+        return steps, union
+    repeats: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for k, k0 in repeating.items():
+        repeats.setdefault(k0, []).append((groups[k0], groups[k]))
+    steps = [replace(s, repeats=tuple(repeats[s.subgroup])) if s.subgroup in repeats else s for s in steps]
+    return steps, union.with_subgroups(dict(zip(repeating, map(targets.__getitem__, repeating))))
 
 
 def alone_devices(union: Annotation, dst: Annotation, moving: list[int]) -> frozenset[int]:
@@ -190,5 +177,5 @@ def crosses_shared_link(transfers: Sequence[Transfer], topology: ClusterSpec) ->
     return any(t.src != t.dst and topology.link(t.src, t.dst).shared for t in transfers)
 
 
-__all__ = ["LeftOut", "alone_devices", "canonical", "crosses_shared_link", "frames_in_place", "frames_moved", "has_messages",
-           "keeps_links", "moved_step", "moved_steps", "moved_transfers", "order_pattern", "same_links"]
+__all__ = ["alone_devices", "canonical", "crosses_shared_link", "frames_in_place", "frames_moved", "has_messages",
+           "keeps_links", "leave_out", "moved_step", "moved_steps", "moved_transfers", "order_pattern", "same_links"]

@@ -447,14 +447,14 @@ def _equalise_pass(src: Annotation, dst: Annotation, ctx: _Reshard, moving=()) -
     """Every subgroup of `src` but the `moving` ones (whose device group changes: only their
     partial sums are reduced here) into its states in `dst`, in one pass (_equalise_like), and the
     union after it. The subgroups a plan for some devices leaves out (_repeating) are named in
-    their template's steps and end in their target states (relabel.LeftOut)."""
-    union, steps, templates, left_out = src, [], {}, relabel.LeftOut()
+    their template's steps and end in their target states (relabel.leave_out)."""
+    union, steps, templates = src, [], {}
     regions = _regions(src, ctx)
     frames = relabel.frames_in_place(src, dst, region_extents(src, ctx.shape))  # (of moving ones: unread)
     repeating = _repeating(src, frames, ctx, moving)
-    for k, (s, t) in enumerate(zip(src.subgroups, dst.subgroups)):
-        if k in repeating:
-            continue
+    planned = sorted(set(range(src.hsize)).difference(repeating)) if repeating else range(src.hsize)
+    for k in planned:
+        s, t = src.subgroups[k], dst.subgroups[k]
         if moving and k in moving:
             if s.ds != t.ds and s.ds.partial_count > 1:
                 sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
@@ -462,10 +462,7 @@ def _equalise_pass(src: Annotation, dst: Annotation, ctx: _Reshard, moving=()) -
             continue
         sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], frames[k])
         steps += sub_steps
-    groups = src.dg_key
-    for k, k0 in repeating.items():
-        left_out.add(k0, groups[k0], k, groups[k], dst.subgroups[k])
-    return left_out.finish(steps, union)
+    return relabel.leave_out(steps, union, repeating, src.dg_key, dst.subgroups)
 
 
 def _repeating(union: Annotation, frames: list[tuple], ctx: _Reshard, moving) -> dict[int, int]:
