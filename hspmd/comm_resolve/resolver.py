@@ -290,11 +290,22 @@ def _within(ann: Annotation, pick) -> Annotation:
     annotation (plans of many shapes share their layouts), `pick` asked once per states object;
     a subset of each valid group is valid, so nothing is checked again."""
     def compute():
+        uniform = ann.uniform_states
+        if uniform is not None:  # (one layout: the subgroups are shared with the unions on the same groups)
+            return Annotation.known(_gathered(pick, ann.dg_key, uniform[0]), ann.hdim, ann.ratios)
         picked = {id(ds): _picking(*pick(ds)) for ds in ann.distinct_states}
         subs = [Subgroup.known(DeviceGroup.known(take(devices)), states)
                 for (take, states), devices in zip(map(picked.__getitem__, map(id, ann.ds_union)), ann.dg_key)]
         return Annotation.known(subs, ann.hdim, ann.ratios)
     return ann.derived(("within", pick), compute)
+
+
+@lru_cache(maxsize=64)
+def _gathered(pick, groups: tuple[tuple[int, ...], ...], states: DistributedStates) -> tuple[Subgroup, ...]:
+    """_within's subgroups of a union of one layout on `groups`: the same for every such union
+    (a gradient's, its ZeRO shard's and its parameter's layouts differ in HDim only)."""
+    take, picked = _picking(*pick(states))
+    return tuple(Subgroup.known(DeviceGroup.known(take(devices)), picked) for devices in groups)
 
 
 def _picking(positions: tuple[int, ...], states: DistributedStates):
