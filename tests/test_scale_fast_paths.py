@@ -2,7 +2,7 @@
 general code gives (sessions 5 and 6 of issue 14): merging cells, pairing fine and coarse cells,
 restating a union's states, sharing value pieces, pricing only where another route applies, box
 arithmetic, pricing without byte tables, one-link clusters, comparing uniform unions, device orders,
-pipeline discovery over repeated groups, disjointness of many boxes."""
+pipeline discovery over repeated groups, disjointness of many boxes, keys numbered in C."""
 
 from functools import partial
 from itertools import product
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Split, Subgroup, box_intersection, device_pieces, parse
 from hspmd.annotations.geometry import split_index, subgroup_device_pieces
+from hspmd.annotations.states import numbered
 from hspmd.comm_resolve import relabel, resolve
 from hspmd.comm_resolve.collectives import disjoint
 from hspmd.comm_resolve.resolver import VIAS, _representatives, _root, _within
@@ -173,8 +174,27 @@ def test_the_one_node_cluster_is_made_once_per_size():
 def test_representatives_and_roots_equal_subgroups_made_from_scratch(data):
     """HetAuto's gathered layouts pick devices by positions worked out once per states object."""
     ndim = data.draw(st.integers(1, 2))
-    ann = data.draw(annotations(ndim))
+    _assert_gathered_from_scratch(data.draw(annotations(ndim)), data.draw(st.integers(0, ndim - 1)))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_gathered_layouts_of_one_layout_are_shared_by_unions_on_the_same_groups(data):
+    """A union whose subgroups share one layout takes its gathered subgroups from a table kept per
+    groups and states: unions differing in HDim only share them, and they equal subgroups made
+    from scratch."""
+    ndim, size, hsize = data.draw(st.integers(1, 2)), data.draw(st.sampled_from([1, 2, 4])), data.draw(st.integers(1, 5))
+    states = data.draw(distributed_states(size, ndim))
+    pool = data.draw(st.permutations(range(size * hsize)))
+    subs = tuple(Subgroup(tuple(pool[k * size:(k + 1) * size]), states) for k in range(hsize))
     dim = data.draw(st.integers(0, ndim - 1))
+    ann, other = Annotation(subs, dim, (1,) * hsize), Annotation(subs, "D")
+    _assert_gathered_from_scratch(ann, dim)
+    for pick in (_root, partial(_representatives, dim=dim)):
+        assert _within(ann, pick).subgroups is _within(other, pick).subgroups
+
+
+def _assert_gathered_from_scratch(ann: Annotation, dim: int) -> None:
     representatives = _within(ann, partial(_representatives, dim=dim))
     roots = _within(ann, _root)
     for gathered in (representatives, roots):
@@ -184,6 +204,25 @@ def test_representatives_and_roots_equal_subgroups_made_from_scratch(data):
         rest = tuple(a for a in sub.ds.axes if not (isinstance(a, Split) and a.dim == dim))
         assert rep == Subgroup(reps, rest)
         assert root == Subgroup((sub.dg.devices[0],))
+
+
+@SETTINGS
+@given(keys=st.lists(st.sampled_from([(), (0,), (1,), (0, 1), None]), max_size=12))
+def test_numbered_keys_are_equal_exactly_where_the_keys_are(keys):
+    codes = numbered(keys)
+    assert len(codes) == len(keys)
+    assert all((codes[i] == codes[j]) == (keys[i] == keys[j]) for i in range(len(keys)) for j in range(len(keys)))
+    assert all(c <= max(codes[:i], default=-1) + 1 for i, c in enumerate(codes))  # first appearance order
+
+
+@SETTINGS
+@given(data=st.data())
+def test_a_unions_codes_are_equal_exactly_where_its_states_and_device_orders_are(data):
+    ann = data.draw(annotations(data.draw(st.integers(1, 2))))
+    subs = ann.subgroups
+    for codes, of in ((ann.states_codes, lambda s: s.ds), (ann.order_codes, lambda s: s.dg.order)):
+        assert all((codes[i] == codes[j]) == (of(subs[i]) == of(subs[j]))
+                   for i in range(len(subs)) for j in range(len(subs)))
 
 
 @st.composite
