@@ -52,8 +52,8 @@ def frames_moved(union: Annotation, target: Annotation, moving: Sequence[int],
     `target` (frames_in_place's, with the order pattern of both groups' devices listed one after
     the other in place of the group's own order)."""
     before, after = union.dg_key, target.dg_key
-    src, dst = union.states_codes, target.states_codes
-    return [(src[k], dst[k], order_pattern(before[k] + after[k]), extents[k]) for k in moving]
+    src, dst, sizes = union.states_codes, target.states_codes, numbered(extents)
+    return [(src[k], dst[k], order_pattern(before[k] + after[k]), sizes[k]) for k in moving]
 
 
 def frames_in_place(union: Annotation, target: Annotation, extents: Sequence[tuple[int, ...]]) -> list[tuple]:

@@ -524,7 +524,7 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     for k, key in frames.items():
         if k not in left_out:
             transfers += _moved_subgroup(templates, union, dst, k, key, regions[k], piece, ctx)
-    groups, repeats = _moving_devices(union, dst), []
+    groups, repeats = _moving_devices(union, dst) if left_out else [], []
     for k, k0 in left_out.items():
         if templates[frames[k0]][3]:  # the template's messages cross a shared link: its time adds up
             transfers += _moved_subgroup(templates, union, dst, k, frames[k], regions[k], piece, ctx)
