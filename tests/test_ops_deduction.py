@@ -65,6 +65,8 @@ def test_hsize_one_annotation_is_regrouped_to_the_largest_hsize():
         ("P:2@[0,1]", "P:2@[0,1]", "both inputs are partial"),
         ("D:2@[0,1]", "D:2@[2,3]", "different device-group unions"),
         ("S0:2@[0,1]", "S1:2@[1,0]", "different device-group unions"),
+        # K split across subgroups 1:2 in x and 1:1 in w: the pieces a contraction pairs differ
+        ("H2(1:2){D:2@[0,1] | @[2]}", "H0(1:1){D:2@[0,1] | @[2]}", "split across subgroups in different ratios"),
     ],
 )
 def test_matmul_mismatches_name_the_op_and_say_insert_comm(x_ann, w_ann, message):

@@ -96,14 +96,17 @@ def _assemble(dgs: tuple[DeviceGroup, ...], states: tuple[DistributedStates, ...
 
 
 def _top_tier(anns: Sequence[Annotation], rule: PositionRule):
-    """(HDim, ratios) of the output: the rule applied to the inputs' top-tier axes."""
+    """(HDim, ratios) of the output: the rule applied to the inputs' top-tier axes. Inputs split
+    across subgroups meet piece by piece (a split output, or a partial one where a contraction
+    pairs them), so their ratios must agree."""
     hdim, ratios = "D", None
     if anns[0].hsize > 1:
         axis, source = rule([top_axis(a) for a in anns])
-        if isinstance(axis, Split):
+        if isinstance(axis, (Split, Partial)):
             split_ratios = [a.ratios for a in anns if isinstance(a.hdim, int)]  # compared, not hashed: HSize long
             if any(r != split_ratios[0] for r in split_ratios[1:]):
                 raise Mismatch(f"inputs split across subgroups in different ratios {sorted(map(str, set(split_ratios)))}")
+        if isinstance(axis, Split):
             hdim, ratios = axis.dim, anns[source].ratios
         elif isinstance(axis, Partial):
             hdim = "P"
