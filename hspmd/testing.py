@@ -2,7 +2,8 @@
 their resolutions: `annotations(ndim)` draws valid unions (1-16 devices, up to 4 subgroups,
 uneven axis mixes, any device order), `repeated_unions()` draws reshards between unions of
 repeated subgroups (what data-parallel replicas make), `shapes(ndim)` draws tiny and uneven
-shapes."""
+shapes; `plan_every_subgroup` switches off the resolver's reuse of steps across subgroups (the
+reference that reuse must equal)."""
 
 from __future__ import annotations
 

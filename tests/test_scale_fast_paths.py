@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from hspmd.annotations import Annotation, DeviceGroup, DistributedStates, Split, Subgroup, box_intersection, device_pieces, parse
 from hspmd.annotations.geometry import split_index, subgroup_device_pieces
-from hspmd.annotations.states import numbered
+from hspmd.annotations.states import numbered, order_pattern
 from hspmd.comm_resolve import relabel, resolve
 from hspmd.comm_resolve.collectives import disjoint
 from hspmd.comm_resolve.resolver import VIAS, _representatives, _root, _within
@@ -22,9 +22,9 @@ from hspmd.comm_resolve.slices import Grid, box_volume
 from hspmd.comm_resolve.split_collectives import _aligned_step, _cell_step, split_step
 from hspmd.comm_resolve.topology import cluster_for
 from hspmd.cluster import parse_cluster, single_node
-from hspmd.comm_resolve.relabel import order_pattern
 from hspmd.errors import AnnotationError, ClusterError, UnsupportedReshard
-from hspmd.specialize.pipelines import _Stages, _stage_classes, discover_pipelines
+from hspmd.disjoint_sets import DisjointSets
+from hspmd.specialize.pipelines import _stage_classes, discover_pipelines
 from hspmd.testing import annotations, distributed_states, shapes
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -370,7 +370,7 @@ def test_stages_of_disjoint_groups_are_the_union_find_classes(data):
     edges = data.draw(st.lists(st.tuples(st.integers(0, 14), st.integers(0, 14)), max_size=8))
     extra = tuple(data.draw(st.lists(st.integers(0, 16), max_size=4)))
     classes, root_of = _stage_classes(groups, edges, extra)
-    stages = _Stages()
+    stages = DisjointSets()
     for members in groups:
         stages.join(members)
     for d in [d for e in edges for d in e] + list(extra):
@@ -386,4 +386,19 @@ def test_stages_of_disjoint_groups_are_the_union_find_classes(data):
 def test_order_patterns_are_ranks_among_the_distinct_devices(devices):
     """Ascending lists take a cached range; any list (repeats too) gets each entry's rank."""
     distinct = sorted(set(devices))
-    assert relabel.order_pattern(devices) == tuple(distinct.index(d) for d in devices)
+    assert order_pattern(devices) == tuple(distinct.index(d) for d in devices)
+
+
+@SETTINGS
+@given(joins=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=4), max_size=10))
+def test_disjoint_sets_are_the_connected_components_of_the_joins(joins):
+    import networkx as nx
+    sets, graph = DisjointSets(), nx.Graph()
+    for members in joins:
+        sets.join(members)
+        graph.add_nodes_from(members)
+        graph.add_edges_from(zip(members, members[1:]))
+    classes, root_of = sets.classes()
+    assert sorted(classes.values()) == sorted(tuple(sorted(c)) for c in nx.connected_components(graph))
+    assert all(root in members for root, members in classes.items())
+    assert all(d in classes[root_of[d]] for d in graph) and set(root_of) == set(graph)

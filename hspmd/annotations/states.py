@@ -9,6 +9,7 @@ is plain SPMD (HDim Duplicate, no ratios).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
 from typing import Callable, Hashable, Literal, Mapping, Sequence, Union
 
@@ -154,13 +155,7 @@ class DeviceGroup(_Memo):
     def order(self) -> tuple[int, ...]:
         """Each device's rank among the group's devices (0 for the smallest): groups of equal
         order are one group under an order-preserving renaming (what relabelling planners check)."""
-        def compute():
-            ordered = sorted(self.devices)
-            if ordered == list(self.devices):  # (the usual group: ascending ids)
-                return tuple(range(len(ordered)))
-            rank = {d: i for i, d in enumerate(ordered)}
-            return tuple(rank[d] for d in self.devices)
-        return self._memo("order", compute)
+        return self._memo("order", lambda: order_pattern(self.devices))
 
     @classmethod
     def known(cls, devices: tuple[int, ...]) -> "DeviceGroup":
@@ -267,6 +262,21 @@ class Subgroup(_Memo):
 
     def __str__(self) -> str:
         return f"{self.ds}@{self.dg}"
+
+
+def order_pattern(devices: Sequence[int]) -> tuple[int, ...]:
+    """Each device's rank among the distinct devices listed: two lists have equal patterns exactly
+    when renaming one onto the other position by position is a function that keeps the order."""
+    ordered = sorted(devices)
+    if ordered == list(devices) and len(set(ordered)) == len(ordered):  # (the usual lists: ascending, in C)
+        return _ascending(len(ordered))
+    rank = {d: i for i, d in enumerate(sorted(set(devices)))}
+    return tuple(rank[d] for d in devices)
+
+
+@lru_cache(maxsize=64)
+def _ascending(n: int) -> tuple[int, ...]:
+    return tuple(range(n))
 
 
 def numbered(keys: Sequence[Hashable]) -> tuple[int, ...]:
@@ -546,9 +556,7 @@ class Annotation(_Memo):
                     raise AnnotationError(f"split dim {d} in {s} is outside a rank-{ndim} tensor{at}")
 
     def _max_dim(self) -> int:
-        uniform = self.uniform_states
-        states = [uniform[0]] if uniform else {id(ds): ds for ds in self.ds_union}.values()  # (a few objects)
-        dims = [d for ds in states for d in ds.split_dims]
+        dims = [d for ds in self.distinct_states for d in ds.split_dims]
         return max(dims + ([self.hdim] if isinstance(self.hdim, int) else []), default=-1)
 
     def __hash__(self) -> int:

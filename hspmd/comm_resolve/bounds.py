@@ -28,6 +28,7 @@ from typing import NamedTuple, Sequence
 
 from hspmd.annotations import Annotation, box_intersection, device_piece
 from hspmd.annotations.geometry import region_extents, subgroup_device_pieces, subgroup_kinds
+from hspmd.annotations.states import numbered
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.topology import ClusterSpec
 
@@ -60,10 +61,8 @@ def _lacks(before: Annotation, after: Annotation, shape: tuple[int, ...]) -> Lac
     lacking = [(_subgroup_lacks(before, after, shape, k), n) for k, n in _first_and_count(kinds)
                if kinds[k] is not None]
     lacking += [(_subgroup_lacks(before, after, shape, k), 1) for k, kind in enumerate(kinds) if kind is None]
-    # the source's value pieces, per states object and region extents (equal states are mostly one
-    # object: where they are not, a kind is only worked out twice)
-    held = []
-    for k, n in _first_and_count(list(zip(map(id, before.ds_union), region_extents(before, shape)))):
+    held = []  # the source's value pieces, per states and region extents
+    for k, n in _first_and_count(list(zip(before.states_codes, region_extents(before, shape)))):
         values = (p for p in subgroup_device_pieces(before, k, shape).values() if not p.summand)
         held.append(([size for size in (box_volume(p.box) for p in values) if size], n))
     return Lacks(most=max((max(sizes) for sizes, _ in lacking if sizes), default=0),
@@ -74,12 +73,11 @@ def _lacks(before: Annotation, after: Annotation, shape: tuple[int, ...]) -> Lac
 
 
 def _first_and_count(keys: Sequence) -> list[tuple[int, int]]:
-    """(index of its first occurrence, occurrences) of each distinct key (in C; one key: compared,
-    not hashed)."""
-    if keys.count(keys[0] if keys else None) == len(keys):
-        return [(0, len(keys))] if keys else []
-    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
-    return [(first[key], n) for key, n in Counter(keys).items()]
+    """(index of its first occurrence, occurrences) of each distinct key (in C, over the keys
+    numbered)."""
+    codes = numbered(keys)
+    first = dict(zip(reversed(codes), range(len(codes) - 1, -1, -1)))
+    return [(first[code], n) for code, n in Counter(codes).items()]
 
 
 def lacks(before: Annotation, after: Annotation, shape: Sequence[int]) -> Lacks:

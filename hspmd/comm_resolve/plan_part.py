@@ -25,6 +25,7 @@ from hspmd.annotations import Annotation, Box, Piece, box_intersection, device_p
 from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
+from hspmd.disjoint_sets import DisjointSets
 from hspmd.errors import CommunicationError
 from hspmd.limits import json_count, json_flag
 
@@ -52,21 +53,12 @@ def message_rounds(transfers: tuple[Transfer, ...]) -> tuple[tuple[Transfer, ...
 
 def _components(messages: list[Transfer]) -> list[list[Transfer]]:
     """The messages grouped by connected component of the devices they join, in order of first message."""
-    parent: dict[int, int] = {}
-
-    def root(d: int) -> int:
-        while parent.setdefault(d, d) != d:
-            parent[d] = parent[parent[d]]
-            d = parent[d]
-        return d
-
+    linked = DisjointSets()
     for t in messages:
-        a, b = root(t.src), root(t.dst)
-        if a != b:
-            parent[max(a, b)] = min(a, b)
+        linked.join((t.src, t.dst))
     groups: dict[int, list[Transfer]] = {}
     for t in messages:
-        groups.setdefault(root(t.src), []).append(t)
+        groups.setdefault(linked.find(t.src), []).append(t)
     return list(groups.values())
 
 

@@ -20,30 +20,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
-from functools import lru_cache
 from itertools import chain
 from typing import Sequence
 
 from hspmd.annotations import Annotation, Box, Subgroup
-from hspmd.annotations.states import numbered
+from hspmd.annotations.states import numbered, order_pattern
 from hspmd.annotations.geometry import region_shift
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
 from hspmd.comm_resolve.topology import ClusterSpec
-
-
-def order_pattern(devices: Sequence[int]) -> tuple[int, ...]:
-    """Each device's rank among the distinct devices listed: two lists have equal patterns exactly
-    when renaming one onto the other position by position is a function that keeps the order."""
-    ordered = sorted(devices)
-    if ordered == list(devices) and len(set(ordered)) == len(ordered):  # (the usual lists: ascending, in C)
-        return _ascending(len(ordered))
-    rank = {d: i for i, d in enumerate(sorted(set(devices)))}
-    return tuple(rank[d] for d in devices)
-
-
-@lru_cache(maxsize=64)
-def _ascending(n: int) -> tuple[int, ...]:
-    return tuple(range(n))
 
 
 def frames_moved(union: Annotation, target: Annotation, moving: Sequence[int],
@@ -178,4 +162,4 @@ def crosses_shared_link(transfers: Sequence[Transfer], topology: ClusterSpec) ->
 
 
 __all__ = ["alone_devices", "canonical", "crosses_shared_link", "frames_in_place", "frames_moved", "has_messages",
-           "keeps_links", "leave_out", "moved_step", "moved_steps", "moved_transfers", "order_pattern", "same_links"]
+           "keeps_links", "leave_out", "moved_step", "moved_steps", "moved_transfers", "same_links"]

@@ -478,25 +478,30 @@ def _equalise_pass(src: Annotation, dst: Annotation, ctx: _Reshard, moving=()) -
 
 def _repeating(union: Annotation, frames: list[tuple], ctx: _Reshard, moving) -> dict[int, int]:
     """{k: its template k0} for each subgroup (not moving) the plan leaves out and names in its
-    template's repeats (Step.repeats): an earlier one (the first) has its frame, every pair of
-    its devices has the template's link (its collectives' cost, too, follows the links), and it
-    holds none of the focus devices. Worked out in a pass of C-level lookups rather than a planner
-    call per subgroup; empty where the plan is for every device."""
+    template's repeats (Step.repeats): _left_out's rule, on the subgroups' own devices (their
+    collectives' cost, too, follows the links); empty where the plan is for every device."""
     if ctx.focus is None:
         return {}
-    if moving:
-        moved = set(moving)
-        kept = [k for k in range(union.hsize) if k not in moved]
-        kept_frames = [frames[k] for k in kept]
-    else:
-        kept, kept_frames = range(union.hsize), frames
-    first = dict(zip(reversed(kept_frames), reversed(kept)))  # each frame's first subgroup
-    focus, groups = ctx.focus, union.dg_key
-    touching = {k for k, devices in enumerate(groups) if not focus.isdisjoint(devices)}
-    repeating = {k: k0 for k, k0 in zip(kept, map(first.__getitem__, kept_frames)) if k0 != k and k not in touching}
+    moved = set(moving)
+    kept = {k: frame for k, frame in enumerate(frames) if k not in moved} if moved else dict(enumerate(frames))
+    return _left_out(kept, union.dg_key, ctx)
+
+
+def _left_out(frames: dict[int, tuple], devices: Sequence[tuple[int, ...]], ctx: _Reshard,
+              alone: frozenset[int] | None = None) -> dict[int, int]:
+    """{k: k0} for each subgroup k of `frames` ({k: its frame}) that a plan resolved for the focus
+    devices leaves out as a repeat of k0: the first subgroup of its frame, when k is another, on
+    `devices[k]` holding none of the focus devices, with the template's link between every pair
+    of them, and (where `alone` is given) k's and k0's devices all in `alone`. Worked out in a
+    pass of C-level lookups rather than a planner call per subgroup."""
+    first = dict(zip(reversed(frames.values()), reversed(frames.keys())))  # each frame's first subgroup
+    focus = ctx.focus
+    left_out = {k: first[frame] for k, frame in frames.items() if first[frame] != k and focus.isdisjoint(devices[k])}
+    if alone is not None:
+        left_out = {k: k0 for k, k0 in left_out.items() if alone.issuperset(devices[k]) and alone.issuperset(devices[k0])}
     if relabel.keeps_links(ctx.topology):  # (every pair of devices alike)
-        return repeating
-    return {k: k0 for k, k0 in repeating.items() if relabel.same_links(groups[k0], groups[k], ctx.topology)}
+        return left_out
+    return {k: k0 for k, k0 in left_out.items() if relabel.same_links(devices[k0], devices[k], ctx.topology)}
 
 
 def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Reshard) -> Step:
@@ -543,20 +548,12 @@ def _moving_devices(union: Annotation, dst: Annotation) -> list[tuple[int, ...]]
 
 def _moves_left_out(union: Annotation, dst: Annotation, moving: list[int], frames: dict[int, tuple],
                     ctx: _Reshard) -> dict[int, int]:
-    """{k: its template k0} for each moving subgroup k the plan leaves out: an earlier one (the
-    first) has its frame and every pair of its devices the template's link, it holds none of the
-    focus devices, and both lie on devices of no other moving subgroup (relabel.alone_devices).
-    Worked out in one pass of C-level lookups; empty where the plan is for every device."""
+    """{k: its template k0} for each moving subgroup k the plan leaves out: _left_out's rule on the
+    devices of both its groups, all of them devices of no other moving subgroup
+    (relabel.alone_devices); empty where the plan is for every device."""
     if ctx.focus is None or not frames:
         return {}
-    first = dict(zip(reversed(frames.values()), reversed(frames.keys())))  # each frame's first subgroup
-    alone, focus, groups = relabel.alone_devices(union, dst, moving), ctx.focus, _moving_devices(union, dst)
-    left_out = {k: first[key] for k, key in frames.items()
-                if first[key] != k and focus.isdisjoint(groups[k]) and alone.issuperset(groups[k])}
-    left_out = {k: k0 for k, k0 in left_out.items() if alone.issuperset(groups[k0])}
-    if relabel.keeps_links(ctx.topology):  # (every pair of devices alike)
-        return left_out
-    return {k: k0 for k, k0 in left_out.items() if relabel.same_links(groups[k0], groups[k], ctx.topology)}
+    return _left_out(frames, _moving_devices(union, dst), ctx, relabel.alone_devices(union, dst, moving))
 
 
 def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, key: tuple, region: Box, piece,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from hspmd.annotations import DeviceGroup
+from hspmd.disjoint_sets import DisjointSets
 from hspmd.errors import HSPMDError
 from hspmd.specialize.strategy import Strategy
 
@@ -103,44 +104,6 @@ def _checked(groups: list[tuple], edges: list[tuple], devices: tuple) -> None:
     _check_devices(devices, "devices")
 
 
-class _Stages:
-    """Union-find over devices: the classes are the stages. A device met first in a group joins
-    the group's class at once (the usual case: tensor-parallel groups are disjoint)."""
-
-    def __init__(self):
-        self.parent: dict[int, int] = {}
-
-    def add(self, d: int) -> None:
-        self.parent.setdefault(d, d)
-
-    def find(self, d: int) -> int:
-        parent = self.parent
-        while parent[d] != d:
-            parent[d] = d = parent[parent[d]]
-        return d
-
-    def join(self, members: tuple[int, ...]) -> None:
-        parent = self.parent
-        self.add(members[0])
-        root = self.find(members[0])
-        for d in members[1:]:
-            if d not in parent:
-                parent[d] = root
-                continue
-            other = self.find(d)
-            if other != root:
-                root, other = min(root, other), max(root, other)
-                parent[other] = root
-
-    def classes(self) -> tuple[dict[int, StageDevices], dict[int, int]]:
-        """(the devices of each class by its root, each device's root)."""
-        root_of = {d: self.find(d) for d in self.parent}
-        members: dict[int, list[int]] = {}
-        for d, root in root_of.items():
-            members.setdefault(root, []).append(d)
-        return {root: tuple(sorted(ds)) for root, ds in members.items()}, root_of
-
-
 def _stage_classes(groups: list[tuple[int, ...]], edges: list[tuple[int, int]],
                    devices: tuple[int, ...]) -> tuple[dict[int, StageDevices], dict[int, int]]:
     """(the devices of each stage by its root, each device's root). Where no two groups share a
@@ -155,7 +118,7 @@ def _stage_classes(groups: list[tuple[int, ...]], edges: list[tuple[int, int]],
         root_of.update(zip(alone, alone))
         classes.update(zip(alone, zip(alone)))
         return classes, root_of
-    stages = _Stages()
+    stages = DisjointSets()
     for members in groups:
         stages.join(members)
     for d in chain(chain.from_iterable(edges), devices):
