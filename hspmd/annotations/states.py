@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import chain, repeat
 from math import prod
+from operator import attrgetter
 from typing import Callable, Hashable, Literal, Mapping, Sequence, Union
 
 from hspmd.errors import AnnotationError, AnnotationTypeError
@@ -361,7 +363,7 @@ class Annotation(_Memo):
     @property
     def devices(self) -> tuple[int, ...]:
         """Every device of the union, subgroup by subgroup."""
-        return self._memo("devices", lambda: tuple(d for s in self.subgroups for d in s.dg))
+        return self._memo("devices", lambda: tuple(chain.from_iterable(self.dg_key)))
 
     @property
     def device_set(self) -> frozenset[int]:
@@ -370,11 +372,11 @@ class Annotation(_Memo):
 
     @property
     def dg_union(self) -> tuple[DeviceGroup, ...]:
-        return self._memo("dg_union", lambda: tuple(s.dg for s in self.subgroups))
+        return self._memo("dg_union", lambda: tuple(map(attrgetter("dg"), self.subgroups)))
 
     @property
     def ds_union(self) -> tuple[DistributedStates, ...]:
-        return self._memo("ds_union", lambda: tuple(s.ds for s in self.subgroups))
+        return self._memo("ds_union", lambda: tuple(map(attrgetter("ds"), self.subgroups)))
 
     @property
     def distinct_states(self) -> tuple[DistributedStates, ...]:
@@ -409,10 +411,18 @@ class Annotation(_Memo):
             return True
         return self.dg_key == other.dg_key
 
+    def same_ds_union(self, other: "Annotation") -> bool:
+        """Whether both unions have equal states subgroup by subgroup (one comparison where each
+        has one layout; otherwise in C, where equal states are mostly one object)."""
+        mine, theirs = self.uniform_states, other.uniform_states
+        if mine is not None and theirs is not None and self.hsize == other.hsize:
+            return mine[0] == theirs[0]
+        return self.ds_union == other.ds_union
+
     @property
     def dg_key(self) -> tuple[tuple[int, ...], ...]:
         """The device groups as plain int tuples (compared and hashed in C)."""
-        return self._memo("dg_key", lambda: tuple(dg.devices for dg in self.dg_union))
+        return self._memo("dg_key", lambda: tuple(map(attrgetter("devices"), self.dg_union)))
 
     @property
     def uniform_states(self) -> tuple[DistributedStates, int] | None:
@@ -431,7 +441,8 @@ class Annotation(_Memo):
         return self._memo("partial", lambda: self.hdim == "P" or any(ds.partial_count > 1 for ds in self.distinct_states))
 
     def _subgroup_index(self) -> dict[int, int]:
-        return self._memo("subgroup_of", lambda: {d: k for k, s in enumerate(self.subgroups) for d in s.dg})
+        return self._memo("subgroup_of", lambda: dict(zip(self.devices, chain.from_iterable(
+            map(repeat, range(self.hsize), map(len, self.dg_key))))))
 
     def subgroup_of(self, device: int) -> int:
         """Index of the subgroup holding `device`."""
@@ -471,7 +482,10 @@ class Annotation(_Memo):
         outside = [k for k in replaced if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < self.hsize]
         if outside:
             raise AnnotationError(f"{self} has subgroups 0-{self.hsize - 1}; there is no subgroup {outside[0]!r} to replace")
-        subs = tuple(replaced.get(k, s) for k, s in enumerate(self.subgroups))
+        subs = list(self.subgroups)
+        for k, sub in replaced.items():
+            subs[k] = sub
+        subs = tuple(subs)
         groups = self.dg_union
         if not (all(isinstance(sub, Subgroup) for sub in replaced.values())
                 and [sub.dg for sub in replaced.values()] == [groups[k] for k in replaced]):  # (in C: mostly one object each)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Iterable, Mapping
 
 from hspmd.errors import ClusterError
@@ -237,7 +238,7 @@ class ClusterSpec:
         object.__setattr__(self, "intra", intra)
         object.__setattr__(self, "inter", inter)
         object.__setattr__(self, "pairs", pairs)
-        object.__setattr__(self, "_node_of", tuple(i for i, n in enumerate(nodes) for _ in range(n.devices)))
+        object.__setattr__(self, "_node_of", tuple(chain.from_iterable(map(repeat, range(len(nodes)), (n.devices for n in nodes)))))
         object.__setattr__(self, "_types", types)
         object.__setattr__(self, "_links", links)
         object.__setattr__(self, "_pair_map", dict(pairs))

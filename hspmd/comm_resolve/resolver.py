@@ -368,7 +368,7 @@ def _whole_everywhere(ann: Annotation, whole: Box, ctx: _Reshard) -> bool:
 def _route(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
     if src.hsize == dst.hsize and src.hdim == dst.hdim and _regions(src, ctx) == _regions(dst, ctx):
         return _bottom_tier(src, dst, ctx)
-    if src.hsize == dst.hsize and src.dg_union == dst.dg_union:
+    if src.hsize == dst.hsize and src.same_dg_union(dst):
         steps = _top_tier(src, dst, ctx)
         if steps is not None:
             return steps
@@ -467,7 +467,7 @@ def _equalise_pass(src: Annotation, dst: Annotation, ctx: _Reshard, moving=()) -
     for k in planned:
         s, t = src.subgroups[k], dst.subgroups[k]
         if moving and k in moving:
-            if s.ds != t.ds and s.ds.partial_count > 1:
+            if s.ds.partial_count > 1 and s.ds != t.ds:
                 sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
                 steps += sub_steps
             continue
@@ -535,7 +535,8 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
             transfers += _moved_subgroup(templates, union, dst, k, frames[k], regions[k], piece, ctx)
         else:
             repeats.append((groups[k0], groups[k]))
-    reshaped = [before[k] for k in reshaping] != [after[k] for k in reshaping]  # (in C: mostly one object each)
+    pairs = {(id(a), id(b)): (a, b) for a, b in zip(map(before.__getitem__, reshaping), map(after.__getitem__, reshaping))}
+    reshaped = any(a != b for a, b in pairs.values())  # (each distinct pair of states objects compared once)
     assembled_on = tuple(sorted(d for k in moving for d in dst.dg_key[k]))
     return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), _fuse(transfers), assembled_on,
                 repeats=tuple(repeats))
@@ -595,7 +596,7 @@ def _top_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step] | N
     if primitive is None or any(ds.partial_count > 1 for ds in dst.distinct_states):
         return None
     union, steps = src, []
-    if src.ds_union != dst.ds_union:  # (in C: equal states are mostly one object)
+    if not src.same_ds_union(dst):
         steps, union = _equalise_pass(src, dst, ctx)
     step = split_step(primitive, union, dst, ctx.shape)
     if step is None:

@@ -18,6 +18,7 @@ input. Any subgroup sizes and split dims work: the grid has no preferred dim.
 from __future__ import annotations
 
 from collections import defaultdict
+from operator import itemgetter
 
 from hspmd.annotations import Annotation, Box, Split, box_intersection, device_pieces, split_bounds, subgroup_regions
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
@@ -138,13 +139,13 @@ def _aligned_step(primitive: str, src: Annotation, dst: Annotation, shape) -> St
     collectives = []
     for i, row in enumerate(rows):
         box = whole[:axis.dim] + (row,) + whole[axis.dim + 1:]
-        column = [devices[i] for devices in src.dg_key]  # position i of every subgroup
+        column = list(map(itemgetter(i), src.dg_key))  # position i of every subgroup
         order = sorted(range(len(column)), key=column.__getitem__)
         parts = ()
         if sliced is not None:
             before, after = box[:sliced.hdim], box[sliced.hdim + 1:]
             parts = tuple(before + (slabs[k],) + after for k in order)
-        collectives.append(Collective(kind, tuple(column[k] for k in order), box, parts, ()))
+        collectives.append(Collective(kind, tuple(map(column.__getitem__, order)), box, parts, ()))
     collectives.sort(key=lambda c: c.devices)
     return Step(primitive, src, dst, tuple(collectives), (), tuple(sorted(dst.devices)))
 
