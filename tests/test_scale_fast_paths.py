@@ -390,6 +390,18 @@ def test_order_patterns_are_ranks_among_the_distinct_devices(devices):
 
 
 @SETTINGS
+@given(devices=st.lists(st.integers(0, 30), min_size=2, max_size=12, unique=True), cut=st.integers(1, 11),
+       ascending=st.booleans())
+def test_a_moving_groups_order_is_the_order_pattern_of_both_groups(devices, cut, ascending):
+    """A group moving to lower devices is read off the reversed list; any pair is order_pattern's."""
+    cut = min(cut, len(devices) - 1)
+    group, then = devices[:cut], devices[cut:]
+    if ascending:
+        group, then = sorted(group), sorted(then)
+    assert relabel._joined_order(tuple(group), tuple(then)) == order_pattern(group + then)
+
+
+@SETTINGS
 @given(joins=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=4), max_size=10))
 def test_disjoint_sets_are_the_connected_components_of_the_joins(joins):
     import networkx as nx

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 from itertools import chain
+from operator import add
 from typing import Sequence
 
 from hspmd.annotations import Annotation, Box, Subgroup
@@ -37,7 +38,17 @@ def frames_moved(union: Annotation, target: Annotation, moving: Sequence[int],
     the other in place of the group's own order)."""
     before, after = union.dg_key, target.dg_key
     src, dst, sizes = union.states_codes, target.states_codes, numbered(extents)
-    return [(src[k], dst[k], order_pattern(before[k] + after[k]), sizes[k]) for k in moving]
+    return [(src[k], dst[k], _joined_order(before[k], after[k]), sizes[k]) for k in moving]
+
+
+def _joined_order(devices: tuple[int, ...], then: tuple[int, ...]) -> tuple[int, ...]:
+    """order_pattern(devices + then), read off that of `then + devices` where `then` lies below
+    (a group moving to lower devices, e.g. a backward hand-off: the list is then mostly ascending,
+    order_pattern's fast case)."""
+    if then[-1] < devices[0]:
+        pattern = order_pattern(then + devices)
+        return pattern[len(then):] + pattern[:len(then)]
+    return order_pattern(devices + then)
 
 
 def frames_in_place(union: Annotation, target: Annotation, extents: Sequence[tuple[int, ...]]) -> list[tuple]:
@@ -152,6 +163,9 @@ def alone_devices(union: Annotation, dst: Annotation, moving: list[int]) -> froz
     rounds depend on stays (plan_part.message_rounds), and the messages among a template's
     devices are its own (comm_plans renames them)."""
     before, after = union.dg_key, dst.dg_key
+    listed = list(chain.from_iterable(map(add, map(before.__getitem__, moving), map(after.__getitem__, moving))))
+    if len(set(listed)) == len(listed):  # (the usual case, in C: no device in two groups)
+        return frozenset(listed)
     count = Counter(chain.from_iterable(set(before[k] + after[k]) for k in moving))
     return frozenset(d for d, n in count.items() if n == 1)
 
