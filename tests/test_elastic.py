@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from hspmd.errors import HSPMDError
-from hspmd.runtime.elastic import KillPoint
+from hspmd.runtime.elastic import FaultInjector, KillPoint
 from hspmd.runtime.launcher import launch
 from hspmd.runtime.sharded_checkpoint import ShardedReader
 
@@ -155,14 +155,15 @@ def test_a_restarted_rank_joins_and_the_job_grows_back(tmp_path):
 
 def random_points(count: int, seed: int = 12) -> list[str]:
     """Seeded kill points over every rank, step and phase (call indices within what each rank's
-    step does: the TP ranks 0-1 make about 60 calls a step, the pipeline ranks 2-3 about 26)."""
+    step does: the TP ranks 0-1 make 47 backend calls a step, the pipeline ranks 2-3 make 8, their
+    sends posted together and their gradients synchronised in buckets)."""
     rng = random.Random(seed)
     points = []
     for i in range(count):
         rank = rng.randrange(4)
         step = rng.randrange(1, STEPS)
         phase = ("step", "step", "step", "save")[i % 4]
-        call = rng.randrange(60 if rank < 2 else 26) if phase == "step" else rng.randrange(4)
+        call = rng.randrange(47 if rank < 2 else 8) if phase == "step" else rng.randrange(4)
         points.append(f"{step}={rank}:{call}@{phase}")
     return points
 
@@ -179,3 +180,24 @@ def test_kill_needs_an_elastic_job_and_a_well_formed_point():
     with pytest.raises(HSPMDError, match="PHASE"):
         KillPoint.parse("3=1:2@lunch")
     assert KillPoint.parse("20=3:7@save") == KillPoint(20, 3, 7, "save")
+
+
+class _Quiet:
+    """A backend whose barrier does nothing: the injector's counting alone."""
+    rank, world_size, device, overlaps_collectives = 0, 1, torch.device("cpu"), False
+
+    def barrier(self, group):
+        pass
+
+
+def test_a_kill_point_past_the_phases_calls_is_reported_not_passed_silently(capsys):
+    injector = FaultInjector(_Quiet(), [KillPoint(1, 0, 5), KillPoint(1, 0, 9, "save")])
+    injector.begin(1)
+    injector.barrier(None)
+    injector.barrier(None)
+    injector.begin(1, "save")
+    injector.begin(2)
+    err = capsys.readouterr().err
+    assert "--kill 1=0:5@step never fired: rank 0 made 2 backend call(s) in step 1" in err
+    assert "--kill 1=0:9@save never fired: rank 0 made 0 backend call(s) in save 1" in err
+

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -94,6 +95,11 @@ class FaultInjector(Backend):
             self.post_sends = self._post_sends
 
     def begin(self, step: int, phase: str = "step") -> None:
+        for k in self.kills:  # a point past what the phase did never fires: say so rather than pass silently
+            if (k.step, k.phase) == (self.step, self.phase) and k.call >= self.calls:
+                print(f"hspmd: warning: --kill {k.step}={k.rank}:{k.call}@{k.phase} never fired: rank {self.rank} "
+                      f"made {self.calls} backend call(s) in {k.phase} {k.step} (calls count from 0)",
+                      file=sys.stderr, flush=True)
         self.step, self.phase, self.calls = step, phase, 0
 
     def _tick(self, op: str) -> None:
