@@ -295,7 +295,8 @@ def test_a_plan_over_devices_outside_the_cluster_names_them():
 @SETTINGS
 @given(data=st.data())
 def test_unions_compare_equal_exactly_when_their_subgroups_do(data):
-    """Annotation equality compares a uniform union's one layout and its groups as int tuples."""
+    """Annotation equality (and same_ds_union) compares a uniform union's one layout and its groups
+    as int tuples."""
     ndim = data.draw(st.integers(1, 2))
     a = data.draw(annotations(ndim, max_devices=8))
     b = data.draw(st.one_of(st.just(a), annotations(ndim, max_devices=8)))
@@ -304,6 +305,9 @@ def test_unions_compare_equal_exactly_when_their_subgroups_do(data):
     assert (a == copy) is same and (copy == a) is same
     if same:
         assert hash(a) == hash(copy)
+    same_states = tuple(s.ds for s in a.subgroups) == tuple(s.ds for s in copy.subgroups)
+    assert a.same_ds_union(copy) is same_states and copy.same_ds_union(a) is same_states
+    assert a.same_dg_union(copy) is (a.dg_union == copy.dg_union)
 
 
 def test_a_union_differing_in_one_subgroups_states_is_not_equal():
