@@ -164,7 +164,7 @@ def random_points(count: int, seed: int = 12) -> list[str]:
         step = rng.randrange(1, STEPS)
         phase = ("step", "step", "step", "save")[i % 4]
         call = rng.randrange(47 if rank < 2 else 8) if phase == "step" else rng.randrange(4)
-        points.append(f"{step}={rank}:{call}@{phase}")
+        points.append(str(KillPoint(step, rank, call, phase)))
     return points
 
 
@@ -180,6 +180,8 @@ def test_kill_needs_an_elastic_job_and_a_well_formed_point():
     with pytest.raises(HSPMDError, match="PHASE"):
         KillPoint.parse("3=1:2@lunch")
     assert KillPoint.parse("20=3:7@save") == KillPoint(20, 3, 7, "save")
+    assert str(KillPoint.parse("20=3")) == "20=3:1@step"
+    assert KillPoint.parse(str(KillPoint(2, 1, 0, "switch"))) == KillPoint(2, 1, 0, "switch")
 
 
 class _Quiet:

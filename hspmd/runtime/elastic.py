@@ -81,6 +81,10 @@ class KillPoint:
                              f"e.g. --kill 20=3")
         return point
 
+    def __str__(self) -> str:
+        """The text `parse` reads (and `--kill` takes)."""
+        return f"{self.step}={self.rank}:{self.call}@{self.phase}"
+
 
 class FaultInjector(Backend):
     """Forwards to a backend and SIGKILLs this process at a KillPoint: a real, unannounced death
@@ -97,7 +101,7 @@ class FaultInjector(Backend):
     def begin(self, step: int, phase: str = "step") -> None:
         for k in self.kills:  # a point past what the phase did never fires: say so rather than pass silently
             if (k.step, k.phase) == (self.step, self.phase) and k.call >= self.calls:
-                print(f"hspmd: warning: --kill {k.step}={k.rank}:{k.call}@{k.phase} never fired: rank {self.rank} "
+                print(f"hspmd: warning: --kill {k} never fired: rank {self.rank} "
                       f"made {self.calls} backend call(s) in {k.phase} {k.step} (calls count from 0)",
                       file=sys.stderr, flush=True)
         self.step, self.phase, self.calls = step, phase, 0
