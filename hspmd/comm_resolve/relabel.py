@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 from itertools import chain
-from operator import add
 from typing import Sequence
 
 from hspmd.annotations import Annotation, Box, Subgroup
@@ -157,16 +156,16 @@ def leave_out(steps: list[Step], union: Annotation, repeating: dict[int, int], g
     return steps, union.with_subgroups(dict(zip(repeating, map(targets.__getitem__, repeating))))
 
 
-def alone_devices(union: Annotation, dst: Annotation, moving: list[int]) -> frozenset[int]:
-    """The devices of exactly one moving subgroup. Only a subgroup on such devices may be left out,
-    and only as a repeat of a template on such devices: then every message a kept device's
-    rounds depend on stays (plan_part.message_rounds), and the messages among a template's
-    devices are its own (comm_plans renames them)."""
-    before, after = union.dg_key, dst.dg_key
-    listed = list(chain.from_iterable(map(add, map(before.__getitem__, moving), map(after.__getitem__, moving))))
+def alone_devices(groups: Sequence[tuple[int, ...]], moving: list[int]) -> frozenset[int]:
+    """The devices of exactly one moving subgroup (`groups[k]`: the devices of k's group before,
+    then after the move). Only a subgroup on such devices may be left out, and only as a repeat
+    of a template on such devices: then every message a kept device's rounds depend on stays
+    (plan_part.message_rounds), and the messages among a template's devices are its own
+    (comm_plans renames them)."""
+    listed = list(chain.from_iterable(map(groups.__getitem__, moving)))
     if len(set(listed)) == len(listed):  # (the usual case, in C: no device in two groups)
         return frozenset(listed)
-    count = Counter(chain.from_iterable(set(before[k] + after[k]) for k in moving))
+    count = Counter(chain.from_iterable(set(groups[k]) for k in moving))
     return frozenset(d for d, n in count.items() if n == 1)
 
 

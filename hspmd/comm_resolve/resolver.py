@@ -522,14 +522,15 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     else:
         reshaping = moving
     frames = dict(zip(reshaping, relabel.frames_moved(union, dst, reshaping, region_extents(union, ctx.shape))))
-    left_out = _moves_left_out(union, dst, moving, frames, ctx)
+    groups = _moving_devices(union, dst) if ctx.focus is not None else []
+    left_out = _moves_left_out(groups, moving, frames, ctx)
     transfers, templates = [], {}
     for k in summands:
         transfers += [Transfer(a, b, (piece(a).box,), (0,)) for a, b in zip(union.dg_key[k], dst.dg_key[k])]
     for k, key in frames.items():
         if k not in left_out:
             transfers += _moved_subgroup(templates, union, dst, k, key, regions[k], piece, ctx)
-    groups, repeats = _moving_devices(union, dst) if left_out else [], []
+    repeats = []
     for k, k0 in left_out.items():
         if templates[frames[k0]][3]:  # the template's messages cross a shared link: its time adds up
             transfers += _moved_subgroup(templates, union, dst, k, frames[k], regions[k], piece, ctx)
@@ -547,14 +548,14 @@ def _moving_devices(union: Annotation, dst: Annotation) -> list[tuple[int, ...]]
     return list(map(add, union.dg_key, dst.dg_key))
 
 
-def _moves_left_out(union: Annotation, dst: Annotation, moving: list[int], frames: dict[int, tuple],
+def _moves_left_out(groups: list[tuple[int, ...]], moving: list[int], frames: dict[int, tuple],
                     ctx: _Reshard) -> dict[int, int]:
     """{k: its template k0} for each moving subgroup k the plan leaves out: _left_out's rule on the
-    devices of both its groups, all of them devices of no other moving subgroup
-    (relabel.alone_devices); empty where the plan is for every device."""
+    devices of both its groups (`groups`: _moving_devices), all of them devices of no other moving
+    subgroup (relabel.alone_devices); empty where the plan is for every device."""
     if ctx.focus is None or not frames:
         return {}
-    return _left_out(frames, _moving_devices(union, dst), ctx, relabel.alone_devices(union, dst, moving))
+    return _left_out(frames, groups, ctx, relabel.alone_devices(groups, moving))
 
 
 def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, key: tuple, region: Box, piece,
