@@ -1,10 +1,13 @@
 """Pipeline discovery (paper 5.4) on hand-made patterns and on every paper strategy."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hspmd.errors import HSPMDError
 from hspmd.specialize.paper_strategies import PAPER_STRATEGIES
-from hspmd.specialize.pipelines import PipelineLayout, comm_pattern, discover_pipelines, expected_pipelines
+from hspmd.specialize.pipelines import (PipelineLayout, _chains, _dags, _stage_classes, comm_pattern, discover_pipelines,
+                                        expected_pipelines)
 
 
 def discover(pattern):
@@ -97,3 +100,37 @@ def test_malformed_input(groups, edges, words):
 
 def test_empty_input_has_no_pipelines():
     assert discover_pipelines([], []) == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_chains_walked_match_the_general_discovery(data):
+    """Stage graphs where each stage hands off to at most one stage and takes from at most one are
+    walked from their first stages (pipelines._chains); that walk agrees with the general
+    topological discovery (pipelines._dags), and declines branching graphs and cycles."""
+    sizes = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=9))
+    devices = data.draw(st.permutations(range(sum(sizes))))
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(tuple(devices[start:start + size]))
+        start += size
+    pairs = st.tuples(st.integers(0, len(groups) - 1), st.integers(0, len(groups) - 1))
+    stage_pairs = data.draw(st.lists(pairs, max_size=2 * len(groups)))
+    edges = [(data.draw(st.sampled_from(groups[a])), data.draw(st.sampled_from(groups[b]))) for a, b in stage_pairs]
+    classes, root_of = _stage_classes(groups, edges, ())
+    stage_edges = sorted({(root_of[a], root_of[b]) for a, b in edges if root_of[a] != root_of[b]})
+    walked = _chains(classes, stage_edges)
+    try:
+        general = sorted(_dags(classes, stage_edges), key=lambda p: p.stages)
+    except HSPMDError:
+        assert walked is None  # a cycle
+        with pytest.raises(HSPMDError, match="cycle"):
+            discover_pipelines(groups, edges)
+        return
+    senders = [a for a, _ in stage_edges]
+    receivers = [b for _, b in stage_edges]
+    branching = len(set(senders)) < len(senders) or len(set(receivers)) < len(receivers)
+    assert (walked is None) == branching
+    if walked is not None:
+        assert sorted(walked, key=lambda p: p.stages) == general and all(p.is_chain for p in walked)
+    assert sorted(discover_pipelines(groups, edges), key=lambda p: p.stages) == general

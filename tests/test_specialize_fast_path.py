@@ -139,7 +139,7 @@ def test_a_reshard_renamed_in_order_has_the_renamed_pattern(case, data):
         with pytest.raises(type(exc)):
             resolve(*moved, shape)
         return
-    assert comm_plans.pattern(resolve(*moved, shape)) == comm_plans.renamed(comm_plans.pattern(plan), name)
+    assert comm_plans.pattern(resolve(*moved, shape)) == comm_plans.renamed(comm_plans.pattern(plan), tuple(devices), tuple(new))
 
 
 @pytest.mark.parametrize("dp,tp,pp", [(3, 2, 2), (2, 1, 3)])
@@ -157,3 +157,15 @@ def test_llama_layers_on_the_same_stages_share_annotations_equal_to_fresh_ones(d
     same_stage = [l for l in range(6) if strategy.stage_of(l, 0) == strategy.stage_of(0, 0)]
     assert len(same_stage) > 1
     assert all(anns[f"layers.{l}.wq"] is anns["layers.0.wq"] for l in same_stage)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_renamed_onto_renames_position_by_position(data):
+    """Groups and messages of a template subgroup renamed onto other subgroups' devices (picked in
+    C where the tuples have one length) equal renaming each device through a mapping."""
+    template = tuple(data.draw(st.lists(st.integers(0, 30), min_size=1, max_size=6, unique=True)))
+    tuples = data.draw(st.lists(st.lists(st.sampled_from(template), min_size=1, max_size=4).map(tuple), max_size=5))
+    named = data.draw(st.lists(st.permutations(range(100, 100 + len(template))).map(tuple), min_size=1, max_size=4))
+    expected = [tuple(dict(zip(template, devices))[d] for d in t) for devices in named for t in tuples]
+    assert comm_plans._renamed_onto(tuples, template, named) == expected

@@ -276,6 +276,22 @@ def order_pattern(devices: Sequence[int]) -> tuple[int, ...]:
     return tuple(rank[d] for d in devices)
 
 
+_SHARED_SUBGROUPS: dict[tuple, tuple[Subgroup, ...]] = {}  # (device groups, states) -> subgroups
+
+
+def _subgroups_on(union: "Annotation", ds: DistributedStates) -> tuple[Subgroup, ...]:
+    """Subgroups on `union`'s device groups, each with states `ds`: one tuple shared by every
+    union restated onto the same groups and states (deducing a large job restates a few stages'
+    unions of hundreds of groups dozens of times, about half of them onto a layout made before)."""
+    key = (union.dg_key, ds)
+    subs = _SHARED_SUBGROUPS.get(key)
+    if subs is None:
+        if len(_SHARED_SUBGROUPS) >= 256:
+            _SHARED_SUBGROUPS.clear()
+        subs = _SHARED_SUBGROUPS[key] = tuple(Subgroup.known(dg, ds) for dg in union.dg_union)
+    return subs
+
+
 @lru_cache(maxsize=64)
 def _ascending(n: int) -> tuple[int, ...]:
     return tuple(range(n))
@@ -518,7 +534,7 @@ class Annotation(_Memo):
             else:
                 if ds.size != uniform[1]:
                     Subgroup(self.subgroups[0].dg, ds)  # raises, naming both
-                subs = [Subgroup.known(dg, ds) for dg in self.dg_union]
+                subs = _subgroups_on(self, ds)
             return self._restated_as(subs, hdim, ratios, (ds, uniform[1]))
         new_states: dict[DistributedStates, tuple] = {}  # old -> (new, its size, unchanged)
         by_object: dict[int, tuple] = {}  # the same by id: hashed once per object

@@ -4,6 +4,9 @@ P2P edges it has (what pipeline discovery reads), and a one-line view per device
 
 from __future__ import annotations
 
+from itertools import chain
+from operator import itemgetter
+
 from hspmd.annotations import Annotation
 from hspmd.comm_resolve.plan_part import part_of
 from hspmd.comm_resolve.resolver import resolve
@@ -15,24 +18,40 @@ def resolve_comm(src: Annotation, dst: Annotation, shape, src_ratios, dst_ratios
 
 
 def _exchanges(plan, repeats: bool = True):
-    """Per step, (its collective groups, its messages as (src, dst) pairs), then the same for each
-    subgroup a plan resolved for some devices leaves out (Step.repeats): the template devices'
-    groups and messages, renamed. Every consumer below reads plans through this, so that a
-    rank's focused plan gives the whole plan's groups, roles and pattern. `repeats=False`: the
-    listed steps alone (every step of a device the plan covers)."""
+    """Per step, (its collective groups, its messages as (src, dst) pairs), then the same for the
+    subgroups a plan resolved for some devices leaves out (Step.repeats): the template devices'
+    groups and messages, renamed, for every subgroup of one template at once. Every consumer
+    below reads plans through this, so that a rank's focused plan gives the whole plan's groups,
+    roles and pattern. `repeats=False`: the listed steps alone (every step of a device the plan
+    covers)."""
     for step in plan.steps:
         groups = [c.devices for c in step.collectives]
         messages = [(t.src, t.dst) for t in step.transfers if t.src != t.dst]
         yield groups, messages
-        among: dict[tuple, tuple] = {}  # template devices -> its groups and messages (few templates)
+        named_by_template: dict[tuple, list] = {}  # template devices -> the device lists it stands for (few templates)
         for template, devices in step.repeats if repeats else ():
-            if template not in among:
-                members = set(template)
-                among[template] = ([g for g in groups if members.issuperset(g)],
-                                   [m for m in messages if m[0] in members and m[1] in members])
-            name = dict(zip(template, devices))
-            mine, sent = among[template]
-            yield [tuple(name[d] for d in g) for g in mine], [(name[a], name[b]) for a, b in sent]
+            named_by_template.setdefault(template, []).append(devices)
+        for template, named in named_by_template.items():
+            members = set(template)
+            mine = [g for g in groups if members.issuperset(g)]
+            sent = [m for m in messages if m[0] in members and m[1] in members]
+            yield _renamed_onto(mine, template, named), _renamed_onto(sent, template, named)
+
+
+def _renamed_onto(tuples: list[tuple[int, ...]], template: tuple[int, ...], named: list[tuple[int, ...]]):
+    """`tuples` of the template's devices renamed position by position onto each device list in
+    `named`, one after another: picked in C where the tuples have one length (a subgroup's
+    groups and messages, renamed for each of hundreds of subgroups)."""
+    position = dict(zip(template, range(len(template))))
+    at = [position[d] for d in chain.from_iterable(tuples)]
+    if not at:
+        return list(tuples) * len(named)  # (empty tuples, or none)
+    lengths = set(map(len, tuples))
+    if len(lengths) > 1:
+        return [tuple(devices[position[d]] for d in t) for devices in named for t in tuples]
+    picked = map(itemgetter(*at), named)
+    flat = picked if len(at) == 1 else chain.from_iterable(picked)
+    return list(zip(*[flat] * lengths.pop()))
 
 
 def roles_of(plan) -> dict[int, str]:
@@ -123,10 +142,11 @@ def pattern(plan) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
     return groups, edges
 
 
-def renamed(pattern_: tuple[list[tuple[int, ...]], list[tuple[int, int]]], name: dict[int, int]):
-    """A pattern with every device renamed."""
+def renamed(pattern_: tuple[list[tuple[int, ...]], list[tuple[int, int]]], template: tuple[int, ...],
+            devices: tuple[int, ...]):
+    """A pattern with each of the template's devices renamed to the device at its position."""
     groups, edges = pattern_
-    return [tuple(name[d] for d in g) for g in groups], [(name[a], name[b]) for a, b in edges]
+    return _renamed_onto(groups, template, [devices]), _renamed_onto(edges, template, [devices])
 
 
 def describe_for(plan, device: int) -> str:

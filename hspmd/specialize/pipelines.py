@@ -18,6 +18,7 @@ the only inconsistent pattern (one micro-batch's data would return to an earlier
 from __future__ import annotations
 
 import heapq
+from functools import lru_cache
 from itertools import chain, repeat
 from operator import itemgetter
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class PipelineLayout:
     @classmethod
     def chain(cls, stages: Iterable[Iterable[int]]) -> "PipelineLayout":
         stages = tuple(tuple(sorted(s)) for s in stages)
-        return cls(stages, tuple((j, j + 1) for j in range(len(stages) - 1)))
+        return cls(stages, _chain_links(len(stages)))
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -50,7 +51,7 @@ class PipelineLayout:
 
     @property
     def is_chain(self) -> bool:
-        return self.links == tuple((j, j + 1) for j in range(len(self.stages) - 1))
+        return self.links == _chain_links(len(self.stages))
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -136,16 +137,46 @@ def discover_pipelines(
     groups, edges, devices = list(map(tuple, collective_groups)), list(map(tuple, p2p_edges)), tuple(devices)
     _checked(groups, edges, devices)
     classes, root_of = _stage_classes(list(dict.fromkeys(groups)), edges, devices)
+    stage = root_of.__getitem__
+    stage_edges = set(zip(map(stage, map(itemgetter(0), edges)), map(stage, map(itemgetter(1), edges))))
+    stage_edges = [(a, b) for a, b in stage_edges if a != b]  # (thousands of device edges are mostly a few hundred stage edges)
+    layouts = _chains(classes, stage_edges)
+    if layouts is None:
+        layouts = _dags(classes, stage_edges)
+    return tuple(sorted(layouts, key=lambda p: min(map(itemgetter(0), p.stages))))
+
+
+def _chains(classes: dict[int, StageDevices], stage_edges: list[tuple[int, int]]) -> list[PipelineLayout] | None:
+    """The pipelines where every stage hands off to at most one stage and takes from at most one
+    (the usual layout), each walked from its first stage without a sort; None where some stage
+    has two successors or two predecessors, or where the stages form a cycle."""
+    senders, receivers = list(map(itemgetter(0), stage_edges)), list(map(itemgetter(1), stage_edges))
+    if len(set(senders)) < len(senders) or len(set(receivers)) < len(receivers):
+        return None
+    following = dict(stage_edges)
+    layouts, walked = [], 0
+    for head in set(classes).difference(receivers):
+        order = [head]
+        while order[-1] in following:
+            order.append(following[order[-1]])
+        walked += len(order)
+        layouts.append(PipelineLayout(tuple(map(classes.__getitem__, order)), _chain_links(len(order))))
+    return layouts if walked == len(classes) else None  # stages on no walk lie on a cycle
+
+
+@lru_cache(maxsize=64)
+def _chain_links(stages: int) -> tuple[tuple[int, int], ...]:
+    return tuple((j, j + 1) for j in range(stages - 1))
+
+
+def _dags(classes: dict[int, StageDevices], stage_edges: list[tuple[int, int]]) -> list[PipelineLayout]:
+    """The pipelines of any stage graph: its connected components, each in topological order."""
     successors: dict[int, set[int]] = {root: set() for root in classes}
     neighbours: dict[int, set[int]] = {root: set() for root in classes}
-    stage = root_of.__getitem__
-    for a, b in set(zip(map(stage, map(itemgetter(0), edges)), map(stage, map(itemgetter(1), edges)))):
-        # (thousands of device edges are mostly a few hundred stage edges)
-        if a != b:
-            successors[a].add(b)
-            neighbours[a].add(b)
-            neighbours[b].add(a)
-
+    for a, b in stage_edges:
+        successors[a].add(b)
+        neighbours[a].add(b)
+        neighbours[b].add(a)
     layouts = []
     seen: set[int] = set()
     for root in sorted(classes, key=lambda r: classes[r][0]):
@@ -158,7 +189,7 @@ def discover_pipelines(
                 frontier.append(n)
         seen |= component
         layouts.append(_order(component, successors, classes))
-    return tuple(sorted(layouts, key=lambda p: min(map(itemgetter(0), p.stages))))
+    return layouts
 
 
 def _order(component: set[int], successors: dict[int, set[int]], classes: dict[int, StageDevices]) -> PipelineLayout:

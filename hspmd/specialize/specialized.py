@@ -111,7 +111,7 @@ def _pattern_of(deduced: Deduced, node, binding: Binding, topology, cache, args:
         key = (shape_key,) + args[2:5] + args[6:]
         if held is None and key in read:
             template, found = read[key]
-            return comm_plans.renamed(found, dict(zip(template, devices)))
+            return comm_plans.renamed(found, template, devices)
     if held is None:  # any devices' plan gives the whole pattern (comm_plans: left-out subgroups renamed)
         held = resolve_node(deduced, node, binding, topology, cache, frozenset())
     found = comm_plans.pattern(held)
