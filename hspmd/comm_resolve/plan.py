@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
+from operator import itemgetter
 from typing import Iterable, Mapping
 
 from hspmd.annotations import Annotation, Box, device_pieces, parse
@@ -269,7 +271,7 @@ class Plan(_Stats):
         """Devices whose steps the plan leaves out (Step.repeats; empty for a whole plan): resolved
         for some devices only, it holds their parts, its cost and, renamed, everyone's groups, but
         not every device's steps, nor every byte in its tables."""
-        return frozenset(d for s in self.steps for _, devices in s.repeats for d in devices)
+        return frozenset(chain.from_iterable(map(itemgetter(1), chain.from_iterable(s.repeats for s in self.steps))))
 
     def covers(self, devices: Iterable[int] | None) -> bool:
         """Whether the plan lists the steps of every one of `devices` (None: of every device)."""

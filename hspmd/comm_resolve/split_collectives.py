@@ -18,6 +18,7 @@ input. Any subgroup sizes and split dims work: the grid has no preferred dim.
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import repeat
 from operator import itemgetter
 
 from hspmd.annotations import Annotation, Box, Split, box_intersection, device_pieces, split_bounds, subgroup_regions
@@ -143,8 +144,8 @@ def _aligned_step(primitive: str, src: Annotation, dst: Annotation, shape) -> St
         order = sorted(range(len(column)), key=column.__getitem__)
         parts = ()
         if sliced is not None:
-            before, after = box[:sliced.hdim], box[sliced.hdim + 1:]
-            parts = tuple(before + (slabs[k],) + after for k in order)
+            before, after = box[:sliced.hdim], box[sliced.hdim + 1:]  # each part: the box, its member's slab on hdim
+            parts = tuple(zip(*map(repeat, before), map(slabs.__getitem__, order), *map(repeat, after)))
         collectives.append(Collective(kind, tuple(map(column.__getitem__, order)), box, parts, ()))
     collectives.sort(key=lambda c: c.devices)
     return Step(primitive, src, dst, tuple(collectives), (), tuple(sorted(dst.devices)))
