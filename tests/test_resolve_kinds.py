@@ -10,7 +10,7 @@ from hspmd.annotations.geometry import subgroup_kinds
 from hspmd.comm_resolve import resolve
 from hspmd.comm_resolve.bounds import Lacks, lacks
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, plan_transfers
-from hspmd.comm_resolve.resolver import _representatives, _root, _within
+from hspmd.comm_resolve.gathered import gathered_within, representatives, root
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.testing import annotations, repeated_unions, shapes
 
@@ -53,8 +53,8 @@ def test_lacks_of_gathered_layouts_equal_lacks_device_by_device(case):
     kinds worked out from regions alone where both unions repeat one layout: the same lacks."""
     src, dst, shape, _ = case
     for ann in (src, dst):
-        for pick in (_root, _representatives):
-            gathered = _within(ann, pick)
+        for pick in (root, representatives):
+            gathered = gathered_within(ann, pick)
             for before, after in ((ann, gathered), (gathered, ann)):
                 assert lacks(before, after, shape) == lacks_device_by_device(before, after, shape)
 

@@ -17,7 +17,8 @@ from hspmd.annotations.geometry import split_index, subgroup_device_pieces
 from hspmd.annotations.states import numbered, order_pattern
 from hspmd.comm_resolve import relabel, resolve
 from hspmd.comm_resolve.collectives import disjoint
-from hspmd.comm_resolve.resolver import VIAS, _representatives, _root, _within
+from hspmd.comm_resolve.gathered import gathered_within, representatives, root
+from hspmd.comm_resolve.resolver import VIAS
 from hspmd.comm_resolve.slices import Grid, box_volume
 from hspmd.comm_resolve.split_collectives import _aligned_step, _cell_step, split_step
 from hspmd.comm_resolve.topology import cluster_for
@@ -190,20 +191,20 @@ def test_gathered_layouts_of_one_layout_are_shared_by_unions_on_the_same_groups(
     dim = data.draw(st.integers(0, ndim - 1))
     ann, other = Annotation(subs, dim, (1,) * hsize), Annotation(subs, "D")
     _assert_gathered_from_scratch(ann, dim)
-    for pick in (_root, partial(_representatives, dim=dim)):
-        assert _within(ann, pick).subgroups is _within(other, pick).subgroups
+    for pick in (root, partial(representatives, dim=dim)):
+        assert gathered_within(ann, pick).subgroups is gathered_within(other, pick).subgroups
 
 
 def _assert_gathered_from_scratch(ann: Annotation, dim: int) -> None:
-    representatives = _within(ann, partial(_representatives, dim=dim))
-    roots = _within(ann, _root)
-    for gathered in (representatives, roots):
+    on_representatives = gathered_within(ann, partial(representatives, dim=dim))
+    on_roots = gathered_within(ann, root)
+    for gathered in (on_representatives, on_roots):
         assert (gathered.hdim, gathered.ratios, gathered.hsize) == (ann.hdim, ann.ratios, ann.hsize)
-    for sub, rep, root in zip(ann.subgroups, representatives.subgroups, roots.subgroups):
+    for sub, rep, first in zip(ann.subgroups, on_representatives.subgroups, on_roots.subgroups):
         reps = tuple(d for i, d in enumerate(sub.dg) if split_index(sub, i, dim)[0] == 0)
         rest = tuple(a for a in sub.ds.axes if not (isinstance(a, Split) and a.dim == dim))
         assert rep == Subgroup(reps, rest)
-        assert root == Subgroup((sub.dg.devices[0],))
+        assert first == Subgroup((sub.dg.devices[0],))
 
 
 @SETTINGS

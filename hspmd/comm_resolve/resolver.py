@@ -43,16 +43,17 @@ are not built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache, partial
-from operator import add, itemgetter
+from functools import partial
+from operator import add
 from typing import Iterable, Sequence
 
-from hspmd.annotations import Annotation, Box, DeviceGroup, DistributedStates, Split, Subgroup, device_piece, device_pieces, parse
+from hspmd.annotations import Annotation, Box, Subgroup, device_piece, device_pieces, parse
 from hspmd.annotations.geometry import check_ratios, device_pieces_of, kept_regions, region_extents, region_shift
 from hspmd.comm_resolve.bounds import lacks, reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, local_copies, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
+from hspmd.comm_resolve.gathered import gathered_within, representatives, root
 from hspmd.comm_resolve import relabel
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
@@ -210,8 +211,8 @@ def _hops(via: str, ctx: _Reshard) -> tuple[Annotation, ...] | None:
         return (src, dst)
     if dst.has_partial:
         return None
-    pick = _root if via == "root" else _representatives
-    hops = (src, _within(src, pick), _within(dst, pick), dst)
+    pick = root if via == "root" else representatives
+    hops = (src, gathered_within(src, pick), gathered_within(dst, pick), dst)
     return tuple(h for i, h in enumerate(hops) if i == 0 or h != hops[i - 1])
 
 
@@ -280,64 +281,6 @@ def _same_messages(steps: list[Step], others: tuple[Step, ...]) -> bool:
     """Both are the one BatchedSendRecv planned once (the same transfers object): the same cost."""
     return (len(steps) == len(others) == 1 and not steps[0].collectives and not others[0].collectives
             and steps[0].transfers is others[0].transfers)
-
-
-def _within(ann: Annotation, pick) -> Annotation:
-    """`ann` with each subgroup's piece gathered onto the devices `pick` (_root or _representatives:
-    states -> (positions in the group, states there)) chooses, the union's HDim and ratios
-    unchanged: HetAuto gathers inside each outer-DP partition (an hspmd subgroup), never across
-    partitions, so that one pipeline's data never passes through another's devices. Made once per
-    annotation (plans of many shapes share their layouts), `pick` asked once per states object;
-    a subset of each valid group is valid, so nothing is checked again."""
-    def compute():
-        uniform = ann.uniform_states
-        if uniform is not None:  # (one layout: the subgroups are shared with the unions on the same groups)
-            return Annotation.known(_gathered(pick, ann.dg_key, uniform[0]), ann.hdim, ann.ratios)
-        picked = {id(ds): _picking(*pick(ds)) for ds in ann.distinct_states}
-        subs = [Subgroup.known(DeviceGroup.known(take(devices)), states)
-                for (take, states), devices in zip(map(picked.__getitem__, map(id, ann.ds_union)), ann.dg_key)]
-        return Annotation.known(subs, ann.hdim, ann.ratios)
-    return ann.derived(("within", pick), compute)
-
-
-@lru_cache(maxsize=64)
-def _gathered(pick, groups: tuple[tuple[int, ...], ...], states: DistributedStates) -> tuple[Subgroup, ...]:
-    """_within's subgroups of a union of one layout on `groups`: the same for every such union
-    (a gradient's, its ZeRO shard's and its parameter's layouts differ in HDim only)."""
-    take, picked = _picking(*pick(states))
-    return tuple(Subgroup.known(DeviceGroup.known(take(devices)), picked) for devices in groups)
-
-
-def _picking(positions: tuple[int, ...], states: DistributedStates):
-    """(a function taking the devices at `positions` of a group's, as a tuple; `states`)."""
-    take = itemgetter(*positions)
-    return (take if len(positions) > 1 else lambda devices: (take(devices),)), states
-
-
-def _root(ds: DistributedStates) -> tuple[tuple[int, ...], DistributedStates]:
-    """The subgroup's whole piece on its first device (S2's root)."""
-    return (0,), _WHOLE
-
-
-_WHOLE = DistributedStates()
-
-
-@lru_cache(maxsize=256)
-def _representatives(ds: DistributedStates, dim: int = 0) -> tuple[tuple[int, ...], DistributedStates]:
-    """The subgroup gathered along `dim` onto the devices at index 0 of every Split of `dim`
-    (HetAuto's inner-DP-rank-0 devices), the other axes keeping their devices' order and pieces:
-    (their positions in the group, their states)."""
-    axes = ds.axes
-    gathered = [isinstance(a, Split) and a.dim == dim for a in axes]
-    positions = []
-    for i in range(ds.size):
-        digits, rest = [], i
-        for a in reversed(axes):
-            digits.append(rest % a.n)
-            rest //= a.n
-        if all(d == 0 for d, g in zip(reversed(digits), gathered) if g):
-            positions.append(i)
-    return tuple(positions), DistributedStates(tuple(a for a, g in zip(axes, gathered) if not g))
 
 
 def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Reshard) -> Step | None:
