@@ -15,18 +15,8 @@ from hspmd.annotations.geometry import (
     subgroup_regions,
 )
 from hspmd.annotations.reference import infer_shape, shard, unshard
-from hspmd.annotations.states import (
-    Annotation,
-    Axis,
-    DeviceGroup,
-    DistributedStates,
-    Duplicate,
-    HDim,
-    Hierarchy,
-    Partial,
-    Split,
-    Subgroup,
-)
+from hspmd.annotations.states import Axis, DeviceGroup, DistributedStates, Duplicate, HDim, Partial, Split, Subgroup
+from hspmd.annotations.union import Annotation, Hierarchy
 from hspmd.annotations.syntax import parse, parse_hierarchy
 
 __all__ = [

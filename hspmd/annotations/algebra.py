@@ -6,15 +6,8 @@ from dataclasses import replace
 from itertools import accumulate
 from typing import Sequence
 
-from hspmd.annotations.states import (
-    Annotation,
-    Axis,
-    DeviceGroup,
-    DistributedStates,
-    Partial,
-    Split,
-    Subgroup,
-)
+from hspmd.annotations.states import Axis, DeviceGroup, DistributedStates, Partial, Split, Subgroup
+from hspmd.annotations.union import Annotation
 from hspmd.errors import AnnotationError
 
 

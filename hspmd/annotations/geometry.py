@@ -22,7 +22,8 @@ from typing import Iterable, Sequence, Union
 
 import sympy
 
-from hspmd.annotations.states import Annotation, DistributedStates, Partial, Split, Subgroup, numbered
+from hspmd.annotations.states import DistributedStates, Partial, Split, Subgroup, numbered
+from hspmd.annotations.union import Annotation
 from hspmd.errors import ShapeError, ShapeTypeError
 from hspmd.limits import MAX_DIMS, MAX_RATIO, brief, check_limit
 

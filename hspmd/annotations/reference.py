@@ -12,7 +12,8 @@ from typing import Mapping, Sequence
 import torch
 
 from hspmd.annotations.geometry import box_relative, check_shape, device_pieces, split_index, subgroup_pieces, subgroup_regions
-from hspmd.annotations.states import Annotation, Subgroup
+from hspmd.annotations.states import Subgroup
+from hspmd.annotations.union import Annotation
 from hspmd.annotations.syntax import parse
 from hspmd.errors import ReplicaMismatch, ShapeError, ShapeTypeError
 

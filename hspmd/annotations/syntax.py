@@ -12,17 +12,8 @@ Whitespace is free. Errors are ParseError with the offending character marked.
 
 from __future__ import annotations
 
-from hspmd.annotations.states import (
-    Annotation,
-    Axis,
-    DeviceGroup,
-    DistributedStates,
-    Duplicate,
-    Hierarchy,
-    Partial,
-    Split,
-    Subgroup,
-)
+from hspmd.annotations.states import Axis, DeviceGroup, DistributedStates, Duplicate, Partial, Split, Subgroup
+from hspmd.annotations.union import Annotation, Hierarchy
 from hspmd.errors import AnnotationError, AnnotationTypeError, LimitError, ParseError
 from hspmd.limits import MAX_DEVICES, MAX_DIGITS
 
