@@ -106,6 +106,21 @@ class Partial:
 Axis = Union[Split, Duplicate, Partial]
 
 
+def _members(values, what: str, empty: str, member: type | None = None, member_what: str = "") -> tuple:
+    """`values` as a tuple: raise naming `what` where it is no sequence (a string is none), `empty`
+    where it has no member, and `member_what` where a member is not a `member`."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise AnnotationTypeError(f"{what}, got {brief(values)}")
+    members = tuple(values)
+    if not members:
+        raise AnnotationError(empty)
+    if member is not None:
+        for m in members:
+            if not isinstance(m, member):
+                raise AnnotationTypeError(f"{member_what}, got {brief(m)}")
+    return members
+
+
 def _format_devices(devices: tuple[int, ...]) -> str:
     """Runs of three or more consecutive ids print as a-b: [0-3,5,6]."""
     parts, i = [], 0
@@ -128,11 +143,8 @@ class DeviceGroup(_Memo):
     devices: tuple[int, ...]
 
     def __post_init__(self):
-        if isinstance(self.devices, (str, bytes)) or not hasattr(self.devices, "__iter__"):
-            raise AnnotationTypeError(f"a device group is a sequence of device ids, got {brief(self.devices)}")
-        devices = tuple(self.devices)
-        if not devices:
-            raise AnnotationError("a device group needs at least one device, got []")
+        devices = _members(self.devices, "a device group is a sequence of device ids",
+                           "a device group needs at least one device, got []")
         check_limit(len(devices), MAX_DEVICES, "the number of devices in a group")
         for d in devices:
             if isinstance(d, bool) or not isinstance(d, int):

@@ -9,7 +9,8 @@ from itertools import chain, repeat
 from operator import attrgetter
 from typing import Callable, Mapping
 
-from hspmd.annotations.states import DeviceGroup, DistributedStates, HDim, Subgroup, _Memo, _positive_int, numbered
+from hspmd.annotations.states import (DeviceGroup, DistributedStates, HDim, Subgroup, _Memo, _members, _positive_int,
+                                      numbered)
 from hspmd.errors import AnnotationError, AnnotationTypeError
 from hspmd.limits import MAX_DIMS, MAX_RATIO, brief, check_limit
 
@@ -72,14 +73,9 @@ class Annotation(_Memo):
     ratios: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if isinstance(self.subgroups, (str, bytes)) or not hasattr(self.subgroups, "__iter__"):
-            raise AnnotationTypeError(f"a union is a sequence of subgroups, got {brief(self.subgroups)}")
-        subgroups = tuple(self.subgroups)
-        if not subgroups:
-            raise AnnotationError("a union needs at least one subgroup (HSize >= 1)")
-        for s in subgroups:
-            if not isinstance(s, Subgroup):
-                raise AnnotationTypeError(f"union members must be Subgroup values, got {brief(s)}")
+        subgroups = _members(self.subgroups, "a union is a sequence of subgroups",
+                             "a union needs at least one subgroup (HSize >= 1)", Subgroup,
+                             "union members must be Subgroup values")
         count = sum(len(s.dg.devices) for s in subgroups)
         if len(frozenset().union(*(s.dg.devices for s in subgroups))) != count:  # set work in C, then the details
             seen: dict[int, int] = {}
@@ -359,14 +355,9 @@ class Hierarchy:
     strategies: tuple[Annotation, ...]
 
     def __post_init__(self):
-        if isinstance(self.strategies, (str, bytes)) or not hasattr(self.strategies, "__iter__"):
-            raise AnnotationTypeError(f"a hierarchy is a sequence of annotations, got {brief(self.strategies)}")
-        strategies = tuple(self.strategies)
-        if not strategies:
-            raise AnnotationError("a hierarchy needs at least one strategy")
-        for a in strategies:
-            if not isinstance(a, Annotation):
-                raise AnnotationTypeError(f"hierarchy members must be Annotation values, got {brief(a)}")
+        strategies = _members(self.strategies, "a hierarchy is a sequence of annotations",
+                              "a hierarchy needs at least one strategy", Annotation,
+                              "hierarchy members must be Annotation values")
         object.__setattr__(self, "strategies", strategies)
 
     def __getitem__(self, strategy: int) -> Annotation:

@@ -42,10 +42,10 @@ def _renamed_onto(tuples: list[tuple[int, ...]], template: tuple[int, ...], name
     """`tuples` of the template's devices renamed position by position onto each device list in
     `named`, one after another: picked in C where the tuples have one length (a subgroup's
     groups and messages, renamed for each of hundreds of subgroups)."""
+    if not tuples:
+        return []
     position = dict(zip(template, range(len(template))))
     at = [position[d] for d in chain.from_iterable(tuples)]
-    if not at:
-        return list(tuples) * len(named)  # (empty tuples, or none)
     lengths = set(map(len, tuples))
     if len(lengths) > 1:
         return [tuple(devices[position[d]] for d in t) for devices in named for t in tuples]
