@@ -76,6 +76,25 @@ def test_matmul_mismatches_name_the_op_and_say_insert_comm(x_ann, w_ann, message
 
 
 @pytest.mark.parametrize(
+    "x_ann, w_ann, expected",
+    [
+        ("S0:2@[0,1]", "S0:2@[0,1]", "S0:2@[0,1]"),  # batch pieces paired
+        ("S0:2@[0,1]", "D:2@[0,1]", None),  # a whole w would broadcast against x's batch piece
+        ("D:2@[0,1]", "S0:2@[0,1]", None),
+        ("S1:2@[0,1]", "D:2@[0,1]", "S1:2@[0,1]"),  # M is x's alone
+        ("D:2@[0,1]", "S2:2@[0,1]", "S2:2@[0,1]"),  # N is w's alone
+        ("H0(1:1){D:2@[0,1] | @[2]}", "HD{D:2@[0,1] | @[2]}", None),  # the same across subgroups
+    ],
+)
+def test_batched_matmul_needs_a_batch_split_in_both_inputs(x_ann, w_ann, expected):
+    if expected is None:
+        with pytest.raises(DeductionError, match="batch dim 0 is split in one input but not in the other"):
+            _mm((4, 3, 8), x_ann, (4, 8, 5), w_ann)
+    else:
+        assert _mm((4, 3, 8), x_ann, (4, 8, 5), w_ann) == expected
+
+
+@pytest.mark.parametrize(
     "a, b, op, expected",
     [
         ("P:2@[0,1]", "P:2@[0,1]", "add", "P:2@[0,1]"),

@@ -1,7 +1,8 @@
 """matmul / linear: x[..., M, K] @ w[K, N] (or batched with equal batch dims).
 
 Deduction (paper figure 11): a split of M or the batch dims carries to the output, a split of N
-carries to the output's last dim, a split of K in both inputs makes the output Partial; HDim is
+carries to the output's last dim, a split of K in both inputs makes the output Partial; a batched
+w's batch dim must be split in both inputs alike; HDim is
 the same rule on the top tier (x's HDim 0 with a duplicated weight keeps HDim 0)."""
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class MatMul(RuleOp):
                     return Split(xr[1], n), 0
                 raise Mismatch(f"x is split along output dim {xr[1]} and w along output dim {wr[1]} at one axis")
             if xr or wr:
+                if w.ndim > 2 and (xr or wr)[1] < nd - 2:
+                    raise Mismatch(f"batch dim {(xr or wr)[1]} is split in one input but not in the other "
+                                   "(a batched matmul pairs each input's batch pieces)")
                 other = wa if xr else xa
                 if isinstance(other, Partial):
                     raise Mismatch("one input holds pieces where the other holds partial summands")
