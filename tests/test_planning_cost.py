@@ -118,3 +118,25 @@ def test_bad_specs_are_clear():
         model_named("llama-9000")
     with pytest.raises(ClusterError, match="unknown kernel class"):
         Efficiency(gamma={"conv": 1.0})
+
+
+def test_the_searches_price_gradient_sync_at_every_data_parallel_degree():
+    # More replicas than nodes: the ring still has d distinct members (round-robin over nodes).
+    from hspmd.planning.search.costed import CostModelEvaluator
+    evaluator = CostModelEvaluator(CostModel(uniform(2, 8), MODELS["llama-30b"]))
+    model = evaluator.cost.model
+    for dp, ring in ((2, [0, 8]), (4, [0, 8, 1, 9])):
+        share = model.parameters() / (16 // dp)
+        allreduce = evaluator.cost.collective("all_reduce", share * model.itemsize, ring)
+        update = evaluator.cost.update_time("gpu", share)
+        assert allreduce > 0
+        assert evaluator.sync_time(dp, {"gpu": 16 // dp}) == pytest.approx(allreduce + update)
+
+
+def test_a_hand_off_between_stages_on_one_node_is_not_free():
+    from hspmd.planning.search.costed import CostModelEvaluator
+    evaluator = CostModelEvaluator(CostModel(uniform(1, 8), MODELS["llama-30b"]))
+    model = evaluator.cost.model
+    nbytes = model.seq_len * model.hidden * model.itemsize
+    within_node = evaluator.cost.p2p(nbytes, (0, 1))
+    assert within_node > 0 and evaluator.link_time("gpu", "gpu") == pytest.approx(within_node)

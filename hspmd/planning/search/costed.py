@@ -4,13 +4,15 @@ search `Problem` of a ClusterSpec (device pools by type, in memory-descending or
 Approximations (the planner's view, not the simulator's): a stage's TP all-reduces are priced on
 the type's first node; an activation transfer between two stages of one type is priced between
 two of its nodes when it has several (stages that share a node pay less in reality); the gradient
-sync is a ring all-reduce of the average per-device parameter share over d members, one per node,
-plus the AdamW update of that share on the slowest type.
+sync is a ring all-reduce of the average per-device parameter share over d members spread over the
+nodes round-robin (one per node while there are as many nodes), plus the AdamW update of that
+share on the slowest type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Mapping
 
 from hspmd.cluster import ClusterSpec
@@ -75,8 +77,9 @@ class CostModelEvaluator:
             nbytes = self.mbs * model.seq_len * model.hidden * model.itemsize
             a = self.cluster.devices_of_type(src_type)
             b = self.cluster.devices_of_type(dst_type)
-            other = [d for d in b if self.cluster.node_of(d) != self.cluster.node_of(a[0])]
-            self._memo[key] = self.cost.p2p(nbytes, (a[0], (other or list(b))[0]))
+            elsewhere = [d for d in b if self.cluster.node_of(d) != self.cluster.node_of(a[0])]
+            other = elsewhere or [d for d in b if d != a[0]] or [a[0]]  # one node: two of its devices
+            self._memo[key] = self.cost.p2p(nbytes, (a[0], other[0]))
         return self._memo[key]
 
     def sync_time(self, dp, pipeline_devices: Mapping[str, int]):
@@ -90,12 +93,11 @@ class CostModelEvaluator:
     def _sync_time(self, dp, pipeline_devices: Mapping[str, int]):
         model = self.cost.model
         share = model.parameters() / sum(pipeline_devices.values())
-        firsts: dict[int, int] = {}
+        by_node: dict[int, list[int]] = {}
         for d in range(self.cluster.n_devices):
-            firsts.setdefault(self.cluster.node_of(d), d)
-        nodes = list(firsts.values())
-        ring = (nodes * dp)[:dp] if len(nodes) > 1 else list(range(dp))
-        allreduce = self.cost.collective("all_reduce", share * model.itemsize, ring) if len(set(ring)) == dp else 0.0
+            by_node.setdefault(self.cluster.node_of(d), []).append(d)
+        spread = [d for column in zip_longest(*by_node.values()) for d in column if d is not None]
+        allreduce = self.cost.collective("all_reduce", share * model.itemsize, spread[:dp])
         update = max(self.cost.update_time(t, share) for t in pipeline_devices)
         return allreduce + update
 
