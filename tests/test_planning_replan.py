@@ -74,3 +74,26 @@ def test_batches_follow_throughput_and_bad_input_is_named():
         replan(paper_strategy("table7_c1"), h800_h20(0, 4), failed=[40], evaluator=H20_ONLY)
     with pytest.raises(HSPMDError, match="survives"):
         replan(parse_strategy("layers=2 ; 1x1: R0 L0-1"), h800_h20(0, 1), failed=[0], evaluator=H20_ONLY)
+
+
+def test_too_small_a_batch_for_the_pipelines_is_named():
+    with pytest.raises(HSPMDError, match="global batch of 1 sample.*2 pipelines"):
+        proportional_batches(1, [1.0, 1.0])
+
+
+def test_replan_places_tp_groups_inside_nodes_left_odd_by_failures():
+    # Two nodes of 4 lose a device each: 6 devices count as three TP-2 groups, but a node of 3
+    # holds one TP-2 group; the replan must place every group inside a node.
+    from hspmd.cluster.presets import uniform
+    from hspmd.planning.ranks import assign_ranks
+    from hspmd.planning.search import PlanningError
+    evaluator = TableEvaluator({("gpu", 1): 1.0, ("gpu", 2): 0.3, ("gpu", 4): 0.2}, {"gpu": 1e15})
+    cluster = uniform(2, 4)
+    planned = replan(parse_strategy("4x1: R0-3 L0-5 ; 4x1: R4-7 L0-5"), cluster, failed=[3, 7], evaluator=evaluator)
+    for stage in (s for p in planned.strategy.pipelines for s in p.stages):
+        assert len({cluster.node_of(r) for r in stage.ranks}) == 1
+    assert set(planned.strategy.all_ranks) <= {0, 1, 2, 4, 5, 6}
+    # An evaluator that cannot price the cluster's devices: the reason reaches the error.
+    unpriced = TableEvaluator({("generic", 1): 1.0}, {"generic": 1e15})
+    with pytest.raises(PlanningError, match="profile table has no layer time for gpu"):
+        replan(parse_strategy("4x1: R0-3 L0-5 ; 4x1: R4-7 L0-5"), cluster, failed=[3, 7], evaluator=unpriced)

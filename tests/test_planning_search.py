@@ -135,3 +135,16 @@ def test_plans_carry_an_h1f1b_warmup_where_it_beats_1f1b_and_fits():
     for problem in (tight_memory_problem(), hapt_problem()):
         planned = dp(problem)[0]
         assert planned.schedule == "1f1b" and {p.schedule for p in planned.strategy.pipelines} == {None}
+
+
+@pytest.mark.parametrize("search", [dp, dfs])
+def test_searches_place_tp_groups_inside_nodes_that_are_not_powers_of_two(search):
+    from hspmd.planning.ranks import DevicePool
+    from hspmd.planning.search import Problem, TableEvaluator
+    evaluator = TableEvaluator({("A", 1): 1.0, ("A", 2): 0.3}, {"A": 1e15})
+    problem = Problem((DevicePool("A", ((0, 1, 2), (3, 4, 5))),), 6, 4, evaluator)
+    found = search(problem)[0]
+    node_of = {r: k for k, node in enumerate(problem.pools[0].nodes) for r in node}
+    for stage in (s for p in found.strategy.pipelines for s in p.stages):
+        assert len({node_of[r] for r in stage.ranks}) == 1
+    assert sum(s.tp for s in found.layout.stages) * found.layout.pipelines <= 6

@@ -57,6 +57,8 @@ class Candidate:
 
 def proportional_batches(total: int, bottlenecks: Sequence[float]) -> list[int]:
     """Samples per pipeline in proportion to 1 / bottleneck (largest remainder, at least one each)."""
+    if total < len(bottlenecks):
+        raise PlanningError(f"a global batch of {total} sample(s) cannot give each of {len(bottlenecks)} pipelines one")
     weights = [1.0 / b for b in bottlenecks]
     scale = 10**6 / max(weights)
     counts = [b - a for a, b in split_bounds(total, [max(1, round(w * scale)) for w in weights])]
@@ -114,6 +116,7 @@ class _Replanner:
         self.batch, self.tp_degrees, self.recompute = global_batch, tp_degrees, recompute
         self.type_of = {r: p.device_type for p in self.pools for r in p.ranks}
         self.alive = set(self.type_of)
+        self.refusals: list[str] = []  # why searches found nothing, for the error if no candidate is left
 
     def problem(self, pools, batch: int) -> Problem:
         degrees = {p.device_type: self.tp_degrees[p.device_type] for p in pools}
@@ -152,7 +155,8 @@ class _Replanner:
             share = max(1, p.samples_per_step or self.batch // len(self.old.pipelines))
             try:
                 layout = dp(self.problem(pools, share))[0].layout
-            except PlanningError:
+            except PlanningError as exc:
+                self.refusals.append(f"repairing pipeline {self.old.pipelines.index(p)}: {exc}")
                 return []
             best = None
             for order in _orders(layout.stages):
@@ -213,7 +217,8 @@ class _Replanner:
         for search in (lambda: dp(problem, top=4), lambda: dfs(problem)):
             try:
                 found = search()
-            except PlanningError:
+            except PlanningError as exc:
+                self.refusals.append(str(exc))
                 continue
             for planned in found:
                 pipelines = [(planned.layout.stages, tuple(s.ranks for s in p.stages)) for p in planned.strategy.pipelines]
@@ -254,11 +259,10 @@ def replan(strategy: Strategy, cluster: ClusterSpec, model: ModelSpec | None = N
         degrees[p.device_type] = tuple(1 << k for k in range(limit.bit_length()) if (1 << k) <= limit)
     planner = _Replanner(strategy, evaluator, pools, batch, degrees, recompute)
     candidates = (planner.repair() if not added else []) + planner.fresh()
-    if not candidates:
-        raise PlanningError(f"replan: no strategy on devices {sorted(available)} fits device memory")
-    fastest = min(c.time for c in candidates)
+    fastest = min((c.time for c in candidates), default=float("inf"))
     if fastest == float("inf"):
-        raise PlanningError(f"replan: no strategy on devices {sorted(available)} fits device memory")
+        why = "".join(f"; {r}" for r in dict.fromkeys(planner.refusals))
+        raise PlanningError(f"replan: no strategy on devices {sorted(available)} fits device memory{why}")
     tied = [c for c in candidates if c.time <= fastest * (1 + tolerance)]
     chosen = min(tied, key=lambda c: (c.moved, c.kind != "repair"))
     problem = planner.problem(pools, batch)

@@ -200,7 +200,7 @@ def dfs(problem: Problem, group_size: int = 128, two_stage: bool = True) -> list
     blocks = [Block(t, n) for t, n in problem.counts().items()]
     best = run.search(blocks, problem.dp_degrees())
     if best is None:
-        raise PlanningError("dfs: no layout fits device memory")
+        raise PlanningError("dfs: no layout fits device memory with its TP groups inside nodes")
     stage = 1
     if two_stage:
         groups = split_groups(problem, best.pipelines, group_size)

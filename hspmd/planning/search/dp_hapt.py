@@ -194,13 +194,15 @@ def dp(problem: Problem, prune: bool = True, top: int = 1) -> list[PlannedStrate
                 if value == INF:
                     continue
                 layout = Layout(d, stages, run.micro)
-                true_time = price(problem, layout).time
-                best = min(best, true_time)
-                results.append((true_time, layout.key(), layout))
+                priced = price(problem, layout)
+                if not priced.feasible:  # its TP groups cannot be placed inside nodes
+                    continue
+                best = min(best, priced.time)
+                results.append((priced.time, layout.key(), layout))
     finally:
         sys.setrecursionlimit(limit)
     if not results:
-        raise PlanningError("dp: no layout fits device memory")
+        raise PlanningError("dp: no layout fits device memory with its TP groups inside nodes")
     results.sort(key=lambda x: (x[0], x[1]))
     unique, seen = [], set()
     for _, key, layout in results:

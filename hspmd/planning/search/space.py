@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Mapping, Protocol, Sequence
 
 from hspmd.errors import HSPMDError
@@ -126,6 +127,10 @@ class Layout:
     def key(self) -> tuple:
         return (self.pipelines, self.micro_batches, self.stages)
 
+    def describe(self) -> str:
+        stages = ", ".join(f"{s.device_type} TP{s.tp} {s.layers} layer(s)" for s in self.stages)
+        return f"{self.pipelines} pipeline(s) of [{stages}]"
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -202,13 +207,21 @@ def price_pipeline(evaluator: Evaluator, stages: Sequence[StagePlan], micro_batc
 
 
 def price(problem: Problem, layout: Layout) -> Priced:
-    """The objective of the module docstring for a layout of identical pipelines."""
+    """The objective of the module docstring for a layout of identical pipelines. Feasible when
+    its stages fit memory and its TP groups can be placed inside nodes (counting devices is not
+    enough where nodes are not powers of two, e.g. after failures): in its own order, or in the
+    order `placeable` gives, whose memory must fit too."""
     priced = price_pipeline(problem.evaluator, layout.stages, layout.micro_batches, layout.pipelines)
     devices: dict[str, int] = {}
     for s in layout.stages:
         devices[s.device_type] = devices.get(s.device_type, 0) + s.tp
     sync = problem.evaluator.sync_time(layout.pipelines, devices)
-    return Priced(priced.time + sync, priced.stage_times, priced.stage_memory, priced.feasible)
+    feasible = priced.feasible
+    if feasible:
+        placed = placeable(problem, layout)
+        feasible = placed is layout or placed is not None and price_pipeline(
+            problem.evaluator, placed.stages, placed.micro_batches, placed.pipelines).feasible
+    return Priced(priced.time + sync, priced.stage_times, priced.stage_memory, feasible)
 
 
 def strategy_stages(problem: Problem, strategy: Strategy) -> list[tuple[StagePlan, ...]]:
@@ -305,23 +318,35 @@ def layout_strategy(problem: Problem, layout: Layout, name: str = "") -> Strateg
     return Strategy(tuple(pipelines), problem.num_layers, False, name)
 
 
-def placeable(problem: Problem, layout: Layout) -> Layout:
+def placeable(problem: Problem, layout: Layout) -> Layout | None:
     """`layout`, or, when its TP groups cannot all be placed inside nodes in this order, the same
     stages with each device type's stages in descending TP order (power-of-two groups taken
-    largest first always pack into power-of-two nodes). Re-priced by the caller: the order can
-    change memory (in-flight counts) and the first/last stage costs."""
-    try:
-        assign_ranks([[(s.device_type, s.tp) for s in layout.stages]] * layout.pipelines, problem.pools)
+    largest first always pack into power-of-two nodes); None when neither order places them.
+    Re-priced by the caller: the order can change memory (in-flight counts) and the first/last
+    stage costs."""
+    if _places(problem.pools, layout.pipelines, tuple((s.device_type, s.tp) for s in layout.stages)):
         return layout
-    except RankAssignmentError:
-        pass
     stages = list(layout.stages)
     start = 0
     for k in range(1, len(stages) + 1):
         if k == len(stages) or stages[k].device_type != stages[start].device_type:
             stages[start:k] = sorted(stages[start:k], key=lambda s: -s.tp)
             start = k
-    return Layout(layout.pipelines, tuple(stages), layout.micro_batches)
+    ordered = Layout(layout.pipelines, tuple(stages), layout.micro_batches)
+    if ordered.stages != layout.stages and _places(problem.pools, ordered.pipelines,
+                                                   tuple((s.device_type, s.tp) for s in ordered.stages)):
+        return ordered
+    return None
+
+
+@lru_cache(maxsize=4096)
+def _places(pools: tuple[DevicePool, ...], pipelines: int, groups: tuple[tuple[str, int], ...]) -> bool:
+    """Whether `pipelines` copies of the (device type, TP) groups can be placed inside nodes."""
+    try:
+        assign_ranks([list(groups)] * pipelines, pools)
+    except RankAssignmentError:
+        return False
+    return True
 
 
 def scheduled(problem: Problem, strategy: Strategy) -> tuple[Strategy, str, tuple[tuple[int, ...], ...], dict[int, float], dict]:
@@ -352,8 +377,15 @@ def scheduled(problem: Problem, strategy: Strategy) -> tuple[Strategy, str, tupl
 
 def planned(problem: Problem, layout: Layout, provenance: Mapping[str, object]) -> PlannedStrategy:
     """The PlannedStrategy of a layout: its Strategy under the schedule `scheduled` picks."""
-    layout = placeable(problem, layout)
+    placed = placeable(problem, layout)
+    if placed is None:
+        nodes = "; ".join(f"{p.device_type}: nodes of {[len(n) for n in p.nodes]} device(s)" for p in problem.pools)
+        raise PlanningError(f"{provenance.get('search', 'planning')}: the TP groups of {layout.describe()} cannot be "
+                            f"placed inside the nodes of {nodes}")
+    layout = placed
     priced = price(problem, layout)
+    if not priced.feasible:
+        raise PlanningError(f"{provenance.get('search', 'planning')}: {layout.describe()} exceeds device memory")
     strategy = layout_strategy(problem, layout, str(provenance.get("search", "")))
     strategy, policy, in_flight, peak, seconds = scheduled(problem, strategy)
     return PlannedStrategy(strategy, policy, in_flight, priced.time, peak, {**provenance, "pipeline_seconds": seconds},
