@@ -179,9 +179,22 @@ def test_kill_needs_an_elastic_job_and_a_well_formed_point():
         KillPoint.parse("3")
     with pytest.raises(HSPMDError, match="PHASE"):
         KillPoint.parse("3=1:2@lunch")
+    with pytest.raises(HSPMDError, match="steps count from 1"):
+        KillPoint.parse("0=1")
+    with pytest.raises(HSPMDError, match="ranks and calls from 0"):
+        KillPoint.parse("2=-1")
     assert KillPoint.parse("20=3:7@save") == KillPoint(20, 3, 7, "save")
     assert str(KillPoint.parse("20=3")) == "20=3:1@step"
     assert KillPoint.parse(str(KillPoint(2, 1, 0, "switch"))) == KillPoint(2, 1, 0, "switch")
+
+
+def test_a_kill_point_on_a_rank_outside_the_job_is_refused():
+    from types import SimpleNamespace
+
+    from hspmd.runtime.elastic import ElasticTrainer
+    trainer = ElasticTrainer.__new__(ElasticTrainer)
+    with pytest.raises(HSPMDError, match="--kill 3=5:1@step: the job has ranks 0-3"):
+        trainer._setup(None, None, SimpleNamespace(world_size=4), kills=[KillPoint(3, 5)])
 
 
 class _Quiet:

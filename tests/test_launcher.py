@@ -143,6 +143,8 @@ def test_a_missing_script_is_a_usage_error(tmp_path, capsys):
     assert cli_main(["run", "-n", "2", str(tmp_path / "nope.py")]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and err.count("\n") == 1 and err.startswith("hspmd: error: ")
+    assert cli_main(["run", "-n", "2"]) == 2
+    assert "give the Python script every rank runs" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess
@@ -256,6 +258,33 @@ def test_a_frozen_rank_is_named_by_its_missing_heartbeat_not_left_to_time_out(tm
     assert proc.returncode != 0
     assert "rank 1 stopped responding (no heartbeat" in err, err
     assert "rank 0 stopped" not in err and "rank 0 exited" not in err
+
+
+@pytest.mark.multiprocess
+def test_an_elastic_job_kills_a_frozen_rank_and_goes_on(tmp_path):
+    """Rank 1 freezes; under --elastic its missing heartbeat gets it killed and its death announced
+    (a frozen rank would otherwise keep the job waiting forever); rank 0 finishes the job."""
+    script = write_script(tmp_path, """
+        import os, signal, time
+        from hspmd.backends.torch_dist import init_from_env
+        backend = init_from_env("gloo")
+        if backend.rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(8)
+        print("rank", backend.rank, "done", flush=True)
+    """)
+    proc = hspmd_run("-n", "2", "--elastic", "--heartbeat", "2", str(script))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert "rank 1 stopped responding (no heartbeat" in err and "killed it" in err, err
+    assert "rank(s) [1] died (signal SIGKILL" in err, err
+    assert "rank 0 done" in out and "rank 1 done" not in out
+
+
+def test_a_rank_killed_by_a_signal_without_a_name_is_described_by_number():
+    from hspmd.runtime.launcher import _describe
+    assert _describe(-40) == "signal 40"
+    assert _describe(-9) == "signal SIGKILL"
 
 
 @pytest.mark.multiprocess

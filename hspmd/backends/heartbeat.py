@@ -47,6 +47,12 @@ class HeartbeatMonitor:
         self._count: dict[int, int] = {}
         self._seen: dict[int, float] = {}
         self._checked = 0.0
+        self._before: dict[int, int] = {}  # a restarted slot: its predecessor's count, not yet a beat
+
+    def restarted(self, rank: int) -> None:
+        """A new process took `rank`'s slot: watch it from its own first beat (it keeps the key's count)."""
+        self._before[rank] = int(self.store.add(beat_key(rank), 0))
+        self._count.pop(rank, None)
 
     def stopped(self, now: float | None = None) -> list[tuple[int, float]]:
         """[(rank, seconds since its last beat)] of the ranks that stopped beating."""
@@ -57,7 +63,7 @@ class HeartbeatMonitor:
         out = []
         for rank in self.ranks:
             count = int(self.store.add(beat_key(rank), 0))
-            if count == 0:
+            if count == self._before.get(rank, 0):
                 continue
             if count != self._count.get(rank):
                 self._count[rank], self._seen[rank] = count, now

@@ -66,6 +66,10 @@ class KillPoint:
     call: int = 1
     phase: str = "step"
 
+    def __post_init__(self):
+        if self.step < 1 or self.rank < 0 or self.call < 0:
+            raise HSPMDError(f"--kill {self}: steps count from 1, ranks and calls from 0")
+
     @staticmethod
     def parse(text: str) -> "KillPoint":
         """STEP=RANK[:CALL][@PHASE], as `--kill` takes it (e.g. 20=3, 20=3:7, 20=3:0@save)."""
@@ -73,9 +77,11 @@ class KillPoint:
         rest, _, phase = rest.partition("@")
         rank, _, call = rest.partition(":")
         try:
-            point = KillPoint(int(step), int(rank), int(call) if call else 1, phase or "step")
+            step, rank, call = int(step), int(rank), int(call) if call else 1
         except ValueError:
             point = None
+        else:
+            point = KillPoint(step, rank, call, phase or "step")
         if point is None or point.phase not in PHASES:
             raise HSPMDError(f"--kill {text!r}: write STEP=RANK[:CALL][@PHASE] with PHASE one of {', '.join(PHASES)}, "
                              f"e.g. --kill 20=3")
@@ -223,6 +229,9 @@ class ElasticTrainer:
         self.build_graph, self.membership = build_graph, membership
         self.schedule, self.symbols, self.seed, self.describe = schedule, dict(symbols or {}), seed, describe
         self.kills = tuple(kills)
+        outside = [str(k) for k in self.kills if k.rank >= membership.world_size]
+        if outside:
+            raise HSPMDError(f"--kill {', '.join(outside)}: the job has ranks 0-{membership.world_size - 1}")
         self._injector: FaultInjector | None = None
         self.checkpoint_path: str | None = None
         self.sharded = sharded

@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--heartbeat", type=non_negative_float, default=DEFAULT_HEARTBEAT_S,
                         help="seconds without a rank's heartbeat before it is declared stopped and the job ended "
-                             f"(default {DEFAULT_HEARTBEAT_S:g}; 0: off)")
+                             f"(with --elastic: the rank is killed and the others go on) (default {DEFAULT_HEARTBEAT_S:g}; 0: off)")
     parser.add_argument("--elastic", action="store_true",
                         help="a rank that dies does not end the job: the launcher hosts the store and announces "
                              "each death to the survivors, which recover without it (hspmd.runtime.elastic)")
@@ -63,13 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "process joins the running job and receives its pieces from the survivors")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="give each rank its own CPUs (contiguous slices; round-robin when ranks outnumber CPUs)")
-    parser.add_argument("script", help="the Python script every rank runs")
+    parser.add_argument("script", nargs="?", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.nproc > MAX_LOCAL_RANKS:
         parser.error(f"-n {args.nproc} is over the limit of {MAX_LOCAL_RANKS} local ranks")
     if args.port is not None and args.port > 65535:
         parser.error(f"--port must be 1-65535, got {args.port}")
+    if args.script is None:
+        parser.error("give the Python script every rank runs, e.g. hspmd run -n 2 examples/llama/train.py")
     if not os.path.isfile(args.script):
         parser.error(f"script {args.script!r} does not exist")
     command = [sys.executable, args.script, *args.script_args]
@@ -104,7 +106,7 @@ def launch(
     joins the running job (HSPMD_JOIN=1) and the survivors take it back.
     The launcher hosts the job's store (loopback, per-job secret) and, unless `heartbeat` is 0,
     ends the job naming a rank whose heartbeat stood still for `heartbeat` seconds (a frozen rank,
-    found long before its peers' collectives time out). Every rank runs under rank_guard.py, so
+    found long before its peers' collectives time out; an elastic job kills it and goes on). Every rank runs under rank_guard.py, so
     no rank or grandchild outlives a launcher that is SIGKILLed. `pin_cpus`: each rank (and a
     restarted one in its slot) runs on its own CPUs (hspmd.runtime.affinity.cpu_slices)."""
     from hspmd.backends.heartbeat import HeartbeatMonitor
@@ -117,7 +119,7 @@ def launch(
     secret = new_secret()
     store = _host_store(port, secret)
     port = store.port
-    monitor = HeartbeatMonitor(store, range(nprocs), heartbeat) if heartbeat > 0 and not elastic else None
+    monitor = HeartbeatMonitor(store, range(nprocs), heartbeat) if heartbeat > 0 else None
     stop = _StopRequest()
     previous_handlers = _install_stop_handlers(stop)
     ranks: list[_Rank] = []
@@ -134,7 +136,7 @@ def launch(
             if elastic:
                 restart = _Restarter(command, nprocs, backend, port, secret, heartbeat, max_restarts, out, err, ranks,
                                      pumps, cpus)
-                failed = _wait_elastic(ranks, stop, store, err, restart)
+                failed = _wait_elastic(ranks, stop, store, err, restart, monitor)
             else:
                 failed = _wait_for_end(ranks, stop, monitor)
     except KeyboardInterrupt:
@@ -262,18 +264,28 @@ class _Restarter:
         return fresh
 
 
-def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str], restart: _Restarter) -> list[_Rank]:
+def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str], restart: _Restarter,
+                  monitor=None) -> list[_Rank]:
     """Announce every rank that exits non-zero as dead (hspmd.runtime.membership.announce_death),
     restart its slot while the budget lasts (the new process says when it is ready; then a new
-    generation takes it back), and keep going while any rank runs. Returns [] if some rank
-    finished, else the failed ranks, the last to fail first (the survivors' own error, e.g. a
-    weight that no living rank holds)."""
+    generation takes it back), and keep going while any rank runs. A rank that stopped beating
+    (`monitor`) is SIGKILLed, so that its death is announced like any other rather than its peers
+    waiting out their collectives' timeout. Returns [] if some rank finished, else the failed
+    ranks, the last to fail first (the survivors' own error, e.g. a weight that no living rank holds)."""
     from hspmd.runtime.membership import announce_death, killed_note, ready_key  # torch only for elastic jobs
 
     dead: list[_Rank] = []
     dead_ranks: set[int] = set()
     joining: dict[int, _Rank] = {}
     while not stop.signal:
+        for rank, silent in monitor.stopped() if monitor is not None else ():
+            for r in ranks:
+                if r.rank == rank and r.process.poll() is None:
+                    err.write(f"hspmd run: rank {rank} stopped responding (no heartbeat for {silent:.0f}s: frozen or "
+                              f"hung); killed it so that the others go on without it\n")
+                    err.flush()
+                    _signal_group(r.process.pid, signal.SIGKILL)
+                    r.process.wait()
         codes = [r.process.poll() for r in ranks]
         newly = [r for r, code in zip(ranks, codes) if code not in (None, 0) and r not in dead]
         if newly:
@@ -289,6 +301,8 @@ def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str],
             for r in newly:
                 if any(s.rank != r.rank and s.process.poll() is None for s in ranks) and (fresh := restart(r.rank)):
                     joining[r.rank] = fresh
+                    if monitor is not None:
+                        monitor.restarted(r.rank)
                     err.write(f"hspmd run: restarted rank {r.rank} ({restart.budget} restart(s) left); it joins when ready\n")
         ready = [rank for rank in joining if store.check([ready_key(rank)])]
         if ready:
@@ -392,7 +406,10 @@ def _report_failure(failed: list[_Rank], err: IO[str]) -> None:
 
 def _describe(returncode: int) -> str:
     if returncode < 0:
-        return f"signal {signal.Signals(-returncode).name}"
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:  # e.g. a real-time signal, which has no name
+            return f"signal {-returncode}"
     return f"exit code {returncode}"
 
 
