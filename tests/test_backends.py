@@ -264,6 +264,30 @@ def test_cupy_backend_without_cupy_says_to_install_the_gpu_extra():
         CupyNcclBackend(store=None, rank=0, world_size=1)
 
 
+def test_cupy_backend_joins_the_store_hspmd_run_hosts(monkeypatch):
+    """Under `hspmd run` the launcher hosts the job's store: rank 0 must join it, not bind its port."""
+    from hspmd.backends.cupy_nccl import CupyNcclBackend
+    from hspmd.backends.store import LOOPBACK, SECRET_ENV, STORE_HOSTED_ENV, new_secret, open_store
+
+    secret = new_secret()
+    hosted = open_store(LOOPBACK, 0, is_master=True, secret=secret.encode())
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": LOOPBACK,
+           "MASTER_PORT": str(hosted.port), STORE_HOSTED_ENV: "1", SECRET_ENV: secret}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    class Joined(CupyNcclBackend):
+        def __init__(self, store, *args):
+            self.store = store
+
+    try:
+        joined = Joined.from_env(timeout=10)
+        joined.store.set("hello", "world")
+        assert hosted.get("hello") == b"world"
+    finally:
+        hosted.server.close()
+
+
 def test_cupy_backend_logic_matches_the_in_process_backend_on_a_fake_nccl(reference, monkeypatch):
     """CupyNcclBackend's own logic (store rendezvous of unique ids, union of prepared groups, member
     order, padding, byte views, grouped point-to-point) over a CPU stand-in for cupy.cuda.nccl."""

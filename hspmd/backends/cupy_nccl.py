@@ -72,11 +72,12 @@ class CupyNcclBackend(Backend):
     @classmethod
     def from_env(cls, timeout: float = DEFAULT_TIMEOUT_S, namespace: str = "hspmd/cupy_nccl") -> "CupyNcclBackend":
         """Build from the torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
-        Reuses torch.distributed's store when a process group is initialised; otherwise rank 0
-        hosts the job's store (hspmd.backends.store) on MASTER_ADDR:MASTER_PORT. Collective: every rank calls it."""
+        Reuses torch.distributed's store when a process group is initialised; otherwise joins the
+        job's store (hspmd.backends.store) on MASTER_ADDR:MASTER_PORT, hosted by `hspmd run` or
+        else by rank 0. Collective: every rank calls it."""
         import torch.distributed as dist
 
-        from hspmd.backends.store import open_store, secret_from_env
+        from hspmd.backends.store import hosts_store, open_store, secret_from_env
         from hspmd.backends.torch_dist import launch_env, store_address
 
         rank, world_size, local_rank = launch_env("hspmd run -n N --backend nccl script.py")
@@ -86,7 +87,7 @@ class CupyNcclBackend(Backend):
             store = dist.distributed_c10d._get_default_store()
         else:
             host, port = store_address()
-            store = open_store(host, port, rank == 0, secret_from_env(), timeout)
+            store = open_store(host, port, hosts_store(rank), secret_from_env(), timeout)
         return cls(store, rank, world_size, timeout, namespace)
 
     # communicators ------------------------------------------------------------------------------

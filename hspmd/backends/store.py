@@ -300,6 +300,11 @@ class JobStore(dist.Store):
         return JobStore(self.host, self.port, secret, self.timeout.total_seconds())
 
 
+def hosts_store(rank: int) -> bool:
+    """Whether this rank hosts the job's store: rank 0, unless a launcher hosts it (HSPMD_STORE_HOSTED)."""
+    return rank == 0 and os.environ.get(STORE_HOSTED_ENV) != "1"
+
+
 def open_store(host: str, port: int, is_master: bool, secret: bytes | None = None, timeout: float = 300.0) -> JobStore:
     """The job's store at host:port: hosted here when `is_master` (bound to `host` only), then
     joined as a client. `secret` defaults to HSPMD_JOB_SECRET."""
@@ -308,4 +313,4 @@ def open_store(host: str, port: int, is_master: bool, secret: bytes | None = Non
     return JobStore(host, server.port if server else port, secret, timeout, server)
 
 
-__all__ = ["JobStore", "LOOPBACK", "SECRET_ENV", "STORE_HOSTED_ENV", "STORE_PORT_ENV", "StoreServer", "new_secret", "open_store", "secret_from_env"]
+__all__ = ["JobStore", "LOOPBACK", "SECRET_ENV", "STORE_HOSTED_ENV", "STORE_PORT_ENV", "StoreServer", "hosts_store", "new_secret", "open_store", "secret_from_env"]

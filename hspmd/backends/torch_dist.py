@@ -33,7 +33,7 @@ import torch.distributed as dist
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.backends.backend import Backend, Done, Group, Pending, Shape
 from hspmd.backends.heartbeat import HEARTBEAT_ENV, start_beating
-from hspmd.backends.store import STORE_HOSTED_ENV, STORE_PORT_ENV, open_store, secret_from_env
+from hspmd.backends.store import STORE_PORT_ENV, hosts_store, open_store, secret_from_env
 from hspmd.backends.wire import decode_groups, encode_groups
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -506,7 +506,7 @@ def _join(backend: str, rank: int, world_size: int, timeout: float, rendezvous_t
     address = f"{host}:{port}"
     secret = secret_from_env()
     try:
-        store = open_store(host, port, rank == 0 and os.environ.get(STORE_HOSTED_ENV) != "1", secret, rendezvous_timeout)
+        store = open_store(host, port, hosts_store(rank), secret, rendezvous_timeout)
         interval = float(os.environ.get(HEARTBEAT_ENV, "0") or 0)
         if interval > 0:
             start_beating(store.connect_again(secret), rank, interval)
