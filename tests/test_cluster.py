@@ -126,6 +126,9 @@ def test_a_shared_link_is_one_pipe_per_direction_between_places():
     (("name: two", "name: two\ncolor: red"), "color"),
     (("  slow: {bandwidth: 1e9}", "  slow: {bandwidth: 1e9, latncy: 1}"), "latncy"),
     (("  slow: {bandwidth: 1e9}", "  slow: {bandwidth: 1e9, shared: yes please}"), "links.slow.shared"),
+    (("name: two", "name: two\npairs: 5"), "pairs must be a list"),
+    (("name: two", "name: two\npairs: [{devices: [0, x], link: fast}]"), "pairs[0].devices"),
+    (("name: two", "name: two\npairs: [{devices: [0, -1], link: fast}]"), "pairs[0].devices"),
 ])
 def test_yaml_errors_name_the_key(edit, key):
     text = GOOD.replace(*edit)

@@ -129,6 +129,22 @@ def test_bad_input_is_named():
         dispatch(pool, [])
     with pytest.raises(HSPMDError, match="positive"):
         dispatch(pool, [3, 0])
+    for lengths in ([10.7, 2], ["x"], [True]):  # never truncated or read as a number
+        with pytest.raises(HSPMDError, match="positive integers"):
+            dispatch(pool, lengths)
+    for entry in (1, -1):
+        with pytest.raises(HSPMDError, match="index into the pool of 1"):
+            dispatch(pool, [3], entry=entry)
+    with pytest.raises(HSPMDError, match=r"PipelineCost\.a must be a finite"):
+        PipelineCost(float("inf"), 1, 0, 4)
+
+
+def test_micro_batching_tries_sixteen_bin_counts_from_the_fewest():
+    from hspmd.planning.dispatch import pack_micro_batches
+    # 51 unit sequences fit one micro-batch; with many stages, a smaller largest bin wins: 17 bins
+    # of 3 would, but the counts tried are 1 ... 16 (PLANNING A1), where 13 bins of at most 4 do.
+    deep = PipelineCost(0, 1, 0, 51, stages=1000)
+    assert len(pack_micro_batches(deep, [1] * 51)) == 13
 
 
 def test_fit_sequence_cost_recovers_a_quadratic():

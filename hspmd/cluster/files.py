@@ -128,11 +128,15 @@ def cluster_from_dict(data: object) -> ClusterSpec:
     raw_inter = data.get("inter", {}) or {}
     inter = {"*": str(raw_inter)} if isinstance(raw_inter, str) else {str(k): str(v) for k, v in _mapping(raw_inter, "inter").items()}
     pairs = []
-    for i, p in enumerate(data.get("pairs", ()) or ()):
+    raw_pairs = data.get("pairs", ()) or ()
+    if not isinstance(raw_pairs, (list, tuple)):
+        raise ClusterError(f"cluster file: pairs must be a list of {{devices: [a, b], link: name}}, got {raw_pairs!r}")
+    for i, p in enumerate(raw_pairs):
         key = f"pairs[{i}]"
         p = _mapping(p, key)
         devices = _required(p, "devices", key)
-        if not isinstance(devices, (list, tuple)) or len(devices) != 2:
+        if (not isinstance(devices, (list, tuple)) or len(devices) != 2
+                or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices)):
             raise ClusterError(f"cluster file: {key}.devices must be two device ids, got {devices!r}")
         pairs.append(((devices[0], devices[1]), str(_required(p, "link", key))))
     cross = data.get("cross")

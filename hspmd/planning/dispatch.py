@@ -16,7 +16,8 @@ describes it -- "from the authors' code":
   (1F1B: the steady state plus warm-up and cool-down); the step takes max_p T_p (+ sync).
 - assignment: pipelines by token limit, largest first; sequences longer than the second-largest
   limit go to the largest pipeline; every other sequence goes to the feasible pipeline that
-  minimises the resulting slowest pipeline (ties: an empty pipeline, then the lower index). One
+  minimises the resulting slowest pipeline (ties: the one whose own time stays smaller, then an
+  empty pipeline, then the lower index). One
   deterministic longest-first pass, then shuffled passes (seeded); the best is kept; passes that
   leave a pipeline empty lose to any that does not.
 - micro-batching: for v = ceil(tokens / limit) ... +16 bins, longest-processing-time-first into
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import random
 from functools import lru_cache
 from dataclasses import dataclass
@@ -63,8 +65,8 @@ class PipelineCost:
     def __post_init__(self):
         for name in ("a", "b", "c"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or math.isnan(value):
-                raise HSPMDError(f"PipelineCost.{name} must be a number >= 0, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+                raise HSPMDError(f"PipelineCost.{name} must be a finite number >= 0, got {value!r}")
         for name in ("max_tokens", "stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -161,7 +163,7 @@ def pack_micro_batches(cost: PipelineCost, lengths: Sequence[int], ids: Sequence
     first = max(1, math.ceil(sum(lengths) / cost.max_tokens))
     best, best_score = None, math.inf
     heaviest = cost.c + max(cost.sequence(s) for s in lengths)  # no micro-batch costs less than this one's
-    for v in range(first, min(first + EXTRA_BIN_COUNTS, len(ids)) + 1):
+    for v in range(first, min(first + EXTRA_BIN_COUNTS - 1, len(ids)) + 1):  # [first, first + 16), at most one per sequence
         if heaviest * (cost.stages - 1 + v) >= best_score:
             break  # LPT fills all v bins (v <= sequences), so this and every larger v scores at least that
         bins = _lpt(cost, lengths, order, v)
@@ -280,13 +282,16 @@ def dispatch(pool: Sequence[PoolEntry], lengths: Sequence[int], seed: int = 0, p
     for a given seed. The entry is `entry` if given; else with `by_cost` the fitting entry whose
     predicted makespan, plus `switch_seconds` when it is not the `current` one, is the smallest
     (a strategy switch is only worth its price when the step gains more); else select_entry's."""
-    lengths = [int(s) for s in lengths]
+    lengths = list(lengths)
     if not lengths:
         raise HSPMDError("dispatch: the step has no sequences")
-    bad = [s for s in lengths if s < 1]
+    bad = [s for s in lengths if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1]
     if bad:
-        raise HSPMDError(f"dispatch: sequence lengths must be positive, got {bad[:5]}")
+        raise HSPMDError(f"dispatch: sequence lengths must be positive integers, got {bad[:5]}")
+    lengths = [int(s) for s in lengths]
     if entry is not None:
+        if isinstance(entry, bool) or not isinstance(entry, int) or not 0 <= entry < len(pool):
+            raise HSPMDError(f"dispatch: entry must be an index into the pool of {len(pool)}, got {entry!r}")
         return _dispatch_to(pool, entry, lengths, seed, passes)
     if not by_cost:
         return _dispatch_to(pool, select_entry(pool, max(lengths)), lengths, seed, passes)
