@@ -225,9 +225,11 @@ class CostModel:
         return f, b
 
     def stage_parameters(self, stage: StageShape) -> float:
-        """Parameters on one device of the stage (matrices split over TP, norms replicated)."""
+        """Parameters on one device of the stage (matrices split over TP, norms and row-parallel
+        biases replicated)."""
         m = self.model
-        per_layer = (m.layer_parameters() - 2 * m.hidden) / stage.tp + 2 * m.hidden
+        whole = m.replicated_layer_parameters()
+        per_layer = (m.layer_parameters() - whole) / stage.tp + whole
         params = stage.layers * per_layer
         if stage.first:
             params += m.embedding_parameters() / stage.tp

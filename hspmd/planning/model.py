@@ -99,6 +99,12 @@ class ModelSpec:
         norms = 2 * h if self.mlp == "swiglu" else 4 * h  # RMSNorm weight; LayerNorm weight + bias
         return attn + mlp + norms
 
+    def replicated_layer_parameters(self) -> int:
+        """The part of layer_parameters every TP rank holds whole: the norms, and a GELU MLP's
+        output bias (its input bias is split with its columns)."""
+        h = self.hidden
+        return 2 * h if self.mlp == "swiglu" else 4 * h + h
+
     def embedding_parameters(self) -> int:
         return self.vocab * self.hidden
 
