@@ -8,9 +8,11 @@ paper's clusters need (thousands of GPUs, tens of layers); a LimitError states t
 
 from __future__ import annotations
 
+import itertools
 import reprlib
+from typing import Iterable, Mapping
 
-from hspmd.errors import LimitError
+from hspmd.errors import HSPMDTypeError, HSPMDValueError, LimitError
 
 class _Brief(reprlib.Repr):
     def repr_int(self, x: int, level: int) -> str:
@@ -74,3 +76,19 @@ def brief(value: object) -> str:
     """A repr of a user's value short enough for an error message (a 10^6-element list or a YAML
     alias bomb prints in bounded time and length)."""
     return _BRIEF.repr(value)
+
+
+def device_id_set(value: object, what: str) -> frozenset[int]:
+    """`value` as a set of device ids (failed devices, for_devices...): a collection of ints in
+    0..MAX_DEVICES-1, else an error naming `what`. A string is refused, not read as its characters."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise HSPMDTypeError(f"{what} must be device ids (a collection of ints), got {brief(value)}")
+    found = list(itertools.islice(value, MAX_DEVICES + 1))
+    check_limit(len(found), MAX_DEVICES, f"the number of {what}")
+    bad = [d for d in found if isinstance(d, bool) or not isinstance(d, int)]
+    if bad:
+        raise HSPMDTypeError(f"{what} must be device ids (ints), got {brief(bad[0])}")
+    outside = [d for d in found if not 0 <= d < MAX_DEVICES]
+    if outside:
+        raise HSPMDValueError(f"{what}: device id {brief(outside[0])} is outside 0-{MAX_DEVICES - 1}")
+    return frozenset(found)

@@ -55,6 +55,11 @@ def _small(ann) -> bool:
     return len(ann.devices) <= 16
 
 
+def _run_time_ratios(ann, weight: int):
+    """Equal ratios for a layout that leaves them to run time (resolve refuses contradicting ones)."""
+    return None if ann.ratios is not None else (weight,) * ann.hsize
+
+
 @fuzz_settings(250)
 @given(st.sampled_from(ANNOTATIONS) | fuzzed_text(ANNOTATIONS), st.sampled_from(ANNOTATIONS),
        st.lists(st.integers(-2, 9), min_size=1, max_size=3),
@@ -67,8 +72,8 @@ def test_resolve_gives_a_plan_that_reshards_correctly_or_an_hspmd_error(src, dst
         src_ann, dst_ann = parse(src), parse(dst)
         if not (_small(src_ann) and _small(dst_ann)):
             return None  # a valid but large layout: parsing it is the bounded part tested here
-        return resolve(src_ann, dst_ann, tuple(shape), topology, src_ratios=(1,) * src_ann.hsize,
-                       dst_ratios=(2,) * dst_ann.hsize)
+        return resolve(src_ann, dst_ann, tuple(shape), topology, src_ratios=_run_time_ratios(src_ann, 1),
+                       dst_ratios=_run_time_ratios(dst_ann, 2))
 
     ok, plan = outcome("resolve", run)
     if ok and plan is not None:
@@ -143,7 +148,8 @@ def test_unshard_of_broken_locals_is_correct_or_an_hspmd_error(case):
 @given(st.sampled_from(ANNOTATIONS), st.sampled_from(ANNOTATIONS), broken_locals())
 def test_run_plan_with_wrong_locals_is_correct_or_an_hspmd_error(src, dst, case):
     ann, x, locals_, kind = case
-    plan = resolve(ann, dst, tuple(x.shape), src_ratios=(1,) * ann.hsize, dst_ratios=(1,) * parse(dst).hsize)
+    plan = resolve(ann, dst, tuple(x.shape), src_ratios=_run_time_ratios(ann, 1),
+                   dst_ratios=_run_time_ratios(parse(dst), 1))
     ok, out = outcome("run_plan", lambda: run_plan(plan, locals_, timeout=30))
     if ok and kind == "none":
         assert torch.allclose(unshard(out, plan.dst, shape=plan.shape), x, atol=1e-5)

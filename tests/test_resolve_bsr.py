@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ from hspmd.cluster.presets import GENERIC_INTER
 from hspmd.comm_resolve.fused import required_bytes, send_lower_bound
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.verify import check_plan, peak_elements
-from hspmd.errors import UnsupportedReshard
+from hspmd.errors import HSPMDError, HSPMDTypeError, UnsupportedReshard
 from hspmd.backends.plan_executor import reshard_tensor
 
 FIGURE8_SRC = "HD{D:2@[1,2] | S0:2@[9,10] | S0:4@[12-15]}"
@@ -185,3 +186,16 @@ def test_destination_needs_by_hand():
     assert destination_needs(parse("HP{@[0] | @[1]}"), (4,), {1: whole}) == {1: [whole]}
     both = destination_needs(parse("HD{P:2@[0,1] | P:2@[2,3]}"), (4,), {1: whole, 2: ((0, 2),)})
     assert both == {1: [whole], 2: [whole]}
+
+
+@pytest.mark.parametrize("moves, failed, error, words", [
+    (5, (), HSPMDTypeError, "moves must be a collection"),
+    (None, (), HSPMDTypeError, "moves must be a collection"),
+    ([("S0:2@[0,1]", "@[2]", (4,))], "0", HSPMDTypeError, "failed must be device ids"),  # not the set {'0'}
+    ([("S0:2@[0,1]", "@[2]", (4,))], 1, HSPMDTypeError, "failed must be device ids"),
+    ([("S0:2@[0,1]", "@[2]", (4,))], [-1], HSPMDError, "device id -1 is outside"),
+    ([("S0:2@[0,1]", "@[2]", (4,))], [True], HSPMDTypeError, "failed must be device ids"),
+])
+def test_resolve_many_checks_its_moves_and_failed_devices(moves, failed, error, words):
+    with pytest.raises(error, match=words):
+        resolve_many(moves, failed=failed)

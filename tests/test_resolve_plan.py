@@ -12,7 +12,7 @@ from hspmd.cluster import ClusterSpec, LinkClass, Node, cluster_from_dict, clust
 from hspmd.cluster.presets import GENERIC, GENERIC_INTER, GENERIC_INTRA, INFINIBAND, NVLINK
 from hspmd.cli import main as cli_main
 from hspmd.comm_resolve.explain import main as explain_main
-from hspmd.errors import AnnotationError, ClusterError, ShapeError
+from hspmd.errors import AnnotationError, ClusterError, HSPMDError, HSPMDTypeError, ShapeError
 from hspmd.backends.local import run_on_devices
 from hspmd.backends.plan_executor import execute_plan
 
@@ -154,3 +154,16 @@ def test_explain_errors_exit_2_with_a_message_and_no_traceback(argv, words, caps
     assert explain_main(argv) == 2
     captured = capsys.readouterr()
     assert words in captured.err and "Traceback" not in captured.err and captured.out == ""
+
+
+def test_resolve_refuses_contradicting_ratios_negative_devices_and_a_non_bool_flag():
+    """Arguments resolve used to ignore or misread: ratios other than the layout's own, a negative
+    device id in for_devices, reduce_partial='no' (which is truthy)."""
+    plan = resolve("H0(1:1){@[0] | @[1]}", "@[2]", (6,), src_ratios=(1, 1))  # the same ratios: fine
+    assert plan.src.ratios == (1, 1)
+    with pytest.raises(ShapeError, match=r"src_ratios=\(5, 1\) contradicts .* ratios are 1:1"):
+        resolve("H0(1:1){@[0] | @[1]}", "@[2]", (6,), src_ratios=(5, 1))
+    with pytest.raises(HSPMDError, match="for_devices: device id -1"):
+        resolve("S0:2@[0,1]", "D:2@[0,1]", (4,), for_devices=[-1])
+    with pytest.raises(HSPMDTypeError, match="reduce_partial must be True or False"):
+        resolve("P:2@[0,1]", "S0:2@[2,3]", (4,), reduce_partial="no")

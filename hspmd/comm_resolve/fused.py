@@ -33,14 +33,17 @@ from hspmd.comm_resolve.resolver import bind_ratios, concrete_shape
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
 from hspmd.comm_resolve.render import box_text
-from hspmd.errors import HSPMDError, ShapeError, UnsupportedReshard, WeightLost
+from hspmd.errors import HSPMDError, HSPMDTypeError, ShapeError, UnsupportedReshard, WeightLost
 from hspmd.heap import collector_paused
+from hspmd.limits import brief, device_id_set
 
 SCAN_ORDERS = ("largest_first", "given")
 
 def tensor_moves(moves: Iterable, dtype: object = "float32") -> tuple[TensorMove, ...]:
     """Validated TensorMove values from (src, dst, shape[, dtype]) tuples (or TensorMoves);
     `dtype` is the dtype of tuples that do not name one."""
+    if isinstance(moves, (str, bytes)) or not isinstance(moves, Iterable):
+        raise HSPMDTypeError(f"moves must be a collection of (src, dst, shape[, dtype]) tuples, got {brief(moves)}")
     out = []
     for i, move in enumerate(moves):
         if isinstance(move, TensorMove):
@@ -127,7 +130,7 @@ def resolve_many(
     `failed` devices send nothing and receive nothing: every piece a living device holds is a
     source. `order` and `heuristics` choose among correct plans (see the module docstring)."""
     moves = tensor_moves(moves, dtype)
-    failed = frozenset(failed)
+    failed = device_id_set(failed, "resolve_many: failed")
     devices = {d for m in moves for d in m.src.devices + m.dst.devices}
     topology = cluster_for(topology, devices, "fused reshard")
     with collector_paused():  # as resolve: many long-lived objects, no cycles (hspmd.heap)

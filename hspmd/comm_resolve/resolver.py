@@ -61,7 +61,7 @@ from hspmd.comm_resolve.split_collectives import split_step
 from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
 from hspmd.errors import CommunicationError, HSPMDTypeError, ShapeError, ShapeTypeError, UnsupportedReshard
 from hspmd.heap import collector_paused
-from hspmd.limits import MAX_DIMS, brief, check_limit
+from hspmd.limits import MAX_DIMS, brief, check_limit, device_id_set
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,15 @@ class _Reshard:
 
 
 def bind_ratios(ann: Annotation, ratios: Sequence[int] | None, role: str, argument: str = "") -> Annotation:
-    """The annotation with its top-tier ratios bound (run-time ratios must be given)."""
+    """The annotation with its top-tier ratios bound (run-time ratios must be given). `ratios`
+    that contradict the annotation's own are refused, not ignored; an annotation without a
+    top-tier split takes any (callers pass a binding's ratios to every layout)."""
+    if ratios is not None and ann.ratios is not None:
+        given = check_ratios(ratios)
+        if given != ann.ratios:
+            raise ShapeError(f"{argument or 'ratios'}={given} contradicts the {role} {ann}, whose ratios are "
+                             f"{':'.join(map(str, ann.ratios))}; pass ratios only for a layout that leaves them to run time")
+        return ann
     if isinstance(ann.hdim, int) and ann.ratios is None:
         if ratios is None:
             how = f"pass {argument}=(...) or " if argument else ""
@@ -149,21 +157,14 @@ def resolve(
     shape = concrete_shape(shape, src, dst)
     topology = cluster_for(topology, src.device_set | dst.device_set, lambda: f"reshard {src} -> {dst}")
     name = dtype_name(dtype)
-    focus = None if for_devices is None else _focus(for_devices)
+    if not isinstance(reduce_partial, bool):
+        raise HSPMDTypeError(f"reduce_partial must be True or False, got {brief(reduce_partial)}")
+    focus = None if for_devices is None else device_id_set(for_devices, "for_devices")
     ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial, focus)
     with collector_paused():  # a large plan is many long-lived objects and no cycles (hspmd.heap)
         if via is not None:
             return _plan(ctx, name, _via(via, src, dst, ctx))
         return _cheapest(ctx, name)
-
-
-def _focus(devices: Iterable[int]) -> frozenset[int]:
-    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
-        raise HSPMDTypeError(f"for_devices must be device ids, got {brief(devices)}")
-    devices = frozenset(devices)
-    if any(isinstance(d, bool) or not isinstance(d, int) for d in devices):
-        raise HSPMDTypeError(f"for_devices must be device ids (ints), got {brief(sorted(devices, key=str))}")
-    return devices
 
 
 VIAS = ("hierarchical", "merged-allgather", "direct", "root", "representatives")

@@ -11,7 +11,6 @@ still holds is a source (a TP group that lost one member still serves the other 
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -19,8 +18,8 @@ import torch
 
 from hspmd.annotations import parse
 from hspmd.comm_resolve import FusedPlan, resolve_many
-from hspmd.errors import HSPMDError, HSPMDTypeError, WeightLost
-from hspmd.limits import MAX_DEVICES, brief, check_limit
+from hspmd.errors import HSPMDError, WeightLost
+from hspmd.limits import device_id_set
 from hspmd.ir.graph import Graph
 from hspmd.backends.backend import Backend
 from hspmd.backends.plan_executor import execute_fused_plan
@@ -31,17 +30,7 @@ LEAF_KINDS = ("parameter", "state")
 
 def checked_failed(failed: object, where: str = "plan_switch") -> frozenset[int]:
     """The failed ranks a switch is told about, as a set of device ids."""
-    if isinstance(failed, (str, bytes, Mapping)) or not isinstance(failed, Iterable):
-        raise HSPMDTypeError(f"{where}: failed is a collection of device ids, got {brief(failed)}")
-    found = list(itertools.islice(failed, MAX_DEVICES + 1))
-    check_limit(len(found), MAX_DEVICES, "the number of failed devices", where)
-    bad = [d for d in found if isinstance(d, bool) or not isinstance(d, int)]
-    if bad:
-        raise HSPMDTypeError(f"{where}: failed device ids are ints, got {brief(bad[0])}")
-    outside = [d for d in found if not 0 <= d < MAX_DEVICES]
-    if outside:
-        raise HSPMDError(f"{where}: failed device id {brief(outside[0])} is outside 0-{MAX_DEVICES - 1}")
-    return frozenset(found)
+    return device_id_set(failed, f"{where}: failed")
 
 
 @dataclass(frozen=True)
