@@ -14,13 +14,15 @@ from hspmd.annotations import (
     align_hsize,
     device_pieces,
     expand_hsize,
+    infer_shape,
     parse,
     parse_hierarchy,
     shard,
     split_bounds,
+    subgroup_pieces,
     unshard,
 )
-from hspmd.errors import AnnotationError, ParseError, ShapeError
+from hspmd.errors import AnnotationError, AnnotationTypeError, ParseError, ShapeError
 
 
 def boxes(ann, shape, ratios=None):
@@ -152,3 +154,25 @@ def test_unshard_reads_run_time_ratios_off_the_locals():
 def test_partial_needs_floating_point():
     with pytest.raises(ShapeError, match="floating-point"):
         shard(torch.arange(4), parse("P:2@[0,1]"))
+
+
+def test_geometry_and_algebra_refuse_bad_arguments_with_named_errors():
+    """Inputs that used to end in ZeroDivisionError, TypeError, IndexError or AttributeError."""
+    with pytest.raises(ShapeError, match="split weights must sum to a positive number"):
+        split_bounds(4, [0, 0])
+    with pytest.raises(AnnotationError, match="hsize must be at least 1"):
+        expand_hsize(parse("D:4@[0-3]"), 0)
+    with pytest.raises(AnnotationTypeError, match="hsize must be an int"):
+        expand_hsize(parse("D:4@[0-3]"), "2")
+    with pytest.raises(AnnotationError, match="at least one annotation"):
+        align_hsize([])
+    with pytest.raises(ShapeError, match="splits dim 3, outside a rank-1 region"):
+        subgroup_pieces(Subgroup((0, 1), DistributedStates((Split(3, 2),))), ((0, 4),))
+    with pytest.raises(ShapeError, match="is negative"):
+        device_pieces(parse("S0:2@[0,1]"), (sympy.Integer(-3),))
+    assert device_pieces(parse("S0:2@[0,1]"), (sympy.Symbol("n"),))  # a symbol of unknown sign is fine
+
+
+def test_infer_shape_takes_annotation_text_like_shard_and_unshard():
+    locals_ = {0: torch.zeros(3, 2), 1: torch.zeros(1, 2)}
+    assert infer_shape(locals_, "H0{@[0] | @[1]}") == infer_shape(locals_, parse("H0{@[0] | @[1]}")) == ((4, 2), (3, 1))

@@ -5,7 +5,6 @@ from hspmd.annotations.geometry import (
     Box,
     Piece,
     box_intersection,
-    box_is_empty,
     box_relative,
     box_shape,
     device_piece,
@@ -21,7 +20,7 @@ from hspmd.annotations.syntax import parse, parse_hierarchy
 
 __all__ = [
     "Annotation", "Axis", "align_hsize", "expand_hsize", "Box", "DeviceGroup", "DistributedStates", "Duplicate", "HDim", "Hierarchy",
-    "Partial", "Piece", "Split", "Subgroup", "box_intersection", "box_is_empty", "box_relative", "box_shape",
+    "Partial", "Piece", "Split", "Subgroup", "box_intersection", "box_relative", "box_shape",
     "device_piece", "device_pieces", "infer_shape", "parse", "parse_hierarchy", "shard", "split_bounds", "subgroup_pieces",
     "subgroup_regions", "unshard",
 ]

@@ -8,7 +8,8 @@ from typing import Sequence
 
 from hspmd.annotations.states import Axis, DeviceGroup, DistributedStates, Partial, Split, Subgroup
 from hspmd.annotations.union import Annotation
-from hspmd.errors import AnnotationError
+from hspmd.errors import AnnotationError, AnnotationTypeError
+from hspmd.limits import brief
 
 
 def expand_hsize(ann: Annotation, hsize: int) -> Annotation:
@@ -17,6 +18,10 @@ def expand_hsize(ann: Annotation, hsize: int) -> Annotation:
 
     Exact for every shape (splits nest, so an outer S_d:h equals a top-tier split with equal
     ratios). Raises AnnotationError when the outermost axis cannot be lifted."""
+    if isinstance(hsize, bool) or not isinstance(hsize, int):
+        raise AnnotationTypeError(f"expand_hsize: hsize must be an int, got {brief(hsize)}")
+    if hsize < 1:
+        raise AnnotationError(f"expand_hsize: hsize must be at least 1 (a union has subgroups), got {hsize}")
     if hsize == ann.hsize:
         return ann
     if ann.hsize != 1:
@@ -44,6 +49,8 @@ def expand_hsize(ann: Annotation, hsize: int) -> Annotation:
 
 def align_hsize(anns: list[Annotation]) -> list[Annotation]:
     """Bring every annotation to the largest HSize among them (deduction's first step)."""
+    if not anns:
+        raise AnnotationError("align_hsize needs at least one annotation, got none")
     target = max(a.hsize for a in anns)
     return [expand_hsize(a, target) for a in anns]
 

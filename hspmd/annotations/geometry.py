@@ -41,6 +41,8 @@ def _floor_div(a: Length, b: int) -> Length:
 def split_bounds(length: Length, weights: Sequence[int]) -> list[Range]:
     """The ranges of a dim of `length` split by `weights` (see the module docstring)."""
     total = sum(weights)
+    if total <= 0:  # (checked only here: weights are checked where users give them, check_ratios)
+        raise ShapeError(f"split weights must sum to a positive number, got {brief(list(weights))}")
     if isinstance(length, int):  # (the usual case: no symbolic floor per weight)
         cuts = [0] + [length * c // total for c in accumulate(weights)]
     else:
@@ -62,10 +64,6 @@ def box_intersection(a: Box, b: Box) -> Box | None:
             return None
         out.append((start, stop))
     return tuple(out)
-
-
-def box_is_empty(box: Box) -> bool:
-    return any(stop <= start for start, stop in box)
 
 
 def box_relative(inner: Box, outer: Box) -> tuple[slice, ...]:
@@ -115,7 +113,7 @@ def check_shape(ann: Annotation, shape: Sequence[Length], where: str = "") -> tu
     for i, s in enumerate(shape):
         if isinstance(s, bool) or not isinstance(s, (int, sympy.Expr)):
             raise ShapeTypeError(f"dim {i} of shape {shape} must be an integer (or a sympy symbol), got {brief(s)}")
-        if isinstance(s, int) and s < 0:
+        if s.is_negative if isinstance(s, sympy.Expr) else s < 0:  # a negative sympy constant too
             raise ShapeError(f"dim {i} of shape {shape} is negative")
     ann.check_rank(len(shape), where)
     return shape
@@ -215,7 +213,9 @@ def _relative_pieces(ds: DistributedStates, extents: tuple[Length, ...]) -> tupl
     `extents` at the origin. A piece depends on the region only through its extents (splits cut
     each range relative to its start), so the subgroups of a union share one computation and
     only shift it to their region: what keeps device_pieces linear with a small constant for
-    unions of hundreds of subgroups."""
+    unions of hundreds of subgroups. (Cached, so the rank check below runs once per states and extents.)"""
+    if ds.split_dims and max(ds.split_dims) >= len(extents):
+        raise ShapeError(f"{ds} splits dim {max(ds.split_dims)}, outside a rank-{len(extents)} region")
     radix = [a.n for a in ds.axes]
     out = []
     for index in range(ds.size):
@@ -437,7 +437,6 @@ __all__ = [
     "split_bounds",
     "box_shape",
     "box_intersection",
-    "box_is_empty",
     "box_relative",
     "subgroup_regions",
     "subgroup_pieces",

@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from hspmd.annotations.geometry import box_relative, check_shape, device_pieces, split_index, subgroup_pieces, subgroup_regions
+from hspmd.annotations.geometry import box_intersection, box_relative, check_shape, device_pieces, split_index, subgroup_pieces, subgroup_regions
 from hspmd.annotations.states import Subgroup
 from hspmd.annotations.union import Annotation
 from hspmd.annotations.syntax import parse
@@ -86,8 +86,10 @@ def check_locals(locals_: Mapping[int, torch.Tensor], ann: Annotation) -> tuple[
     return ndim, dtype
 
 
-def infer_shape(locals_: Mapping[int, torch.Tensor], ann: Annotation) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    """(global shape, top-tier ratios) implied by the local shapes; ratios None unless HDim is a dim."""
+def infer_shape(locals_: Mapping[int, torch.Tensor], ann: Annotation | str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(global shape, top-tier ratios) implied by the local shapes; ratios None unless HDim is a dim.
+    `ann` may be annotation text, as for shard and unshard."""
+    ann = parse(ann)
     ndim, _ = check_locals(locals_, ann)
     ann.check_rank(ndim, "unshard")
     shapes = [_subgroup_shape(s, locals_, ndim) for s in ann.subgroups]
@@ -172,13 +174,9 @@ def _culprits(ann: Annotation, pieces, locals_, first: torch.Tensor, k: int, rto
         box = pieces[device].box
         whole = tuple((0, n) for n in first.shape)
         if not _agree(first[box_relative(box, whole)], locals_[device], rtol, atol):
-            others = [d for d in ann.subgroups[0].dg if _overlaps(pieces[d].box, box)]
+            others = [d for d in ann.subgroups[0].dg if box_intersection(pieces[d].box, box) is not None]
             return f": device {device} holds box {box} unlike device(s) {others} of subgroup 0"
     return ""
-
-
-def _overlaps(a: tuple, b: tuple) -> bool:
-    return all(max(lo1, lo2) < min(hi1, hi2) for (lo1, hi1), (lo2, hi2) in zip(a, b))
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
