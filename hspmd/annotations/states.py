@@ -1,10 +1,12 @@
 """The value types a union is made of: axes, device groups, distributed states, subgroups (the
 union itself and hierarchies of unions are in union.py).
 
-All are frozen dataclasses: immutable, hashable, compared by meaning, printed in the text syntax
-of docs/design.md and annotations/syntax.py (`str(a)` parses back to `a`). Construction validates and normalises, so two
-annotations that describe the same layout are equal: size-1 axes are dropped and an HSize-1 union
-is plain SPMD (HDim Duplicate, no ratios).
+All are frozen dataclasses: immutable, hashable, compared by value, printed in the text syntax
+of docs/design.md and annotations/syntax.py (`str(a)` parses back to `a`). Construction validates and
+normalises only this: size-1 axes are dropped and an HSize-1 union is plain SPMD (HDim Duplicate,
+no ratios), so those spellings compare equal. Other spellings of one placement stay different
+values (D:2,D:2 and D:4; S0:2,S0:2 and S0:4, which differ where a dim does not divide; H0(2:2) and
+H0(1:1); HD{@[0] | @[1]} and D:2@[0,1]): compare device_pieces to compare placements.
 """
 
 from __future__ import annotations

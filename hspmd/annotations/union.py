@@ -1,6 +1,7 @@
 """The union of sharding subgroups (an HSPMD annotation: HDim, HSize, ratios) and hierarchies of
 unions, one per strategy. Frozen dataclasses like the parts in states.py: immutable, hashable,
-compared by meaning, printed in the text syntax (`str(a)` parses back to `a`)."""
+compared by value (after the few normalisations states.py lists), printed in the text syntax
+(`str(a)` parses back to `a`)."""
 
 from __future__ import annotations
 

@@ -91,13 +91,8 @@ def disjoint(boxes: Sequence[Box]) -> bool:
     return True
 
 
-def with_subgroup(union: Annotation, k: int, sub: Subgroup) -> Annotation:
-    """The union with subgroup k replaced (same HDim and ratios)."""
-    return union.with_subgroup(k, sub)
-
-
 def _replace(union: Annotation, k: int, ds: DistributedStates) -> Annotation:
-    return with_subgroup(union, k, Subgroup(union.subgroups[k].dg, ds))
+    return union.with_subgroup(k, Subgroup(union.subgroups[k].dg, ds))
 
 
 def change_step(union: Annotation, k: int, axes: list[Axis], position: int, new_axis: Axis, shape) -> Step | None:
@@ -218,4 +213,4 @@ def reduction_targets(ds: DistributedStates, region: Box) -> list[DistributedSta
     return [swap(lambda n, d=d: Split(d, n)) for d in dims] + [swap(Duplicate)]
 
 
-__all__ = ["change_step", "collective_steps", "reduction_targets", "refine", "tiles", "with_subgroup"]
+__all__ = ["change_step", "collective_steps", "reduction_targets", "refine", "tiles"]

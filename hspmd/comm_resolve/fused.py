@@ -83,7 +83,8 @@ def families(moves: Sequence[TensorMove], failed: Iterable[int] = ()) -> list[Te
 
 
 def _check_failed(moves: Sequence[TensorMove], fams: Sequence[TensorSlices], failed: frozenset[int]) -> None:
-    """Raise WeightLost naming every tensor some of whose needed values only failed devices held."""
+    """Raise HSPMDError for a destination that places a tensor on a failed device, then WeightLost
+    naming every tensor some of whose needed values only failed devices held."""
     for i, m in enumerate(moves):
         on_failed = failed & set(m.dst.devices)
         if on_failed:

@@ -28,10 +28,10 @@ from itertools import chain
 from operator import itemgetter
 from typing import Iterable, Mapping
 
-from hspmd.annotations import Annotation, Box, device_pieces, parse
+from hspmd.annotations import Annotation, Box, box_intersection, device_pieces, parse
 from hspmd.comm_resolve.cost import DTYPE_SIZES, Traffic, collective_traffic, transfer_traffic
 from hspmd.comm_resolve.render import fused_plan_text, plan_text
-from hspmd.comm_resolve.slices import box_volume
+from hspmd.comm_resolve.slices import box_contains, box_volume
 from hspmd.cluster import cluster_from_dict, cluster_to_dict
 from hspmd.comm_resolve.topology import ClusterSpec
 from hspmd.errors import ShapeError
@@ -43,14 +43,6 @@ PRIMITIVES = (
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 SCHEMA = "hspmd.plan/1"
 FUSED_SCHEMA = "hspmd.fused-plan/1"
-
-
-def _inside(inner: Box, outer: Box) -> bool:
-    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
-
-
-def _overlap(x: Box, y: Box) -> bool:
-    return all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(x, y))
 
 
 def _box_json(box: Box) -> list[list[int]]:
@@ -332,7 +324,7 @@ class Plan(_Stats):
             for d in c.devices:
                 if d not in src or d not in dst or src[d].box != dst[d].box:
                     return f"device {d}'s piece changes"
-                if not _inside(c.box, src[d].box) or any(_overlap(c.box, b) for b in boxes.get(d, ())):
+                if not box_contains(src[d].box, c.box) or any(box_intersection(c.box, b) is not None for b in boxes.get(d, ())):
                     return f"device {d} reduces a box outside its piece or twice"
                 boxes.setdefault(d, []).append(c.box)
         if set(boxes) != set(self.src.devices) | set(self.dst.devices):

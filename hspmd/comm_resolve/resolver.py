@@ -11,7 +11,11 @@ Decision order:
    SplitReduceScatter / SplitAllGather over the finest slices (split_collectives.py).
 3. Anything else: BatchedSendRecv over the finest slice grid (bsr.py).
 
-Partial sums never travel through BSR. When a Partial source has no collective path, the default
+BSR never cuts or combines partial sums: its slice table carries values only. A subgroup whose
+summands only change devices (same distributed states) moves each summand whole, position by
+position; those messages join the step's other transfers, so they travel in a BatchedSendRecv step
+when other subgroups of that step reshape (with either reduce_partial). When a Partial source has
+no collective path, the default
 is to reduce it where it lies first (ReduceScatter inside subgroups, SplitReduceScatter across
 them) and move the reduced pieces; with `reduce_partial=False` the resolver follows the paper
 to the letter and raises UnsupportedReshard instead. A Partial destination is reached by giving
@@ -51,7 +55,7 @@ from hspmd.annotations import Annotation, Box, Subgroup, device_piece, device_pi
 from hspmd.annotations.geometry import check_ratios, device_pieces_of, kept_regions, region_extents, region_shift
 from hspmd.comm_resolve.bounds import lacks, reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, local_copies, plan_transfers
-from hspmd.comm_resolve.collectives import collective_steps, reduction_targets, with_subgroup
+from hspmd.comm_resolve.collectives import collective_steps, reduction_targets
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.comm_resolve.gathered import gathered_within, representatives, root
 from hspmd.comm_resolve import relabel
@@ -346,14 +350,14 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tup
         return [_identity(union, k)], union
     steps = collective_steps(union, k, target.ds, ctx.shape)
     if steps:
-        return _in_sequence(steps), with_subgroup(union, k, target)
+        return _in_sequence(steps), union.with_subgroup(k, target)
     if steps is not None:
-        done = with_subgroup(union, k, target)
+        done = union.with_subgroup(k, target)
         return [Step("Identity", union, done, subgroup=k)], done
     steps = []
     if current.ds.partial_count > 1:
         steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} changes {current.ds} -> {target.ds}")
-    done = with_subgroup(union, k, target)
+    done = union.with_subgroup(k, target)
     step = _transfer_step(union, done, ctx, restrict=k)
     return steps + [replace(step, round=len(steps))], done
 
@@ -383,7 +387,7 @@ def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tupl
     for target in reduction_targets(sub.ds, _regions(union, ctx)[k]):
         steps = collective_steps(union, k, target, ctx.shape)
         if steps:
-            return _in_sequence(steps), with_subgroup(union, k, Subgroup(sub.dg, target))
+            return _in_sequence(steps), union.with_subgroup(k, Subgroup(sub.dg, target))
     raise CommunicationError(f"internal: no reduction of {sub} in {union}")
 
 

@@ -2,7 +2,7 @@
 
 The paper's planners (split collectives, BSR) reason per slice: within one grid cell every device
 either holds all of it or none of it, so ownership and need are per cell. Cells are index tuples
-into the per-dim cut lists; `merge_cells` turns a set of cells back into few disjoint boxes so that
+into the per-dim cut lists; `Grid.merge` turns a set of cells back into few disjoint boxes so that
 plans and messages stay short. Uneven, non-power-of-two and empty pieces need no special case: a
 cut is a cut.
 """
