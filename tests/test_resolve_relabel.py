@@ -3,6 +3,8 @@
 region offsets, partial sums and cluster layout (a renaming that would change a tie-break or a
 link must not be used)."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from hspmd.annotations.states import order_pattern
 from hspmd.cluster import LinkClass, uniform
 from hspmd.comm_resolve import relabel, resolve
 from hspmd.comm_resolve.plan_part import part_of
+from hspmd.comm_resolve.verify import check_plan
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.specialize import comm_plans
 from hspmd.testing import plan_every_subgroup, repeated_unions
@@ -115,3 +118,18 @@ def test_a_subgroup_moving_over_a_shared_link_is_kept():
     plan = resolve(src, dst, (4, 2), wan, for_devices=[0])
     assert plan == whole and plan.estimated_seconds == whole.estimated_seconds
     assert resolve(src, dst, (4, 2), for_devices=[0]).left_out == {1, 3}
+
+
+@pytest.mark.parametrize("src, dst, shape, topology, via", [
+    ("HD{@[15] | @[4] | @[6]}", "HD{@[9] | @[14] | @[12]}", (8,), "h800-h20:1+1", None),
+    ("HD{S1:2@[11,6] | @[4] | @[7]}", "HD{S1:2@[11,6] | @[4] | @[7]}", (7, 3), None, "direct"),
+])
+def test_check_plan_accepts_a_plan_resolved_for_some_devices(src, dst, shape, topology, via):
+    """A focused plan lists no steps for the devices it leaves out (Step.repeats): check_plan
+    checks the listed devices and does not expect the left-out ones to be written."""
+    plan = resolve(src, dst, shape, topology, for_devices=[4], via=via)
+    assert plan.left_out
+    check_plan(plan)
+    broken = replace(plan, steps=tuple(replace(s, collectives=(), transfers=()) for s in plan.steps))
+    with pytest.raises(CommunicationError, match="assembled_on its piece but nothing is written"):
+        check_plan(broken)  # a listed device still is checked

@@ -3,7 +3,9 @@
 `check_plan` verifies what the executor relies on: consecutive steps chain, every box a device
 reads lies in its source piece and every box it writes in its destination piece, each element of
 a destination piece is written at most once (exactly once when the piece holds a value, not a
-partial summand), and devices that do not rebuild keep an unchanged piece. `peak_elements` is the
+partial summand), and devices that do not rebuild keep an unchanged piece. In a plan resolved for
+some devices, the devices a step leaves out (Step.repeats) have no listed collectives or messages:
+their pieces are not checked, the listed template devices' are. `peak_elements` is the
 largest buffer each device allocates, to check that no device materialises the whole tensor.
 """
 
@@ -40,6 +42,7 @@ def _writes(step: Step, shape) -> dict[int, list[Box]]:
 
 
 def check_step(index: int, step: Step, shape) -> None:
+    left_out = {d for _, devices in step.repeats for d in devices}
     if step.primitive not in PRIMITIVES:
         raise _fail(index, step, f"unknown primitive {step.primitive!r}")
     sp, dp = device_pieces(step.src, shape), device_pieces(step.dst, shape)
@@ -70,7 +73,7 @@ def check_step(index: int, step: Step, shape) -> None:
             if not box_contains(dp[t.dst].box, b):
                 raise _fail(index, step, f"device {t.dst} receives {b}, outside its destination piece")
     for d, piece in dp.items():
-        if d not in assembled_on and (d not in sp or sp[d] != piece):
+        if d not in assembled_on and d not in left_out and (d not in sp or sp[d] != piece):
             raise _fail(index, step, f"device {d} keeps its tensor but its piece changes")
     writes = _writes(step, shape)
     for d, boxes in writes.items():
@@ -81,7 +84,7 @@ def check_step(index: int, step: Step, shape) -> None:
         if not dp[d].is_partial and written != box_volume(dp[d].box):
             raise _fail(index, step, f"device {d} writes {written} of the {box_volume(dp[d].box)} elements it needs")
     for d in assembled_on:
-        if d in dp and not dp[d].is_partial and box_volume(dp[d].box) and not writes.get(d):
+        if d in dp and d not in left_out and not dp[d].is_partial and box_volume(dp[d].box) and not writes.get(d):
             raise _fail(index, step, f"device {d} assembled_on its piece but nothing is written to it")
 
 
