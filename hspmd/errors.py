@@ -51,6 +51,11 @@ class UnsupportedReshard(HSPMDError):
     """No correct communication exists between two annotations (e.g. Partial with no collective path)."""
 
 
+class PlanError(HSPMDValueError):
+    """A plan read back from JSON or a dict (Plan / FusedPlan.from_dict) is invalid; the message names the
+    field. Also a ValueError, as PlanPart.from_dict, which reads collectives and messages alike, documents."""
+
+
 class DeductionError(HSPMDError):
     """Annotation deduction failed for an op; the message names the op and says where to insert comm()."""
 

@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from hspmd import Plan, parse_cluster, resolve
+from hspmd import Plan, parse_cluster, resolve, resolve_many
+from hspmd.comm_resolve.plan import FusedPlan
 from hspmd.cluster import ClusterSpec, LinkClass, Node, cluster_from_dict, cluster_to_dict, uniform
 from hspmd.cluster.presets import GENERIC, GENERIC_INTER, GENERIC_INTRA, INFINIBAND, NVLINK
 from hspmd.cli import main as cli_main
 from hspmd.comm_resolve.explain import main as explain_main
-from hspmd.errors import AnnotationError, ClusterError, HSPMDError, HSPMDTypeError, ShapeError
+from hspmd.errors import AnnotationError, ClusterError, HSPMDError, HSPMDTypeError, PlanError, ShapeError
 from hspmd.backends.local import run_on_devices
 from hspmd.backends.plan_executor import execute_plan
 
@@ -167,3 +168,60 @@ def test_resolve_refuses_contradicting_ratios_negative_devices_and_a_non_bool_fl
         resolve("S0:2@[0,1]", "D:2@[0,1]", (4,), for_devices=[-1])
     with pytest.raises(HSPMDTypeError, match="reduce_partial must be True or False"):
         resolve("P:2@[0,1]", "S0:2@[2,3]", (4,), reduce_partial="no")
+
+
+def _damaged(data: dict, path: tuple, value) -> dict:
+    """A deep copy of `data` with the field at `path` set to `value` (deleted for _MISSING)."""
+    data = json.loads(json.dumps(data))
+    *parents, last = path
+    at = data
+    for key in parents:
+        at = at[key]
+    if value is _MISSING:
+        del at[last]
+    else:
+        at[last] = value
+    return data
+
+
+_MISSING = object()
+
+
+@pytest.mark.parametrize("path, value, words", [
+    (("src",), _MISSING, "plan field src: missing"),
+    (("schema",), "hspmd.plan/0", "plan field schema: expected 'hspmd.plan/1'"),
+    (("schema",), _MISSING, "plan field schema: missing"),
+    (("shape",), "ab", "plan field shape: expected a list"),
+    (("shape",), [], "plan field src: .*outside a rank-0 tensor"),
+    (("dtype",), "foo", "plan field dtype: expected a string among"),
+    (("src",), "S0:2@[0", "plan field src: "),
+    (("steps", 0, "primitive"), "Teleport", r"steps\[0\].primitive: expected a string among"),
+    (("steps", 0, "collectives", 0, "box"), [[0]], r"steps\[0\].collectives\[0\].box\[0\]: expected a range"),
+    (("steps", 0, "collectives", 0, "devices"), [0, -1], r"collectives\[0\].devices\[1\]: expected an integer >= 0"),
+    (("steps", 0, "repeats"), [[0]], r"steps\[0\].repeats\[0\]: expected \[template devices, devices\]"),
+    (("topology",), "2x2", "plan field topology: "),
+])
+def test_a_damaged_plan_is_refused_naming_the_field(path, value, words):
+    data = resolve("S0:2@[0,1]", "D:2@[0,1]", (4,)).to_dict()
+    with pytest.raises(PlanError, match=words):
+        Plan.from_dict(_damaged(data, path, value))
+
+
+def test_plan_json_that_is_not_a_plan_is_refused():
+    with pytest.raises(PlanError, match="not JSON"):
+        Plan.from_json("xx")
+    with pytest.raises(PlanError, match="plan field schema: missing"):
+        Plan.from_json("{}")
+    with pytest.raises(PlanError, match=r"\(top\): expected an object"):
+        Plan.from_json("[1]")
+    with pytest.raises(PlanError, match="FusedPlan.from_json: plan field schema: missing"):
+        FusedPlan.from_json("{}")
+    fused = resolve_many([("S0:2@[0,1]", "@[2]", (4,), "bfloat16"), ("D:2@[0,1]", "S0:2@[2,3]", (6,))]).to_dict()
+    assert fused["dtype"] == "mixed" and FusedPlan.from_dict(fused).dtype == "mixed"
+    for path, value, words in [(("schema",), "hspmd.plan/1", "expected 'hspmd.fused-plan/1'"),
+                               (("tensors", 1, "dtype"), "foo", r"tensors\[1\].dtype: expected a string among"),
+                               (("tensors", 0, "shape"), [4, "x"], r"tensors\[0\].shape\[1\]: expected an integer"),
+                               (("steps",), [], "expected one BatchedSendRecv step"),
+                               (("failed",), [-1], r"failed\[0\]: expected an integer >= 0")]:
+        with pytest.raises(PlanError, match=words):
+            FusedPlan.from_dict(_damaged(fused, path, value))

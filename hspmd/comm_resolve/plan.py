@@ -34,7 +34,8 @@ from hspmd.comm_resolve.render import fused_plan_text, plan_text
 from hspmd.comm_resolve.slices import box_contains, box_volume
 from hspmd.cluster import cluster_from_dict, cluster_to_dict
 from hspmd.comm_resolve.topology import ClusterSpec
-from hspmd.errors import ShapeError
+from hspmd.errors import HSPMDError, PlanError, ShapeError, error_line
+from hspmd.json_fields import JsonField
 
 PRIMITIVES = (
     "Identity", "LocalSplit", "SendRecv", "AllReduce", "ReduceScatter", "AllGather",
@@ -49,8 +50,101 @@ def _box_json(box: Box) -> list[list[int]]:
     return [[int(a), int(b)] for a, b in box]
 
 
-def _box_from(data) -> Box:
-    return tuple((int(a), int(b)) for a, b in data)
+class _Field(JsonField):
+    """A value read from a plan's JSON and its path in the plan (for error messages)."""
+
+    error_type = PlanError
+    noun = "plan"
+
+
+def _read(data: object, where: str, read):
+    """`read` applied to `data` (from JSON), every mistake a PlanError naming the field."""
+    return read(_Field(data, "", where))
+
+
+def _loaded(text: str | bytes, where: str) -> object:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{where}: not JSON ({exc})") from None
+
+
+def _schema(f: _Field, schema: str) -> None:
+    if f["schema"].value != schema:
+        raise f["schema"].fail(f"expected {schema!r}")
+
+
+def _annotation(f: _Field, rank: int | None = None) -> Annotation:
+    """The annotation written in `f`, fitting a tensor of `rank` dims where given."""
+    try:
+        ann = parse(f.str())
+        if rank is not None:
+            ann.check_rank(rank)
+    except HSPMDError as exc:
+        raise f.error(error_line(exc)) from None
+    return ann
+
+
+def _dtype(f: _Field, default: str = "float32") -> str:
+    return default if f.value is None else f.str(tuple(DTYPE_SIZES))
+
+
+def _topology(f: _Field) -> ClusterSpec:
+    try:
+        return cluster_from_dict(f.value)
+    except HSPMDError as exc:
+        raise f.error(error_line(exc)) from None
+
+
+def _read_collective(f: _Field) -> "Collective":
+    zero = f.get("zero_inputs")
+    return Collective(f["kind"].str(COLLECTIVE_KINDS), f["devices"].ints(), f["box"].box(),
+                      tuple(p.box() for p in f["parts"].items()), () if zero.value is None else zero.ints())
+
+
+def _read_transfer(f: _Field) -> "Transfer":
+    return Transfer(f["src"].int(), f["dst"].int(), tuple(b.box() for b in f["boxes"].items()), f["tensors"].ints())
+
+
+def _read_step(f: _Field, rank: int | None = None) -> "Step":
+    subgroup, round_, repeats = f.get("subgroup"), f.get("round"), f.get("repeats")
+    pairs = []
+    for r in ([] if repeats.value is None else repeats.items()):
+        if not (isinstance(r.value, list) and len(r.value) == 2):
+            raise r.fail("expected [template devices, devices]")
+        template, devices = r.items()
+        pairs.append((template.ints(), devices.ints()))
+    return Step(
+        f["primitive"].str(PRIMITIVES), _annotation(f["src"], rank), _annotation(f["dst"], rank),
+        tuple(_read_collective(c) for c in f["collectives"].items()),
+        tuple(_read_transfer(t) for t in f["transfers"].items()), f["assembled_on"].ints(),
+        None if subgroup.value is None else subgroup.int(), 0 if round_.value is None else round_.int(), tuple(pairs),
+    )
+
+
+def _read_plan(f: _Field) -> "Plan":
+    _schema(f, SCHEMA)
+    shape = f["shape"].ints()
+    return Plan(_annotation(f["src"], len(shape)), _annotation(f["dst"], len(shape)), shape,
+                tuple(_read_step(s, len(shape)) for s in f["steps"].items()), _topology(f["topology"]),
+                _dtype(f.get("dtype")))
+
+
+def _read_fused_plan(f: _Field) -> "FusedPlan":
+    _schema(f, FUSED_SCHEMA)
+    common = f.get("dtype")
+    default = "float32" if common.value in (None, "mixed") else _dtype(common)
+    moves = []
+    for m in f["tensors"].items():
+        shape = m["shape"].ints()
+        moves.append(TensorMove(_annotation(m["src"], len(shape)), _annotation(m["dst"], len(shape)), shape,
+                                _dtype(m.get("dtype"), default)))
+    steps = f["steps"].items()
+    if len(steps) != 1:
+        raise f["steps"].fail("expected one BatchedSendRecv step")
+    failed = f.get("failed")
+    return FusedPlan(tuple(moves), tuple(_read_transfer(t) for t in steps[0]["transfers"].items()),
+                     _topology(f["topology"]), () if failed.value is None else failed.ints())
 
 
 @dataclass(frozen=True)
@@ -68,9 +162,8 @@ class Collective:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Collective":
-        return cls(d["kind"], tuple(d["devices"]), _box_from(d["box"]), tuple(_box_from(p) for p in d["parts"]),
-                   tuple(d.get("zero_inputs", ())))
+    def from_dict(cls, d: Mapping, where: str = "Collective.from_dict") -> "Collective":
+        return _read(d, where, _read_collective)
 
 
 @dataclass(frozen=True)
@@ -89,8 +182,8 @@ class Transfer:
                 "tensors": list(self.tensors)}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Transfer":
-        return cls(d["src"], d["dst"], tuple(_box_from(b) for b in d["boxes"]), tuple(d["tensors"]))
+    def from_dict(cls, d: Mapping, where: str = "Transfer.from_dict") -> "Transfer":
+        return _read(d, where, _read_transfer)
 
 
 @dataclass(frozen=True)
@@ -151,14 +244,8 @@ class Step:
         return out
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Step":
-        return cls(
-            d["primitive"], parse(d["src"]), parse(d["dst"]),
-            tuple(Collective.from_dict(c) for c in d["collectives"]),
-            tuple(Transfer.from_dict(t) for t in d["transfers"]),
-            tuple(d["assembled_on"]), d.get("subgroup"), d.get("round", 0),
-            tuple((tuple(template), tuple(devices)) for template, devices in d.get("repeats", ())),
-        )
+    def from_dict(cls, d: Mapping, where: str = "Step.from_dict") -> "Step":
+        return _read(d, where, _read_step)
 
 
 class _Stats:
@@ -352,15 +439,13 @@ class Plan(_Stats):
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Plan":
-        return cls(
-            parse(d["src"]), parse(d["dst"]), tuple(d["shape"]), tuple(Step.from_dict(s) for s in d["steps"]),
-            cluster_from_dict(d["topology"]), d.get("dtype", "float32"),
-        )
+    def from_dict(cls, d: Mapping, where: str = "Plan.from_dict") -> "Plan":
+        """The plan written by to_dict; PlanError naming the field that is wrong (`where` names the source)."""
+        return _read(d, where, _read_plan)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes, where: str = "Plan.from_json") -> "Plan":
+        return cls.from_dict(_loaded(text, where), where)
 
 
 @dataclass(frozen=True)
@@ -442,16 +527,13 @@ class FusedPlan(_Stats):
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "FusedPlan":
-        default = d.get("dtype", "float32")
-        moves = tuple(TensorMove(parse(m["src"]), parse(m["dst"]), tuple(m["shape"]), m.get("dtype", default))
-                      for m in d["tensors"])
-        transfers = tuple(Transfer.from_dict(t) for t in d["steps"][0]["transfers"])
-        return cls(moves, transfers, cluster_from_dict(d["topology"]), tuple(d.get("failed", ())))
+    def from_dict(cls, d: Mapping, where: str = "FusedPlan.from_dict") -> "FusedPlan":
+        """The plan written by to_dict; PlanError naming the field that is wrong (`where` names the source)."""
+        return _read(d, where, _read_fused_plan)
 
     @classmethod
-    def from_json(cls, text: str) -> "FusedPlan":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes, where: str = "FusedPlan.from_json") -> "FusedPlan":
+        return cls.from_dict(_loaded(text, where), where)
 
 
 __all__ = ["COLLECTIVE_KINDS", "Collective", "FusedPlan", "PRIMITIVES", "Plan", "Step", "TensorMove", "Transfer"]

@@ -39,6 +39,7 @@ from hspmd.annotations import Box, device_piece
 from hspmd.comm_resolve.plan_part import PlanPart, part_of
 from hspmd.specialize.bucket_plan import BucketPlan
 from hspmd.errors import HSPMDError
+from hspmd.json_fields import JsonField
 from hspmd.ir.dsl import name_seed
 from hspmd.ir.graph import Node, Tensor
 from hspmd.ir.init import initializer_from_key, initializer_key
@@ -352,76 +353,11 @@ def device_program(exe: ExecutableGraph, *, seed: int, place: PipelinePlace | No
 # ---- reading, with the field named in every error --------------------------------------------------
 
 
-class _Field:
-    """A value read from JSON and its path in the program (for error messages)."""
+class _Field(JsonField):
+    """A value read from a program file and its path in the program (for error messages)."""
 
-    def __init__(self, value: object, path: str, source: str):
-        self.value, self.path, self.source = value, path, source
-
-    def error(self, what: str) -> ProgramError:
-        return ProgramError(f"{self.source}: program field {self.path or '(top)'}: {what}")
-
-    def fail(self, what: str) -> ProgramError:
-        shown = json.dumps(self.value)[:80] if _jsonable(self.value) else repr(self.value)[:80]
-        return self.error(f"{what}, got {shown}")
-
-    def _child(self, value: object, key: str) -> "_Field":
-        return _Field(value, f"{self.path}.{key}" if self.path else key, self.source)
-
-    def __getitem__(self, key: str) -> "_Field":
-        if not isinstance(self.value, dict):
-            raise self.fail("expected an object")
-        if key not in self.value:
-            raise self._child(None, key).error("missing")
-        return self._child(self.value[key], key)
-
-    def get(self, key: str) -> "_Field":
-        if not isinstance(self.value, dict):
-            raise self.fail("expected an object")
-        return self._child(self.value.get(key), key)
-
-    def items(self) -> list["_Field"]:
-        if not isinstance(self.value, list):
-            raise self.fail("expected a list")
-        return [_Field(v, f"{self.path}[{i}]", self.source) for i, v in enumerate(self.value)]
-
-    def int(self, minimum: int = 0) -> int:
-        v = self.value
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise self.fail(f"expected an integer >= {minimum}")
-        return v
-
-    def str(self, choices: Sequence[str] | None = None) -> str:
-        if not isinstance(self.value, str) or (choices is not None and self.value not in choices):
-            raise self.fail("expected a string" + (f" among {', '.join(choices)}" if choices else ""))
-        return self.value
-
-    def bool(self) -> bool:
-        if not isinstance(self.value, bool):
-            raise self.fail("expected true or false")
-        return self.value
-
-    def ints(self, minimum: int = 0) -> tuple[int, ...]:
-        return tuple(f.int(minimum) for f in self.items())
-
-    def box(self, optional: bool = False) -> Box | None:
-        if optional and self.value is None:
-            return None
-        out = []
-        for r in self.items():
-            a, z = r.ints() if isinstance(r.value, list) and len(r.value) == 2 else (None, None)
-            if a is None or z < a:
-                raise r.fail("expected a range [start, stop] with start <= stop")
-            out.append((a, z))
-        return tuple(out)
-
-
-def _jsonable(value: object) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
+    error_type = ProgramError
+    noun = "program"
 
 
 def _read_attr(f: _Field) -> Any:
