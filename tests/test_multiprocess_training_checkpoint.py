@@ -100,3 +100,29 @@ def test_checkpoint_reader_errors_name_the_file_and_the_fix(tmp_path):
         reader("embed", ((0, 16), (0, 16)), (16, 16))
     with pytest.raises(HSPMDError, match="no tensor 'lm_head'.*different model"):
         reader("lm_head", ((0, 16), (0, 16)), (16, 16))
+
+
+def test_a_checkpoint_of_a_deeper_model_is_refused_naming_the_extra_tensors(tmp_path):
+    """A 4-layer checkpoint must not load into a 2-layer model (its resumed save would then
+    overwrite the file and lose layers 2-3); one of a shallower model names what it lacks."""
+    from dataclasses import replace
+
+    deep, shallow = tmp_path / "deep.safetensors", tmp_path / "shallow.safetensors"
+
+    def body(backend):
+        strategy = parse_strategy("layers=4 ; 1x1: R0 L0-3")
+        layout = MicroBatchLayout.of(strategy)
+        graph = build_llama(replace(CONFIG, layers=4), [strategy], optimizer=AdamW(lr=1e-2)).graph
+        Trainer(graph, 0, backend, layout, symbols={"S": 4, "T": 4 * layout.global_batch_size}).save_checkpoint(deep)
+        small = _trainer(backend, "layers=2 ; 1x1: R0 L0-1")
+        small.save_checkpoint(shallow)
+        with pytest.raises(CheckpointError) as info:
+            small.load_checkpoint(deep)
+        deeper = Trainer(graph, 0, backend, layout, symbols={"S": 4, "T": 4 * layout.global_batch_size})
+        with pytest.raises(CheckpointError) as lacks:
+            deeper.load_checkpoint(shallow)
+        return str(info.value), str(lacks.value)
+
+    extra, missing = run_on_devices(body, range(1))[0]
+    assert str(deep) in extra and "does not have" in extra and "'layers.2." in extra and "more" in extra
+    assert str(shallow) in missing and "lacks" in missing and "'layers.2." in missing

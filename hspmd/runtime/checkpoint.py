@@ -98,6 +98,24 @@ def cut_leaves(exe: ExecutableGraph, read: Callable[[str, tuple, tuple[int, ...]
     return out
 
 
+def check_leaf_names(graph: Graph, names, path: str) -> None:
+    """A checkpoint in hspmd's own formats holds exactly the model's leaves. One with more (a deeper
+    model's layers) would otherwise load silently and be overwritten by this run's smaller save."""
+    wanted = {n.name for n in checkpoint_leaves(graph)}
+    missing, extra = sorted(wanted - set(names)), sorted(set(names) - wanted)
+    if not (missing or extra):
+        return
+
+    def few(items):
+        shown = ", ".join(repr(i) for i in items[:3])
+        return shown + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+
+    parts = ([f"it lacks {len(missing)} tensor(s) the model needs ({few(missing)})"] if missing else []) + \
+            ([f"it holds {len(extra)} tensor(s) the model does not have ({few(extra)})"] if extra else [])
+    raise CheckpointError(f"checkpoint {path} was written for a different model than graph {graph.name!r}: "
+                          f"{'; '.join(parts)}; load a checkpoint of this model's configuration")
+
+
 def cut_from_tensors(tensors: Mapping[str, torch.Tensor]) -> Callable[[str, tuple, tuple[int, ...]], torch.Tensor]:
     """A `read` for cut_leaves over whole tensors in memory."""
 
@@ -212,5 +230,5 @@ class CheckpointReader:
         return value[tuple(slice(a, b) for a, b in box)]
 
 
-__all__ = ["CheckpointReader", "SCHEMA", "checkpoint_leaves", "checkpoint_metadata", "cut_from_tensors", "cut_leaves",
+__all__ = ["CheckpointReader", "SCHEMA", "check_leaf_names", "checkpoint_leaves", "checkpoint_metadata", "cut_from_tensors", "cut_leaves",
            "gather_leaves", "gather_whole", "read_step", "save_checkpoint"]

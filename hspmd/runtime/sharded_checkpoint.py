@@ -239,6 +239,10 @@ class ShardedReader:
         return ShardedReader(folder, index)
 
     @property
+    def path(self) -> str:
+        return self.folder
+
+    @property
     def step(self) -> int:
         return int(self.index["step"])
 

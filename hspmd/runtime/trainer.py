@@ -40,11 +40,11 @@ from hspmd.backends.backend import Backend
 from hspmd.runtime.batches import MicroBatchLayout
 from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, SyncedGradients, cap_bytes_of
 from hspmd.runtime.checkpoint import (
-    cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
+    CheckpointReader, check_leaf_names, cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
 )
 from hspmd.runtime.executor import ScheduleRun, run_schedule
 from hspmd.runtime.checks import check_bound, check_feeds, check_seed, checked_ranks, checked_symbols
-from hspmd.runtime.sharded_checkpoint import PendingSave, open_checkpoint, save_sharded
+from hspmd.runtime.sharded_checkpoint import PendingSave, ShardedReader, open_checkpoint, save_sharded
 from hspmd.runtime.trace import Tracer
 from hspmd.specialize import comm_plans
 from hspmd.specialize.schedules import Schedule, pipeline_schedule, schedule_for
@@ -528,8 +528,11 @@ class Trainer:
         """Each rank reads only its own pieces from `source`: a checkpoint path (any strategy's
         checkpoint of this model, a single file or a sharded checkpoint directory) or a reader with a
         `step` (e.g. hspmd.runtime.hf_checkpoint.HFCheckpoint over a Hugging Face directory);
-        returns the step count it was saved at."""
+        returns the step count it was saved at. A checkpoint in hspmd's own formats must hold
+        exactly this model's leaves (checkpoint.check_leaf_names)."""
         reader = source if callable(source) else open_checkpoint(source)
+        if isinstance(reader, (CheckpointReader, ShardedReader)):
+            check_leaf_names(self.graph, reader.names, reader.path)
         self.state.leaves.update(cut_leaves(self.exe, reader, self.backend.device))
         self.state.accum.clear()
         self.state.step = reader.step
