@@ -17,7 +17,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never a hub
 transformers = pytest.importorskip("transformers")
 
-from hspmd.errors import HSPMDError  # noqa: E402
+from hspmd.errors import CheckpointError, HSPMDError  # noqa: E402
 from hspmd.ir import Binding  # noqa: E402
 from hspmd.models.hf_llama import config_from_hf, hf_names, read_hf_config  # noqa: E402
 from hspmd.models.llama import build_llama  # noqa: E402
@@ -198,3 +198,33 @@ def test_the_cost_models_model_spec_reads_the_same_config_json(tmp_path):
     assert spec.parameters() == from_llama_config(read_hf_config(tmp_path / "tiny")).parameters()
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "tiny")
     assert spec.parameters() == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("index_text", ["{not json", "[1, 2]", '{"weight_map": [1]}', "\udcff"])
+def test_a_malformed_index_json_is_a_checkpoint_error_naming_it(tmp_path, index_text):
+    make_hf_model(tmp_path, **CONFIGS["mha_untied"])
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(index_text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+        HFCheckpoint(tmp_path)
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x00" * 5, b"x" * 64, (10**6).to_bytes(8, "little") + b"{}"])
+def test_a_garbage_weights_file_is_a_checkpoint_error_naming_it(tmp_path, garbage):
+    model = make_hf_model(tmp_path / "in", **CONFIGS["mha_untied"])
+    model.save_pretrained(tmp_path / "one")  # a single model.safetensors, no index
+    (tmp_path / "one" / "model.safetensors").write_bytes(garbage)
+    with pytest.raises(CheckpointError, match=r"one/model\.safetensors cannot be read"):
+        HFCheckpoint(tmp_path / "one")
+
+
+def test_export_of_a_sharded_checkpoint_says_to_consolidate_first(tmp_path, capsys):
+    from hspmd.cli import main as cli_main
+
+    folder = tmp_path / "sh"
+    folder.mkdir()
+    (folder / "latest").write_text("step-00000003")
+    with pytest.raises(CheckpointError, match="sharded checkpoint directory.*hspmd checkpoint consolidate"):
+        export_checkpoint(folder, tmp_path / "out")
+    assert cli_main(["checkpoint", "export-hf", str(folder), str(tmp_path / "out")]) == 2
+    assert "consolidate" in capsys.readouterr().err

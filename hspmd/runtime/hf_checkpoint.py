@@ -20,14 +20,15 @@ import os
 from typing import Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hspmd.annotations import box_shape
-from hspmd.errors import HSPMDError, ShapeError
+from hspmd.errors import CheckpointError, HSPMDError, ShapeError
 from hspmd.models.hf_llama import HFName, hf_config, hf_names, read_hf_config
 from hspmd.models.llama import LlamaConfig
 from hspmd.runtime.checkpoint import CheckpointReader
+from hspmd.runtime.sharded_checkpoint import is_sharded_checkpoint
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -38,10 +39,14 @@ def _shard_files(directory: str) -> dict[str, str]:
     *.safetensors file of the directory (header only; no tensor is read)."""
     index = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise HSPMDError(f"{index} has no weight_map")
+        try:
+            with open(index, encoding="utf-8") as f:
+                parsed = json.load(f)
+        except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise CheckpointError(f"Hugging Face index {index} cannot be read (not JSON text): {exc}") from None
+        weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index} has no weight_map of tensor names to file names")
         return {name: os.path.join(directory, file) for name, file in weight_map.items()}
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
@@ -50,9 +55,17 @@ def _shard_files(directory: str) -> dict[str, str]:
     out = {}
     for file in files:
         path = os.path.join(directory, file)
-        with safe_open(path, framework="pt") as f:
-            out.update({name: path for name in f.keys()})
+        out.update({name: path for name in _open_safetensors(path).keys()})
     return out
+
+
+def _open_safetensors(path: str):
+    """safe_open(path), its failure (a truncated or garbage file) a CheckpointError naming it."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"Hugging Face weights {path} cannot be read (truncated or not a safetensors "
+                              f"file): {exc}") from None
 
 
 class HFCheckpoint:
@@ -80,7 +93,7 @@ class HFCheckpoint:
 
     def _file(self, path: str):
         if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
+            self._open[path] = _open_safetensors(path)
         return self._open[path]
 
     def __call__(self, name: str, box: tuple, shape: tuple[int, ...]) -> torch.Tensor:
@@ -91,7 +104,11 @@ class HFCheckpoint:
             raise HSPMDError(f"Hugging Face checkpoint {self.directory}: hspmd tensor {name!r} is neither a "
                              f"Llama parameter nor an optimizer state of one")
         where = self.names[name]
-        view = self._file(self.files[where.name]).get_slice(where.name)
+        path = self.files[where.name]
+        try:
+            view = self._file(path).get_slice(where.name)
+        except (SafetensorError, OSError, ValueError) as exc:  # an index naming a tensor the file lacks
+            raise CheckpointError(f"Hugging Face weights {path}: tensor {where.name!r} cannot be read: {exc}") from None
         stored = tuple(view.get_shape())
         expected = tuple(reversed(shape)) if where.transposed else tuple(shape)
         if stored != expected:
@@ -99,7 +116,10 @@ class HFCheckpoint:
                              f"the model's config.json implies {expected}")
         box = tuple(box) if box else tuple((0, s) for s in shape)
         hf_box = tuple(reversed(box)) if where.transposed else box
-        piece = view[tuple(slice(a, b) for a, b in hf_box)]
+        try:
+            piece = view[tuple(slice(a, b) for a, b in hf_box)]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"Hugging Face weights {path}: tensor {where.name!r} cannot be read: {exc}") from None
         if not piece.dtype.is_floating_point:
             raise HSPMDError(f"Hugging Face checkpoint {self.directory}: {where.name} is {piece.dtype}, not a float")
         piece = piece.t() if where.transposed else piece
@@ -138,6 +158,10 @@ def export_checkpoint(path: str | os.PathLike, directory: str | os.PathLike, con
     """Export an hspmd checkpoint file; `config` is a Hugging Face config.json or a directory with
     one (default: the checkpoint's own directory)."""
     path = os.fspath(path)
+    if is_sharded_checkpoint(path):
+        raise CheckpointError(f"{path} is a sharded checkpoint directory; export-hf reads one file: run "
+                              f"`hspmd checkpoint consolidate {path} OUT.safetensors` first, then export OUT.safetensors "
+                              f"(with --config naming the model's config.json unless it is beside OUT)")
     reader = CheckpointReader(path)
     where = os.fspath(config) if config is not None else os.path.dirname(os.path.abspath(path))
     if os.path.isfile(where):

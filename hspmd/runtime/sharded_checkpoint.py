@@ -308,6 +308,12 @@ class ShardedReader:
         return {name: self(name, (), tuple(e["shape"])) for name, e in self.index["tensors"].items()}
 
 
+def is_sharded_checkpoint(path) -> bool:
+    """A directory holding a sharded checkpoint (its `latest` pointer) or one step of it (an index)."""
+    path = os.fspath(path)
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in (LATEST, INDEX))
+
+
 def open_checkpoint(path):
     """A reader for either format: a sharded checkpoint directory, or a single safetensors file."""
     return ShardedReader.open(path) if os.path.isdir(os.fspath(path)) else CheckpointReader(path)
@@ -342,5 +348,6 @@ def inspect(path) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PendingSave", "ShardedReader", "checkpoint_index", "consolidate", "inspect", "open_checkpoint",
+__all__ = ["PendingSave", "ShardedReader", "checkpoint_index", "consolidate", "inspect", "is_sharded_checkpoint",
+           "open_checkpoint",
            "save_sharded"]
