@@ -107,3 +107,13 @@ def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(HSPMDError, match="not a sharded hspmd checkpoint"):
         ShardedReader.open(tmp_path)
     assert cli_main(["checkpoint", "inspect", str(tmp_path)]) == 2
+
+
+def test_the_checkpoint_tool_leaves_error_reporting_to_the_cli_wrapper(tmp_path, capsys):
+    """One place turns an HSPMDError into `hspmd: error: ...` and exit 2 (hspmd.cli.main)."""
+    from hspmd.runtime.checkpoint_tool import main as tool_main
+
+    with pytest.raises(HSPMDError, match="not a sharded hspmd checkpoint"):
+        tool_main(["inspect", str(tmp_path)])
+    assert cli_main(["checkpoint", "inspect", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("hspmd: error: ")

@@ -1,14 +1,12 @@
 """`hspmd checkpoint ...`: tools over checkpoint files (export-hf writes a Hugging Face directory;
-inspect and consolidate read sharded checkpoints)."""
+inspect and consolidate read sharded checkpoints). Run through `hspmd.cli.main`, which turns an
+HSPMDError into one `hspmd: error:` line and exit status 2."""
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
 from hspmd.arguments import ArgumentParser
-from hspmd.errors import HSPMDError, error_line
 from hspmd.runtime.hf_checkpoint import export_checkpoint
 from hspmd.runtime.sharded_checkpoint import consolidate, inspect
 
@@ -31,17 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("path", help="a sharded checkpoint directory (its latest step) or one step directory")
     merge.add_argument("out", help="the .safetensors file to write (an hspmd single-file checkpoint too)")
     args = parser.parse_args(argv)
-    try:
-        if args.tool == "inspect":
-            print(inspect(args.path))
-        elif args.tool == "consolidate":
-            print(f"wrote {args.out} (step {consolidate(args.path, args.out)})")
-        else:
-            out = export_checkpoint(args.checkpoint, args.directory, args.config, DTYPES.get(args.dtype))
-            print(f"wrote {out} (load it with transformers.LlamaForCausalLM.from_pretrained)")
-    except HSPMDError as exc:
-        print(f"hspmd: error: {error_line(exc)}", file=sys.stderr)
-        return 2
+    if args.tool == "inspect":
+        print(inspect(args.path))
+    elif args.tool == "consolidate":
+        print(f"wrote {args.out} (step {consolidate(args.path, args.out)})")
+    else:
+        out = export_checkpoint(args.checkpoint, args.directory, args.config, DTYPES.get(args.dtype))
+        print(f"wrote {out} (load it with transformers.LlamaForCausalLM.from_pretrained)")
     return 0
 
 
