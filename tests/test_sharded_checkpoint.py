@@ -117,3 +117,20 @@ def test_the_checkpoint_tool_leaves_error_reporting_to_the_cli_wrapper(tmp_path,
         tool_main(["inspect", str(tmp_path)])
     assert cli_main(["checkpoint", "inspect", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("hspmd: error: ")
+
+
+def test_latest_names_this_runs_newest_save_not_a_later_step_an_earlier_run_left(tmp_path):
+    from hspmd.runtime import sharded_checkpoint
+
+    first = _job([parse_strategy(HETERO)], 0)
+    _train(first, 3)
+    _save(first, tmp_path)
+    sharded_checkpoint._NEWEST.clear()  # a new process: a new run into the same directory
+    second = _job([parse_strategy(HETERO)], 0)
+    _train(second, 1)
+    _save(second, tmp_path)
+    assert (tmp_path / "latest").read_text().strip() == "step-00000001"
+    assert ShardedReader.open(tmp_path).step == 1
+    _train(second, 1)
+    _save(second, tmp_path)
+    assert ShardedReader.open(tmp_path).step == 2

@@ -45,6 +45,7 @@ INDEX = "index.json"
 LATEST = "latest"
 FORMAT = "hspmd-sharded-1"
 _LATEST_LOCK = threading.Lock()
+_NEWEST: dict[str, int] = {}  # directory -> the newest step this process (this run) committed there
 
 
 def step_dir(directory: str, step: int) -> str:
@@ -182,7 +183,9 @@ def _atomic_save(tensors: Mapping[str, torch.Tensor], path: str, step: int, grap
 
 
 def _commit(directory: str, folder: str, index: dict, timeout: float) -> None:
-    """Wait for every file the index names, then write the index and point `latest` at the step."""
+    """Wait for every file the index names, then write the index and point `latest` at the step:
+    the newest this run committed (saves overlap in the background), whatever an earlier run left
+    there (a new run into an old directory must not resume from that run's later steps)."""
     files = sorted({p["file"] for entry in index["tensors"].values() for p in entry["pieces"]})
     deadline = time.monotonic() + timeout
     while not all(os.path.exists(os.path.join(folder, f)) for f in files):
@@ -192,11 +195,11 @@ def _commit(directory: str, folder: str, index: dict, timeout: float) -> None:
                              "the index was not written, so the previous checkpoint stays the latest")
         time.sleep(0.01)
     _atomic_write(os.path.join(folder, INDEX), json.dumps(index, indent=1))
-    with _LATEST_LOCK:  # saves overlap in the background: `latest` only moves forward
-        latest = os.path.join(directory, LATEST)
-        current = open(latest, encoding="utf-8").read().strip() if os.path.exists(latest) else ""
-        if os.path.basename(folder) > current:
-            _atomic_write(latest, os.path.basename(folder))
+    with _LATEST_LOCK:
+        key = os.path.abspath(directory)
+        if index["step"] >= _NEWEST.get(key, -1):
+            _NEWEST[key] = index["step"]
+            _atomic_write(os.path.join(directory, LATEST), os.path.basename(folder))
 
 
 def _atomic_write(path: str, text: str) -> None:
