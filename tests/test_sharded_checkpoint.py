@@ -134,3 +134,28 @@ def test_latest_names_this_runs_newest_save_not_a_later_step_an_earlier_run_left
     _train(second, 1)
     _save(second, tmp_path)
     assert ShardedReader.open(tmp_path).step == 2
+
+
+@pytest.mark.parametrize("damage", ["index-json", "index-entry", "latest", "rank-file", "truncated"])
+def test_a_damaged_sharded_checkpoint_is_a_checkpoint_error_naming_the_file(tmp_path, damage):
+    from hspmd.errors import CheckpointError
+
+    job = _job([parse_strategy(HETERO)], 0)
+    _save(job, tmp_path)
+    folder = tmp_path / "step-00000000"
+    index = folder / "index.json"
+    named = {"index-json": "index.json", "index-entry": "index.json", "latest": "step-00000009",
+             "rank-file": "rank-1.safetensors", "truncated": "rank-1.safetensors"}[damage]
+    if damage == "index-json":
+        index.write_text("{not json")
+    elif damage == "index-entry":
+        index.write_text(index.read_text().replace('"dtype": "float32"', '"dtype": "float33"', 1))
+    elif damage == "latest":
+        (tmp_path / "latest").write_text("step-00000009")
+    elif damage == "rank-file":
+        (folder / "rank-1.safetensors").unlink()
+    else:
+        data = (folder / "rank-1.safetensors").read_bytes()
+        (folder / "rank-1.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=named):
+        ShardedReader.open(tmp_path).whole()

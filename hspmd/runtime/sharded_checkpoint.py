@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hspmd.annotations import device_pieces
 from hspmd.comm_resolve.slices import box_volume
-from hspmd.errors import HSPMDError, ShapeError
+from hspmd.errors import CheckpointError, HSPMDError, ShapeError
 from hspmd.runtime.checkpoint import GRAPH_KEY, STEP_KEY, CheckpointReader, checkpoint_leaves, save_checkpoint
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 
@@ -233,12 +233,21 @@ class ShardedReader:
             latest = os.path.join(path, LATEST)
             if not os.path.exists(latest):
                 raise HSPMDError(f"{path} is not a sharded hspmd checkpoint (no {INDEX} and no {LATEST} file)")
-            with open(latest, encoding="utf-8") as f:
-                folder = os.path.join(path, f.read().strip())
-        with open(os.path.join(folder, INDEX), encoding="utf-8") as f:
-            index = json.load(f)
-        if index.get("format") != FORMAT:
-            raise HSPMDError(f"{folder}/{INDEX}: unknown format {index.get('format')!r} (expected {FORMAT})")
+            try:
+                with open(latest, encoding="utf-8") as f:
+                    folder = os.path.join(path, f.read().strip())
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{latest}: cannot read the pointer to the latest step: {exc}") from exc
+        where = os.path.join(folder, INDEX)
+        try:
+            with open(where, encoding="utf-8") as f:
+                index = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{where}: cannot read the sharded checkpoint's index: {exc}") from exc
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            found = index.get("format") if isinstance(index, dict) else type(index).__name__
+            raise CheckpointError(f"{where}: unknown format {found!r} (expected {FORMAT})")
+        _check_index(index, where)
         return ShardedReader(folder, index)
 
     @property
@@ -271,9 +280,13 @@ class ShardedReader:
             inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, stored))
             if any(a >= b for a, b in inter) and inter:
                 continue
-            with safe_open(os.path.join(self.folder, piece["file"]), framework="pt") as f:
-                view = f.get_slice(name)
-                part = view[tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(inter, stored))] if inter else f.get_tensor(name)
+            path = os.path.join(self.folder, piece["file"])
+            try:
+                with safe_open(path, framework="pt") as f:
+                    view = f.get_slice(name)
+                    part = view[tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(inter, stored))] if inter else f.get_tensor(name)
+            except (OSError, SafetensorError) as exc:
+                raise CheckpointError(f"{path}: cannot read {name}'s piece {list(stored)}: {exc}") from exc
             out[tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(inter, box))] = part
             covered += part.numel()
             self.bytes_read += part.numel() * part.element_size()
@@ -309,6 +322,22 @@ class ShardedReader:
 
     def whole(self) -> dict[str, torch.Tensor]:
         return {name: self(name, (), tuple(e["shape"])) for name, e in self.index["tensors"].items()}
+
+
+def _check_index(index: dict, where: str) -> None:
+    """The index's shape, so that a damaged one is named here, not met as a KeyError mid-load."""
+    tensors = index.get("tensors")
+    if not isinstance(index.get("step"), int) or isinstance(index.get("step"), bool) or index["step"] < 0:
+        raise CheckpointError(f"{where}: step must be an integer >= 0, got {index.get('step')!r}")
+    if not isinstance(tensors, dict):
+        raise CheckpointError(f"{where}: tensors must map names to entries, got {type(tensors).__name__}")
+    for name, entry in tensors.items():
+        ok = (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and isinstance(entry.get("pieces"), list)
+              and isinstance(getattr(torch, str(entry.get("dtype")), None), torch.dtype)
+              and all(isinstance(p, dict) and isinstance(p.get("file"), str) and os.sep not in p["file"]
+                      and isinstance(p.get("box"), list) for p in entry["pieces"]))
+        if not ok:
+            raise CheckpointError(f"{where}: the entry of {name!r} is damaged (shape, dtype, pieces of file and box)")
 
 
 def is_sharded_checkpoint(path) -> bool:
