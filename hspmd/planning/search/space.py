@@ -127,6 +127,11 @@ class Layout:
     def key(self) -> tuple:
         return (self.pipelines, self.micro_batches, self.stages)
 
+    @property
+    def groups(self) -> tuple[tuple[str, int], ...]:
+        """(device type, TP) of each stage: what rank assignment places inside nodes."""
+        return tuple((s.device_type, s.tp) for s in self.stages)
+
     def describe(self) -> str:
         stages = ", ".join(f"{s.device_type} TP{s.tp} {s.layers} layer(s)" for s in self.stages)
         return f"{self.pipelines} pipeline(s) of [{stages}]"
@@ -307,7 +312,7 @@ def one_f_one_b_warmup(stages: int, micro_batches: int) -> tuple[int, ...]:
 
 def layout_strategy(problem: Problem, layout: Layout, name: str = "") -> Strategy:
     """The Strategy of a layout: ranks by the one rule of planning.ranks, layers in stage order."""
-    ranks = assign_ranks([[(s.device_type, s.tp) for s in layout.stages]] * layout.pipelines, problem.pools)
+    ranks = assign_ranks([list(layout.groups)] * layout.pipelines, problem.pools)
     pipelines = []
     for groups in ranks:
         stages, first = [], 0
@@ -324,7 +329,7 @@ def placeable(problem: Problem, layout: Layout) -> Layout | None:
     largest first always pack into power-of-two nodes); None when neither order places them.
     Re-priced by the caller: the order can change memory (in-flight counts) and the first/last
     stage costs."""
-    if _places(problem.pools, layout.pipelines, tuple((s.device_type, s.tp) for s in layout.stages)):
+    if _places(problem.pools, layout.pipelines, layout.groups):
         return layout
     stages = list(layout.stages)
     start = 0
@@ -333,8 +338,7 @@ def placeable(problem: Problem, layout: Layout) -> Layout | None:
             stages[start:k] = sorted(stages[start:k], key=lambda s: -s.tp)
             start = k
     ordered = Layout(layout.pipelines, tuple(stages), layout.micro_batches)
-    if ordered.stages != layout.stages and _places(problem.pools, ordered.pipelines,
-                                                   tuple((s.device_type, s.tp) for s in ordered.stages)):
+    if ordered.stages != layout.stages and _places(problem.pools, ordered.pipelines, ordered.groups):
         return ordered
     return None
 
