@@ -159,3 +159,62 @@ def test_a_damaged_sharded_checkpoint_is_a_checkpoint_error_naming_the_file(tmp_
         (folder / "rank-1.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=named):
         ShardedReader.open(tmp_path).whole()
+
+
+def test_a_rank_file_an_earlier_job_left_at_the_same_step_never_counts_as_written(tmp_path):
+    """Job two saves step 0 where job one saved it, but rank 1 dies before writing: the index writer
+    does not take job one's rank-1 file for job two's, and the old index, whose files job two
+    replaced, is refused by name instead of loading a mix of the two jobs."""
+    from hspmd.errors import CheckpointError
+    from hspmd.runtime.sharded_checkpoint import save_sharded
+
+    first = _job([parse_strategy(HETERO)], 0)
+    _save(first, tmp_path)
+    second = _job([parse_strategy(HETERO)], 0)
+    _train(second, 1)
+    assert first.world.backends[0].job != second.world.backends[0].job
+    assert len({b.job for b in second.world.backends.values()}) == 1
+
+    def all_but_rank_1(backend):
+        t = second.trainers[backend.rank]
+        t.state.step = 0
+        if backend.rank != 1:
+            save_sharded(t.exe, dict(t.state.leaves), 0, tmp_path, t.devices, background=False, timeout=1,
+                         job=backend.job)
+
+    with pytest.raises(HSPMDError, match=r"rank-1.safetensors.*never held this job's save of step 0"):
+        second.world.run(all_but_rank_1)
+    with pytest.raises(CheckpointError, match="rank-0.safetensors is not the file step 0's index committed"):
+        ShardedReader.open(tmp_path).whole()
+
+
+def test_a_flipped_byte_in_a_piece_fails_its_checksum_and_verify_names_the_file(tmp_path, capsys):
+    from hspmd.errors import CheckpointError
+
+    job = _job([parse_strategy(HETERO)], 0)
+    _train(job, 1)
+    _save(job, tmp_path)
+    assert cli_main(["checkpoint", "verify", str(tmp_path)]) == 0
+    assert "every one matches its checksum" in capsys.readouterr().out
+    path = tmp_path / "step-00000001" / "rank-1.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"rank-1.safetensors: tensor .* does not match its sha256"):
+        ShardedReader.open(tmp_path).whole()
+    assert cli_main(["checkpoint", "verify", str(tmp_path)]) == 2
+    assert "rank-1.safetensors" in capsys.readouterr().err
+
+
+def test_every_rank_file_is_a_checked_hspmd_checkpoint_stamped_with_its_step_and_job(tmp_path):
+    from hspmd.runtime.checkpoint import CheckpointReader
+    from hspmd.runtime.sharded_checkpoint import JOB_KEY
+
+    job = _job([parse_strategy(HETERO)], 0)
+    _save(job, tmp_path)
+    index = ShardedReader.open(tmp_path).index
+    for name, signature in index["files"].items():
+        reader = CheckpointReader(tmp_path / "step-00000000" / name)
+        reader.verify()
+        assert reader.header_checksum == signature
+        assert reader.metadata[JOB_KEY] == job.world.job and reader.metadata[STEP_KEY] == "0"

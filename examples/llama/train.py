@@ -96,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="start from a local Hugging Face Llama directory (its config and weights)")
     p.add_argument("--sharded", action="store_true",
                    help="--checkpoint is a directory: every rank writes its own pieces in the background "
-                        "(hspmd checkpoint inspect/consolidate read it); --resume loads either kind")
+                        "(hspmd checkpoint inspect/verify/consolidate read it); --resume loads either kind")
     p.add_argument("--summary", default=None, help="rank 0 writes a JSON summary of the run here")
     p.add_argument("--log-every", type=int, default=1, help="without a terminal, print every N-th step (default 1)")
     return p.parse_args(argv)

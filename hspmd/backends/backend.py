@@ -47,6 +47,9 @@ class Backend(abc.ABC):
     # buckets start during the backward only then: a blocking start could wait on a peer that
     # first needs this rank's later sends (a weight tied across pipeline stages).
     overlaps_collectives: bool = False
+    # The same on every rank of a job and different between jobs ("" where unknown): a sharded
+    # checkpoint tells this job's rank files from those an earlier job left in the same directory.
+    job: str = ""
 
     def prepare_groups(self, groups: Iterable[Group]) -> None:
         """Set up communicators for `groups` before their first use. Collective over the whole job:

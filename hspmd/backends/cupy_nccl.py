@@ -65,6 +65,9 @@ class CupyNcclBackend(Backend):
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._store = store
         self._namespace = namespace
+        from hspmd.backends.store import job_from_env
+
+        self.job = job_from_env()
         self._comms: dict[tuple[int, ...], object] = {}
         self._prepare_calls = 0
         self._world = self._communicator(tuple(range(world_size)), "creating the world communicator")

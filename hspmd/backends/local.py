@@ -6,6 +6,7 @@ exercise the real executors. It is for tests and planning checks, not for traini
 
 from __future__ import annotations
 
+import secrets
 import threading
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
@@ -30,6 +31,7 @@ class LocalWorld:
         self._mail: dict[tuple, object] = {}  # (src, dst, n): (tensor, sender waits for a copy); ("copied", ...)
         self.failed: str | None = None
         self._communications = 0  # collectives and messages entered so far, by any device
+        self.job = secrets.token_hex(8)
         self.backends = {rank: LocalBackend(self, rank) for rank in self.devices}
 
     def run(self, fn: Callable[[Backend], T]) -> dict[int, T]:
@@ -109,7 +111,7 @@ class LocalWorld:
 class LocalBackend(Backend):
     def __init__(self, world: LocalWorld, rank: int):
         self.world, self.rank, self.world_size = world, rank, len(world.devices)
-        self.device = world.device
+        self.device, self.job = world.device, world.job
         self._group_calls: dict[Group, int] = {}
         self._sent: dict[int, int] = {}  # messages sent to each peer so far
         self._received: dict[int, int] = {}  # messages received from each peer so far

@@ -64,6 +64,13 @@ def secret_from_env() -> bytes:
     return value.encode()
 
 
+def job_from_env() -> str:
+    """The job's name for Backend.job: a digest of HSPMD_JOB_SECRET (the secret itself never leaves
+    the process), "" when the process was given none."""
+    value = os.environ.get(SECRET_ENV, "")
+    return sha256(b"hspmd job " + value.encode()).hexdigest()[:16] if value else ""
+
+
 def _tag(secret: bytes, role: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, role + nonce, sha256).digest()
 

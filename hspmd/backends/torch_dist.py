@@ -33,7 +33,7 @@ import torch.distributed as dist
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.backends.backend import Backend, Done, Group, Pending, Shape
 from hspmd.backends.heartbeat import HEARTBEAT_ENV, start_beating
-from hspmd.backends.store import STORE_PORT_ENV, hosts_store, open_store, secret_from_env
+from hspmd.backends.store import STORE_PORT_ENV, hosts_store, job_from_env, open_store, secret_from_env
 from hspmd.backends.wire import decode_groups, encode_groups
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -92,6 +92,7 @@ class TorchDistBackend(Backend):
         self._native_reduce_scatter = True
         # NCCL's one-buffer collectives write in place; gloo's stage the whole result (see *_into)
         self.native_in_place = "nccl" in self.dist_backend
+        self.job = job_from_env()
         self.barrier(tuple(range(self.world_size)))
 
     # groups -------------------------------------------------------------------------------------

@@ -130,12 +130,14 @@ def cut_from_tensors(tensors: Mapping[str, torch.Tensor]) -> Callable[[str, tupl
     return read
 
 
-def checkpoint_metadata(tensors: Mapping[str, torch.Tensor], step: int, graph_name: str = "") -> dict[str, str]:
-    """The metadata of a checkpoint of `tensors`: schema, step, graph name, one checksum per tensor."""
+def checkpoint_metadata(tensors: Mapping[str, torch.Tensor], step: int, graph_name: str = "",
+                        extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The metadata of a checkpoint of `tensors`: schema, step, graph name, one checksum per tensor
+    and `extra` entries (covered by the header checksum too)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         shown = step if isinstance(step, int) and not isinstance(step, bool) and step.bit_length() < 64 else type(step).__name__
         raise CheckpointError(f"a checkpoint's step must be a non-negative integer, got {shown}")
-    metadata = {SCHEMA_KEY: SCHEMA, STEP_KEY: str(step), GRAPH_KEY: str(graph_name)}
+    metadata = {SCHEMA_KEY: SCHEMA, STEP_KEY: str(step), GRAPH_KEY: str(graph_name), **(extra or {})}
     metadata.update({CHECKSUM_PREFIX + name: tensor_checksum(t) for name, t in tensors.items()})
     metadata[HEADER_CHECKSUM_KEY] = _header_checksum(metadata)
     return metadata
@@ -147,12 +149,14 @@ def _header_checksum(metadata: Mapping[str, str]) -> str:
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
-def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], step: int, graph_name: str = "") -> None:
+def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], step: int, graph_name: str = "",
+                    extra: Mapping[str, str] | None = None) -> str:
     """Write whole tensors, the step count and per-tensor checksums (atomic and durable:
-    integrity.atomic_write)."""
+    integrity.atomic_write); returns the header checksum, which names this write."""
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    metadata = checkpoint_metadata(tensors, step, graph_name)
+    metadata = checkpoint_metadata(tensors, step, graph_name, extra)
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    return metadata[HEADER_CHECKSUM_KEY]
 
 
 def read_step(metadata: Mapping[str, str], path: str) -> int:
@@ -194,6 +198,7 @@ class CheckpointReader:
         if metadata.get(HEADER_CHECKSUM_KEY) != _header_checksum(metadata):
             raise CheckpointError(f"checkpoint {self.path}: the metadata (step, graph, checksums) does not match its "
                                   f"{CHECKSUM}: the file is corrupted")
+        self.metadata = metadata
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor `name`, checked against its checksum."""
@@ -212,6 +217,18 @@ class CheckpointReader:
                 f"restore it or load an older checkpoint"
             )
         return value
+
+    @property
+    def header_checksum(self) -> str:
+        """Names this write of the file: it covers the step, the graph and every tensor's checksum."""
+        return self.metadata[HEADER_CHECKSUM_KEY]
+
+    def part(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Part of tensor `name`, read alone: not checked (a checksum covers the whole tensor)."""
+        try:
+            return self._file.get_slice(name)[index]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} cannot be read: {exc}") from None
 
     def verify(self) -> None:
         """Check every tensor of the file (a reader otherwise checks only what it reads)."""

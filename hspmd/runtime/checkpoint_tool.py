@@ -1,5 +1,5 @@
 """`hspmd checkpoint ...`: tools over checkpoint files (export-hf writes a Hugging Face directory;
-inspect and consolidate read sharded checkpoints). Run through `hspmd.cli.main`, which turns an
+inspect and consolidate read sharded checkpoints; verify checks every tensor of either format). Run through `hspmd.cli.main`, which turns an
 HSPMDError into one `hspmd: error:` line and exit status 2."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from hspmd.arguments import ArgumentParser
 from hspmd.runtime.hf_checkpoint import export_checkpoint
-from hspmd.runtime.sharded_checkpoint import consolidate, inspect
+from hspmd.runtime.sharded_checkpoint import consolidate, inspect, open_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,8 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     merge = sub.add_parser("consolidate", help="a sharded checkpoint as one plain safetensors file of whole tensors")
     merge.add_argument("path", help="a sharded checkpoint directory (its latest step) or one step directory")
     merge.add_argument("out", help="the .safetensors file to write (an hspmd single-file checkpoint too)")
+    sub.add_parser("verify", help="read every tensor (every stored piece) of a checkpoint and check its sha256").add_argument(
+        "path", help="a single-file checkpoint, a sharded checkpoint directory (its latest step) or one step directory")
     args = parser.parse_args(argv)
-    if args.tool == "inspect":
+    if args.tool == "verify":
+        reader = open_checkpoint(args.path)
+        reader.verify()
+        print(f"{reader.path}: step {reader.step}, {len(reader.names)} tensors, every one matches its checksum")
+    elif args.tool == "inspect":
         print(inspect(args.path))
     elif args.tool == "consolidate":
         print(f"wrote {args.out} (step {consolidate(args.path, args.out)})")

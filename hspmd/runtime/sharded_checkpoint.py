@@ -2,9 +2,10 @@
 
 Layout of a checkpoint directory:
 
-    DIR/latest                        name of the newest complete step directory (atomic replace)
+    DIR/latest                        name of the newest complete step directory
     DIR/step-00000040/rank-3.safetensors   the pieces rank 3 was the first holder of
-    DIR/step-00000040/index.json      tensor -> shape, dtype, boxes -> file; written last (the commit)
+    DIR/step-00000040/index.json      tensor -> shape, dtype, boxes -> file; each file's header
+                                      checksum; written last (the commit)
 
 A piece held by several devices (replicas) is written once, by its first holder, so the files add
 up to the model once. Nothing is gathered: each rank writes from its own memory on a background
@@ -13,6 +14,15 @@ being written cannot change underneath). The index is computed from the annotati
 could) and written by the lowest rank once every rank's file is in place. Loading under any
 strategy reads, for each piece a rank needs, only the intersecting part of each stored box
 (safetensors slices), so a rank never reads what it will not hold.
+
+Integrity: a rank file is an hspmd single-file checkpoint of the rank's pieces (checkpoint.py: a
+sha256 per piece and one over the header), stamped with the step and the job (Backend.job). Every
+file is written with integrity.atomic_write (fsync before and after the rename). The index writer
+waits until each file holds this job's save of this step, so a file an earlier job left at the same
+step never counts as written, and records each file's header checksum: a file replaced after the
+commit is refused by name. A piece read whole is checked against its sha256; a part of a piece
+(loading under another strategy) cannot be, as the checksum covers the whole piece; `verify()`
+(`hspmd checkpoint verify`) checks every piece.
 
 On a stand-in device (`meta` tensors, which hold no values) the same save and load run without
 the data path: each rank checks its pieces against the index and writes a manifest of them
@@ -24,11 +34,12 @@ values). No CPU tensor is made on either side.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -38,12 +49,14 @@ from safetensors.torch import save_file
 from hspmd.annotations import device_pieces
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.errors import CheckpointError, HSPMDError, ShapeError
-from hspmd.runtime.checkpoint import GRAPH_KEY, STEP_KEY, CheckpointReader, checkpoint_leaves, save_checkpoint
+from hspmd.runtime.checkpoint import STEP_KEY, CheckpointReader, checkpoint_leaves, save_checkpoint
+from hspmd.runtime.integrity import atomic_write
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 
 INDEX = "index.json"
 LATEST = "latest"
-FORMAT = "hspmd-sharded-1"
+FORMAT = "hspmd-sharded-2"
+JOB_KEY = "hspmd.job"
 _LATEST_LOCK = threading.Lock()
 _NEWEST: dict[str, int] = {}  # directory -> the newest step this process (this run) committed there
 
@@ -133,9 +146,11 @@ class PendingSave:
 
 
 def save_sharded(exe: ExecutableGraph, leaves: Mapping[str, torch.Tensor], step: int, directory,
-                 writers: tuple[int, ...], background: bool = True, timeout: float = 300.0) -> PendingSave | None:
+                 writers: tuple[int, ...], background: bool = True, timeout: float = 300.0,
+                 job: str = "") -> PendingSave | None:
     """This device's part of a sharded checkpoint of `step` under `directory` (not collective).
-    `writers`: every device of the strategy; the lowest writes the index once all files exist."""
+    `writers`: every device of the strategy; the lowest writes the index once every file holds
+    this `job`'s save of `step` (Backend.job: the same on every rank)."""
     directory = os.fspath(directory)
     stand_in = on_stand_in(leaves.values())
     index = checkpoint_index(exe, step, stand_in)
@@ -145,11 +160,11 @@ def save_sharded(exe: ExecutableGraph, leaves: Mapping[str, torch.Tensor], step:
         folder = step_dir(directory, step)
         os.makedirs(folder, exist_ok=True)
         if pieces and stand_in:
-            _atomic_write(os.path.join(folder, rank_file(exe.device, True)), json.dumps(_manifest(exe, pieces, index)))
+            _write_text(os.path.join(folder, rank_file(exe.device, True)), json.dumps(_manifest(exe, pieces, index, job)))
         elif pieces:
-            _atomic_save(pieces, os.path.join(folder, rank_file(exe.device)), step, exe.graph.name)
+            save_checkpoint(os.path.join(folder, rank_file(exe.device)), pieces, step, exe.graph.name, {JOB_KEY: job})
         if exe.device == min(writers):
-            _commit(directory, folder, index, timeout)
+            _commit(directory, folder, index, job, timeout)
 
     if not background:
         write()
@@ -157,7 +172,7 @@ def save_sharded(exe: ExecutableGraph, leaves: Mapping[str, torch.Tensor], step:
     return PendingSave(write)
 
 
-def _manifest(exe: ExecutableGraph, pieces: Mapping[str, torch.Tensor], index: dict) -> dict:
+def _manifest(exe: ExecutableGraph, pieces: Mapping[str, torch.Tensor], index: dict, job: str) -> dict:
     """What a stand-in rank file holds in place of tensor bytes: each piece's box, shape and dtype,
     checked against the index (a piece of the wrong shape or dtype fails the save, as it would
     when writing real bytes)."""
@@ -172,41 +187,63 @@ def _manifest(exe: ExecutableGraph, pieces: Mapping[str, torch.Tensor], index: d
             raise ShapeError(f"device {exe.device}: its piece of {name} is {tuple(value.shape)} {dtype}, the checkpoint "
                              f"index gives it {tuple(shape)} {entry['dtype']}")
         out[name] = {"box": box, "shape": shape, "dtype": dtype}
-    return {"format": FORMAT, "step": index["step"], "device": exe.device, "pieces": out}
+    return {"format": FORMAT, "step": index["step"], "job": job, "device": exe.device, "pieces": out}
 
 
-def _atomic_save(tensors: Mapping[str, torch.Tensor], path: str, step: int, graph: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp,
-              metadata={STEP_KEY: str(step), GRAPH_KEY: graph})
-    os.replace(tmp, path)
+def _signature(path: str, step: int, job: str, stand_in: bool) -> str | None:
+    """The header checksum of the rank file at `path` (a stand-in manifest: the sha256 of its text)
+    once it holds `job`'s save of `step`; None while it is missing, damaged or another save's."""
+    try:
+        if stand_in:
+            with open(path, "rb") as f:
+                text = f.read()
+            manifest = json.loads(text)
+            ours = isinstance(manifest, dict) and manifest.get("step") == step and manifest.get("job") == job
+            return hashlib.sha256(text).hexdigest() if ours else None
+        reader = CheckpointReader(path)
+    except (OSError, ValueError, CheckpointError):
+        return None
+    ours = reader.metadata.get(STEP_KEY) == str(step) and reader.metadata.get(JOB_KEY) == job
+    return reader.header_checksum if ours else None
 
 
-def _commit(directory: str, folder: str, index: dict, timeout: float) -> None:
-    """Wait for every file the index names, then write the index and point `latest` at the step:
-    the newest this run committed (saves overlap in the background), whatever an earlier run left
-    there (a new run into an old directory must not resume from that run's later steps)."""
+def _commit(directory: str, folder: str, index: dict, job: str, timeout: float) -> None:
+    """Wait until every file the index names holds this job's save of this step, then write the
+    index (with each file's signature) and point `latest` at the step: the newest this run
+    committed (saves overlap in the background), whatever an earlier run left there (a new run into
+    an old directory must not resume from that run's later steps)."""
     files = sorted({p["file"] for entry in index["tensors"].values() for p in entry["pieces"]})
+    stand_in = bool(index.get("stand_in"))
+    signatures: dict[str, str] = {}
     deadline = time.monotonic() + timeout
-    while not all(os.path.exists(os.path.join(folder, f)) for f in files):
+    while len(signatures) < len(files):
+        for f in files:
+            if f not in signatures:
+                found = _signature(os.path.join(folder, f), index["step"], job, stand_in)
+                if found is not None:
+                    signatures[f] = found
+        if len(signatures) == len(files):
+            break
         if time.monotonic() > deadline:
-            missing = [f for f in files if not os.path.exists(os.path.join(folder, f))]
-            raise HSPMDError(f"sharded checkpoint {folder}: {missing} never appeared within {timeout:g}s; "
-                             "the index was not written, so the previous checkpoint stays the latest")
+            missing = [f for f in files if f not in signatures]
+            raise HSPMDError(f"sharded checkpoint {folder}: {missing} never held this job's save of step "
+                             f"{index['step']} within {timeout:g}s (missing, damaged or another run's); the index "
+                             "was not written, so the previous checkpoint stays the latest")
         time.sleep(0.01)
-    _atomic_write(os.path.join(folder, INDEX), json.dumps(index, indent=1))
+    _write_text(os.path.join(folder, INDEX), json.dumps({**index, "files": signatures}, indent=1))
     with _LATEST_LOCK:
         key = os.path.abspath(directory)
         if index["step"] >= _NEWEST.get(key, -1):
             _NEWEST[key] = index["step"]
-            _atomic_write(os.path.join(directory, LATEST), os.path.basename(folder))
+            _write_text(os.path.join(directory, LATEST), os.path.basename(folder))
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def _write_text(path: str, text: str) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_write(path, write)
 
 
 @dataclass
@@ -218,6 +255,7 @@ class ShardedReader:
     index: dict
     bytes_read: int = 0
     _manifests: dict | None = None
+    _files: dict = field(default_factory=dict)
 
     @property
     def stand_in(self) -> bool:
@@ -280,19 +318,43 @@ class ShardedReader:
             inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, stored))
             if any(a >= b for a, b in inter) and inter:
                 continue
-            path = os.path.join(self.folder, piece["file"])
-            try:
-                with safe_open(path, framework="pt") as f:
-                    view = f.get_slice(name)
-                    part = view[tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(inter, stored))] if inter else f.get_tensor(name)
-            except (OSError, SafetensorError) as exc:
-                raise CheckpointError(f"{path}: cannot read {name}'s piece {list(stored)}: {exc}") from exc
+            reader = self._file(piece["file"])
+            if inter == stored:  # the whole piece: checked against its sha256
+                part = reader.tensor(name)
+            else:
+                part = reader.part(name, tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(inter, stored)))
+            if tuple(part.shape) != tuple(b - a for a, b in inter):
+                raise CheckpointError(f"{reader.path}: {name}'s piece {list(stored)} has shape {tuple(part.shape)}, "
+                                      "not its box's")
             out[tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(inter, box))] = part
             covered += part.numel()
             self.bytes_read += part.numel() * part.element_size()
         if covered != out.numel():
             raise HSPMDError(f"sharded checkpoint {self.folder}: the stored pieces of {name} do not cover box {box}")
         return out
+
+    def _file(self, name: str) -> CheckpointReader:
+        """The rank file `name`, opened once, refused unless it is the file the index committed."""
+        if name not in self._files:
+            reader = CheckpointReader(os.path.join(self.folder, name))
+            if reader.header_checksum != self.index["files"][name]:
+                raise CheckpointError(f"{reader.path} is not the file step {self.step}'s index committed: it was "
+                                      "replaced later (another run saving the same step?); load another step")
+            self._files[name] = reader
+        return self._files[name]
+
+    def verify(self) -> None:
+        """Read every stored piece whole and check it (loads under another strategy check only the
+        pieces they read whole); stand-in manifests are checked against the index."""
+        for name, entry in self.index["tensors"].items():
+            if self.stand_in:
+                self._stand_in_piece(name, entry, tuple((0, s) for s in entry["shape"]))
+                continue
+            for piece in entry["pieces"]:
+                reader = self._file(piece["file"])
+                shape = tuple(b - a for a, b in piece["box"])
+                if tuple(reader.tensor(name).shape) != shape:
+                    raise CheckpointError(f"{reader.path}: {name}'s piece {piece['box']} does not have its box's shape")
 
     def _stand_in_piece(self, name: str, entry: dict, box) -> torch.Tensor:
         """A `meta` tensor of the box, once the manifests are found to cover it with pieces of the
@@ -302,10 +364,16 @@ class ShardedReader:
             self._manifests = {}
             for f in files:
                 path = os.path.join(self.folder, f)
-                if not os.path.exists(path):
-                    raise HSPMDError(f"stand-in checkpoint {self.folder}: {f} is missing")
-                with open(path, encoding="utf-8") as handle:
-                    self._manifests[f] = json.load(handle).get("pieces", {})
+                try:
+                    with open(path, "rb") as handle:
+                        text = handle.read()
+                    pieces = json.loads(text).get("pieces", {})
+                except (OSError, ValueError, AttributeError) as exc:
+                    raise CheckpointError(f"stand-in checkpoint {self.folder}: {f} cannot be read: {exc}") from None
+                if hashlib.sha256(text).hexdigest() != self.index["files"][f]:
+                    raise CheckpointError(f"stand-in checkpoint {self.folder}: {f} is not the manifest the index "
+                                          "committed (replaced later)")
+                self._manifests[f] = pieces
         covered = 0
         for piece in entry["pieces"]:
             stored = _box_key(piece["box"])
@@ -338,6 +406,10 @@ def _check_index(index: dict, where: str) -> None:
                       and isinstance(p.get("box"), list) for p in entry["pieces"]))
         if not ok:
             raise CheckpointError(f"{where}: the entry of {name!r} is damaged (shape, dtype, pieces of file and box)")
+    files = index.get("files")
+    named = {p["file"] for entry in tensors.values() for p in entry["pieces"]}
+    if not (isinstance(files, dict) and named <= set(files) and all(isinstance(v, str) for v in files.values())):
+        raise CheckpointError(f"{where}: the index lacks the signatures of its files (damaged)")
 
 
 def is_sharded_checkpoint(path) -> bool:

@@ -522,7 +522,8 @@ class Trainer:
         result before relying on the files). hspmd.runtime.sharded_checkpoint."""
         if self.idle:
             return None
-        return save_sharded(self.exe, dict(self.state.leaves), self.state.step, directory, self.devices, background)
+        return save_sharded(self.exe, dict(self.state.leaves), self.state.step, directory, self.devices, background,
+                            job=self.backend.job)
 
     def load_checkpoint(self, source) -> int:
         """Each rank reads only its own pieces from `source`: a checkpoint path (any strategy's
