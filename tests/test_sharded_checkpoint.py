@@ -218,3 +218,22 @@ def test_every_rank_file_is_a_checked_hspmd_checkpoint_stamped_with_its_step_and
         reader.verify()
         assert reader.header_checksum == signature
         assert reader.metadata[JOB_KEY] == job.world.job and reader.metadata[STEP_KEY] == "0"
+
+
+def test_a_rank_file_of_the_same_job_and_step_under_another_strategy_never_counts_as_written(tmp_path):
+    """After a restore took a job back to an earlier step under a new strategy, its next save of a
+    step it saved before must not take the old strategy's rank file for the new one's."""
+    from hspmd.runtime.sharded_checkpoint import save_sharded
+
+    first = _job([parse_strategy(HETERO)], 0)
+    _save(first, tmp_path)
+    same_job = first.world.job
+    second = _job([parse_strategy(HETERO), parse_strategy(PP3)], 1)
+
+    def all_but_rank_1(backend):
+        t = second.trainers[backend.rank]
+        if backend.rank != 1 and not t.idle:
+            save_sharded(t.exe, dict(t.state.leaves), 0, tmp_path, t.devices, background=False, timeout=1, job=same_job)
+
+    with pytest.raises(HSPMDError, match=r"\['rank-1.safetensors'\] never held this job's save of step 0"):
+        second.world.run(all_but_rank_1)

@@ -223,6 +223,10 @@ class CheckpointReader:
         """Names this write of the file: it covers the step, the graph and every tensor's checksum."""
         return self.metadata[HEADER_CHECKSUM_KEY]
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, from the header alone."""
+        return {name: tuple(self._file.get_slice(name).get_shape()) for name in self.names}
+
     def part(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """Part of tensor `name`, read alone: not checked (a checksum covers the whole tensor)."""
         try:

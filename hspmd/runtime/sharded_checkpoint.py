@@ -190,20 +190,24 @@ def _manifest(exe: ExecutableGraph, pieces: Mapping[str, torch.Tensor], index: d
     return {"format": FORMAT, "step": index["step"], "job": job, "device": exe.device, "pieces": out}
 
 
-def _signature(path: str, step: int, job: str, stand_in: bool) -> str | None:
+def _signature(path: str, step: int, job: str, shapes: dict[str, tuple[int, ...]], stand_in: bool) -> str | None:
     """The header checksum of the rank file at `path` (a stand-in manifest: the sha256 of its text)
-    once it holds `job`'s save of `step`; None while it is missing, damaged or another save's."""
+    once it holds `job`'s save of `step` with exactly the pieces `shapes` names; None while it is
+    missing, damaged or another save's (an earlier job's, or this job's under another strategy
+    before a restore took it back to an earlier step)."""
     try:
         if stand_in:
             with open(path, "rb") as f:
                 text = f.read()
             manifest = json.loads(text)
-            ours = isinstance(manifest, dict) and manifest.get("step") == step and manifest.get("job") == job
+            held = {name: tuple(p["shape"]) for name, p in manifest["pieces"].items()}
+            ours = manifest["step"] == step and manifest["job"] == job and held == shapes
             return hashlib.sha256(text).hexdigest() if ours else None
         reader = CheckpointReader(path)
-    except (OSError, ValueError, CheckpointError):
+        ours = (reader.metadata.get(STEP_KEY) == str(step) and reader.metadata.get(JOB_KEY) == job
+                and reader.shapes() == shapes)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
         return None
-    ours = reader.metadata.get(STEP_KEY) == str(step) and reader.metadata.get(JOB_KEY) == job
     return reader.header_checksum if ours else None
 
 
@@ -212,14 +216,18 @@ def _commit(directory: str, folder: str, index: dict, job: str, timeout: float) 
     index (with each file's signature) and point `latest` at the step: the newest this run
     committed (saves overlap in the background), whatever an earlier run left there (a new run into
     an old directory must not resume from that run's later steps)."""
-    files = sorted({p["file"] for entry in index["tensors"].values() for p in entry["pieces"]})
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, entry in index["tensors"].items():
+        for p in entry["pieces"]:
+            shapes.setdefault(p["file"], {})[name] = tuple(b - a for a, b in p["box"])
+    files = sorted(shapes)
     stand_in = bool(index.get("stand_in"))
     signatures: dict[str, str] = {}
     deadline = time.monotonic() + timeout
     while len(signatures) < len(files):
         for f in files:
             if f not in signatures:
-                found = _signature(os.path.join(folder, f), index["step"], job, stand_in)
+                found = _signature(os.path.join(folder, f), index["step"], job, shapes[f], stand_in)
                 if found is not None:
                     signatures[f] = found
         if len(signatures) == len(files):
