@@ -15,6 +15,9 @@ the collection that closes the block. Times are CPU seconds of the process (the
 work is single-threaded; on a shared machine wall time also counts waiting for a core), the sizes
 are interleaved (each repetition runs every size once) and the ratio to 48 ranks is the median of
 the per-repetition ratios. The figure to watch is that ratio at 1,024 and 4,096 (goal: within 2x).
+Beside it, the size of the program the rank produced (its instructions, the members of its groups,
+its parts of the plans) and the seconds per MB of it against the first size: the output itself
+grows with the job, since a data-parallel group lists all its members.
 
 Also: compiling every rank's program in one process and writing each as it is made
 (iter_programs into write_programs) at 48, 1,024 and 4,096 ranks (quick: 48 and 256), per rank
@@ -90,7 +93,15 @@ def one_rank(strategy, rank: int) -> dict[str, float]:
     (exe, pipelines), seconds["rank"] = _clock(specialize)
     if [p.stages for p in pipelines] != [p.stages for p in expected_pipelines(strategy)]:
         raise SystemExit(f"rank {rank}: discovered pipelines differ from the strategy's")
-    return seconds | {"ops": len(exe.instructions()), "nodes": len(model.graph.nodes)}
+    program_mb = len(json.dumps(_program(exe, strategy).to_dict())) / 1e6
+    return seconds | {"ops": len(exe.instructions()), "nodes": len(model.graph.nodes), "program_mb": program_mb}
+
+
+def _program(exe, strategy) -> DeviceProgram:
+    """What the rank produced, as the program file it would write (its size measures the output:
+    the rank's instructions, its groups' members and its parts of the plans)."""
+    return device_program(exe, seed=0, place=None, feeds=(), global_batch=strategy.global_batch_size,
+                          devices=(exe.device,), groups=(), loss=None, loss_summand=False)
 
 
 def fresh_rank(strategy, rank: int) -> dict[str, float]:
@@ -115,16 +126,19 @@ def scaling(sizes, reps: int = 3) -> None:
         mine = runs[label]
         per_rank = [r["rank"] for r in mine]
         ratios = sorted(r["rank"] / b["rank"] for r, b in zip(mine, base))
+        per_mb = sorted((r["rank"] / r["program_mb"]) / (b["rank"] / b["program_mb"]) for r, b in zip(mine, base))
         phase = {k: statistics.median(r[k] for r in mine) for k in ("build", "deduce", "instantiate", "discover")}
         rows.append([label, len(strategy.all_ranks), f"{statistics.median(per_rank):.3f}",
                      f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})",
                      f"{phase['deduce']:.3f}", f"{phase['instantiate']:.3f}", f"{phase['discover']:.3f}",
-                     f"{phase['build']:.2f}", f"{mine[0]['ops']}/{mine[0]['nodes']}"])
+                     f"{phase['build']:.2f}", f"{mine[0]['ops']}/{mine[0]['nodes']}",
+                     f"{statistics.median(r['program_mb'] for r in mine):.2f}",
+                     f"{statistics.median(per_mb):.2f}x ({per_mb[0]:.2f}-{per_mb[-1]:.2f})"])
     print(f"\nPer-rank specialization, cold (a fresh process per rank), CPU s (deduction + instantiation + pipeline discovery), "
           f"{reps} interleaved repetitions (ranks first/middle/last), load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after:")
     print(table(["strategy", "ranks", "per rank s", f"vs {sizes[0][0]} (spread)", "deduce", "instantiate",
-                 "discover", "build (apart)", "ops on rank 0"], rows))
+                 "discover", "build (apart)", "ops on rank 0", "program MB", "s per program MB vs first"], rows))
 
 
 def program_sizes(sizes) -> None:
@@ -138,8 +152,7 @@ def program_sizes(sizes) -> None:
             deduced = deduce(model.graph, 0)
             live, plans = live_nodes(model.graph), {}
             exe = instantiate(deduced, 0, binding, live=live, plans=plans)
-            program = device_program(exe, seed=0, place=None, feeds=(), global_batch=strategy.global_batch_size,
-                                     devices=(0,), groups=(), loss=None, loss_summand=False)
+            program = _program(exe, strategy)
             data = program.to_dict()
             parts = len(json.dumps(data))
             whole_plans = dict.fromkeys(exe.plan(i.node, binding) for i in exe.instructions()
