@@ -1,6 +1,7 @@
 """`hspmd checkpoint ...`: tools over checkpoint files (export-hf writes a Hugging Face directory;
-inspect and consolidate read sharded checkpoints; verify checks every tensor of either format). Run through `hspmd.cli.main`, which turns an
-HSPMDError into one `hspmd: error:` line and exit status 2."""
+inspect and consolidate read sharded checkpoints; verify checks every tensor of either format).
+Run through `hspmd.cli.main`, which turns an HSPMDError into one `hspmd: error:` line and exit
+status 2."""
 
 from __future__ import annotations
 

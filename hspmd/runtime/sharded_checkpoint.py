@@ -40,11 +40,11 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from hspmd.annotations import device_pieces
 from hspmd.comm_resolve.slices import box_volume
@@ -247,11 +247,7 @@ def _commit(directory: str, folder: str, index: dict, job: str, timeout: float) 
 
 
 def _write_text(path: str, text: str) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    atomic_write(path, write)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 @dataclass
