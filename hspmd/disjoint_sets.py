@@ -1,28 +1,31 @@
-"""Union-find over device ids: pipeline discovery joins the devices of collective groups into
-stages, a plan's message rounds group its messages by the devices they connect."""
+"""Union-find over orderable keys: pipeline discovery joins the devices of collective groups into
+stages, a plan's message rounds group its messages by the devices they connect, the simulator
+joins the (pipeline, stage) pairs that hold a layer in common."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Generic, Sequence, TypeVar
+
+K = TypeVar("K")  # hashable and ordered: a set is named by its least member that joined another set
 
 
-class DisjointSets:
-    """Sets of ints, each named by one of its members (its root). A member met first in a join
+class DisjointSets(Generic[K]):
+    """Sets of keys, each named by one of its members (its root). A member met first in a join
     joins the set at once (the usual case: groups of devices are disjoint)."""
 
     def __init__(self) -> None:
-        self.parent: dict[int, int] = {}
+        self.parent: dict[K, K] = {}
 
-    def add(self, d: int) -> None:
+    def add(self, d: K) -> None:
         self.parent.setdefault(d, d)
 
-    def find(self, d: int) -> int:
+    def find(self, d: K) -> K:
         parent = self.parent
         while parent[d] != d:
             parent[d] = d = parent[parent[d]]
         return d
 
-    def join(self, members: Sequence[int]) -> None:
+    def join(self, members: Sequence[K]) -> None:
         """Put `members` (at least one) in one set."""
         parent = self.parent
         self.add(members[0])
@@ -36,10 +39,10 @@ class DisjointSets:
                 root, other = min(root, other), max(root, other)
                 parent[other] = root
 
-    def classes(self) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
+    def classes(self) -> tuple[dict[K, tuple[K, ...]], dict[K, K]]:
         """(the members of each set by its root, in ascending order; each member's root)."""
         root_of = {d: self.find(d) for d in self.parent}
-        members: dict[int, list[int]] = {}
+        members: dict[K, list[K]] = {}
         for d, root in root_of.items():
             members.setdefault(root, []).append(d)
         return {root: tuple(sorted(ds)) for root, ds in members.items()}, root_of

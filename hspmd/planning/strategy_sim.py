@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from hspmd.disjoint_sets import DisjointSets
 from hspmd.errors import HSPMDError
 from hspmd.planning.cost import CostModel, StageShape
 from hspmd.planning.simulator import SimLink, SimPipeline, SimResult, SimStage, closed_form, simulate_pipelines
@@ -40,27 +41,18 @@ def _shape(strategy: Strategy, p: int, s: int) -> StageShape:
 
 def _sync_groups(strategy: Strategy) -> list[list[tuple[int, int]]]:
     """Connected components of stages that share a layer across pipelines."""
-    parent: dict[tuple[int, int], tuple[int, int]] = {}
-
-    def find(k):
-        while parent.setdefault(k, k) != k:
-            k = parent[k]
-        return k
-
+    sets: DisjointSets[tuple[int, int]] = DisjointSets()
     for layer in range(strategy.num_layers):
-        holders = [(p, strategy.stage_of(layer, p)) for p in range(strategy.num_pipelines)]
-        for h in holders[1:]:
-            parent[find(h)] = find(holders[0])
+        sets.join([(p, strategy.stage_of(layer, p)) for p in range(strategy.num_pipelines)])
+    last = len(strategy.pipelines[0].stages) - 1
     for p, pipe in enumerate(strategy.pipelines):
         for s in range(len(pipe.stages)):
-            find((p, s))
+            sets.add((p, s))
         # embedding and head are shared by every pipeline's first and last stages
-        parent[find((p, 0))] = find((0, 0))
-        parent[find((p, len(pipe.stages) - 1))] = find((0, len(strategy.pipelines[0].stages) - 1))
-    groups: dict = {}
-    for k in sorted(parent):
-        groups.setdefault(find(k), []).append(k)
-    return [g for g in groups.values() if len(g) > 1]
+        sets.join([(0, 0), (p, 0)])
+        sets.join([(0, last), (p, len(pipe.stages) - 1)])
+    members, _ = sets.classes()
+    return sorted(list(g) for g in members.values() if len(g) > 1)
 
 
 def _sync_seconds(strategy: Strategy, cost: CostModel, group: Sequence[tuple[int, int]]) -> float:
