@@ -237,3 +237,28 @@ def test_a_rank_file_of_the_same_job_and_step_under_another_strategy_never_count
 
     with pytest.raises(HSPMDError, match=r"\['rank-1.safetensors'\] never held this job's save of step 0"):
         second.world.run(all_but_rank_1)
+
+
+@pytest.mark.parametrize("field, damage, expected", [
+    ("step", -1, "step: expected an integer >= 0"),
+    ("files", None, "files: expected an object mapping each rank file"),
+    ("file", "rank-9.safetensors", r"pieces\[0\].file: expected a rank file the index signs"),
+    ("box", [[2, 1]], r"pieces\[0\].box\[0\]: expected a range"),
+])
+def test_a_damaged_index_field_is_named_by_its_path(tmp_path, field, damage, expected):
+    import json
+
+    from hspmd.errors import CheckpointError
+
+    job = _job([parse_strategy(HETERO)], 0)
+    _save(job, tmp_path)
+    path = tmp_path / "step-00000000" / "index.json"
+    index = json.loads(path.read_text())
+    first = next(iter(index["tensors"].values()))["pieces"][0]
+    if field in ("file", "box"):
+        first[field] = damage
+    else:
+        index[field] = damage
+    path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"index.json: sharded checkpoint index field (.*[.])?{expected}"):
+        ShardedReader.open(tmp_path)

@@ -49,6 +49,7 @@ from safetensors import SafetensorError, safe_open
 from hspmd.annotations import device_pieces
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.errors import CheckpointError, HSPMDError, ShapeError
+from hspmd.json_fields import JsonField
 from hspmd.runtime.checkpoint import STEP_KEY, CheckpointReader, checkpoint_leaves, save_checkpoint
 from hspmd.runtime.integrity import atomic_write
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
@@ -396,24 +397,31 @@ class ShardedReader:
         return {name: self(name, (), tuple(e["shape"])) for name, e in self.index["tensors"].items()}
 
 
+class _IndexField(JsonField):
+    error_type = CheckpointError
+    noun = "sharded checkpoint index"
+
+
 def _check_index(index: dict, where: str) -> None:
-    """The index's shape, so that a damaged one is named here, not met as a KeyError mid-load."""
-    tensors = index.get("tensors")
-    if not isinstance(index.get("step"), int) or isinstance(index.get("step"), bool) or index["step"] < 0:
-        raise CheckpointError(f"{where}: step must be an integer >= 0, got {index.get('step')!r}")
-    if not isinstance(tensors, dict):
-        raise CheckpointError(f"{where}: tensors must map names to entries, got {type(tensors).__name__}")
-    for name, entry in tensors.items():
-        ok = (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and isinstance(entry.get("pieces"), list)
-              and isinstance(getattr(torch, str(entry.get("dtype")), None), torch.dtype)
-              and all(isinstance(p, dict) and isinstance(p.get("file"), str) and os.sep not in p["file"]
-                      and isinstance(p.get("box"), list) for p in entry["pieces"]))
-        if not ok:
-            raise CheckpointError(f"{where}: the entry of {name!r} is damaged (shape, dtype, pieces of file and box)")
-    files = index.get("files")
-    named = {p["file"] for entry in tensors.values() for p in entry["pieces"]}
-    if not (isinstance(files, dict) and named <= set(files) and all(isinstance(v, str) for v in files.values())):
-        raise CheckpointError(f"{where}: the index lacks the signatures of its files (damaged)")
+    """The index's shape, so that a damaged one is named here (with the field's path), not met as a
+    KeyError mid-load."""
+    top = _IndexField(index, "", where)
+    top["step"].int()
+    files = top["files"]
+    if not isinstance(files.value, dict) or not all(isinstance(v, str) for v in files.value.values()):
+        raise files.fail("expected an object mapping each rank file to its signature")
+    tensors = top["tensors"]
+    if not isinstance(tensors.value, dict):
+        raise tensors.fail("expected an object mapping names to entries")
+    for name in tensors.value:
+        entry = tensors[name]
+        entry["shape"].ints()
+        if not isinstance(getattr(torch, entry["dtype"].str(), None), torch.dtype):
+            raise entry["dtype"].fail("expected a torch dtype")
+        for piece in entry["pieces"].items():
+            if piece["file"].str() not in files.value or os.sep in piece["file"].value:
+                raise piece["file"].fail("expected a rank file the index signs")
+            piece["box"].box()
 
 
 def is_sharded_checkpoint(path) -> bool:
