@@ -4,10 +4,10 @@
    16 sequences per step) on 2 gloo processes under 8 strategies (DP, TP, PP 1F1B and GPipe,
    uneven PP and DP, and two other micro-batch sizes); every strategy is built once and the steps
    run round-robin (ABAB...), so load drifts hit all of them alike; median of the slowest rank
-   per strategy. `--pin-cpus` pins each rank to its own CPU (hspmd.runtime.affinity).
+   per strategy. `--pin-cpus` pins each rank to its own CPU (hspmd.runtime.processes.affinity).
 2. Calibrate in the same run: before each round, both ranks run the calibration probes (torch
    matmul / add micro-benchmarks, real steps of 1-2 layer probe models for the executor's overheads
-   and the kernels' efficiency, a gloo ping-pong and all-reduce; hspmd.runtime.calibrate), so the
+   and the kernels' efficiency, a gloo ping-pong and all-reduce; hspmd.runtime.policies.calibrate), so the
    fit sees the machine load the steps see (this machine is shared); the fit takes the medians
    over both ranks' probes. `--calibration FILE` uses a saved fit instead.
 3. Predict the same steps with the calibrated cost model: simulator level 2 (the specialized
@@ -38,11 +38,11 @@ from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
 from hspmd.planning.device_sim import simulate_specialized  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
-from hspmd.runtime.batches import MicroBatchLayout  # noqa: E402
-from hspmd.runtime.calibrate import Calibration, Probe, ProbeShape, fit  # noqa: E402
-from hspmd.runtime.multiprocess import run_multiprocess  # noqa: E402
-from hspmd.runtime.trace import Tracer, write_trace  # noqa: E402
-from hspmd.runtime.trainer import Trainer  # noqa: E402
+from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
+from hspmd.runtime.policies.calibrate import Calibration, Probe, ProbeShape, fit  # noqa: E402
+from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
+from hspmd.runtime.execution.trace import Tracer, write_trace  # noqa: E402
+from hspmd.runtime.training.trainer import Trainer  # noqa: E402
 from hspmd.specialize.specialized import specialize_graph  # noqa: E402
 from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 

@@ -39,11 +39,11 @@ from hspmd.planning.cost import CostModel  # noqa: E402
 from hspmd.planning.dispatch import dispatch, select_entry  # noqa: E402
 from hspmd.planning.model import MODELS  # noqa: E402
 from hspmd.planning.paper_pools import model_costs, paper_pool  # noqa: E402
-from hspmd.runtime.batches import MicroBatchLayout  # noqa: E402
-from hspmd.runtime.mixed import MixedLengthTrainer  # noqa: E402
-from hspmd.runtime.multiprocess import run_multiprocess  # noqa: E402
-from hspmd.runtime.packing import counted_tokens, pack_row  # noqa: E402
-from hspmd.runtime.trainer import Trainer  # noqa: E402
+from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
+from hspmd.runtime.policies.mixed import MixedLengthTrainer  # noqa: E402
+from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
+from hspmd.runtime.execution.packing import counted_tokens, pack_row  # noqa: E402
+from hspmd.runtime.training.trainer import Trainer  # noqa: E402
 
 MODES = ("dispatch", "padding", "fixed")
 TOKENS = 256

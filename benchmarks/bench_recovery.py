@@ -35,7 +35,7 @@ from _common import table
 from hspmd.annotations import device_pieces
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
-from hspmd.runtime.launcher import launch
+from hspmd.runtime.processes.launcher import launch
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import plan_switch, recover_strategy

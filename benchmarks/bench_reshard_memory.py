@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from hspmd.annotations import device_pieces, shard
 from hspmd.comm_resolve import resolve
 from hspmd.backends.plan_executor import execute_plan
-from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.processes.multiprocess import run_multiprocess
 
 try:
     from benchmarks._common import table

@@ -57,7 +57,7 @@ from hspmd.heap import collector_paused
 from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.pipelines import discover_pipelines, expected_pipelines
 from hspmd.specialize.program import DeviceProgram, device_program
-from hspmd.runtime.programs import PROGRAM_FILE, iter_programs, write_programs
+from hspmd.runtime.programs.compiling import PROGRAM_FILE, iter_programs, write_programs
 from hspmd.specialize.specialized import all_devices, per_micro_batch_pattern
 from hspmd.specialize.strategy_build import uniform_strategy
 

@@ -4,7 +4,7 @@ The model: L residual blocks x <- x + relu(x @ W1) @ W2 with W1 column-parallel 
 row-parallel, loss = mean((x - target)^2), plain SGD. Four gloo processes, ranks 0,1 and 2,3 are
 the TP groups, 0,2 and 1,3 the DP groups. hspmd runs the graph written once from one device's view
 with annotations, through its Trainer (specialized per rank, gradients all-reduced in size-capped
-buckets that start during the backward, hspmd.runtime.buckets). Three torch.distributed baselines: an
+buckets that start during the backward, hspmd.runtime.execution.buckets). Three torch.distributed baselines: an
 all_reduce on the TP group in the row layer's forward and in the column layer's input backward
 (Megatron's f and g), then the gradient all_reduce over the DP group either
   "torch"          after the backward, one blocking all_reduce per weight (the plain loop), or
@@ -42,10 +42,10 @@ import torch.distributed as dist
 from hspmd.ir import comm, initial_value, parameter, placeholder, symbols
 from hspmd.ops import SGD, Graph, relu
 from hspmd.backends.backend import Backend
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB
-from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.training.trainer import Trainer
 
 try:
     from benchmarks._common import ms, table, timed_on_world

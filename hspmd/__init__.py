@@ -27,8 +27,8 @@ from hspmd import ops
 from hspmd.ir import Binding, Derived, comm, parameter, placeholder, state, symbols
 from hspmd.ops import SGD, AdamW, Graph, gradients
 from hspmd.specialize.deduce import deduce
-from hspmd.runtime.inprocess import InProcessJob
-from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update
+from hspmd.runtime.training.inprocess import InProcessJob
+from hspmd.runtime.execution.run import DeviceState, run_backward, run_forward, run_update
 from hspmd.specialize.specialized import specialize_graph
 
 __all__ += [
@@ -44,8 +44,8 @@ from hspmd.backends.plan_executor import run_plan
 __all__ += ["ClusterSpec", "FusedPlan", "Plan", "parse_cluster", "resolve", "resolve_many", "run_plan"]
 
 # Distributed runtime (issue 5) and strategy switching.
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.switching import execute_switch, plan_switch, recover_strategy
 
 __all__ += ["MicroBatchLayout", "Trainer", "execute_switch", "plan_switch", "recover_strategy"]

@@ -42,13 +42,13 @@ def _explain(rest: list[str]) -> int:
 
 
 def _run(rest: list[str]) -> int:
-    from hspmd.runtime.launcher import main as run_main
+    from hspmd.runtime.processes.launcher import main as run_main
 
     return run_main(rest)
 
 
 def _checkpoint(rest: list[str]) -> int:
-    from hspmd.runtime.checkpoint_tool import main as checkpoint_main
+    from hspmd.runtime.persistence.checkpoint_tool import main as checkpoint_main
 
     return checkpoint_main(rest)
 
@@ -61,7 +61,7 @@ def _demo(rest: list[str]) -> int:
 
 def _programs_command(name: str):
     def command(rest: list[str]) -> int:
-        from hspmd.runtime import program_tool
+        from hspmd.runtime.programs import tool as program_tool
 
         return {"compile": program_tool.compile_main, "run-programs": program_tool.run_main}[name](rest)
 

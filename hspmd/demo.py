@@ -92,7 +92,7 @@ def show_mixed_length(steps: int) -> int:
     4 gloo processes on the long-tailed corpus, each step's strategy, dispatch and switches."""
     from hspmd.planning.dispatch import select_entry
     from hspmd.planning.paper_pools import paper_pool
-    from hspmd.runtime.launcher import launch
+    from hspmd.runtime.processes.launcher import launch
 
     _rule("mixed-length training: a strategy per step (Hetu-B, Tables 11/12)")
     pool = paper_pool("table11")
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mixed-steps", type=non_negative_int, default=6,
                         help="steps of the mixed-length phase (a strategy per step; 0: skip it)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    from hspmd.runtime.launcher import launch
+    from hspmd.runtime.processes.launcher import launch
 
     began = time.monotonic()
     try:

@@ -4,7 +4,7 @@
                    stage block labelled with its stage index and TP degree (hatched: recomputed)
     timeline       one row per rank: forward, backward, gradient sync / other communication,
                    optimizer update; idle is the white in between. Drawn from a SimResult or from
-                   a run's Chrome trace (hspmd.runtime.trace), side by side for the same strategy.
+                   a run's Chrome trace (hspmd.runtime.execution.trace), side by side for the same strategy.
 
 The terminal gets rich tables; PNG files come from matplotlib (Agg, no display needed).
 """
@@ -30,8 +30,8 @@ from hspmd.planning import CostModel, model_named  # noqa: E402
 from hspmd.planning.device_sim import simulate_llama  # noqa: E402
 from hspmd.planning.simulator import SimResult  # noqa: E402
 from hspmd.planning.strategy_sim import estimate_strategy, simulate_strategy  # noqa: E402
-from hspmd.runtime.calibrate import Calibration, calibrate  # noqa: E402
-from hspmd.runtime.trace import read_trace  # noqa: E402
+from hspmd.runtime.policies.calibrate import Calibration, calibrate  # noqa: E402
+from hspmd.runtime.execution.trace import read_trace  # noqa: E402
 from hspmd.specialize.strategy import Strategy  # noqa: E402
 from hspmd.specialize.strategy_files import strategy_from  # noqa: E402
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hspmd.errors import HSPMDError
-from hspmd.runtime.affinity import available_cpus, cpu_slices
-from hspmd.runtime.launcher import main as launcher_main
-from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.processes.affinity import available_cpus, cpu_slices
+from hspmd.runtime.processes.launcher import main as launcher_main
+from hspmd.runtime.processes.multiprocess import run_multiprocess
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
 

@@ -18,7 +18,7 @@ import torch
 from hspmd.errors import CommunicationError, HSPMDError
 from hspmd.backends.backend import Backend
 from hspmd.backends.local import run_on_devices
-from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.processes.multiprocess import run_multiprocess
 
 WORLD = 4
 

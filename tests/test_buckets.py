@@ -1,4 +1,4 @@
-"""Gradient buckets (hspmd.runtime.buckets): the plan respects the cap and the backward's order and
+"""Gradient buckets (hspmd.runtime.execution.buckets): the plan respects the cap and the backward's order and
 is the same on every member of a group; training with buckets of any cap gives bitwise the same
 gradients and weights as synchronising each gradient in the update (in-process), and equals the
 single-device reference on gloo processes, where every bucket's all-reduce is issued inside the
@@ -14,14 +14,14 @@ from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.backends.backend import Backend
-from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.execution.batches import MicroBatchLayout
 from hspmd.comm_resolve.bucketing import MB, chain_cap
-from hspmd.runtime.buckets import BucketSync
+from hspmd.runtime.execution.buckets import BucketSync
 from hspmd.specialize.bucket_plan import Bucket, BucketPlan, BucketSlot, plan_buckets
-from hspmd.runtime.inprocess import InProcessJob
-from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.trace import Tracer
-from hspmd.runtime.trainer import Trainer, trainer_binding
+from hspmd.runtime.training.inprocess import InProcessJob
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.execution.trace import Tracer
+from hspmd.runtime.training.trainer import Trainer, trainer_binding
 from hspmd.specialize.specialized import all_devices, specialize_graph
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.strategy_text import parse_strategy

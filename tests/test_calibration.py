@@ -10,10 +10,10 @@ from hspmd.models.llama import LlamaConfig
 from hspmd.cluster import ClusterSpec, DeviceType, Node
 from hspmd.planning import CostModel, Efficiency, ModelSpec
 from hspmd.planning.model import KERNEL_CLASSES
-from hspmd.runtime.calibrate import (
+from hspmd.runtime.policies.calibrate import (
     ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, Calibration, ProbeShape, fit, fit_line, fit_steps, probe_trainer, step_work, StepWork,
 )
-from hspmd.runtime.trace import Tracer, read_trace, write_trace
+from hspmd.runtime.execution.trace import Tracer, read_trace, write_trace
 
 
 def synthetic_probe(peak=50e9, bandwidth=20e9, d_gemm=3e-6, d_elem=2e-6, per_instruction=40e-6, per_step=2e-3,
@@ -125,7 +125,7 @@ def test_trace_file_round_trip(tmp_path):
 def test_the_probes_run_on_this_machine_and_fit():
     # the real micro-benchmarks (one process, no gloo): every probe gives a positive time and the
     # fit gives a usable calibration; nothing here is a timing assertion
-    from hspmd.runtime.calibrate import Probe
+    from hspmd.runtime.policies.calibrate import Probe
 
     probe = Probe(None)
     runs = []

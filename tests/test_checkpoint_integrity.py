@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from hspmd.errors import CheckpointError, HSPMDError
-from hspmd.runtime.checkpoint import SCHEMA, CheckpointReader, checkpoint_metadata, save_checkpoint
+from hspmd.runtime.persistence.checkpoint import SCHEMA, CheckpointReader, checkpoint_metadata, save_checkpoint
 from tests.fuzzing import fuzz_settings, mutated_bytes, outcome
 
 TENSORS = {

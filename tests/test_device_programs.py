@@ -26,14 +26,14 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW, Graph
 from hspmd.ops.registry import OPERATORS
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.inprocess import InProcessJob
-from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.program_tool import synthetic_batches
-from hspmd.runtime.program_run import ProgramRunner
-import hspmd.runtime.programs as programs_module
-from hspmd.runtime.programs import compile_programs, iter_programs, read_program, write_programs
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.training.inprocess import InProcessJob
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.programs.tool import synthetic_batches
+from hspmd.runtime.programs.runner import ProgramRunner
+import hspmd.runtime.programs.compiling as programs_module
+from hspmd.runtime.programs.compiling import compile_programs, iter_programs, read_program, write_programs
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.program import DeviceProgram, ProgramError, device_program
 from hspmd.specialize.specialized import specialize_graph
 from hspmd.specialize.strategy_text import parse_strategy

@@ -9,7 +9,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, from_llama_config
 from hspmd.planning.device_sim import device_cost, plan_device_run, simulate_specialized
 from hspmd.planning.strategy_sim import simulate_strategy
-from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.execution.batches import MicroBatchLayout
 from hspmd.specialize.specialized import specialize_graph
 from hspmd.specialize.strategy_text import parse_strategy
 

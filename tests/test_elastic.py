@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from hspmd.errors import HSPMDError
-from hspmd.runtime.elastic import FaultInjector, KillPoint
-from hspmd.runtime.launcher import launch
-from hspmd.runtime.sharded_checkpoint import ShardedReader
+from hspmd.runtime.policies.elastic import FaultInjector, KillPoint
+from hspmd.runtime.processes.launcher import launch
+from hspmd.runtime.persistence.sharded_checkpoint import ShardedReader
 
 pytestmark = pytest.mark.multiprocess
 
@@ -191,7 +191,7 @@ def test_kill_needs_an_elastic_job_and_a_well_formed_point():
 def test_a_kill_point_on_a_rank_outside_the_job_is_refused():
     from types import SimpleNamespace
 
-    from hspmd.runtime.elastic import ElasticTrainer
+    from hspmd.runtime.policies.elastic import ElasticTrainer
     trainer = ElasticTrainer.__new__(ElasticTrainer)
     with pytest.raises(HSPMDError, match="--kill 3=5:1@step: the job has ranks 0-3"):
         trainer._setup(None, None, SimpleNamespace(world_size=4), kills=[KillPoint(3, 5)])

@@ -8,8 +8,8 @@ from hspmd.ir import initial_value
 from hspmd.models.llama import LlamaConfig, RopeScaling, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.inprocess import InProcessJob
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.training.inprocess import InProcessJob
 from hspmd.specialize.strategy_text import parse_strategy
 from hspmd.testing import assert_weights_close
 

@@ -19,8 +19,8 @@ from fuzzing import DEADLINE
 from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.inprocess import InProcessJob
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.training.inprocess import InProcessJob
 from hspmd.specialize.strategy_text import parse_strategy
 from hspmd.switching import plan_switch
 

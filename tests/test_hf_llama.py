@@ -22,10 +22,10 @@ from hspmd.ir import Binding  # noqa: E402
 from hspmd.models.hf_llama import config_from_hf, hf_names, read_hf_config  # noqa: E402
 from hspmd.models.llama import build_llama  # noqa: E402
 from hspmd.ops import SGD  # noqa: E402
-from hspmd.runtime.checkpoint import CheckpointReader, cut_leaves, save_checkpoint  # noqa: E402
-from hspmd.runtime.hf_checkpoint import HFCheckpoint, export_checkpoint, export_hf  # noqa: E402
+from hspmd.runtime.persistence.checkpoint import CheckpointReader, cut_leaves, save_checkpoint  # noqa: E402
+from hspmd.runtime.persistence.hf_checkpoint import HFCheckpoint, export_checkpoint, export_hf  # noqa: E402
 from hspmd.backends.local import run_on_devices  # noqa: E402
-from hspmd.runtime.run import DeviceState, run_backward, run_forward, run_update  # noqa: E402
+from hspmd.runtime.execution.run import DeviceState, run_backward, run_forward, run_update  # noqa: E402
 from hspmd.specialize.specialized import specialize_graph  # noqa: E402
 from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 

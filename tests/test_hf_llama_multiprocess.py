@@ -17,11 +17,11 @@ from hspmd.backends.backend import Backend  # noqa: E402
 from hspmd.models.hf_llama import hf_names, read_hf_config  # noqa: E402
 from hspmd.models.llama import build_llama  # noqa: E402
 from hspmd.ops import AdamW  # noqa: E402
-from hspmd.runtime.batches import MicroBatchLayout  # noqa: E402
-from hspmd.runtime.checkpoint import CheckpointReader  # noqa: E402
-from hspmd.runtime.hf_checkpoint import HFCheckpoint, export_checkpoint  # noqa: E402
-from hspmd.runtime.multiprocess import run_multiprocess  # noqa: E402
-from hspmd.runtime.trainer import Trainer  # noqa: E402
+from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
+from hspmd.runtime.persistence.checkpoint import CheckpointReader  # noqa: E402
+from hspmd.runtime.persistence.hf_checkpoint import HFCheckpoint, export_checkpoint  # noqa: E402
+from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
+from hspmd.runtime.training.trainer import Trainer  # noqa: E402
 from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 
 from test_hf_llama import LLAMA31, S, hf_reference, hspmd_one_device, make_hf_model  # noqa: E402
@@ -89,7 +89,7 @@ def test_example_continues_a_hf_model_and_exports_it(tmp_path):
     from pathlib import Path
 
     from hspmd.cli import main as cli_main
-    from hspmd.runtime.launcher import launch
+    from hspmd.runtime.processes.launcher import launch
 
     example = Path(__file__).resolve().parents[1] / "examples" / "llama"
     sys.path.insert(0, str(example))

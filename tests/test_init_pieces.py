@@ -10,7 +10,7 @@ from hspmd.ops import Graph
 from hspmd.ir.init import box_chunks, constant, make_piece, uniform_bits
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ir import Binding
-from hspmd.runtime.run import DeviceState
+from hspmd.runtime.execution.run import DeviceState
 from hspmd.specialize.specialized import specialize_graph
 from hspmd.specialize.strategy_text import parse_strategy
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from hspmd.runtime import integrity
-from hspmd.runtime.integrity import atomic_write, remove_stale_temporaries, tensor_checksum
+from hspmd.runtime.persistence import integrity
+from hspmd.runtime.persistence.integrity import atomic_write, remove_stale_temporaries, tensor_checksum
 
 
 def test_checksums_do_not_depend_on_layout_but_on_dtype_shape_and_bytes():

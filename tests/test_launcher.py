@@ -18,7 +18,7 @@ import torch
 from hspmd.backends.from_env import backend_from_env, check_backend
 from hspmd.cli import main as cli_main
 from hspmd.errors import HSPMDError
-from hspmd.runtime.launcher import main as launcher_main
+from hspmd.runtime.processes.launcher import main as launcher_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -282,7 +282,7 @@ def test_an_elastic_job_kills_a_frozen_rank_and_goes_on(tmp_path):
 
 
 def test_a_rank_killed_by_a_signal_without_a_name_is_described_by_number():
-    from hspmd.runtime.launcher import _describe
+    from hspmd.runtime.processes.launcher import _describe
     assert _describe(-40) == "signal 40"
     assert _describe(-9) == "signal SIGKILL"
 

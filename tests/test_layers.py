@@ -16,13 +16,13 @@ PACKAGE = ROOT / "hspmd"
 DESIGN = ROOT / "docs" / "design.md"
 
 
-def layer_order() -> list[set[str]]:
-    """The layers of docs/design.md's `## Layers` block, bottom first as the doc lists them: each
-    line is `name[, name ...]  description` (continuation lines are indented)."""
+def layer_order(heading: str = "## Layers") -> list[set[str]]:
+    """The layers of the ```text block under `heading` in docs/design.md, bottom first as the doc
+    lists them: each line is `name[, name ...]  description` (continuation lines are indented)."""
     text = DESIGN.read_text()
-    section = text.split("## Layers", 1)[1]
+    section = text.split(f"\n{heading}\n", 1)[1]
     block = re.search(r"```text\n(.*?)```", section, re.S)
-    assert block, "docs/design.md: the `## Layers` section has no ```text block"
+    assert block, f"docs/design.md: the `{heading}` section has no ```text block"
     layers = []
     for line in block.group(1).splitlines():
         if not line.strip() or line.startswith(" "):
@@ -63,11 +63,13 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
-def layer_of(module: str, layers: list[set[str]]) -> int:
-    """`hspmd.X.y` is in layer X; the package itself (its public facade) is above every layer."""
-    if module == "hspmd":
+def layer_of(module: str, layers: list[set[str]], depth: int = 1) -> int:
+    """`hspmd.X.y` is in layer X (`depth` 1; `hspmd.runtime.X.y` is in runtime's sub-layer X at
+    depth 2); the package (or the parent package) itself, its public facade, is above every layer."""
+    parts = module.split(".")
+    if len(parts) <= depth:
         return len(layers)
-    name = module.split(".")[1]
+    name = parts[depth]
     for index, names in enumerate(layers):
         if name in names:
             return index
@@ -94,6 +96,15 @@ def test_imports_point_down_the_layers():
         if layer_of(b, layers) > layer_of(a, layers)
     ]
     assert not wrong, "imports against the layer order of docs/design.md:\n  " + "\n  ".join(sorted(wrong))
+
+
+def test_runtime_sub_layers_point_down():
+    """Inside hspmd.runtime, imports point down the sub-layer order of design.md's `### runtime`."""
+    layers = layer_order("### runtime")
+    inside = [(a, b) for a, b in graph().edges if a.startswith("hspmd.runtime.") and b.startswith("hspmd.runtime.")]
+    assert inside, "no import inside hspmd.runtime: the check would pass vacuously"
+    wrong = [f"{a} imports {b}" for a, b in inside if layer_of(b, layers, depth=2) > layer_of(a, layers, depth=2)]
+    assert not wrong, "imports against the runtime sub-layer order of docs/design.md:\n  " + "\n  ".join(sorted(wrong))
 
 
 def test_no_module_cycles():
@@ -126,7 +137,7 @@ def test_one_name_one_thing():
     assert not hidden, "\n".join(hidden)
 
 
-@pytest.mark.parametrize("broken", ["cycle", "upward"])
+@pytest.mark.parametrize("broken", ["cycle", "upward", "runtime-upward"])
 def test_the_checks_catch_what_they_should(broken, monkeypatch):
     """The checks themselves fail on a cycle and on an upward import (guards against a vacuous test)."""
     real = graph()
@@ -135,9 +146,12 @@ def test_the_checks_catch_what_they_should(broken, monkeypatch):
         fake.add_edge("hspmd.annotations.geometry", "hspmd.annotations.states")
         fake.add_edge("hspmd.annotations.states", "hspmd.annotations.geometry")
         check = test_no_module_cycles
-    else:
-        fake.add_edge("hspmd.annotations.geometry", "hspmd.runtime.run")
+    elif broken == "upward":
+        fake.add_edge("hspmd.annotations.geometry", "hspmd.runtime.execution.run")
         check = test_imports_point_down_the_layers
+    else:
+        fake.add_edge("hspmd.runtime.execution.run", "hspmd.runtime.training.trainer")
+        check = test_runtime_sub_layers_point_down
     monkeypatch.setitem(globals(), "graph", lambda: fake)
     with pytest.raises(AssertionError):
         check()

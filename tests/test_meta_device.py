@@ -20,8 +20,8 @@ from hspmd.comm_resolve import resolve, resolve_many
 from hspmd.errors import CheckpointError, HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
-from hspmd.runtime import sharded_checkpoint
-from hspmd.runtime.inprocess import InProcessJob
+from hspmd.runtime.persistence import sharded_checkpoint
+from hspmd.runtime.training.inprocess import InProcessJob
 from hspmd.specialize.strategy_text import parse_strategy
 from test_resolve_property import reshards
 

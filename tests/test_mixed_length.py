@@ -12,8 +12,8 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
 from hspmd.planning.dispatch import PipelineCost, PoolEntry
-from hspmd.runtime.mixed import MixedLengthTrainer
-from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.policies.mixed import MixedLengthTrainer
+from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.specialize.strategy_text import parse_strategy
 from hspmd.testing import assert_weights_close
 

@@ -17,10 +17,10 @@ from hspmd.ir import initial_value
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import SGD, AdamW
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.inprocess import InProcessJob
-from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.training.inprocess import InProcessJob
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
 SEQ, STEPS, LR = 8, 3, 1e-3

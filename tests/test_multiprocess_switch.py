@@ -8,9 +8,9 @@ import torch
 
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 from hspmd.switching import recover_strategy
 from test_multiprocess_training import CONFIG, HETERO, LR, SEQ, assert_matches_reference, batches

@@ -17,10 +17,10 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
 from hspmd.backends.backend import Backend
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.executor import NonBlockingSends
-from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.execution.executor import NonBlockingSends
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 from hspmd.testing import assert_weights_close
 

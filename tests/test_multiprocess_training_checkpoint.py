@@ -11,10 +11,10 @@ from safetensors.torch import save_file
 from hspmd.errors import CheckpointError, HSPMDError, ReplicaMismatch
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.checkpoint import CheckpointReader, save_checkpoint
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.persistence.checkpoint import CheckpointReader, save_checkpoint
 from hspmd.backends.local import run_on_devices
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
 CONFIG = LlamaConfig(vocab=16, hidden=16, heads=2, ffn=32, layers=2)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from hspmd.runtime.launcher import launch
+from hspmd.runtime.processes.launcher import launch
 
 pytestmark = pytest.mark.multiprocess
 

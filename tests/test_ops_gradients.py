@@ -11,7 +11,7 @@ from hspmd.ops.nn import RopeScaling, rope_inverse_frequencies
 from hspmd.backends.local import run_on_devices
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
-from hspmd.runtime.run import DeviceState, run_forward
+from hspmd.runtime.execution.run import DeviceState, run_forward
 
 
 def _run_single(graph, feeds, fetch, binding=Binding()):
@@ -21,7 +21,7 @@ def _run_single(graph, feeds, fetch, binding=Binding()):
     def body(backend):
         mb = run_forward(exe, backend, state, feeds, binding)
         env = mb.env
-        from hspmd.runtime.run import _execute
+        from hspmd.runtime.execution.run import _execute
 
         _execute(exe, exe.backward, backend, state, env, binding)
         return {t.name: env[t.id] for t in fetch}

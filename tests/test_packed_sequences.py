@@ -13,10 +13,10 @@ from hspmd.ir import Binding, initial_value, placeholder
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import _rope, reference_training
 from hspmd.ops import AdamW, Graph, causal_attention, rotary
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.inprocess import InProcessJob
-from hspmd.runtime.packing import counted_tokens, pack_row, pad_rows
-from hspmd.runtime.run import DeviceState, _execute, run_forward
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.training.inprocess import InProcessJob
+from hspmd.runtime.execution.packing import counted_tokens, pack_row, pad_rows
+from hspmd.runtime.execution.run import DeviceState, _execute, run_forward
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
 from hspmd.specialize.strategy_text import parse_strategy

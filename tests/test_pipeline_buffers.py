@@ -11,9 +11,9 @@ from hspmd.backends.backend import Backend
 from hspmd.backends.local import run_on_devices
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import SGD
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
 SEQ = 4

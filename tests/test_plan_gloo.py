@@ -24,7 +24,7 @@ from hspmd.backends.backend import Backend
 from hspmd.backends.local import run_on_devices
 from hspmd.cluster import cluster_from_yaml
 from hspmd.errors import ShapeError
-from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.backends.plan_executor import execute_plan, run_plan
 
 WORLD = 4

@@ -11,7 +11,7 @@ from hspmd.planning import CostModel
 from hspmd.planning.model import ModelSpec
 from hspmd.planning.search import dfs, dp, mcts
 from hspmd.planning.search.costed import cluster_problem
-from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from tests.test_multiprocess_training import CONFIG, SEQ, _weights, assert_matches_reference, batches, make_trainer, train
 

@@ -14,7 +14,7 @@ from hspmd.ir import initial_value
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
-from hspmd.runtime.inprocess import InProcessJob
+from hspmd.runtime.training.inprocess import InProcessJob
 from hspmd.specialize.strategy import Strategy
 from hspmd.specialize.strategy_text import parse_strategy
 from hspmd.testing import assert_weights_close
@@ -114,7 +114,7 @@ def test_a_strategy_that_is_not_the_graphs_is_refused():
 # ---- real processes ------------------------------------------------------------------------------
 
 def gloo_rank(backend, texts):
-    from hspmd.runtime.trainer import Trainer
+    from hspmd.runtime.training.trainer import Trainer
 
     torch.set_num_threads(1)
     out = {}
@@ -132,7 +132,7 @@ def gloo_rank(backend, texts):
 
 @pytest.mark.multiprocess
 def test_recompute_on_four_gloo_processes_equals_kept_activations_and_one_device():
-    from hspmd.runtime.multiprocess import run_multiprocess
+    from hspmd.runtime.processes.multiprocess import run_multiprocess
 
     texts = {"plain": MIXED.format(a="", b="", c=""), "recompute": MIXED.format(a="recompute", b="recompute", c="")}
     results = run_multiprocess(gloo_rank, 4, texts, timeout=180)

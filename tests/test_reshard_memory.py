@@ -16,7 +16,7 @@ from hspmd.backends.local import LocalWorld
 from hspmd.backends.memory import LiveBytes, memory_bound
 from hspmd.backends.plan_executor import execute_fused_plan, execute_plan
 from hspmd.comm_resolve import resolve, resolve_many
-from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.processes.multiprocess import run_multiprocess
 from test_resolve_property import reshards
 
 SHAPE = (64, 48)

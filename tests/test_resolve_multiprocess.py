@@ -11,7 +11,7 @@ import torch
 
 from hspmd import parse, resolve, resolve_many, shard, unshard
 from hspmd.comm_resolve import FusedPlan, Plan
-from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.backends.plan_executor import execute_fused_plan, execute_plan
 
 WORLD = 4

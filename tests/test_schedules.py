@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import SGD
-from hspmd.runtime.batches import MicroBatchLayout
+from hspmd.runtime.execution.batches import MicroBatchLayout
 from hspmd.backends.local import run_on_devices
 from hspmd.specialize.schedules import (
     BACKWARD,
@@ -25,7 +25,7 @@ from hspmd.specialize.schedules import (
     schedule_for,
     simulate,
 )
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
 shapes = st.integers(1, 6).flatmap(lambda s: st.tuples(st.just(s), st.integers(0, s - 1), st.integers(1, 9)))

@@ -15,10 +15,10 @@ from hspmd.cli import main as cli_main
 from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.checkpoint import STEP_KEY
-from hspmd.runtime.inprocess import InProcessJob
-from hspmd.runtime.sharded_checkpoint import ShardedReader
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.persistence.checkpoint import STEP_KEY
+from hspmd.runtime.training.inprocess import InProcessJob
+from hspmd.runtime.persistence.sharded_checkpoint import ShardedReader
 from hspmd.specialize.strategy_text import parse_strategy
 
 CONFIG = dict(vocab=32, hidden=16, heads=2, ffn=32)
@@ -111,7 +111,7 @@ def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
 
 def test_the_checkpoint_tool_leaves_error_reporting_to_the_cli_wrapper(tmp_path, capsys):
     """One place turns an HSPMDError into `hspmd: error: ...` and exit 2 (hspmd.cli.main)."""
-    from hspmd.runtime.checkpoint_tool import main as tool_main
+    from hspmd.runtime.persistence.checkpoint_tool import main as tool_main
 
     with pytest.raises(HSPMDError, match="not a sharded hspmd checkpoint"):
         tool_main(["inspect", str(tmp_path)])
@@ -120,7 +120,7 @@ def test_the_checkpoint_tool_leaves_error_reporting_to_the_cli_wrapper(tmp_path,
 
 
 def test_latest_names_this_runs_newest_save_not_a_later_step_an_earlier_run_left(tmp_path):
-    from hspmd.runtime import sharded_checkpoint
+    from hspmd.runtime.persistence import sharded_checkpoint
 
     first = _job([parse_strategy(HETERO)], 0)
     _train(first, 3)
@@ -166,7 +166,7 @@ def test_a_rank_file_an_earlier_job_left_at_the_same_step_never_counts_as_writte
     does not take job one's rank-1 file for job two's, and the old index, whose files job two
     replaced, is refused by name instead of loading a mix of the two jobs."""
     from hspmd.errors import CheckpointError
-    from hspmd.runtime.sharded_checkpoint import save_sharded
+    from hspmd.runtime.persistence.sharded_checkpoint import save_sharded
 
     first = _job([parse_strategy(HETERO)], 0)
     _save(first, tmp_path)
@@ -207,8 +207,8 @@ def test_a_flipped_byte_in_a_piece_fails_its_checksum_and_verify_names_the_file(
 
 
 def test_every_rank_file_is_a_checked_hspmd_checkpoint_stamped_with_its_step_and_job(tmp_path):
-    from hspmd.runtime.checkpoint import CheckpointReader
-    from hspmd.runtime.sharded_checkpoint import JOB_KEY
+    from hspmd.runtime.persistence.checkpoint import CheckpointReader
+    from hspmd.runtime.persistence.sharded_checkpoint import JOB_KEY
 
     job = _job([parse_strategy(HETERO)], 0)
     _save(job, tmp_path)
@@ -223,7 +223,7 @@ def test_every_rank_file_is_a_checked_hspmd_checkpoint_stamped_with_its_step_and
 def test_a_rank_file_of_the_same_job_and_step_under_another_strategy_never_counts_as_written(tmp_path):
     """After a restore took a job back to an earlier step under a new strategy, its next save of a
     step it saved before must not take the old strategy's rank file for the new one's."""
-    from hspmd.runtime.sharded_checkpoint import save_sharded
+    from hspmd.runtime.persistence.sharded_checkpoint import save_sharded
 
     first = _job([parse_strategy(HETERO)], 0)
     _save(first, tmp_path)

@@ -3,7 +3,7 @@
 import pytest
 
 from hspmd.cli import main
-from hspmd.runtime.trace import Tracer, write_trace
+from hspmd.runtime.execution.trace import Tracer, write_trace
 
 
 def test_simulate_prints_the_breakdown_and_draws(tmp_path, capsys):

@@ -13,7 +13,7 @@ from hspmd.errors import DeductionError
 from hspmd.ir import Binding, comm, placeholder
 from hspmd.ops import Graph
 from hspmd.backends.local import run_on_devices
-from hspmd.runtime.run import DeviceState, run_forward
+from hspmd.runtime.execution.run import DeviceState, run_forward
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.specialized import specialize_graph
 from hspmd.testing import annotations

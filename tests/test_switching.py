@@ -10,7 +10,7 @@ from hspmd.ir import initial_value
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
-from hspmd.runtime.inprocess import InProcessJob
+from hspmd.runtime.training.inprocess import InProcessJob
 from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import WeightLost, plan_switch, recover_strategy, surviving_layout

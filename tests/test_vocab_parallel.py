@@ -19,10 +19,10 @@ from hspmd.errors import DeductionError
 from hspmd.ir import Binding, Graph, placeholder
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops.nn import IGNORE_INDEX
-from hspmd.runtime.inprocess import InProcessJob
-from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.run import DeviceState, _execute, device_feeds, run_forward
-from hspmd.runtime.trainer import step_groups
+from hspmd.runtime.training.inprocess import InProcessJob
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.execution.run import DeviceState, _execute, device_feeds, run_forward
+from hspmd.runtime.training.trainer import step_groups
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
 from hspmd.specialize.strategy_text import parse_strategy

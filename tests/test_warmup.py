@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hspmd.errors import HSPMDError
-from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.trace import Tracer
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.execution.trace import Tracer
 from hspmd.specialize.schedules import (
     check_order, check_warmup, one_f_one_b, peak_in_flight, schedule_for, simulate, warmup_vector,
 )

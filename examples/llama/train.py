@@ -31,7 +31,7 @@ weight and optimizer state after step 20 (one fused batched send-receive). Under
 `hspmd run -n 4 --elastic`, a rank whose process dies does not end the job: --kill 50=3 makes rank 3
 SIGKILL itself inside step 50; the others notice, re-form their groups without it, derive a
 strategy without it (hspmd.switching.recover_strategy), take its pieces from replicas in the other
-pipeline, redo step 50 and finish (hspmd.runtime.elastic). The summary lists the failures.
+pipeline, redo step 50 and finish (hspmd.runtime.policies.elastic). The summary lists the failures.
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ from hspmd.errors import HSPMDError
 from hspmd.models.hf_llama import hf_config, read_hf_config
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.hf_checkpoint import HFCheckpoint
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.persistence.hf_checkpoint import HFCheckpoint
 from hspmd.backends.from_env import backend_from_env
-from hspmd.runtime.elastic import ElasticTrainer, KillPoint
-from hspmd.runtime.membership import Membership, is_elastic
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.policies.elastic import ElasticTrainer, KillPoint
+from hspmd.runtime.processes.membership import Membership, is_elastic
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_files import load_strategy
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.specialize.strategy_render import describe_strategy
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
 
 def main_elastic(args) -> int:
     """Under `hspmd run --elastic`: ranks may die (for real, e.g. --kill); the survivors recover
-    (hspmd.runtime.elastic) and finish the run. The lowest surviving rank reports and writes the summary.
+    (hspmd.runtime.policies.elastic) and finish the run. The lowest surviving rank reports and writes the summary.
     The process ends with os._exit: gloo operations abandoned at a failure stay pending, and their
     destructors would hold (or abort) the process at interpreter exit."""
     code = 1

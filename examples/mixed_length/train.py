@@ -33,7 +33,7 @@ from hspmd.backends.from_env import backend_from_env  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.ops import AdamW  # noqa: E402
 from hspmd.planning.dispatch import PipelineCost, PoolEntry  # noqa: E402
-from hspmd.runtime.mixed import MixedLengthTrainer  # noqa: E402
+from hspmd.runtime.policies.mixed import MixedLengthTrainer  # noqa: E402
 from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 
 UNIT = 48

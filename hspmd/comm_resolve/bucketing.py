@@ -1,5 +1,5 @@
 """How the gradients of one all-reduce group are grouped into buckets: pure sizing, shared by the
-runtime (hspmd.runtime.buckets runs them) and the simulator (hspmd.planning.device_sim prices
+runtime (hspmd.runtime.execution.buckets runs them) and the simulator (hspmd.planning.device_sim prices
 them), so that both see the same buckets."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ hspmd's parameter names and Hugging Face's (with which weights are transposed).
 hspmd stores projections [in_features, out_features] (x @ w); Hugging Face's nn.Linear stores
 [out_features, in_features], so every projection and the LM head is transposed on the way in and
 out. Both apply RoPE in the rotate-half form to the same head layout, so no permutation is needed.
-Reading and writing the tensors is hspmd.runtime.hf_checkpoint's job; this module only maps names.
+Reading and writing the tensors is hspmd.runtime.persistence.hf_checkpoint's job; this module only maps names.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class Optimizer:
         graph.losses.append(loss)
         synced = {}
         # In the order the backward finalises the gradients: what syncs first is updated first, so
-        # a runtime that synchronises during the backward (hspmd.runtime.buckets) can update the
+        # a runtime that synchronises during the backward (hspmd.runtime.execution.buckets) can update the
         # first-synchronised parameters while the last gradients are still being reduced.
         made = sorted((g.node.id, i) for i, g in enumerate(grads) if g is not None)
         with graph.phase("update"):

@@ -1,13 +1,10 @@
-"""hspmd.runtime: everything that runs specialized programs.
+"""hspmd.runtime: everything that runs specialized programs, in six sub-layers (bottom first; each
+imports only itself and the ones before it, which tests/test_layers.py checks):
 
-run          one device's forward / backward / update over its executable graph, on any Backend
-inprocess    InProcessJob: the Trainer with every rank as a thread, over the in-process backend
-executor     runs a stage's schedule on a backend (non-blocking sends, measured in-flight peak)
-buckets      gradient buckets: size-capped flat buffers all-reduced while the backward goes on
-batches      how a global batch is laid out over pipelines and micro-batches
-trainer      Trainer: one rank's specialized graph, schedule, gradient sync, checkpoints
-checkpoint   safetensors checkpoints that load under any strategy
-integrity    per-tensor checksums, durable atomic writes, stale temporaries removed (for every checkpoint format)
-multiprocess run_multiprocess(): one function on N real gloo/NCCL processes, results per rank
-launcher     `hspmd run -n N script.py`: N local ranks with torchrun-style variables
+execution    one device's passes, a stage's schedule, gradient buckets, batch layout, feed checks, traces
+persistence  checkpoints (single file, sharded, Hugging Face), integrity, the checkpoint command
+processes    real processes: the launcher, rank guard, membership, multiprocess runs, ports, affinity
+training     Trainer (one rank over any backend) and InProcessJob (every rank as a thread)
+programs     per-device programs as data: compiling them, running them, the compile / run-programs commands
+policies     policies over the trainer: elastic recovery, mixed-length training, calibration
 """

@@ -16,7 +16,7 @@ plan's boxes. Every other gradient (a plan that moves or gathers pieces) keeps i
 update program; `BucketPlan.kept` says which and why.
 
 The plan is data a program can carry (`to_dict` / `from_dict`, hspmd.specialize.program);
-hspmd.runtime.buckets runs it.
+hspmd.runtime.execution.buckets runs it.
 """
 
 from __future__ import annotations

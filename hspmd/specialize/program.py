@@ -14,7 +14,7 @@ in, not the size of the job), its parameter and optimizer-state
 pieces with their boxes and initialisation keys, which tensors are accumulated over micro-batches,
 the loss and gradient tensors, its pipeline stage and schedule order, which box of the
 step's global batch each placeholder takes for every micro-batch, and its gradient buckets
-(hspmd.specialize.bucket_plan). hspmd.runtime.program_run
+(hspmd.specialize.bucket_plan). hspmd.runtime.programs.runner
 interprets it, calling each op kind's compute function by name (hspmd.ops.registry).
 
 A program is fixed to one binding of the run-time symbols: shapes and boxes are concrete, and a
@@ -307,7 +307,7 @@ def device_program(exe: ExecutableGraph, *, seed: int, place: PipelinePlace | No
                    global_batch: int, devices: Sequence[int], groups: Sequence[Sequence[int]],
                    loss: Tensor | None, loss_summand: bool, buckets: BucketPlan | None = None,
                    facts: GraphFacts | None = None) -> DeviceProgram:
-    """The program of `exe`'s device under its binding. The caller (hspmd.runtime.programs)
+    """The program of `exe`'s device under its binding. The caller (hspmd.runtime.programs.compiling)
     decides the pipeline place, feeds, loss holder and gradient buckets, as the Trainer does, and
     may share one GraphFacts of the same specialization among the programs it makes."""
     binding = exe.binding

@@ -21,7 +21,7 @@ from hspmd.comm_resolve import resolve_many
 from hspmd.models.llama import LlamaConfig, llama_annotations
 from hspmd.planning.model import ModelSpec, model_named
 from hspmd.specialize.paper_strategies import paper_strategy
-from hspmd.switching.elastic import recover_strategy
+from hspmd.switching.recovery import recover_strategy
 from hspmd.switching.switch import plan_layout_switch
 
 BYTES_PER_PARAMETER = 6

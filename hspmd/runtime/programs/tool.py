@@ -23,11 +23,11 @@ from hspmd.backends.backend import Backend
 from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.integrity import atomic_write
-from hspmd.runtime.multiprocess import run_multiprocess
-from hspmd.runtime.program_run import ProgramRunner
-from hspmd.runtime.programs import iter_programs, read_program, write_programs
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.persistence.integrity import atomic_write
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.programs.runner import ProgramRunner
+from hspmd.runtime.programs.compiling import iter_programs, read_program, write_programs
 from hspmd.specialize.program import ProgramError
 from hspmd.specialize.strategy_files import strategy_from
 from hspmd.specialize.strategy_text import format_strategy

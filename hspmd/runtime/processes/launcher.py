@@ -32,8 +32,8 @@ from hspmd.arguments import ArgumentParser, non_negative_float, non_negative_int
 from hspmd.backends.from_env import BACKENDS, check_backend
 from hspmd.backends.heartbeat import DEFAULT_INTERVAL_S as DEFAULT_HEARTBEAT_S
 from hspmd.limits import MAX_LOCAL_RANKS
-from hspmd.runtime.affinity import CPUS_ENV, available_cpus, cpu_slices
-from hspmd.runtime.ports import LOOPBACK
+from hspmd.runtime.processes.affinity import CPUS_ENV, available_cpus, cpu_slices
+from hspmd.runtime.processes.ports import LOOPBACK
 
 DEFAULT_GRACE_S = 3.0
 _KILL_WAIT_S = 5.0
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"(with --elastic: the rank is killed and the others go on) (default {DEFAULT_HEARTBEAT_S:g}; 0: off)")
     parser.add_argument("--elastic", action="store_true",
                         help="a rank that dies does not end the job: the launcher hosts the store and announces "
-                             "each death to the survivors, which recover without it (hspmd.runtime.elastic)")
+                             "each death to the survivors, which recover without it (hspmd.runtime.policies.elastic)")
     parser.add_argument("--max-restarts", type=non_negative_int, default=0,
                         help="with --elastic: restart a dead rank's slot up to this many times in all; the new "
                              "process joins the running job and receives its pieces from the survivors")
@@ -108,7 +108,7 @@ def launch(
     ends the job naming a rank whose heartbeat stood still for `heartbeat` seconds (a frozen rank,
     found long before its peers' collectives time out; an elastic job kills it and goes on). Every rank runs under rank_guard.py, so
     no rank or grandchild outlives a launcher that is SIGKILLed. `pin_cpus`: each rank (and a
-    restarted one in its slot) runs on its own CPUs (hspmd.runtime.affinity.cpu_slices)."""
+    restarted one in its slot) runs on its own CPUs (hspmd.runtime.processes.affinity.cpu_slices)."""
     from hspmd.backends.heartbeat import HeartbeatMonitor
     from hspmd.backends.store import new_secret  # imports torch: only once a job is launched
 
@@ -266,13 +266,13 @@ class _Restarter:
 
 def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str], restart: _Restarter,
                   monitor=None) -> list[_Rank]:
-    """Announce every rank that exits non-zero as dead (hspmd.runtime.membership.announce_death),
+    """Announce every rank that exits non-zero as dead (hspmd.runtime.processes.membership.announce_death),
     restart its slot while the budget lasts (the new process says when it is ready; then a new
     generation takes it back), and keep going while any rank runs. A rank that stopped beating
     (`monitor`) is SIGKILLed, so that its death is announced like any other rather than its peers
     waiting out their collectives' timeout. Returns [] if some rank finished, else the failed
     ranks, the last to fail first (the survivors' own error, e.g. a weight that no living rank holds)."""
-    from hspmd.runtime.membership import announce_death, killed_note, ready_key  # torch only for elastic jobs
+    from hspmd.runtime.processes.membership import announce_death, killed_note, ready_key  # torch only for elastic jobs
 
     dead: list[_Rank] = []
     dead_ranks: set[int] = set()

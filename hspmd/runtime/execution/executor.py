@@ -10,7 +10,7 @@ back, so the later stages have received F(m)'s outputs), and those of a backward
 next backward (by then the earlier stages, which wait for that gradient and need nothing else
 from this stage to get there, have taken it); whatever is left is completed at the end.
 The update (gradient synchronisation + optimizer) is not part of a schedule: it runs once per
-step, after every stage's schedule, through hspmd.runtime.run.run_update.
+step, after every stage's schedule, through hspmd.runtime.execution.run.run_update.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend, Group, Pending, Shape
 from hspmd.specialize.schedules import FORWARD, Action, check_order
 from hspmd.specialize.executable import ExecutableGraph
-from hspmd.runtime.buckets import BucketSync
-from hspmd.runtime.run import DeviceState, MicroBatch, run_backward, run_forward
-from hspmd.runtime.trace import Tracer
+from hspmd.runtime.execution.buckets import BucketSync
+from hspmd.runtime.execution.run import DeviceState, MicroBatch, run_backward, run_forward
+from hspmd.runtime.execution.trace import Tracer
 
 
 class NonBlockingSends(Backend):
@@ -163,9 +163,9 @@ def run_schedule(exe: ExecutableGraph, backend: Backend, state: DeviceState, ord
     (this device's pieces), B(m) its backward pass; gradients accumulate in `state`. Sends posted
     along the way are completed before returning. A `tracer` records one event per action.
     `buckets`: the last backward of the order fills them and starts their all-reduces
-    (hspmd.runtime.buckets); the update then reads them, each waited for when read (BucketSync.finish).
+    (hspmd.runtime.execution.buckets); the update then reads them, each waited for when read (BucketSync.finish).
     `recompute`: the devices of this device's stage, to recompute every micro-batch's forward in
-    its backward (hspmd.runtime.run)."""
+    its backward (hspmd.runtime.execution.run)."""
     began = time.perf_counter()
     micro_batches = len({a.micro_batch for a in order})
     check_order(order, micro_batches)

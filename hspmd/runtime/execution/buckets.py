@@ -32,7 +32,7 @@ from hspmd.errors import HSPMDError
 from hspmd.backends.backend import Backend, Group, Pending
 from hspmd.comm_resolve.bucketing import DEFAULT_BUCKET_CAP_MB, MB
 from hspmd.specialize.bucket_plan import BucketPlan
-from hspmd.runtime.trace import Tracer
+from hspmd.runtime.execution.trace import Tracer
 
 
 def cap_bytes_of(cap_mb: float) -> int:

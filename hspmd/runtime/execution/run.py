@@ -30,7 +30,7 @@ from hspmd.backends.backend import Backend
 from hspmd.backends.plan_executor import execute_plan
 from hspmd.specialize import comm_plans
 from hspmd.specialize.executable import ExecutableGraph, Instruction
-from hspmd.runtime.buckets import BucketSync, write_gradient
+from hspmd.runtime.execution.buckets import BucketSync, write_gradient
 
 
 @dataclass
@@ -197,7 +197,7 @@ def run_backward(exe: ExecutableGraph, backend: Backend, state: DeviceState, mb:
     """The backward pass of micro-batch `mb` (after its forward again, if it was recomputed); its
     gradients are added to state.accum. `buckets` (for the step's last backward): bucketed
     gradients are summed straight into their bucket views and full buckets start their
-    all-reduce as the pass goes on (hspmd.runtime.buckets)."""
+    all-reduce as the pass goes on (hspmd.runtime.execution.buckets)."""
     if mb.rerun:
         _execute(exe, mb.rerun, backend, state, mb.env, mb.binding)
     _execute(exe, exe.backward, backend, state, mb.env, mb.binding, buckets=buckets)

@@ -11,7 +11,7 @@ than being silently dropped). The writing rank therefore holds the whole model a
 replica once: fine for small models; a large model would write per-rank shard files instead.
 
 Integrity (schema "hspmd.checkpoint" version 1): the metadata holds the schema version, the step
-and a sha256 per tensor (hspmd.runtime.integrity); every tensor a rank reads is verified whole
+and a sha256 per tensor (hspmd.runtime.persistence.integrity); every tensor a rank reads is verified whole
 before it is cut, so a flipped byte, a truncated file, another model's file or a negative step is a
 CheckpointError naming the file and the tensor. Files are written with integrity.atomic_write
 (fsync of the file and its directory before and after the rename; stale temporaries removed).
@@ -33,7 +33,7 @@ from hspmd.annotations import box_shape, device_pieces, unshard
 from hspmd.errors import CheckpointError, HSPMDError, ShapeError
 from hspmd.ir.graph import Graph, Node, Tensor
 from hspmd.backends.backend import Backend
-from hspmd.runtime.integrity import CHECKSUM, atomic_write, tensor_checksum
+from hspmd.runtime.persistence.integrity import CHECKSUM, atomic_write, tensor_checksum
 from hspmd.specialize.executable import ExecutableGraph, live_nodes, run_time_ratios
 
 STEP_KEY = "hspmd.step"

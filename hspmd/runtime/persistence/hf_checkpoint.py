@@ -27,8 +27,8 @@ from hspmd.annotations import box_shape
 from hspmd.errors import CheckpointError, HSPMDError, ShapeError
 from hspmd.models.hf_llama import HFName, hf_config, hf_names, read_hf_config
 from hspmd.models.llama import LlamaConfig
-from hspmd.runtime.checkpoint import CheckpointReader
-from hspmd.runtime.sharded_checkpoint import is_sharded_checkpoint
+from hspmd.runtime.persistence.checkpoint import CheckpointReader
+from hspmd.runtime.persistence.sharded_checkpoint import is_sharded_checkpoint
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"

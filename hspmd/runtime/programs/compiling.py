@@ -22,10 +22,10 @@ from hspmd.errors import HSPMDError, ShapeError
 from hspmd.heap import collector_paused
 from hspmd.ir.graph import Graph
 from hspmd.ir.shapes import Binding
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB, cap_bytes_of
-from hspmd.runtime.integrity import atomic_write
-from hspmd.runtime.trainer import (
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB, cap_bytes_of
+from hspmd.runtime.persistence.integrity import atomic_write
+from hspmd.runtime.training.trainer import (
     as_layout, batch_hsize, batch_subgroup, step_groups, summing_devices, trainer_binding,
 )
 from hspmd.specialize.bucket_plan import plan_buckets

@@ -17,8 +17,8 @@ import traceback
 from typing import Any, Callable
 
 from hspmd.errors import CommunicationError, HSPMDError
-from hspmd.runtime.affinity import available_cpus, cpu_slices, pin
-from hspmd.runtime.ports import LOOPBACK, free_port
+from hspmd.runtime.processes.affinity import available_cpus, cpu_slices, pin
+from hspmd.runtime.processes.ports import LOOPBACK, free_port
 
 # After a CommunicationError, how long to wait for the other ranks' reports: it may only be the
 # echo of a peer's own failure, and the caller wants that original error.
@@ -42,7 +42,7 @@ def run_multiprocess(
     `fn` must be importable by name and `args` and the results picklable (ranks are forked from a
     fork server, not from the caller). `backend` is the torch.distributed backend name; `timeout`
     bounds the whole job, `comm_timeout` each collective; `pin_cpus` gives each rank its own CPUs
-    (hspmd.runtime.affinity). Raises HSPMDError naming the failing
+    (hspmd.runtime.processes.affinity). Raises HSPMDError naming the failing
     rank, with its traceback, if any rank fails."""
     if nprocs < 1:
         raise HSPMDError(f"run_multiprocess needs nprocs >= 1, got {nprocs}")

@@ -8,9 +8,9 @@ over its Backend and calls step(batch) with the same global batch.
     trainer.save_checkpoint("ckpt.safetensors")     # collective; rank-independent file
 
 The backend decides where the ranks are: torch.distributed (gloo / NCCL) for one process per
-rank, the in-process backend for every rank as a thread of one process (hspmd.runtime.inprocess
+rank, the in-process backend for every rank as a thread of one process (hspmd.runtime.training.inprocess
 runs the same Trainer that way). The batch is always the global batch, laid out pipeline by
-pipeline as hspmd.runtime.batches.MicroBatchLayout says.
+pipeline as hspmd.runtime.execution.batches.MicroBatchLayout says.
 
 Each rank specializes the graph for itself, finds its pipeline and stage among the discovered
 pipelines, and runs its stage's schedule over its pipeline's own micro-batches (pipelines may
@@ -37,21 +37,21 @@ from hspmd.limits import brief
 from hspmd.ir.graph import Graph, Node
 from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, SyncedGradients, cap_bytes_of
-from hspmd.runtime.checkpoint import (
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, SyncedGradients, cap_bytes_of
+from hspmd.runtime.persistence.checkpoint import (
     CheckpointReader, check_leaf_names, cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
 )
-from hspmd.runtime.executor import ScheduleRun, run_schedule
-from hspmd.runtime.checks import check_bound, check_feeds, check_seed, checked_ranks, checked_symbols
-from hspmd.runtime.sharded_checkpoint import PendingSave, ShardedReader, open_checkpoint, save_sharded
-from hspmd.runtime.trace import Tracer
+from hspmd.runtime.execution.executor import ScheduleRun, run_schedule
+from hspmd.runtime.execution.checks import check_bound, check_feeds, check_seed, checked_ranks, checked_symbols
+from hspmd.runtime.persistence.sharded_checkpoint import PendingSave, ShardedReader, open_checkpoint, save_sharded
+from hspmd.runtime.execution.trace import Tracer
 from hspmd.specialize import comm_plans
 from hspmd.specialize.schedules import Schedule, pipeline_schedule, schedule_for
 from hspmd.specialize.deduce import Deduced, check_strategy_index
 from hspmd.specialize.bucket_plan import plan_buckets
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
-from hspmd.runtime.run import DeviceState, run_update, synced_gradients
+from hspmd.runtime.execution.run import DeviceState, run_update, synced_gradients
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
 from hspmd.specialize.strategy import Pipeline, Strategy
 from hspmd.switching import (
@@ -142,7 +142,7 @@ class Trainer:
     for its own rank. state: the rank's leaves and step to start from (default: the initial values).
     bucket_cap_mb: gradients whose synchronisation is a plain all-reduce are reduced in buckets of
     at most this many MiB, each started as soon as the backward has made all of its gradients
-    (hspmd.runtime.buckets); None synchronises every gradient in the update. Every argument is
+    (hspmd.runtime.execution.buckets); None synchronises every gradient in the update. Every argument is
     checked alike on every rank before any communication. Construction is collective: every rank
     of the job constructs its trainer at the same point."""
 
@@ -323,7 +323,7 @@ class Trainer:
         """One step whose micro-batches each bind the run-time symbols anew: micro_batches[p] lists
         pipeline p's micro-batches, each {placeholder: rows} with the
         pipeline's micro-batch size as dim 0 (at least one per pipeline); a symbol of a placeholder dim (e.g. the sequence length
-        of a packed row, hspmd.runtime.packing) takes that row's size, the others come from `symbols`
+        of a packed row, hspmd.runtime.execution.packing) takes that row's size, the others come from `symbols`
         (e.g. T, the step's token count) or the trainer's. Every rank passes the same lists. Comm
         plans are resolved once per binding and kept (the specialization's plan cache).
         `carried`: synchronised gradients of earlier buckets of this step (see bucket_rows)."""
@@ -519,7 +519,7 @@ class Trainer:
     def save_sharded(self, directory, background: bool = True) -> PendingSave | None:
         """This rank writes its own pieces to a sharded checkpoint under `directory` (not
         collective, nothing gathered; in the background unless told otherwise: wait() on the
-        result before relying on the files). hspmd.runtime.sharded_checkpoint."""
+        result before relying on the files). hspmd.runtime.persistence.sharded_checkpoint."""
         if self.idle:
             return None
         return save_sharded(self.exe, dict(self.state.leaves), self.state.step, directory, self.devices, background,
@@ -528,7 +528,7 @@ class Trainer:
     def load_checkpoint(self, source) -> int:
         """Each rank reads only its own pieces from `source`: a checkpoint path (any strategy's
         checkpoint of this model, a single file or a sharded checkpoint directory) or a reader with a
-        `step` (e.g. hspmd.runtime.hf_checkpoint.HFCheckpoint over a Hugging Face directory);
+        `step` (e.g. hspmd.runtime.persistence.hf_checkpoint.HFCheckpoint over a Hugging Face directory);
         returns the step count it was saved at. A checkpoint in hspmd's own formats must hold
         exactly this model's leaves (checkpoint.check_leaf_names)."""
         reader = source if callable(source) else open_checkpoint(source)

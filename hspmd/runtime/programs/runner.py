@@ -4,10 +4,10 @@
     loss = runner.step({"tokens": x, "labels": y})                       # the global batch
     runner.pieces()                                                      # {name: (box, tensor)}
 
-The interpreter mirrors hspmd.runtime.run and the Trainer's step: the schedule's order of forward
+The interpreter mirrors hspmd.runtime.execution.run and the Trainer's step: the schedule's order of forward
 and backward passes (sends posted without waiting and kept only until received, as
-hspmd.runtime.executor does), gradients accumulated over micro-batches, the program's gradient
-buckets filled by the last backward and all-reduced while it goes on (hspmd.runtime.buckets;
+hspmd.runtime.execution.executor does), gradients accumulated over micro-batches, the program's gradient
+buckets filled by the last backward and all-reduced while it goes on (hspmd.runtime.execution.buckets;
 the update reads each when it reaches it), the update once a step, the loss summed over its
 holders. Ops are looked up by kind (hspmd.ops.registry) and computed with the program's attributes
 and boxes; CommOps run this device's parts of their plans (hspmd.backends.plan_executor).
@@ -26,8 +26,8 @@ from hspmd.backends.plan_executor import execute_plan
 from hspmd.errors import HSPMDError, ShapeError
 from hspmd.ir.init import initializer_from_key, make_piece
 from hspmd.ops.registry import operator
-from hspmd.runtime.buckets import BucketSync, write_gradient
-from hspmd.runtime.executor import NonBlockingSends
+from hspmd.runtime.execution.buckets import BucketSync, write_gradient
+from hspmd.runtime.execution.executor import NonBlockingSends
 from hspmd.specialize.program import DeviceProgram, Op
 from hspmd.specialize.schedules import FORWARD
 

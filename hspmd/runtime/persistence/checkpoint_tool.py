@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from hspmd.arguments import ArgumentParser
-from hspmd.runtime.hf_checkpoint import export_checkpoint
-from hspmd.runtime.sharded_checkpoint import consolidate, inspect, open_checkpoint
+from hspmd.runtime.persistence.hf_checkpoint import export_checkpoint
+from hspmd.runtime.persistence.sharded_checkpoint import consolidate, inspect, open_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

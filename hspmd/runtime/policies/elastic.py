@@ -1,6 +1,6 @@
 """Elastic training: a rank whose process dies does not end the job.
 
-`ElasticTrainer` (over a hspmd.runtime.membership.Membership) runs steps as transactions. Each
+`ElasticTrainer` (over a hspmd.runtime.processes.membership.Membership) runs steps as transactions. Each
 rank keeps the last few committed versions (step count, switches done) of its state; a failure
 anywhere (forward, backward, gradient sync, optimizer update, switch, checkpoint save) raises
 PeerLost on every survivor, which then
@@ -38,9 +38,9 @@ from hspmd.backends.backend import Backend, Group, Shape
 from hspmd.backends.generation import PeerLost
 from hspmd.errors import HSPMDError, WeightLost
 from hspmd.ir.graph import Graph
-from hspmd.runtime.membership import Membership, killed_at, killed_key
-from hspmd.runtime.sharded_checkpoint import ShardedReader, step_dir
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.processes.membership import Membership, killed_at, killed_key
+from hspmd.runtime.persistence.sharded_checkpoint import ShardedReader, step_dir
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy import Strategy
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import execute_switch, plan_switch, recover_strategy
@@ -211,7 +211,7 @@ class ElasticTrainer:
     build_graph(strategies) builds the model's graph annotated with each strategy of the list (the
     same nodes every time; a recovery appends the recovered strategy). `describe(strategy)` names a
     strategy in logs and the failure record. `sharded`: checkpoints are directories of per-rank
-    files written in the background (hspmd.runtime.sharded_checkpoint), else single files."""
+    files written in the background (hspmd.runtime.persistence.sharded_checkpoint), else single files."""
 
     def __init__(self, build_graph: Callable[[Sequence[Strategy]], Graph], strategy: Strategy,
                  membership: Membership, schedule: str | None = None, symbols: Mapping[str, int] | None = None,
@@ -300,7 +300,7 @@ class ElasticTrainer:
     def save(self, path, wait: bool = True) -> None:
         """Checkpoint save at a step boundary. A single file (`sharded` off) is a collective
         gather and an atomic replace: a failure half-way leaves the previous file. Sharded (a
-        directory, hspmd.runtime.sharded_checkpoint): every rank writes its own pieces in the
+        directory, hspmd.runtime.persistence.sharded_checkpoint): every rank writes its own pieces in the
         background (`wait` or not); a death before the index is written leaves the previous
         step the latest."""
         self._begin("save")

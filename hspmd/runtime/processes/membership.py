@@ -58,7 +58,7 @@ def killed_key(rank: int) -> str:
 
 
 def killed_note(store: dist.Store, rank: int) -> str:
-    """Where an injected fault killed `rank` (hspmd.runtime.elastic.FaultInjector), or ''."""
+    """Where an injected fault killed `rank` (hspmd.runtime.policies.elastic.FaultInjector), or ''."""
     return store.get(killed_key(rank)).decode() if store.check([killed_key(rank)]) else ""
 
 

@@ -19,10 +19,10 @@ import torch
 from hspmd.backends.local import LocalWorld
 from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.buckets import DEFAULT_BUCKET_CAP_MB
-from hspmd.runtime.checks import checked_ranks, checked_symbols
-from hspmd.runtime.trainer import Trainer, as_layout, trainer_binding
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB
+from hspmd.runtime.execution.checks import checked_ranks, checked_symbols
+from hspmd.runtime.training.trainer import Trainer, as_layout, trainer_binding
 from hspmd.specialize.deduce import check_strategy_index, deduce
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
 from hspmd.specialize.strategy import Strategy

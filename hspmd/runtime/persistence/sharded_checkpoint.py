@@ -50,8 +50,8 @@ from hspmd.annotations import device_pieces
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.errors import CheckpointError, HSPMDError, ShapeError
 from hspmd.json_fields import JsonField
-from hspmd.runtime.checkpoint import STEP_KEY, CheckpointReader, checkpoint_leaves, save_checkpoint
-from hspmd.runtime.integrity import atomic_write
+from hspmd.runtime.persistence.checkpoint import STEP_KEY, CheckpointReader, checkpoint_leaves, save_checkpoint
+from hspmd.runtime.persistence.integrity import atomic_write
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 
 INDEX = "index.json"

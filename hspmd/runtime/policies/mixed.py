@@ -2,7 +2,7 @@
 micro-batches chosen per step from a pool (hspmd.planning.dispatch), one rank's part.
 
 Hetu-B (`step`): the step's longest sequence picks one pool entry; dispatch assigns the sequences
-to that strategy's pipelines and packs each pipeline's share into rows (hspmd.runtime.packing);
+to that strategy's pipelines and packs each pipeline's share into rows (hspmd.runtime.execution.packing);
 the trainer switches strategy (fused BSR) only when the choice changes. Hetu-A (`step_buckets`,
 HotSPa's scheme): every sequence goes to the bucket of the narrowest length interval holding it;
 the buckets run one after another inside the step, each under its own strategy, the accumulated
@@ -30,9 +30,9 @@ from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
 from hspmd.ops.nn import IGNORE_INDEX
 from hspmd.planning.dispatch import SHUFFLED_PASSES, Dispatch, PoolEntry, dispatch, fit_sequence_cost, select_entry
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.packing import Sample, check_sample, counted_tokens, pack_row
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.execution.packing import Sample, check_sample, counted_tokens, pack_row
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.specialized import Specialized
 from hspmd.switching import SwitchPlan
 

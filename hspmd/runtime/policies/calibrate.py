@@ -46,10 +46,10 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, ModelSpec
 from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.planning.device_sim import DISPATCHED, op_kernel
-from hspmd.runtime.multiprocess import run_multiprocess
+from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.ops import AdamW
-from hspmd.runtime.batches import MicroBatchLayout
-from hspmd.runtime.trainer import Trainer
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
 

@@ -35,7 +35,7 @@ def main(argv: list) -> int:
         _kill_group()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    cpus = os.environ.get("HSPMD_CPUS")  # `hspmd run --pin-cpus` (hspmd.runtime.affinity)
+    cpus = os.environ.get("HSPMD_CPUS")  # `hspmd run --pin-cpus` (hspmd.runtime.processes.affinity)
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     rank = subprocess.Popen(command, restore_signals=True,

@@ -1,0 +1,1 @@
+"""The Trainer (one rank's training loop over any backend) and InProcessJob (every rank as a thread)."""
