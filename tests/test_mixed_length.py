@@ -45,18 +45,24 @@ def sequences(steps=STEPS, seed=11):
     return out
 
 
-def _graph():
-    return build_llama(LlamaConfig(**CONFIG), [parse_strategy(S1), parse_strategy(S2)], optimizer=AdamW(lr=LR),
+# S3: PP2 pipeline 0->1 and a single-rank pipeline on rank 2; rank 3 is idle under it
+S3 = "layers=2 ; ?x?: R0 L0 | R1 L1 ; ?x?: R2 L0-1"
+POOL_LEAVING_OUT = (POOL[0], PoolEntry("S3", 1, THRESHOLD, (PipelineCost(2e-3, 0.5, 0.5, 16, 2),
+                                                               PipelineCost(2e-3, 1.0, 0.5, 12))))
+
+
+def _graph(strategies=(S1, S2)):
+    return build_llama(LlamaConfig(**CONFIG), [parse_strategy(s) for s in strategies], optimizer=AdamW(lr=LR),
                        packed=True)
 
 
-def mixed_rank(backend, buckets: bool):
+def mixed_rank(backend, buckets: bool, pool=POOL, strategies=(S1, S2)):
     torch.set_num_threads(1)
-    model = _graph()
-    trainer = MixedLengthTrainer(model.graph, POOL, backend, symbols={"S": 8, "T": 8}, passes=10)
+    model = _graph(strategies)
+    trainer = MixedLengthTrainer(model.graph, pool, backend, symbols={"S": 8, "T": 8}, passes=10)
     data = sequences()
     losses = [(trainer.step_buckets if buckets else trainer.step)(samples) for samples in data]
-    history = [([POOL[k].name for k in r.entries], list(r.switches)) for r in trainer.history]
+    history = [([pool[k].name for k in r.entries], list(r.switches)) for r in trainer.history]
     return losses, trainer.parameters(), history
 
 
@@ -98,6 +104,15 @@ def test_length_buckets_inside_a_step_in_process():
     # each step's first bucket runs under the strategy the last step ended with where it has one
     assert total == sum(len(n) for n, _ in history) - 1 - sum(
         1 for (names, _), (prev, _) in zip(history[1:], history) if names[0] == prev[-1])
+
+
+def test_length_buckets_with_a_strategy_that_leaves_a_rank_out():
+    # rank 3 is idle under S3's buckets: active then idle (step 0: S1 first), idle then active
+    # (step 2: S3, the current strategy, first); every rank still gets the whole step loss
+    results = LocalWorld(range(4), 120).run(lambda b: mixed_rank(b, True, POOL_LEAVING_OUT, (S1, S3)))
+    history = _check(results)
+    orders = [names for names, _ in history]
+    assert ["S1", "S3"] in orders and ["S3", "S1"] in orders
 
 
 def _switching_rank(backend):

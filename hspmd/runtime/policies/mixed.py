@@ -138,7 +138,7 @@ class MixedLengthTrainer:
             buckets.setdefault(select_entry(self.pool, s), []).append(i)
         order = sorted(buckets, key=lambda k: (k != self.current, -self.pool[k].max_seq_len, k))
         tokens = {self.tokens_symbol: counted_tokens(samples)}
-        entries, dispatches, parts, switches, loss, carry = [], [], [], [], 0.0, None
+        entries, dispatches, parts, switches, losses, carry = [], [], [], [], [], None
         for n, k in enumerate(order):
             ids = buckets[k]
             d = dispatch(self.pool, [lengths[i] for i in ids], seed=self.dispatch_seed + self.steps,
@@ -153,11 +153,29 @@ class MixedLengthTrainer:
             else:
                 part = self.trainer.step_rows(rows, tokens, carried=carried)
             self.trainer.carried = {}
-            loss = None if part is None else loss + part
+            losses.append((self.trainer.devices, part))
             entries.append(k)
             dispatches.append(d)
             parts.append(tuple(lengths[i] for i in ids))
-        return self._report(entries, dispatches, parts, switches, loss)
+        return self._report(entries, dispatches, parts, switches, self._step_loss(losses))
+
+    def _step_loss(self, losses: Sequence[tuple[tuple[int, ...], float | None]]) -> float | None:
+        """The step loss from its buckets' (strategy devices, loss on this rank): their sum, on
+        every rank. A bucket's loss is known only to the ranks of its strategy, so where a bucket's
+        strategy leaves some rank out, each bucket's loss is counted by its strategy's lowest rank
+        and one all-reduce over the job gives every rank the sum (the same choice on every rank:
+        each knows every bucket's strategy)."""
+        if not self.graph.losses:
+            return None
+        world = tuple(range(self.backend.world_size))
+        if all(set(devices) == set(world) for devices, _ in losses):
+            known = [part for _, part in losses if part is not None]
+            return sum(known) if known else None
+        rank = self.backend.rank
+        mine = sum(part for devices, part in losses if part is not None and devices[0] == rank)
+        total = self.backend.all_reduce(torch.tensor(float(mine), dtype=torch.float64, device=self.backend.device),
+                                        world)
+        return float("nan") if total.is_meta else float(total)
 
     # ---- calibration ----------------------------------------------------------------------------
 
