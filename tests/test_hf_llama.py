@@ -30,6 +30,7 @@ from hspmd.specialize.specialized import specialize_graph  # noqa: E402
 from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 
 B, S = 3, 8
+PAD = 5  # a pad_token_id that the test sequences contain
 LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 32}
 CONFIGS = {
@@ -37,6 +38,7 @@ CONFIGS = {
     "mha_untied": dict(num_key_value_heads=4, tie_word_embeddings=False),
     "gqa_linear": dict(num_key_value_heads=1, tie_word_embeddings=False,
                        rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "mha_untied_pad": dict(num_key_value_heads=4, tie_word_embeddings=False, pad_token_id=PAD),
 }
 
 
@@ -55,7 +57,9 @@ def make_hf_model(directory, seed: int = 0, **options):
 
 
 def sequences(seed: int = 1):
-    return torch.randint(0, 64, (B, S + 1), generator=torch.Generator().manual_seed(seed))
+    z = torch.randint(0, 64, (B, S + 1), generator=torch.Generator().manual_seed(seed))
+    z[:, 2] = PAD
+    return z
 
 
 def hf_reference(model, z):
@@ -108,6 +112,25 @@ def test_imported_model_equals_transformers_on_one_device(tmp_path, case):
         ref = ref_grads[where.name]
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()), msg=name)
         assert float(ref.abs().max()) > 0
+    if config.pad_token is not None and not config.tie_embeddings:  # as nn.Embedding(padding_idx=): no gradient
+        assert not grads["embed"][config.pad_token].any() and grads["embed"][PAD + 1:].abs().sum() > 0
+
+
+def test_pad_row_gets_no_gradient_from_a_vocabulary_split_lookup():
+    """TP 2 splits the embedding table by vocabulary rows: the pad row lies in one piece."""
+    from hspmd.models.llama import LlamaConfig
+    from hspmd.runtime.training.inprocess import InProcessJob
+
+    z = sequences()
+    for pad in (PAD, 40):
+        config = LlamaConfig(vocab=64, hidden=16, layers=1, heads=2, ffn=32, pad_token=pad)
+        z[:, 3] = pad
+        strategy = parse_strategy(f"layers=1 ; 1x{B}: R0,1 L0")
+        job = InProcessJob(build_llama(config, [strategy], optimizer=SGD(lr=0.0)).graph, 0, strategy,
+                           symbols={"S": S, "T": B * S})
+        job.step({"tokens": z[:, :S], "labels": z[:, 1:]})
+        grad = job.gradients()["embed"]
+        assert not grad[pad].any() and grad.abs().sum(1).gt(0).sum() > 10
 
 
 def test_config_json_maps_every_option(tmp_path):
@@ -187,6 +210,26 @@ def test_export_round_trips_exactly_and_transformers_agrees(tmp_path):
     assert CheckpointReader(tmp_path / "ckpt" / "model.safetensors").step == 5
     export_hf(whole, config, tmp_path / "direct")
     assert json.loads((tmp_path / "direct" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_export_keeps_every_field_of_the_original_config(tmp_path):
+    """Token ids, context length and settings hspmd has no use for come back as they were."""
+    original_fields = dict(bos_token_id=60, eos_token_id=[61, 62], pad_token_id=PAD, max_position_embeddings=131072,
+                           initializer_range=0.01, pretraining_tp=1)
+    make_hf_model(tmp_path / "in", **CONFIGS["gqa_tied_llama3"], **original_fields)
+    original = json.loads((tmp_path / "in" / "config.json").read_text())
+    config = read_hf_config(tmp_path / "in")
+    assert config.pad_token == PAD
+    reader = HFCheckpoint(tmp_path / "in")
+    whole = {name: reader(name, (), shape) for name, shape in config.parameter_shapes().items()}
+    save_checkpoint(tmp_path / "ckpt" / "model.safetensors", whole, step=1)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(original))
+    export_checkpoint(tmp_path / "ckpt" / "model.safetensors", tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: exported.get(k) for k in original} == original
+    again = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert (again.eos_token_id, again.bos_token_id, again.pad_token_id) == ([61, 62], 60, PAD)
+    assert again.max_position_embeddings == 131072
 
 
 def test_the_cost_models_model_spec_reads_the_same_config_json(tmp_path):

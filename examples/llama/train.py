@@ -50,7 +50,7 @@ from rich.table import Table
 
 from chardata import CharCorpus
 from hspmd.errors import HSPMDError
-from hspmd.models.hf_llama import hf_config, read_hf_config
+from hspmd.models.hf_llama import hf_config, read_hf_config, read_hf_config_json
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.runtime.execution.batches import MicroBatchLayout
@@ -128,12 +128,13 @@ def model_config(args, corpus: CharCorpus, strategy) -> LlamaConfig:
     return config
 
 
-def write_model_config(checkpoint: str, config: LlamaConfig) -> None:
-    """config.json beside the checkpoint, for `hspmd checkpoint export-hf`."""
+def write_model_config(checkpoint: str, config: LlamaConfig, original: dict | None = None) -> None:
+    """config.json beside the checkpoint, for `hspmd checkpoint export-hf` (keeping every field of the
+    model's `original` config.json that hspmd does not determine)."""
     directory = os.path.dirname(os.path.abspath(checkpoint))
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config(config), f, indent=2, sort_keys=True)
+        json.dump(hf_config(config, original=original), f, indent=2, sort_keys=True)
 
 
 def strategy_of(args: argparse.Namespace):
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
         trainer.load_checkpoint(HFCheckpoint(args.init_from_hf, config))
         say(f"initialised from the Hugging Face model in {args.init_from_hf}")
     if rank == 0:
-        write_model_config(args.checkpoint, config)
+        write_model_config(args.checkpoint, config, read_hf_config_json(args.init_from_hf) if args.init_from_hf else None)
     losses: list[float] = []
     pending = []
     step_end_times: list[float] = []

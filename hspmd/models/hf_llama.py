@@ -112,8 +112,12 @@ def config_from_hf(cfg: Mapping[str, Any]) -> LlamaConfig:
         raise HSPMDError(f"Hugging Face config.json: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     base, scaling = _rope(cfg)
     heads = _key(cfg, "num_attention_heads", int)
+    vocab = _key(cfg, "vocab_size", int)
+    pad = _key(cfg, "pad_token_id", int, required=False)
+    if pad is not None and not 0 <= pad < vocab:
+        raise HSPMDError(f"Hugging Face config.json: pad_token_id {pad} is not a token of the vocabulary of {vocab}")
     return LlamaConfig(
-        vocab=_key(cfg, "vocab_size", int),
+        vocab=vocab,
         hidden=_key(cfg, "hidden_size", int),
         layers=_key(cfg, "num_hidden_layers", int),
         heads=heads,
@@ -124,11 +128,31 @@ def config_from_hf(cfg: Mapping[str, Any]) -> LlamaConfig:
         head_dim=_key(cfg, "head_dim", int, required=False),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
+        pad_token=pad,
     )
 
 
-def hf_config(config: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
-    """config.json of `config` for transformers' LlamaForCausalLM (both rope key styles written)."""
+# config.json keys that hspmd's LlamaConfig determines (with the dtype); an export writes these and keeps
+# every other key of the model's original config.json as it was (token ids, max_position_embeddings, ...)
+OWNED_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+              "tie_word_embeddings", "attention_bias", "mlp_bias", "torch_dtype", "dtype")
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def hf_config(config: LlamaConfig, dtype: str = "float32", original: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """config.json of `config` for transformers' LlamaForCausalLM (both rope key styles written).
+
+    original: the config.json the model came from; then every key hspmd does not determine (token ids,
+    max_position_embeddings, generation settings, ...) is kept as it was, and so are its RoPE keys
+    when they read as `config`'s RoPE, so that an export changes only what hspmd changed."""
+    if original is not None:
+        out = dict(original)
+        out.update({k: v for k, v in hf_config(config, dtype).items() if k in OWNED_KEYS})
+        if _rope(original) != (config.rope_base, config.rope_scaling):
+            out.update({k: v for k, v in hf_config(config, dtype).items() if k in ROPE_KEYS})
+        out.setdefault("max_position_embeddings", hf_config(config, dtype)["max_position_embeddings"])
+        return out
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_base}
     scaling = config.rope_scaling
     if scaling is not None:
@@ -144,12 +168,17 @@ def hf_config(config: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
         "hidden_act": "silu", "rms_norm_eps": config.eps, "rope_theta": config.rope_base, "rope_scaling": legacy,
         "rope_parameters": rope, "tie_word_embeddings": config.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "max_position_embeddings": max(2048, scaling.original_max_position if scaling else 0),
-        "torch_dtype": dtype, "dtype": dtype,
+        "torch_dtype": dtype, "dtype": dtype, **({} if config.pad_token is None else {"pad_token_id": config.pad_token}),
     }
 
 
 def read_hf_config(directory: str | os.PathLike) -> LlamaConfig:
     """The LlamaConfig of a local Hugging Face model directory (its config.json)."""
+    return config_from_hf(read_hf_config_json(directory))
+
+
+def read_hf_config_json(directory: str | os.PathLike) -> dict[str, Any]:
+    """A local Hugging Face model directory's config.json as it is written (a dict)."""
     path = os.path.join(os.fspath(directory), "config.json")
     if not os.path.isfile(path):
         raise HSPMDError(f"{os.fspath(directory)!r} is not a Hugging Face model directory: it has no config.json")
@@ -160,7 +189,7 @@ def read_hf_config(directory: str | os.PathLike) -> LlamaConfig:
         raise HSPMDError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise HSPMDError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
-    return config_from_hf(cfg)
+    return cfg
 
 
-__all__ = ["HFName", "config_from_hf", "hf_config", "hf_names", "read_hf_config"]
+__all__ = ["HFName", "config_from_hf", "hf_config", "hf_names", "read_hf_config", "read_hf_config_json"]

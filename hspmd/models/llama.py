@@ -60,7 +60,8 @@ MAX_INDEX = 2**31  # bound on positions and segment ids in a packed row (any rea
 class LlamaConfig:
     """kv_heads (default heads) < heads is grouped-query attention; head_dim defaults to
     hidden / heads; tie_embeddings makes the LM head the transposed embedding table (no lm_head
-    parameter); rope_scaling rescales RoPE's frequencies (e.g. Llama 3.1's rule)."""
+    parameter); rope_scaling rescales RoPE's frequencies (e.g. Llama 3.1's rule); pad_token (Hugging
+    Face's pad_token_id) is the embedding row that gets no gradient from the lookup."""
 
     vocab: int = 64
     hidden: int = 32
@@ -74,6 +75,7 @@ class LlamaConfig:
     head_dim: int | None = None
     tie_embeddings: bool = False
     rope_scaling: RopeScaling | None = field(default=None)
+    pad_token: int | None = None
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "layers", "heads", "ffn"):
@@ -90,6 +92,10 @@ class LlamaConfig:
         if not isinstance(self.kv_heads, int) or self.kv_heads < 1 or self.heads % self.kv_heads:
             raise HSPMDError(f"LlamaConfig: kv_heads {self.kv_heads!r} must be a positive divisor of heads {self.heads} "
                              f"(each K/V head serves an equal group of Q heads)")
+        if self.pad_token is not None and (not isinstance(self.pad_token, int) or isinstance(self.pad_token, bool)
+                                           or not 0 <= self.pad_token < self.vocab):
+            raise HSPMDError(f"LlamaConfig: pad_token {self.pad_token!r} must be a token of the vocabulary "
+                             f"(0..{self.vocab - 1}) or None")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise HSPMDError(f"LlamaConfig: rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
 
@@ -271,7 +277,7 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
         segments = placeholder(g, "segments", (B, S), torch.int64, annotation=ann("segments"),
                                values=(0, MAX_INDEX, ()))
     table = param("embed", (config.vocab, h))
-    x = comm(embedding(tokens, table), ann("embed.out"), name="embed.out")
+    x = comm(embedding(tokens, table, config.pad_token), ann("embed.out"), name="embed.out")
     for l in range(config.layers):
         p = f"layers.{l}."
         with g.scope(f"layers.{l}"):

@@ -24,7 +24,9 @@ from hspmd.ops.unary import silu
 
 
 class Embedding(RuleOp):
-    """table[ids]; a vocab-split table gives Partial outputs (rows outside the piece read as 0)."""
+    """table[ids]; a vocab-split table gives Partial outputs (rows outside the piece read as 0).
+    attrs["padding_idx"] (optional): that row gets no gradient from the lookup, as torch's
+    nn.Embedding(padding_idx=) and so Hugging Face's pad_token_id."""
 
     kind = "embedding"
 
@@ -57,12 +59,17 @@ class Embedding(RuleOp):
 
     def gradient(self, node, grads):
         ids, table = node.inputs
-        g = make(EMBEDDING_GRAD, [ids, grads[0], table], [(table.shape, table.dtype)]).output
+        g = make(EMBEDDING_GRAD, [ids, grads[0], table], [(table.shape, table.dtype)], attrs=dict(node.attrs)).output
         return [None, g]
+
+    def describe(self, node):
+        pad = node.attrs.get("padding_idx")
+        return "" if pad is None else f"padding_idx={pad}"
 
 
 class EmbeddingGrad(RuleOp):
-    """Scatter-add of output gradients into the table's rows (inputs: ids, grad, table)."""
+    """Scatter-add of output gradients into the table's rows (inputs: ids, grad, table); the row
+    attrs["padding_idx"], where this piece holds it, stays zero."""
 
     kind = "embedding_grad"
 
@@ -94,18 +101,31 @@ class EmbeddingGrad(RuleOp):
         inside = ((flat_ids >= v0) & (flat_ids < v1)).unsqueeze(-1).to(g.dtype)
         # rows outside this piece add zero at a clamped index: no data-dependent shapes (no host sync)
         out.index_add_(0, (flat_ids - v0).clamp(0, v1 - v0 - 1), flat_g * inside)
+        pad = node.attrs.get("padding_idx")
+        if pad is not None and v0 <= pad < v1:
+            out[pad - v0].zero_()
         return [out]
+
+    def describe(self, node):
+        pad = node.attrs.get("padding_idx")
+        return "" if pad is None else f"padding_idx={pad}"
 
 
 EMBEDDING, EMBEDDING_GRAD = Embedding(), EmbeddingGrad()
 
 
-def embedding(ids: Tensor, table: Tensor) -> Tensor:
+def embedding(ids: Tensor, table: Tensor, padding_idx: int | None = None) -> Tensor:
+    """table[ids]; the row `padding_idx` (if given) gets no gradient from this lookup."""
     if ids.dtype not in (torch.int64, torch.int32):
         raise ShapeError(f"embedding: ids {ids.name} must be an integer tensor, got {ids.dtype}")
     if table.ndim != 2:
         raise ShapeError(f"embedding: table {table.name} must be [vocab, hidden], got {format_shape(table.shape)}")
-    return make(EMBEDDING, [ids, table], [(tuple(ids.shape) + (table.shape[1],), table.dtype)]).output
+    if padding_idx is not None and (not isinstance(padding_idx, int) or isinstance(padding_idx, bool)
+                                    or not 0 <= padding_idx < table.shape[0]):
+        raise ShapeError(f"embedding: padding_idx {padding_idx!r} is not a row of table {table.name} "
+                         f"({format_shape(table.shape)})")
+    attrs = None if padding_idx is None else {"padding_idx": padding_idx}
+    return make(EMBEDDING, [ids, table], [(tuple(ids.shape) + (table.shape[1],), table.dtype)], attrs=attrs).output
 
 
 # ---------------------------------------------------------------- fused local ops with autograd

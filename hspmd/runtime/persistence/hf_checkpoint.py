@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from hspmd.annotations import box_shape
 from hspmd.errors import CheckpointError, HSPMDError, ShapeError
-from hspmd.models.hf_llama import HFName, hf_config, hf_names, read_hf_config
+from hspmd.models.hf_llama import HFName, config_from_hf, hf_config, hf_names, read_hf_config, read_hf_config_json
 from hspmd.models.llama import LlamaConfig
 from hspmd.runtime.persistence.checkpoint import CheckpointReader
 from hspmd.runtime.persistence.sharded_checkpoint import is_sharded_checkpoint
@@ -139,8 +139,9 @@ def hf_state_dict(tensors: Mapping[str, torch.Tensor], config: LlamaConfig,
 
 
 def export_hf(tensors: Mapping[str, torch.Tensor], config: LlamaConfig, directory: str | os.PathLike,
-              dtype: torch.dtype | None = None) -> str:
-    """Write config.json and model.safetensors for LlamaForCausalLM.from_pretrained(directory)."""
+              dtype: torch.dtype | None = None, original: Mapping | None = None) -> str:
+    """Write config.json and model.safetensors for LlamaForCausalLM.from_pretrained(directory);
+    `original` (the model's own config.json) keeps every field hspmd does not determine."""
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     state = hf_state_dict(tensors, config, dtype)
@@ -149,7 +150,7 @@ def export_hf(tensors: Mapping[str, torch.Tensor], config: LlamaConfig, director
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(directory, WEIGHTS_FILE))
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config(config, dtype_name), f, indent=2, sort_keys=True)
+        json.dump(hf_config(config, dtype_name, original), f, indent=2, sort_keys=True)
     return directory
 
 
@@ -171,10 +172,11 @@ def export_checkpoint(path: str | os.PathLike, directory: str | os.PathLike, con
     if not os.path.isfile(os.path.join(where, "config.json")):
         raise HSPMDError(f"no config.json beside {path} (in {where}): pass the model's config with --config "
                          f"(examples/llama/train.py writes one next to its checkpoint)")
-    model = read_hf_config(where)
+    original = read_hf_config_json(where)
+    model = config_from_hf(original)
     shapes = model.parameter_shapes()
     tensors = {name: reader(name, tuple((0, s) for s in shape), shape) for name, shape in shapes.items()}
-    return export_hf(tensors, model, directory, dtype)
+    return export_hf(tensors, model, directory, dtype, original)
 
 
 __all__ = ["HFCheckpoint", "export_checkpoint", "export_hf", "hf_state_dict"]
