@@ -144,3 +144,14 @@ def test_a_sharded_checkpoint_saves_and_loads_on_the_stand_in_device_without_mak
         sharded_checkpoint.consolidate(tmp_path / "ckpt", tmp_path / "whole.safetensors")
     with pytest.raises(HSPMDError, match="save_sharded"):
         job.world.run(lambda b: job.trainers[b.rank].save_checkpoint(tmp_path / "whole.safetensors"))
+
+
+def test_unshard_makes_the_whole_tensor_where_the_pieces_are():
+    """A whole tensor gathered from pieces on a device (a GPU; here `meta`) is made on that device:
+    adding device pieces into a CPU tensor failed (found by `make gpu-check` gathering a GPU
+    trainer's state dict)."""
+    from hspmd.annotations.reference import shard, unshard
+
+    pieces = shard(torch.arange(8.0).reshape(4, 2), "S0:2@[0,2]")
+    whole = unshard({d: t.to("meta") for d, t in pieces.items()}, "S0:2@[0,2]")
+    assert whole.device.type == "meta" and tuple(whole.shape) == (4, 2)

@@ -128,10 +128,11 @@ def unshard(
     shape = check_shape(ann, shape, "unshard")
     pieces = device_pieces(ann, shape, ratios)
     regions = subgroup_regions(ann, shape, ratios)
+    on = next(iter(locals_.values())).device  # the whole tensor is made where the pieces are (a GPU's too)
     values = []
     for k, (sub, region) in enumerate(zip(ann.subgroups, regions)):
         seen: dict[tuple, int] = {}
-        value = torch.zeros([b - a for a, b in region], dtype=dtype)
+        value = torch.zeros([b - a for a, b in region], dtype=dtype, device=on)
         for device in sub.dg:
             piece, local = pieces[device], locals_[device]
             if tuple(local.shape) != tuple(piece.shape):
