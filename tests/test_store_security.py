@@ -99,8 +99,10 @@ def test_ranks_need_the_secret_from_the_environment(monkeypatch):
 def test_wire_formats_round_trip_and_refuse_anything_else():
     assert decode_groups(encode_groups([(0, 1), (2, 3, 5)]), 6, "rank 0") == [(0, 1), (2, 3, 5)]
     assert decode_groups(b"", 4, "rank 0") == []
-    uid = tuple(range(-64, 64))
-    assert decode_unique_id(encode_unique_id(uid), "rank 0") == uid
+    for uid in (tuple(range(-64, 64)), tuple(range(128, 256))):  # cupy's signed and (newer) unsigned chars
+        assert decode_unique_id(encode_unique_id(uid), "rank 0") == uid
+    with pytest.raises(CommunicationError):
+        encode_unique_id((-1,) + (200,) * 127)
     for bad in (b"\x80\x04\x95", b"0-1;cos\nsystem", b"0-0", b"0-9", b"0--1", "٢".encode()):
         with pytest.raises(CommunicationError):
             decode_groups(bad, 4, "rank 1")
