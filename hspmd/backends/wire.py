@@ -43,25 +43,25 @@ def decode_groups(data: bytes, world_size: int, sender: object) -> list[tuple[in
     return groups
 
 
-def encode_unique_id(unique_id: Sequence[int]) -> bytes:
-    """cupy's NCCL unique id as a sign byte and 128 raw bytes. cupy gives the id as 128 chars,
-    signed (-128..127) in older releases and unsigned (0..255) in newer ones; the sign byte
-    (`-` signed, `+` unsigned) lets every rank hand its NcclCommunicator the form it was made in."""
+def encode_unique_id(unique_id: Sequence[int] | bytes) -> bytes:
+    """cupy's NCCL unique id as a form byte and 128 raw bytes. cupy gives the id as a tuple of 128
+    signed chars in older releases and as 128 bytes in newer ones (and its NcclCommunicator takes
+    the same form back); the form byte (`-` signed chars, `+` bytes) lets every rank rebuild it."""
     if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
         raise CommunicationError(f"an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
-    signed = any(v < 0 for v in unique_id)
+    signed = not isinstance(unique_id, bytes) and any(v < 0 for v in unique_id)
     low, high = (-128, 127) if signed else (0, 255)
     if not all(low <= v <= high for v in unique_id):
         raise CommunicationError(f"an NCCL unique id holds chars outside {low}..{high}: {min(unique_id)}..{max(unique_id)}")
     return (b"-" if signed else b"+") + bytes(v & 0xFF for v in unique_id)
 
 
-def decode_unique_id(data: bytes, sender: object) -> tuple[int, ...]:
+def decode_unique_id(data: bytes, sender: object) -> tuple[int, ...] | bytes:
     if len(data) != NCCL_UNIQUE_ID_BYTES + 1 or data[:1] not in (b"-", b"+"):
         raise CommunicationError(
             f"NCCL unique id from {sender} is not a sign byte and {NCCL_UNIQUE_ID_BYTES} bytes ({len(data)} bytes); refusing it")
     raw = bytes(data[1:])
-    return struct.unpack(f"{NCCL_UNIQUE_ID_BYTES}b", raw) if data[:1] == b"-" else tuple(raw)
+    return struct.unpack(f"{NCCL_UNIQUE_ID_BYTES}b", raw) if data[:1] == b"-" else raw
 
 
 __all__ = ["NCCL_UNIQUE_ID_BYTES", "decode_groups", "decode_unique_id", "encode_groups", "encode_unique_id"]
