@@ -22,6 +22,8 @@ commands:
   demo                                                  the main job (heterogeneous multi-process training)
   checkpoint export-hf CHECKPOINT DIR [--config PATH]   a Llama checkpoint as a Hugging Face directory
   checkpoint inspect DIR | consolidate DIR OUT           sharded checkpoints: contents, or one plain file
+  data prepare INPUT... --out PREFIX [--tokenizer DIR]  tokenize text into memory-mapped token files
+  data inspect PREFIX [--verify]                        what a prepared dataset holds
   simulate STRATEGY [--cluster C] [--model M] [--png F] simulate one step: per-rank compute/comm/idle, memory
   show STRATEGY|TRACE [--trace T] [--png F]             strategy map, simulated and measured timelines
   calibrate [--out calibration.json]                    fit the cost model to this machine
@@ -51,6 +53,12 @@ def _checkpoint(rest: list[str]) -> int:
     from hspmd.runtime.persistence.checkpoint_tool import main as checkpoint_main
 
     return checkpoint_main(rest)
+
+
+def _data(rest: list[str]) -> int:
+    from hspmd.runtime.data.tool import main as data_main
+
+    return data_main(rest)
 
 
 def _demo(rest: list[str]) -> int:
@@ -92,6 +100,7 @@ COMMANDS = {
     "explain": _explain,
     "run": _run,
     "checkpoint": _checkpoint,
+    "data": _data,
     "demo": _demo,
     "plan": _plan,
     "compile": _programs_command("compile"),
