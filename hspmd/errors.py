@@ -80,6 +80,18 @@ class ClusterError(HSPMDError):
     """A cluster or model description (ClusterSpec, ModelSpec, their files) is invalid; the message names the key."""
 
 
+class DeviceOutOfMemory(HSPMDError):
+    """A rank's live tensors would exceed its device's memory: what a GPU's out-of-memory is, raised by an
+    emulated device type (hspmd.runtime.execution.emulation) before the value is stored. Carries the rank,
+    the device type, the bytes it would hold and its capacity."""
+
+    def __init__(self, rank: int, device_type: str, needed: int, capacity: float, where: str = ""):
+        self.rank, self.device_type, self.needed, self.capacity = rank, device_type, needed, capacity
+        at = f" at {where}" if where else ""
+        super().__init__(f"rank {rank} ({device_type}): out of device memory{at}: {needed:,} bytes live, "
+                         f"capacity {int(capacity):,} bytes (emulated {device_type} memory)")
+
+
 class ClusterTypeError(ClusterError, HSPMDTypeError):
     """A cluster was given as something other than a ClusterSpec, preset name, size text or file."""
 

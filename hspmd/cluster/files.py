@@ -13,6 +13,8 @@
     inter: ib                   # or {east: ib, west: roce}; "*" = every site
     cross: ib                   # link between sites (needed when there are several)
     pairs: [{devices: [0, 9], link: ib}]
+    emulate: {reference: A100, memory_scale: 1.0e-6}   # optional: emulate it on this host
+                                                       # (hspmd.cluster.emulation)
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from typing import Mapping
 
 import yaml
 
+from hspmd.cluster.emulation import Emulation
 from hspmd.cluster.spec import Bucket, ClusterSpec, DeviceType, LinkClass, Node
 from hspmd.errors import ClusterError
 from hspmd.limits import MAX_DEVICES, brief, check_limit
 
-TOP_KEYS = ("name", "device_types", "links", "nodes", "intra", "inter", "cross", "pairs")
+TOP_KEYS = ("name", "device_types", "links", "nodes", "intra", "inter", "cross", "pairs", "emulate")
 
 
 def _mapping(value: object, key: str) -> Mapping:
@@ -140,9 +143,11 @@ def cluster_from_dict(data: object) -> ClusterSpec:
             raise ClusterError(f"cluster file: {key}.devices must be two device ids, got {devices!r}")
         pairs.append(((devices[0], devices[1]), str(_required(p, "link", key))))
     cross = data.get("cross")
+    emulation = None if data.get("emulate") is None else _wrap("emulate", lambda: Emulation.from_dict(data["emulate"]))
     return _wrap("the top level", lambda: ClusterSpec(
         tuple(_nodes(_required(data, "nodes", "cluster"))), tuple(types), tuple(links), tuple(intra.items()),
-        tuple(inter.items()), None if cross is None else str(cross), tuple(pairs), str(data.get("name", "") or "")))
+        tuple(inter.items()), None if cross is None else str(cross), tuple(pairs), str(data.get("name", "") or ""),
+        emulation))
 
 
 def cluster_to_dict(cluster: ClusterSpec) -> dict:
@@ -168,6 +173,8 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict:
         out["cross"] = cluster.cross
     if cluster.pairs:
         out["pairs"] = [{"devices": list(p), "link": l} for p, l in cluster.pairs]
+    if cluster.emulation is not None:
+        out["emulate"] = cluster.emulation.to_dict()
     return out
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from itertools import chain, repeat
 from typing import Iterable, Mapping
 
+from hspmd.cluster.emulation import Emulation, check_emulation, slowdown_of
 from hspmd.errors import ClusterError
 from hspmd.limits import MAX_DEVICES, check_limit
 
@@ -173,7 +174,8 @@ class Node:
 class ClusterSpec:
     """Devices 0..N-1 in `nodes`; `links` are the named link classes; `intra` maps device type ->
     link name, `inter` site -> link name ("*" for every site), `cross` names the cross-site link,
-    `pairs` overrides the link of specific unordered device pairs."""
+    `pairs` overrides the link of specific unordered device pairs; `emulation`, when given, says
+    how a run on this one host emulates the cluster (hspmd.cluster.emulation)."""
 
     nodes: tuple[Node, ...]
     device_types: tuple[DeviceType, ...]
@@ -183,6 +185,7 @@ class ClusterSpec:
     cross: str | None = None
     pairs: tuple[tuple[tuple[int, int], str], ...] = ()
     name: str = ""
+    emulation: Emulation | None = None
     _node_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _types: dict = field(init=False, repr=False, compare=False)
     _links: dict = field(init=False, repr=False, compare=False)
@@ -247,6 +250,10 @@ class ClusterSpec:
         for (a, b), l in pairs:
             self.check_devices((a, b), "a pair override")
             known_link(l, f"pairs ({a}, {b})")
+        if self.emulation is not None:
+            if not isinstance(self.emulation, Emulation):
+                raise ClusterError(f"cluster {self.name!r}: emulation must be an Emulation, got {self.emulation!r}")
+            check_emulation(self.emulation, types, self.name)
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -344,13 +351,31 @@ class ClusterSpec:
         """Time of one message of `nbytes` from a to b."""
         return 0.0 if a == b else self.link(a, b).seconds(nbytes)
 
+    def slowdown(self, device: int) -> float:
+        """How many times slower than this host `device` runs under the cluster's emulation (1 without one)."""
+        if self.emulation is None:
+            return 1.0
+        return slowdown_of(self.emulation, self._types, self.device_type(device).name, self.name)
+
+    def emulated_memory(self, device: int) -> float | None:
+        """Host bytes `device` may hold under the cluster's emulation (its type's capacity x memory_scale),
+        or None where memory is not emulated."""
+        if self.emulation is None or self.emulation.memory_scale is None:
+            return None
+        return self.device_type(device).hbm_capacity * self.emulation.memory_scale
+
+    def with_emulation(self, emulation: Emulation | None) -> "ClusterSpec":
+        """The same cluster, emulated on this host as `emulation` says (None: not emulated)."""
+        return ClusterSpec(self.nodes, self.device_types, self.links, self.intra, self.inter, self.cross, self.pairs,
+                           self.name, emulation)
+
     def with_pairs(self, pairs: Mapping[tuple[int, int], LinkClass]) -> "ClusterSpec":
         """The same cluster with some device pairs on their own link class."""
         links = dict(self._links)
         for link in pairs.values():
             links.setdefault(link.name, link)
         return ClusterSpec(self.nodes, self.device_types, tuple(links.values()), self.intra, self.inter, self.cross,
-                           self.pairs + tuple((p, l.name) for p, l in pairs.items()), self.name)
+                           self.pairs + tuple((p, l.name) for p, l in pairs.items()), self.name, self.emulation)
 
     def describe(self) -> str:
         if self.name:
@@ -372,6 +397,12 @@ class ClusterSpec:
             start += n.devices
         for l in self.links:
             lines.append(f"  link {l.name}: {l.bandwidth / 1e9:g} GB/s, {l.latency * 1e6:g} us" + (", shared" if l.shared else ""))
+        if self.emulation is not None:
+            e = self.emulation
+            slow = ", ".join(f"{t.name} x{slowdown_of(e, self._types, t.name, self.name):.3g}" for t in self.device_types)
+            memory = "not emulated" if e.memory_scale is None else f"capacity x {e.memory_scale:g}"
+            lines.append(f"  emulated on this host as {e.reference}: compute {slow}; memory {memory}; "
+                         f"links between nodes {'emulated' if e.links else 'not emulated'}")
         return "\n".join(lines)
 
 

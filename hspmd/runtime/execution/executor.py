@@ -41,6 +41,7 @@ class NonBlockingSends(Backend):
     def __init__(self, inner: Backend):
         self.inner, self.rank, self.world_size, self.device = inner, inner.rank, inner.world_size, inner.device
         self.overlaps_collectives = inner.overlaps_collectives
+        self.emulator = getattr(inner, "emulator", None)  # an emulated device's (runtime.execution.emulation)
         self._post = getattr(inner, "post_sends", None)
         self._pending: list[tuple[object, object, int]] = []  # (tag, handle, bytes)
         self.tag: object = None  # what the sends posted now belong to (run_schedule: the action)

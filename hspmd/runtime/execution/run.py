@@ -17,6 +17,7 @@ stage recomputes, so they stay matched) but never a transfer to or from another 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Mapping, Sequence
 
 import torch
@@ -31,6 +32,7 @@ from hspmd.backends.plan_executor import execute_plan
 from hspmd.specialize import comm_plans
 from hspmd.specialize.executable import ExecutableGraph, Instruction
 from hspmd.runtime.execution.buckets import BucketSync, write_gradient
+from hspmd.runtime.execution.emulation import emulation_of
 
 
 @dataclass
@@ -118,9 +120,11 @@ def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Back
 
 
 def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> None:
+    emulator = emulation_of(backend)  # an emulated device type (runtime.execution.emulation), or None
     for ins in program:
         node = ins.node
         kind = node.kind
+        started = perf_counter() if emulator is not None else 0.0
         if kind == "placeholder":
             if feeds is None or node.name not in feeds:
                 raise HSPMDError(f"device {exe.device}: no value fed for placeholder {node.name}")
@@ -131,6 +135,8 @@ def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> 
                                  f"its piece under {exe.deduced[node.output]} is {expected}")
             env[node.output.id] = value
         elif kind in ("parameter", "state"):
+            if emulator is not None and emulator.capacity is not None:
+                emulator.hold((state.leaves[node.name],), node.name)
             env[node.output.id] = state.leaves[node.name]
         elif kind == "assign":
             target, value = node.inputs
@@ -141,6 +147,8 @@ def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> 
                 out = local
             else:
                 out = execute_plan(exe.plan(node, binding), backend, local, node.attrs.get("reduce", "sum"))
+                if emulator is not None and emulator.capacity is not None and out is not None:
+                    emulator.hold((out,), node.name)
             if out is not None:
                 env[node.output.id] = out
         else:
@@ -150,10 +158,14 @@ def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> 
                 t = node.outputs[0]
                 write_gradient(node.opdef, node, _OpContext(exe, node, binding, state.step), inputs, target,
                                state.accum.pop(t.id, None))
+                if emulator is not None:
+                    emulator.computed(perf_counter() - started, (target,), node.name)
                 env[t.id] = target
                 buckets.written(t.id, backend)
                 continue
             outs = node.opdef.compute(node, _OpContext(exe, node, binding, state.step), inputs)
+            if emulator is not None:  # waits the slower type's extra time; refuses what its memory cannot hold
+                emulator.computed(perf_counter() - started, outs, node.name)
             for t, v in zip(node.outputs, outs):
                 env[t.id] = v
 

@@ -1,0 +1,409 @@
+"""Running as an emulated device type on this host: compute slowdown, device memory, slow links.
+
+A cluster with an `emulate` block (hspmd.cluster.emulation) makes each rank the device its id has
+there, this host standing for the block's reference type. `emulated(backend, cluster)` wraps a
+rank's backend in an `EmulatedBackend` carrying that rank's `RankEmulator`; without a block it
+returns the backend unchanged, so emulation is off unless a cluster file asks for it.
+
+    compute   after each compute op (run.py's op loop calls `RankEmulator.computed`), a rank whose
+              type is s times slower than the reference owes (s - 1) x the op's measured seconds.
+              The debt is waited off with time.sleep (not a busy loop: the host's cores stay free
+              for the other ranks) once it reaches WAIT_CHUNK_S, and always before the rank
+              communicates, so what it sends leaves when it would have on the slower device;
+              oversleeping is carried as credit against the next debt.
+    memory    op outputs, received pieces and leaves are counted by storage while they live; a
+              value that would take the rank over its type's hbm_capacity x memory_scale raises
+              DeviceOutOfMemory (rank, type, bytes) before it is stored, as a GPU's allocator
+              refuses before a kernel writes. Liveness is checked by sweeping the storages' weak
+              references when the running count passes the capacity and every SWEEP_EVERY values
+              (so `peak_bytes` is sampled, not exact).
+    links     a message between devices on different nodes carries no extra bytes: its sender
+              stamps the wall time it leaves into a board shared by the job's ranks (a file mapped
+              by every process of this host), and the receiver, once it has the message, waits
+              until stamp + the link class's alpha + bytes / beta (the host's own transfer counts
+              towards that). A collective whose group spans nodes waits, after it returns, its
+              ring time on the cluster's links less its ring time on `host_link`.
+
+Not emulated: kernel classes at different ratios (one slowdown per type), shared-pipe contention,
+overlap of a slower device's compute with its own transfers beyond what non-blocking sends give,
+and the update phase's memory is checked op by op (an update over capacity stops between ops).
+Emulated waits are counted apart from real work (`EmulationStats`) and recorded in a Tracer under
+the category "emulated".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from hspmd.backends.backend import Backend, Group, Pending, Shape
+from hspmd.cluster import ClusterSpec, LinkClass
+from hspmd.errors import DeviceOutOfMemory, HSPMDError
+from hspmd.planning.cost import ring_time
+from hspmd.runtime.execution.trace import Tracer
+
+WAIT_CHUNK_S = 1e-3  # compute debt is slept off in pieces at least this long (time.sleep's own cost is ~60 us)
+SWEEP_EVERY = 32  # values counted between liveness sweeps of the memory table
+BOARD_SLOTS = 1024  # stamps per ordered rank pair kept at once (a sender may be this many messages ahead)
+
+
+class EmulationError(HSPMDError):
+    """Emulation cannot be set up or lost track of a message's stamp (names the ranks)."""
+
+
+@dataclass(frozen=True)
+class EmulationStats:
+    """What emulation added on one rank: seconds waited for compute (slower type) and links, the
+    ops slowed, and the sampled peak of live bytes against the capacity (None: not emulated)."""
+
+    rank: int
+    device_type: str
+    slowdown: float
+    compute_wait_s: float
+    link_wait_s: float
+    ops: int
+    peak_bytes: int
+    capacity: float | None
+
+    def as_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+class RankEmulator:
+    """One rank's emulated device: compute debt, memory table, and the tracer its waits go to."""
+
+    def __init__(self, rank: int, device_type: str, slowdown: float, capacity: float | None = None,
+                 tracer: Tracer | None = None):
+        self.rank, self.device_type, self.slowdown, self.capacity = rank, device_type, slowdown, capacity
+        self.tracer = tracer
+        self._debt = 0.0
+        self.compute_wait_s = 0.0
+        self.link_wait_s = 0.0
+        self.ops = 0
+        self._storages: dict[StorageWeakRef, int] = {}
+        self._counted = 0
+        self._since_sweep = 0
+        self.peak_bytes = 0
+
+    # ---- compute ---------------------------------------------------------------------------------
+
+    def computed(self, seconds: float, outputs: Iterable[object], where: str = "") -> None:
+        """After one op that took `seconds` on this host: count its outputs against the device's
+        memory (raising DeviceOutOfMemory before the caller stores them) and owe the slowdown."""
+        if self.capacity is not None:
+            self.hold(outputs, where)
+        if self.slowdown > 1.0:
+            self.ops += 1
+            self._debt += (self.slowdown - 1.0) * seconds
+            if self._debt >= WAIT_CHUNK_S:
+                self.settle()
+
+    def settle(self) -> None:
+        """Wait off the compute debt (called before every communication and in chunks)."""
+        if self._debt <= 0:
+            return
+        self._sleep(self._debt, "emulated compute")
+
+    def _sleep(self, seconds: float, name: str) -> None:
+        start = time.perf_counter()
+        began_us = self.tracer.now_us() if self.tracer is not None else 0.0
+        time.sleep(seconds)
+        slept = time.perf_counter() - start
+        if name == "emulated compute":
+            self._debt -= slept  # oversleeping is credit against the next ops' debt
+            self.compute_wait_s += slept
+        else:
+            self.link_wait_s += slept
+        if self.tracer is not None:
+            self.tracer.events.append({"name": name, "cat": "emulated", "ph": "X", "ts": began_us, "dur": slept * 1e6,
+                                       "pid": self.rank, "tid": 0})
+
+    def wait_until(self, deadline: float) -> None:
+        """Wait (link emulation) until wall time `deadline` (time.time() seconds)."""
+        remaining = deadline - time.time()
+        if remaining > 0:
+            self._sleep(remaining, "emulated link")
+
+    def wait_link(self, seconds: float) -> None:
+        if seconds > 0:
+            self._sleep(seconds, "emulated link")
+
+    # ---- memory ----------------------------------------------------------------------------------
+
+    def hold(self, values: Iterable[object], where: str = "") -> None:
+        """Count `values`' storages as live on this device; raise DeviceOutOfMemory if they do not fit."""
+        new: list[tuple[StorageWeakRef, int]] = []
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                storage = v.untyped_storage()
+                ref = StorageWeakRef(storage)
+                if ref not in self._storages:
+                    new.append((ref, storage.nbytes()))
+        if not new:
+            return
+        adding = sum(n for _, n in new)
+        self._since_sweep += len(new)
+        if self._counted + adding > self.capacity or self._since_sweep >= SWEEP_EVERY:
+            self._sweep()
+            if self._counted + adding > self.capacity:
+                raise DeviceOutOfMemory(self.rank, self.device_type, self._counted + adding, self.capacity, where)
+        for ref, n in new:
+            self._storages[ref] = n
+        self._counted += adding
+
+    def _sweep(self) -> None:
+        for ref in [r for r in self._storages if r.expired()]:
+            del self._storages[ref]
+        self._counted = sum(self._storages.values())
+        self._since_sweep = 0
+        self.peak_bytes = max(self.peak_bytes, self._counted)
+
+    @property
+    def live_bytes(self) -> int:
+        self._sweep()
+        return self._counted
+
+    def stats(self) -> EmulationStats:
+        if self.capacity is not None:
+            self._sweep()
+        return EmulationStats(self.rank, self.device_type, self.slowdown, self.compute_wait_s, self.link_wait_s,
+                              self.ops, self.peak_bytes, self.capacity)
+
+
+class StampBoard:
+    """Per ordered rank pair, the wall time each message left, in a float64 tensor every rank of
+    the job maps (a file of this host, or one tensor shared by the in-process ranks). Slot k % SLOTS
+    of (src, dst) holds (k + 1, time) of src's k-th stamped message to dst."""
+
+    def __init__(self, table: torch.Tensor, rank: int):
+        self.table, self.rank = table, rank
+        world = table.shape[0]
+        self._sent = [0] * world
+        self._got = [0] * world
+
+    @staticmethod
+    def shape(world: int) -> tuple[int, int, int, int]:
+        return (world, world, BOARD_SLOTS, 2)
+
+    def stamp(self, peer: int, when: float) -> None:
+        k = self._sent[peer]
+        self._sent[peer] = k + 1
+        self.table[self.rank, peer, k % BOARD_SLOTS, 1] = when
+        self.table[self.rank, peer, k % BOARD_SLOTS, 0] = k + 1
+
+    def left_at(self, peer: int) -> float:
+        """When the next message from `peer` (already received) left it."""
+        k = self._got[peer]
+        self._got[peer] = k + 1
+        seq, when = self.table[peer, self.rank, k % BOARD_SLOTS].tolist()
+        if int(seq) != k + 1:
+            raise EmulationError(f"rank {self.rank}: link emulation expected the stamp of message {k + 1} from rank "
+                                 f"{peer}, found {int(seq)} (a sender ran more than {BOARD_SLOTS} messages ahead)")
+        return when
+
+
+def shared_board(backend: Backend) -> torch.Tensor:
+    """The job's stamp table, mapped from one file of this host: rank 0 makes it and sends its
+    name; every rank maps it; rank 0 removes the name once all have (the mappings stay)."""
+    world = backend.world_size
+    size = math.prod(StampBoard.shape(world))
+    everyone = tuple(range(world))
+    name = torch.zeros(256, dtype=torch.uint8)
+    if backend.rank == 0:
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="hspmd-emulation-", dir=where)
+        os.ftruncate(fd, size * 8)
+        os.close(fd)
+        encoded = path.encode()
+        if len(encoded) > 255:
+            raise EmulationError(f"emulation board path too long: {path}")
+        name[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    if world > 1:
+        name = backend.broadcast(name, 0, everyone)
+    path = bytes(name[name != 0].tolist()).decode()
+    table = torch.from_file(path, shared=True, size=size, dtype=torch.float64).view(StampBoard.shape(world))
+    if world > 1:
+        backend.barrier(everyone)
+    if backend.rank == 0:
+        os.unlink(path)
+    return table
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Emulated:
+    """A started all-reduce whose wait() also waits what the emulated links add."""
+
+    def __init__(self, pending: Pending, emulator: RankEmulator, extra: float):
+        self.pending, self.emulator, self.extra = pending, emulator, extra
+
+    def wait(self) -> torch.Tensor:
+        out = self.pending.wait()
+        self.emulator.wait_link(self.extra)
+        self.extra = 0.0
+        return out
+
+
+class EmulatedBackend(Backend):
+    """A rank's backend as its emulated device: every call first settles the rank's compute debt;
+    messages and collectives between nodes then take their emulated link time (module docstring).
+    Same bytes, same results: only waits are added."""
+
+    def __init__(self, inner: Backend, cluster: ClusterSpec, emulator: RankEmulator, board: StampBoard | None):
+        self.inner, self.cluster, self.emulator, self.board = inner, cluster, emulator, board
+        self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
+        self.overlaps_collectives = inner.overlaps_collectives
+        self.job = inner.job
+        self._links = cluster.emulation is not None and cluster.emulation.links
+        host = cluster.emulation.host_link if cluster.emulation is not None else None
+        self._host = None if host is None else LinkClass("host", host[1], host[0])
+        if hasattr(inner, "post_sends"):
+            self.post_sends = self._post_sends
+
+    def __getattr__(self, name: str):  # shutdown, world, ...: the inner backend's
+        if name in ("inner", "post_sends"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # ---- messages --------------------------------------------------------------------------------
+
+    def _emulated_peer(self, peer: int) -> bool:
+        return self._links and peer != self.rank and self.cluster.node_of(peer) != self.cluster.node_of(self.rank)
+
+    def _stamp(self, sends: Mapping[int, torch.Tensor]) -> None:
+        self.emulator.settle()
+        now = time.time()
+        for peer in sends:
+            if self._emulated_peer(peer):
+                self.board.stamp(peer, now)
+
+    def _arrive(self, got: Mapping[int, torch.Tensor]) -> None:
+        deadline = 0.0
+        for peer, t in got.items():
+            if self._emulated_peer(peer):
+                left = self.board.left_at(peer)
+                deadline = max(deadline, left + self.cluster.link(peer, self.rank).seconds(_nbytes((t,))))
+        if deadline:
+            self.emulator.wait_until(deadline)
+
+    def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, tuple[Shape, torch.dtype]]) -> dict[int, torch.Tensor]:
+        self._stamp(sends)
+        got = self.inner.exchange(sends, recvs)
+        self._arrive(got)
+        return got
+
+    def exchange_into(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        self._stamp(sends)
+        self.inner.exchange_into(sends, recvs)
+        self._arrive(recvs)
+
+    def _post_sends(self, sends: Mapping[int, torch.Tensor]):
+        self._stamp(sends)
+        return self.inner.post_sends(sends)
+
+    # ---- collectives -----------------------------------------------------------------------------
+
+    def _extra(self, kind: str, nbytes: int, group: Group) -> float:
+        """What the group's links add over this host's own transfer for one collective."""
+        if not self._links or len(group) < 2 or len({self.cluster.node_of(d) for d in group}) < 2:
+            return 0.0
+        edges = [self.cluster.link(a, group[(i + 1) % len(group)]) for i, a in enumerate(group)]
+        modelled = ring_time(kind, nbytes, edges, nbytes / len(group))
+        host = ring_time(kind, nbytes, [self._host] * len(group), nbytes / len(group)) if self._host else 0.0
+        return max(0.0, modelled - host)
+
+    def _collective(self, kind: str, nbytes: int, group: Group, call):
+        self.emulator.settle()
+        out = call()
+        self.emulator.wait_link(self._extra(kind, nbytes, group))
+        return out
+
+    def prepare_groups(self, groups: Iterable[Group]) -> None:
+        self.inner.prepare_groups(groups)
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        return self._collective("all_reduce", _nbytes((tensor,)), group, lambda: self.inner.all_reduce(tensor, group))
+
+    def all_reduce_start(self, tensor: torch.Tensor, group: Group) -> Pending:
+        self.emulator.settle()
+        return _Emulated(self.inner.all_reduce_start(tensor, group), self.emulator,
+                         self._extra("all_reduce", _nbytes((tensor,)), group))
+
+    def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
+        nbytes = sum(math.prod(s) for s in shapes) * tensor.element_size()
+        return self._collective("all_gather", nbytes, group, lambda: self.inner.all_gather(tensor, group, shapes))
+
+    def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
+        return self._collective("reduce_scatter", _nbytes(parts), group, lambda: self.inner.reduce_scatter(parts, group))
+
+    def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor, op: str = "sum") -> None:
+        self._collective("all_reduce", _nbytes((tensor,)), group, lambda: self.inner.all_reduce_into(tensor, group, out, op))
+
+    def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
+        self._collective("all_gather", _nbytes(outs), group, lambda: self.inner.all_gather_into(tensor, group, outs))
+
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
+        self._collective("reduce_scatter", _nbytes(parts), group, lambda: self.inner.reduce_scatter_into(parts, group, out))
+
+    def barrier(self, group: Group) -> None:
+        self.emulator.settle()
+        self.inner.barrier(group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+        return self._collective("all_gather", _nbytes((tensor,)), group, lambda: self.inner.broadcast(tensor, src, group))
+
+
+def emulator_for(cluster: ClusterSpec, rank: int, tracer: Tracer | None = None) -> RankEmulator:
+    """Rank `rank`'s emulated device on `cluster` (which must carry an emulation)."""
+    if cluster.emulation is None:
+        raise EmulationError(f"cluster {cluster.describe()} has no emulate block")
+    cluster.check_devices((rank,), "an emulated rank")
+    return RankEmulator(rank, cluster.device_type(rank).name, cluster.slowdown(rank), cluster.emulated_memory(rank), tracer)
+
+
+def emulated(backend: Backend, cluster: ClusterSpec | None, board: torch.Tensor | None = None) -> Backend:
+    """`backend` as rank `backend.rank` of `cluster` emulated on this host, or `backend` itself when
+    the cluster asks for no emulation. Collective over the job when links are emulated (the ranks
+    share one stamp board: `board`, else a file of this host made here). The cluster must have a
+    device for every rank."""
+    if cluster is None or cluster.emulation is None:
+        return backend
+    if cluster.n_devices < backend.world_size:
+        raise EmulationError(f"cluster {cluster.describe()} has {cluster.n_devices} devices but the job has "
+                             f"{backend.world_size} ranks: give a cluster with a device for every rank")
+    stamps = None
+    if cluster.emulation.links and len(cluster.nodes) > 1:
+        table = shared_board(backend) if board is None else board
+        stamps = StampBoard(table, backend.rank)
+    return EmulatedBackend(backend, cluster, emulator_for(cluster, backend.rank), stamps)
+
+
+def emulation_of(backend: Backend) -> RankEmulator | None:
+    """The backend's emulated device, or None (what run.py's op loop asks)."""
+    return getattr(backend, "emulator", None)
+
+
+CLUSTER_ENV = "HSPMD_CLUSTER"
+
+
+def cluster_from_env() -> ClusterSpec | None:
+    """The cluster `hspmd run --cluster C` gave the job (HSPMD_CLUSTER), or None."""
+    from hspmd.cluster import parse_cluster
+
+    text = os.environ.get(CLUSTER_ENV)
+    return parse_cluster(text) if text else None
+
+
+__all__ = [
+    "CLUSTER_ENV", "EmulatedBackend", "EmulationError", "EmulationStats", "RankEmulator", "StampBoard",
+    "cluster_from_env", "emulated", "emulation_of", "emulator_for", "shared_board",
+]

@@ -1,0 +1,203 @@
+"""Emulated device types on this host: emulation only waits (the same losses, weights and bytes
+as a run without it, equal to one device), a slower type waits and a faster one does not, a
+message between nodes takes its link's time, a stage over its type's memory fails by name before
+any weight changes, and nothing is emulated unless the cluster file asks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hspmd.backends.local import LocalWorld
+from hspmd.cluster import ClusterSpec, cluster_from_dict, cluster_from_yaml, cluster_to_dict
+from hspmd.cluster.emulation import Emulation
+from hspmd.errors import ClusterError, DeviceOutOfMemory, HSPMDError
+from hspmd.models.llama import LlamaConfig, build_llama
+from hspmd.ops import AdamW
+from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.execution.emulation import EmulatedBackend, RankEmulator, emulated
+from hspmd.runtime.execution.trace import Tracer
+from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.training.trainer import Trainer
+from hspmd.specialize.strategy_text import parse_strategy
+
+SEQ, LR = 8, 1e-2
+CONFIG = dict(vocab=32, hidden=16, heads=2, ffn=32)
+# two pipelines, each crossing from the fast node (ranks 0, 1) to the slow one (ranks 2, 3)
+CROSSING = "layers=4 ; 2x2: R0 L0-1 | R2 L2-3 ; 2x2: R1 L0-1 | R3 L2-3"
+
+CLUSTER_YAML = """
+name: two-types
+device_types:
+  fast: {flops: {float32: 10.0e9}, hbm_bandwidth: 10.0e9, hbm_capacity: 1.0e9}
+  slow: {flops: {float32: 4.0e9}, hbm_bandwidth: 4.0e9, hbm_capacity: 1.0e8}
+links:
+  host: {bandwidth: 5.0e9, latency: 1.0e-5}
+  net: {bandwidth: 1.0e8, latency: 2.0e-3}
+nodes:
+  - {type: fast, devices: 2}
+  - {type: slow, devices: 2}
+intra: {fast: host, slow: host}
+inter: net
+"""
+
+
+def two_types(**emulate) -> ClusterSpec:
+    cluster = cluster_from_yaml(CLUSTER_YAML)
+    return cluster.with_emulation(Emulation(**{"reference": "fast", **emulate}) if emulate is not None else None)
+
+
+def batches(steps: int, seed: int = 0):
+    rows = MicroBatchLayout.of(parse_strategy(CROSSING)).global_batch_size
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, CONFIG["vocab"], (rows, SEQ), generator=gen),
+             torch.randint(0, CONFIG["vocab"], (rows, SEQ), generator=gen)) for _ in range(steps)]
+
+
+def make_trainer(backend, text: str = CROSSING) -> Trainer:
+    strategy = parse_strategy(text)
+    model = build_llama(LlamaConfig(layers=strategy.num_layers, **CONFIG), [strategy], optimizer=AdamW(lr=LR))
+    layout = MicroBatchLayout.of(strategy)
+    return Trainer(model.graph, 0, backend, layout, schedule="1f1b", symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
+
+
+def train_rank(backend, cluster, steps: int):
+    """Train on one rank (emulated when the cluster says so): losses, final leaves, the bytes its
+    schedule held (activations and send buffers, measured on the tensors), stats, emulated events."""
+    torch.set_num_threads(1)
+    backend = emulated(backend, cluster)
+    trainer = make_trainer(backend)
+    tracer = Tracer(backend.rank)
+    trainer.tracer = tracer
+    if isinstance(backend, EmulatedBackend):
+        backend.emulator.tracer = tracer
+    losses = [trainer.step({"tokens": x, "labels": y}) for x, y in batches(steps)]
+    leaves = {k: v.clone() for k, v in trainer.state.leaves.items()}
+    held = (trainer.last_run.peak_held_bytes, trainer.last_run.peak_pending_sends, trainer.last_run.peak_in_flight)
+    stats = backend.emulator.stats() if isinstance(backend, EmulatedBackend) else None
+    emulated_events = [e for e in tracer.events if e["cat"] == "emulated"]
+    return losses, leaves, held, stats, emulated_events
+
+
+def test_emulation_is_off_unless_the_cluster_asks():
+    world = LocalWorld(range(4))
+    plain = cluster_from_yaml(CLUSTER_YAML)
+    assert plain.emulation is None and plain.slowdown(3) == 1.0 and plain.emulated_memory(3) is None
+    assert all(emulated(b, plain) is b for b in world.backends.values())
+    assert all(emulated(b, None) is b for b in world.backends.values())
+    got = world.run(lambda b: getattr(make_trainer(b).backend, "emulator", None))
+    assert set(got.values()) == {None}
+
+
+def test_cluster_file_emulation_round_trips_and_names_its_mistakes():
+    cluster = cluster_from_yaml(CLUSTER_YAML + "emulate: {reference: fast, memory_scale: 1.0e-3, "
+                                              "host_link: {bandwidth: 2.0e9, latency: 3.0e-5}}\n")
+    assert cluster.slowdown(0) == 1.0 and cluster.slowdown(2) == pytest.approx(2.5)
+    assert cluster.emulated_memory(0) == pytest.approx(1.0e6) and cluster.emulated_memory(2) == pytest.approx(1.0e5)
+    assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
+    assert "emulated on this host as fast" in cluster.summary()
+    with pytest.raises(ClusterError, match="'slow' is 2.5x faster than the emulation's reference 'slow'|faster than"):
+        cluster_from_yaml(CLUSTER_YAML + "emulate: {reference: slow}\n")
+    with pytest.raises(ClusterError, match="emulate: unknown key.*speed"):
+        cluster_from_yaml(CLUSTER_YAML + "emulate: {reference: fast, speed: 2}\n")
+    with pytest.raises(ClusterError, match="device type 'tpu'"):
+        cluster_from_yaml(CLUSTER_YAML + "emulate: {reference: tpu}\n")
+    with pytest.raises(ClusterError, match="slowdown.slow: must be a number >= 1"):
+        cluster_from_yaml(CLUSTER_YAML + "emulate: {reference: fast, slowdown: {slow: 0.5}}\n")
+
+
+def test_slow_type_waits_its_extra_time_and_the_fast_one_does_not():
+    slow = RankEmulator(0, "slow", 3.0)
+    fast = RankEmulator(1, "fast", 1.0)
+    began = time.perf_counter()
+    for _ in range(10):
+        slow.computed(0.002, ())  # each op owes 2 x 2 ms
+        fast.computed(0.002, ())
+    slow.settle()
+    waited = time.perf_counter() - began
+    assert slow.compute_wait_s == pytest.approx(0.040, abs=0.01) and waited >= 0.035
+    assert fast.compute_wait_s == 0.0 and fast.ops == 0
+
+
+@pytest.mark.multiprocess
+def test_emulated_run_equals_the_plain_run_and_only_waits():
+    """Same losses and weights, bit for bit, on real gloo processes; the slow type waited, the
+    fast did not; ranks that receive across nodes waited for the link; the waits are in the trace."""
+    steps = 2
+    cluster = two_types(memory_scale=1.0)
+    plain = run_multiprocess(train_rank, 4, None, steps, timeout=180)
+    emul = run_multiprocess(train_rank, 4, cluster, steps, timeout=180)
+    for rank in range(4):
+        assert plain[rank][0] == emul[rank][0]
+        assert plain[rank][1].keys() == emul[rank][1].keys()
+        for name, value in plain[rank][1].items():
+            assert torch.equal(value, emul[rank][1][name]), (rank, name)
+        assert plain[rank][2] == emul[rank][2]  # the same bytes held by activations and sends
+    stats = {rank: emul[rank][3] for rank in range(4)}
+    assert stats[0].compute_wait_s == 0.0 and stats[1].compute_wait_s == 0.0
+    assert stats[2].compute_wait_s > 0 and stats[3].compute_wait_s > 0 and stats[2].ops > 0
+    # every cross-node message waits at least the link's 2 ms latency; the last stages receive 2 per step
+    assert all(stats[r].link_wait_s > 0 for r in range(4))
+    assert all(0 < stats[r].peak_bytes <= stats[r].capacity for r in range(4))
+    assert all(any(e["name"] == "emulated compute" for e in emul[r][4]) for r in (2, 3))
+    assert all(plain[r][3] is None and not plain[r][4] for r in range(4))
+
+
+def test_losses_equal_a_run_without_emulation_in_process():
+    steps = 2
+    plain = LocalWorld(range(4)).run(lambda b: train_rank(b, None, steps))
+    emul = LocalWorld(range(4)).run(lambda b: train_rank(b, two_types(slowdowns={"slow": 1.5}), steps))
+    for rank in range(4):
+        assert plain[rank][0] == emul[rank][0]
+        assert all(torch.equal(v, emul[rank][1][k]) for k, v in plain[rank][1].items())
+
+
+def over_memory_rank(backend, cluster):
+    """Rank of a job whose slow type cannot hold a micro-batch's activations: what it raised and
+    whether its weights were still the initial ones when it did."""
+    torch.set_num_threads(1)
+    backend = emulated(backend, cluster)
+    trainer = make_trainer(backend)
+    initial = {k: v.clone() for k, v in trainer.state.leaves.items()}
+    x, y = batches(1)[0]
+    try:
+        trainer.step({"tokens": x, "labels": y})
+        error = None
+    except DeviceOutOfMemory as exc:
+        error = exc
+    except HSPMDError as exc:  # a peer's failure reaches the others as a communication error
+        error = exc
+    unchanged = all(torch.equal(v, trainer.state.leaves[k]) for k, v in initial.items())
+    leaves = sum(v.untyped_storage().nbytes() for v in initial.values())
+    return error, unchanged, leaves
+
+
+def test_a_stage_over_its_memory_fails_by_name_before_any_weight_changes():
+    """The slow type's memory holds its weights and optimizer states but not one micro-batch's
+    activations: its ranks raise DeviceOutOfMemory naming the rank, the type and the bytes, in
+    the forward, before any update; every rank's weights are the initial ones."""
+    probe = LocalWorld(range(4)).run(lambda b: over_memory_rank(b, two_types(memory_scale=1.0)))
+    assert all(error is None for error, _, _ in probe.values())
+    leaves = max(probe[r][2] for r in (2, 3))
+    # the slow type's capacity = its leaves + a little: the first activations go over; the fast
+    # type has 10x the memory, more than it needs
+    scale = (leaves + 4096) / 1.0e8
+    world = LocalWorld(range(4), timeout=20)
+    results: dict = {}
+
+    def body(backend):
+        results[backend.rank] = over_memory_rank(backend, two_types(memory_scale=scale))
+        if results[backend.rank][0] is not None:
+            raise results[backend.rank][0]
+
+    with pytest.raises(HSPMDError) as info:
+        world.run(body)
+    raised = [r for r, (error, _, _) in results.items() if isinstance(error, DeviceOutOfMemory)]
+    assert raised and set(raised) <= {2, 3}
+    error = results[raised[0]][0]
+    assert error.rank == raised[0] and error.device_type == "slow" and error.needed > error.capacity
+    assert f"rank {raised[0]} (slow): out of device memory" in str(error) and "bytes live" in str(error)
+    assert all(unchanged for _, unchanged, _ in results.values())
+    assert isinstance(info.value, HSPMDError)
