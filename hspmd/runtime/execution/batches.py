@@ -14,7 +14,10 @@ its own sizes[k] rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
 
 from hspmd.errors import HSPMDError, HSPMDTypeError
 from hspmd.limits import MAX_BATCH_ROWS, MAX_DEVICES, brief, check_limit
@@ -88,4 +91,16 @@ class MicroBatchLayout:
         return f"global batch {self.global_batch_size} = " + " + ".join(parts)
 
 
-__all__ = ["MicroBatchLayout"]
+@dataclass(frozen=True)
+class PipelineBatch:
+    """One rank's share of a step's global batch, for a rank that reads only what it trains:
+    `rows` are pipeline `pipeline`'s rows (MicroBatchLayout.pipeline_rows) of each placeholder
+    this rank's program feeds (none for a rank whose program takes no placeholder, and pipeline
+    None for a rank the strategy leaves idle); `ids` name the samples (for logs and tests)."""
+
+    pipeline: int | None
+    rows: Mapping[str, torch.Tensor]
+    ids: tuple = field(default=(), compare=False)
+
+
+__all__ = ["MicroBatchLayout", "PipelineBatch"]

@@ -37,7 +37,7 @@ from hspmd.limits import brief
 from hspmd.ir.graph import Graph, Node
 from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
-from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.execution.batches import MicroBatchLayout, PipelineBatch
 from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, SyncedGradients, cap_bytes_of
 from hspmd.runtime.persistence.checkpoint import (
     CheckpointReader, check_leaf_names, cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
@@ -277,19 +277,30 @@ class Trainer:
                              f"{tuple(rows.shape)}, its region under {cut[2]} is {cut[0]}")
         return rows[cut[1]].to(self.backend.device, non_blocking=True)
 
-    def step(self, batch: Mapping[str, torch.Tensor]) -> float | None:
-        """One training step on the global batch (every rank passes the same one): this rank's
+    def _check_share(self, share: PipelineBatch) -> None:
+        if share.pipeline != self.pipeline:
+            raise HSPMDError(f"step(): rank {self.backend.rank} trains pipeline {self.pipeline}, the batch given holds "
+                             f"the rows of pipeline {share.pipeline}")
+        if not self.idle:
+            check_feeds(self.exe.placeholders, share.rows, "step()", self.layout.counts[self.pipeline]
+                        * self.layout.sizes[self.pipeline], self.binding.mapping)
+
+    def step(self, batch: Mapping[str, torch.Tensor] | PipelineBatch) -> float | None:
+        """One training step on the global batch (every rank passes the same one), or on this
+        rank's share of it (a PipelineBatch, e.g. from hspmd.runtime.data.loader): this rank's
         schedule, then the update. Returns the step loss, the same on every rank of the strategy
         (None if the graph has no loss, or on an idle rank that the strategy leaves out)."""
-        self._check_batch(batch)
+        share = batch if isinstance(batch, PipelineBatch) else None
+        self._check_share(share) if share is not None else self._check_batch(batch)
         if self.idle:
             self.state.step += 1  # counts the job's steps: a later switch that brings it back agrees on them
             return None
         placeholders = {node.name: node for node in self.exe.placeholders}
+        first, rows = (self.layout.pipeline_rows(self.pipeline)[0], share.rows) if share is not None else (0, batch)
 
         def feeds(m: int) -> dict[str, torch.Tensor]:
             start, stop = self.layout.rows(self.pipeline, m)
-            return {name: self._piece(node, batch[name][start:stop]) for name, node in placeholders.items()}
+            return {name: self._piece(node, rows[name][start - first:stop - first]) for name, node in placeholders.items()}
 
         self.state.fetched.clear()
         buckets = self._begin_buckets()

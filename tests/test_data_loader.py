@@ -1,0 +1,175 @@
+"""The loaders: an epoch's order is a permutation of the documents, its samples tile the stream
+once, a step's global batch is a slice of the order, and each rank reads its pipeline's rows only;
+training on the ranks' shares equals training on the global batch and a single-device torch run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hspmd.ir import initial_value
+from hspmd.models.llama import LlamaConfig, build_llama
+from hspmd.models.llama_reference import reference_training
+from hspmd.ops import AdamW
+from hspmd.runtime.data.loader import DocumentLoader, SequenceLoader
+from hspmd.runtime.data.order import DataState, permuted
+from hspmd.runtime.data.tokens import DataError, TokenFiles, TokenWriter
+from hspmd.runtime.execution.batches import MicroBatchLayout, PipelineBatch
+from hspmd.runtime.training.inprocess import InProcessJob
+from hspmd.specialize.strategy_text import parse_strategy
+
+HETERO = "layers=2 ; 2x2: R0,1 L0-1 ; 2x1: R2 L0 | R3 L1"
+
+
+def make_dataset(directory, lengths, vocab=64, seed=0) -> TokenFiles:
+    """Documents of the given lengths; token t of document d is (d * 7 + t) % vocab."""
+    writer = TokenWriter(str(directory / "d"), vocab)
+    for d, n in enumerate(lengths):
+        writer.add((np.arange(n) + d * 7) % vocab, f"document {d}")
+    writer.close()
+    return TokenFiles(directory / "d")
+
+
+def stream(files: TokenFiles, seed: int, epoch: int) -> np.ndarray:
+    """Epoch `epoch`'s documents in their order, back to back (the definition the loader must meet)."""
+    order = [permuted(i, files.documents, seed, epoch) for i in range(files.documents)]
+    assert sorted(order) == list(range(files.documents))
+    return np.concatenate([np.asarray(files.document(d), dtype=np.int64) for d in order])
+
+
+def test_permutation_is_a_bijection_that_changes_with_epoch_and_seed():
+    cases = 0
+    for count in (1, 2, 3, 5, 17, 64, 100, 1000):
+        for seed in (0, 9):
+            for epoch in (0, 1):
+                order = [permuted(i, count, seed, epoch) for i in range(count)]
+                assert sorted(order) == list(range(count))
+                cases += 1
+    assert [permuted(i, 1000, 0, 0) for i in range(20)] != [permuted(i, 1000, 0, 1) for i in range(20)]
+    assert [permuted(i, 1000, 0, 0) for i in range(20)] != [permuted(i, 1000, 1, 0) for i in range(20)]
+    assert cases == 32
+    with pytest.raises(DataError):
+        permuted(5, 5, 0, 0)
+
+
+def test_epochs_tile_the_shuffled_stream(tmp_path_factory):
+    """Sample j of epoch e is stream(e)[j*seq : j*seq + seq + 1]; skipping composes; every id of
+    an epoch comes once, in order, before the next epoch's."""
+    checked = {"cases": 0}
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.lists(st.integers(1, 30), min_size=1, max_size=12), st.integers(1, 9), st.integers(0, 3),
+           st.integers(0, 40), st.integers(1, 25))
+    def check(lengths, seq, seed, start, count):
+        if sum(lengths) < seq + 1:
+            return
+        files = make_dataset(tmp_path_factory.mktemp("s"), lengths)
+        loader = SequenceLoader(files, seq, seed)
+        per = loader.samples_per_epoch
+        assert per == (sum(lengths) - 1) // seq
+        origin = loader.skip(DataState(), start)
+        windows, ids = loader.windows(origin, count)
+        assert ids == tuple(range(start, start + count)) == loader.ids(origin, count)
+        for row, sample in zip(windows, ids):
+            epoch, j = divmod(sample, per)
+            assert row.tolist() == stream(files, seed, epoch)[j * seq: j * seq + seq + 1].tolist()
+        split = count // 2
+        assert loader.skip(loader.skip(origin, split), count - split) == loader.skip(origin, count)
+        assert loader.windows(loader.skip(origin, split), count - split)[0].tolist() == windows[split:].tolist()
+        state = DataState.from_json(origin.to_json(), "test")
+        assert state == origin
+        checked["cases"] += 1
+
+    check()
+    assert checked["cases"] >= 25, checked
+
+
+def test_documents_give_every_label_once_per_epoch(tmp_path):
+    lengths = [1, 5, 40, 3, 2, 17, 90]
+    files = make_dataset(tmp_path, lengths)
+    loader = DocumentLoader(files, longest=16, seed=3)
+    state, seen = DataState(), {}
+    while state.epoch == 0:
+        step, state = loader.step(state, 20)
+        assert step.counted >= 20 or state.epoch > 0
+        for i, (epoch, document, offset) in enumerate(step.ids):
+            tokens, labels = step[i]
+            assert len(tokens) == step.lengths[i] <= 16
+            expected = np.asarray(files.document(document), dtype=np.int64)
+            assert tokens.tolist() == expected[offset: offset + len(tokens)].tolist()
+            assert labels.tolist() == expected[offset + 1: offset + 1 + len(tokens)].tolist()
+            if epoch == 0:
+                seen.setdefault(document, []).extend(range(offset + 1, offset + 1 + len(tokens)))
+    assert {d: sorted(v) for d, v in seen.items()} == {d: list(range(1, n)) for d, n in enumerate(lengths) if n >= 2}
+    assert all(len(v) == len(set(v)) for v in seen.values())
+    again, _ = loader.step(DataState(), 20)
+    assert again.ids == loader.step(DataState(), 20)[0].ids and again.reads == 0
+
+
+def test_bad_loader_input(tmp_path):
+    files = make_dataset(tmp_path, [3, 2])
+    with pytest.raises(DataError, match="make no sequence of 8"):
+        SequenceLoader(files, 8)
+    with pytest.raises(DataError, match="data state is damaged"):
+        DataState.from_json('{"epoch": -1, "sample": 0, "document": 0, "offset": 0}', "ckpt")
+    with pytest.raises(DataError, match="ckpt: the data state is damaged"):
+        DataState.from_json("{", "ckpt")
+
+
+def shares(job: InProcessJob, loader: SequenceLoader, state: DataState):
+    """Every rank's share of the step at `state`, and the state after it (the same on every rank)."""
+    out = {rank: loader.share(trainer, state) for rank, trainer in job.trainers.items()}
+    assert len({after for _, after in out.values()}) == 1
+    return {rank: share for rank, (share, _) in out.items()}, next(iter(out.values()))[1]
+
+
+def test_ranks_read_their_pipeline_rows_only_and_train_as_one_device(tmp_path):
+    """Heterogeneous DP (a TP2 pipeline, a 2-stage pipeline): each rank reads its pipeline's rows of
+    the placeholders its program takes; the losses equal the global batch's and a torch run's."""
+    files = make_dataset(tmp_path, [23, 5, 61, 14, 9, 30, 44, 8], vocab=64)
+    seq, steps = 8, 3
+    loader = SequenceLoader(files, seq, seed=1)
+    strategy = parse_strategy(HETERO)
+    config = LlamaConfig(vocab=64, hidden=16, layers=2, heads=2, ffn=32)
+    model = build_llama(config, [strategy], optimizer=AdamW(lr=1e-3))
+    layout = MicroBatchLayout.of(strategy)
+    assert layout == MicroBatchLayout((2, 2), (2, 1))
+    rows = layout.global_batch_size
+    job = InProcessJob(model.graph, 0, layout, symbols={"S": seq, "T": rows * seq})
+    state, batches = DataState(), []
+    initial = {n.name: initial_value(n) for n in model.graph.parameters}
+    losses = []
+    for _ in range(steps):
+        batch, ids = loader.batch(state, rows)
+        per_rank, after = shares(job, loader, state)
+        assert after == loader.skip(state, rows)
+        assert set(per_rank[0].rows) == {"tokens", "labels"} == set(per_rank[1].rows)
+        assert set(per_rank[2].rows) == {"tokens"} and set(per_rank[3].rows) == {"labels"}  # first / last stage
+        for rank, share in per_rank.items():
+            first, stop = layout.pipeline_rows(share.pipeline)
+            assert share.ids == ids[first:stop]
+            for name, value in share.rows.items():
+                assert torch.equal(value, batch[name][first:stop])
+        losses.append(job.world.run(lambda b: job.trainers[b.rank].step(per_rank[b.rank]))[0])
+        batches.append((batch["tokens"], batch["labels"]))
+        state = after
+    assert state.sample == steps * rows
+    history, _ = reference_training(initial, lambda k: batches[k], config.layers, config.heads, steps, lr=1e-3)
+    for loss, (ref, _) in zip(losses, history):
+        assert loss == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    wrong = PipelineBatch(1, per_rank[0].rows)
+    with pytest.raises(Exception, match="trains pipeline 0, the batch given holds the rows of pipeline 1"):
+        job.trainers[0].step(wrong)
+
+
+def test_vocabulary_larger_than_the_model_is_refused(tmp_path):
+    files = make_dataset(tmp_path, [40, 40], vocab=300)
+    strategy = parse_strategy("layers=1 ; 1x1: R0 L0")
+    model = build_llama(LlamaConfig(vocab=64, hidden=8, layers=1, heads=2, ffn=16), [strategy], optimizer=AdamW(lr=1e-3))
+    job = InProcessJob(model.graph, 0, strategy, symbols={"S": 4, "T": 4 * strategy.pipelines[0].micro_batch_size
+                                                          * strategy.pipelines[0].micro_batches})
+    with pytest.raises(DataError, match="vocabulary of 300 ids is larger than the model's 64"):
+        SequenceLoader(files, 4).share(job.trainers[0], DataState())
