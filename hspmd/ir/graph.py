@@ -127,6 +127,7 @@ class OpDef:
     kind = "op"
     is_leaf = False
     is_comm = False
+    unaligned = False  # True: deduce() takes the inputs' annotations as they are, not aligned to one union
 
     def deduce(self, node: "Node", anns: Sequence[Annotation]) -> list[Annotation]:
         raise HSPMDError(f"op kind {self.kind} has no deduction rule")

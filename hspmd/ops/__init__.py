@@ -4,6 +4,7 @@ from types import MappingProxyType
 
 from hspmd.ir.graph import Graph as _BaseGraph
 from hspmd.ops.autodiff import gradients
+from hspmd.ops.context import context_attention
 from hspmd.ops.elementwise import add, div, exp, mul, sub
 from hspmd.ops.linalg import linear, matmul
 from hspmd.ops.nn import (
@@ -40,7 +41,7 @@ class Graph(_BaseGraph):
 
 
 __all__ = [
-    "AdamW", "Graph", "Mismatch", "TENSOR_OPERATORS", "Optimizer", "SGD", "add", "cast", "causal_attention", "cross_entropy", "div", "embedding",
+    "AdamW", "Graph", "Mismatch", "TENSOR_OPERATORS", "Optimizer", "SGD", "add", "cast", "causal_attention", "context_attention", "cross_entropy", "div", "embedding",
     "exp",
     "expand_as", "fill_like", "gradients", "group_sum", "layernorm", "linear", "matmul", "mean", "mul", "neg",
     "reduce_sum", "relu", "repeat_interleave", "reshape", "rmsnorm", "rotary", "scale", "silu", "softmax", "sub",

@@ -12,7 +12,7 @@ from typing import Mapping
 from hspmd.errors import HSPMDError
 from hspmd.ir.dsl import COMM, PARAMETER, PLACEHOLDER, STATE
 from hspmd.ir.graph import OpDef
-from hspmd.ops import elementwise, linalg, nn, optim, shape_ops, unary, vocab
+from hspmd.ops import context, elementwise, linalg, nn, optim, shape_ops, unary, vocab
 
 _DEFINITIONS: tuple[OpDef, ...] = (
     PLACEHOLDER, PARAMETER, STATE, COMM,
@@ -24,7 +24,7 @@ _DEFINITIONS: tuple[OpDef, ...] = (
     nn.EMBEDDING, nn.EMBEDDING_GRAD, nn.CROSS_ENTROPY, nn.CROSS_ENTROPY_GRAD,
     nn.SOFTMAX, nn.RMS_NORMALIZE, nn.LAYER_NORMALIZE, nn.ROTARY, nn.CAUSAL_ATTENTION, nn.PACKED_ROTARY,
     nn.PACKED_ATTENTION, vocab.CLASS_MAX, vocab.CLASS_STATS, vocab.CLASS_STATS_GRAD, vocab.TOKEN_LOSS,
-    vocab.TOKEN_LOSS_GRAD,
+    vocab.TOKEN_LOSS_GRAD, context.ATTENTION_BLOCK, context.ATTENTION_BLOCK_GRAD, context.ATTENTION_MERGE, context.ATTENTION_OUTPUT,
     optim.ADAMW_UPDATE, optim.SGD_UPDATE, optim.ASSIGN,
 )
 

@@ -71,6 +71,23 @@ def deduce_node(node: Node, strategy: int, anns: list) -> list[Annotation]:
         out = [_leaf_annotation(node, strategy, anns, anns[node.inputs[0].id])]
     else:
         ins = [anns[t.id] for t in node.inputs]
+        out = _deduce_op(node, strategy, ins)
+    for t, a in zip(node.outputs, out):
+        if any(a is anns[i.id] and i.ndim == t.ndim for i in node.inputs):
+            continue  # an input's annotation passed through unchanged, checked when it was deduced
+        try:
+            a.check_rank(t.ndim, f"{node.kind} {node.name}")
+        except AnnotationError as exc:
+            raise DeductionError(str(exc)) from exc
+    return out
+
+
+def _deduce_op(node: Node, strategy: int, ins: list[Annotation]) -> list[Annotation]:
+    """A compute op's outputs: its inputs aligned to one union, then its rule. An op that reads
+    inputs laid out on differently ordered devices (`OpDef.unaligned`: ring attention's K/V
+    chunks) checks its inputs' layouts itself."""
+    aligned = ins
+    if not node.opdef.unaligned:
         try:
             aligned = align_hsize(ins)
         except AnnotationError as exc:
@@ -83,21 +100,13 @@ def deduce_node(node: Node, strategy: int, anns: list) -> list[Annotation]:
                 f"{node.kind} {node.name} (strategy {strategy}): inputs {_inputs_text(node, ins)} live on different "
                 f"device-group unions; insert comm() on an input so they match"
             )
-        try:
-            out = node.opdef.deduce(node, aligned)
-        except Mismatch as exc:
-            raise DeductionError(
-                f"{node.kind} {node.name} (strategy {strategy}): cannot compute locally on inputs "
-                f"{_inputs_text(node, ins)}: {exc}; insert comm() on an input to reshard it"
-            ) from exc
-    for t, a in zip(node.outputs, out):
-        if any(a is anns[i.id] and i.ndim == t.ndim for i in node.inputs):
-            continue  # an input's annotation passed through unchanged, checked when it was deduced
-        try:
-            a.check_rank(t.ndim, f"{node.kind} {node.name}")
-        except AnnotationError as exc:
-            raise DeductionError(str(exc)) from exc
-    return out
+    try:
+        return node.opdef.deduce(node, aligned)
+    except Mismatch as exc:
+        raise DeductionError(
+            f"{node.kind} {node.name} (strategy {strategy}): cannot compute locally on inputs "
+            f"{_inputs_text(node, ins)}: {exc}; insert comm() on an input to reshard it"
+        ) from exc
 
 
 def check_strategy_index(graph: Graph, strategy: object, where: str = "deduce") -> int:
