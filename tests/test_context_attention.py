@@ -122,8 +122,9 @@ def _setups(draw):
     seq = draw(st.integers(2, 9))  # (a length-1 dim reads as broadcast to the test's loss, not to attention)
     mode = draw(st.sampled_from(["ring", "ring", "all_gather", "all_to_all"] if cp <= H else ["ring", "all_gather"]))
     devices = list(range(cp))
-    if cp > 1 and draw(st.booleans()) and mode != "all_to_all":
-        ratios = draw(st.lists(st.integers(1, 4), min_size=cp, max_size=cp))
+    if cp > 1 and mode != "all_to_all" and draw(st.sampled_from(["even", "uneven", "uneven"])) == "uneven":
+        ratios = [draw(st.integers(1, 4)) for _ in range(cp - 1)]
+        ratios.append(draw(st.integers(1, 4).filter(lambda r: r != ratios[0])))
         layout = f"H2({':'.join(map(str, ratios))}){{{' | '.join(f'@[{d}]' for d in devices)}}}"
     else:
         ratios = [1] * cp
@@ -147,7 +148,7 @@ def test_property_was_not_vacuous():
     if ACCEPTED["count"] == 0:
         test_property_random_cp_layouts_match_one_device()
     assert ACCEPTED["count"] >= 30
-    assert ACCEPTED["empty_rank"] >= 1 and ACCEPTED["uneven"] >= 3, ACCEPTED
+    assert ACCEPTED["empty_rank"] >= 1 and ACCEPTED["uneven"] >= 2, ACCEPTED
 
 
 def test_ring_layouts():
