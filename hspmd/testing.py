@@ -15,8 +15,9 @@ from hspmd.cluster import uniform
 
 
 @st.composite
-def distributed_states(draw, size: int, ndim: int, allow_partial: bool = True) -> DistributedStates:
-    """Axes whose counts multiply to `size`, drawn as a random ordered factorisation."""
+def distributed_states(draw, size: int, ndim: int, allow_partial: bool = True, reduce: str = "sum") -> DistributedStates:
+    """Axes whose counts multiply to `size`, drawn as a random ordered factorisation; Partial
+    axes combine by `reduce`."""
     axes = []
     rest = size
     while rest > 1:
@@ -26,7 +27,7 @@ def distributed_states(draw, size: int, ndim: int, allow_partial: bool = True) -
         if kind == "S" and ndim > 0:
             axes.append(Split(draw(st.integers(0, ndim - 1)), n))
         elif kind == "P":
-            axes.append(Partial(n))
+            axes.append(Partial(n, reduce))
         else:
             axes.append(Duplicate(n))
         rest //= n
@@ -42,8 +43,10 @@ def annotations(
     allow_partial: bool = True,
     devices: tuple[int, ...] | None = None,
     bound_ratios: bool = True,
+    reduce: str = "sum",
 ) -> Annotation:
-    """A valid union over a random subset (or, if given, exactly `devices`) of range(max_devices)."""
+    """A valid union over a random subset (or, if given, exactly `devices`) of range(max_devices),
+    its Partial axes combining by `reduce` (a top-tier P, which sums, only where that is "sum")."""
     if devices is None:
         pool = draw(st.permutations(range(max_devices)))
         total = draw(st.integers(1, max_devices))
@@ -54,10 +57,10 @@ def annotations(
     cuts = sorted(draw(st.lists(st.integers(1, len(chosen) - 1), min_size=hsize - 1, max_size=hsize - 1, unique=True))) if hsize > 1 else []
     bounds = [0] + cuts + [len(chosen)]
     subgroups = tuple(
-        Subgroup(DeviceGroup(tuple(chosen[a:b])), draw(distributed_states(b - a, ndim, allow_partial)))
+        Subgroup(DeviceGroup(tuple(chosen[a:b])), draw(distributed_states(b - a, ndim, allow_partial, reduce)))
         for a, b in zip(bounds, bounds[1:])
     )
-    hdims = ["D"] + (["P"] if allow_partial else []) + list(range(ndim))
+    hdims = ["D"] + (["P"] if allow_partial and reduce == "sum" else []) + list(range(ndim))
     hdim = draw(st.sampled_from(hdims))
     ratios = None
     if isinstance(hdim, int) and (bound_ratios or draw(st.booleans())):

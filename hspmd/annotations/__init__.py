@@ -14,13 +14,13 @@ from hspmd.annotations.geometry import (
     subgroup_regions,
 )
 from hspmd.annotations.reference import infer_shape, shard, unshard
-from hspmd.annotations.states import Axis, DeviceGroup, DistributedStates, Duplicate, HDim, Partial, Split, Subgroup
+from hspmd.annotations.states import REDUCTIONS, Axis, DeviceGroup, DistributedStates, Duplicate, HDim, Partial, Split, Subgroup
 from hspmd.annotations.union import Annotation, Hierarchy
 from hspmd.annotations.syntax import parse, parse_hierarchy
 
 __all__ = [
     "Annotation", "Axis", "align_hsize", "expand_hsize", "Box", "DeviceGroup", "DistributedStates", "Duplicate", "HDim", "Hierarchy",
-    "Partial", "Piece", "Split", "Subgroup", "box_intersection", "box_relative", "box_shape",
+    "Partial", "Piece", "REDUCTIONS", "Split", "Subgroup", "box_intersection", "box_relative", "box_shape",
     "device_piece", "device_pieces", "infer_shape", "parse", "parse_hierarchy", "shard", "split_bounds", "subgroup_pieces",
     "subgroup_regions", "unshard",
 ]

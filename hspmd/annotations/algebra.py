@@ -34,9 +34,12 @@ def expand_hsize(ann: Annotation, hsize: int) -> Annotation:
         raise AnnotationError(
             f"the outermost axis {outer} of {ann} does not split into {hsize} subgroups; insert comm() instead"
         )
+    if isinstance(outer, Partial) and outer.reduce != "sum":
+        raise AnnotationError(f"the outermost axis {outer} of {ann} cannot become a top-tier P (HP sums its subgroups); "
+                              f"insert comm() instead")
     rest = outer.n // hsize
     if rest > 1:
-        inner = (type(outer)(rest),) + inner
+        inner = (replace(outer, n=rest),) + inner
     step = len(sub.dg) // hsize
     devices = sub.dg.devices
     subgroups = tuple(

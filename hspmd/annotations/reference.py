@@ -18,11 +18,46 @@ from hspmd.annotations.syntax import parse
 from hspmd.errors import ReplicaMismatch, ShapeError, ShapeTypeError
 
 
-def _random_summands(value: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+def _random_partials(value: torch.Tensor, n: int, gen: torch.Generator, reduce: str = "sum") -> list[torch.Tensor]:
+    """`n` random tensors whose reduction `reduce` (states.REDUCTIONS) is `value`: every one
+    differs from the value, so a plan that drops, repeats or wrongly combines one is caught."""
     if n == 1:
         return [value]
-    parts = [torch.randn(value.shape, generator=gen, dtype=value.dtype) for _ in range(n - 1)]
-    return parts + [value - sum(parts)]
+    noise = [torch.randn(value.shape, generator=gen, dtype=value.dtype) for _ in range(n - 1)]
+    if reduce == "sum":
+        return noise + [value - sum(noise)]
+    if reduce == "avg":
+        parts = [value + e for e in noise]
+        return parts + [value * n - sum(parts)]
+    if reduce == "prod":  # factors near 1 (never 0), the last one making up the value
+        factors = [torch.exp(0.25 * e) for e in noise]
+        rest = factors[0]
+        for f in factors[1:]:
+            rest = rest * f
+        return factors + [value / rest]
+    holder = torch.randint(n, value.shape, generator=gen)  # per element, the member holding the value itself
+    away = -1.0 if reduce == "max" else 1.0
+    gaps = noise + [torch.randn(value.shape, generator=gen, dtype=value.dtype)]
+    return [torch.where(holder == j, value, value + away * gap.abs()) for j, gap in enumerate(gaps)]
+
+
+def combine(values: Sequence[torch.Tensor], reduce: str = "sum") -> torch.Tensor:
+    """The reduction `reduce` (states.REDUCTIONS) of equally shaped partial values."""
+    if reduce == "sum" or len(values) == 1:
+        return values[0] if len(values) == 1 else sum(values[1:], values[0])
+    stacked = torch.stack(list(values))
+    return {"max": lambda: stacked.amax(0), "min": lambda: stacked.amin(0), "avg": lambda: stacked.mean(0),
+            "prod": lambda: stacked.prod(0)}[reduce]()
+
+
+def _check_partial_dtype(x: torch.Tensor, ann: Annotation) -> None:
+    """Partial values need floating-point (or, but for max and min, complex) elements."""
+    if not ann.has_partial:
+        return
+    if ann.reduction in ("max", "min") and not torch.is_floating_point(x):
+        raise ShapeError(f"{ann} has {ann.reduction} partials, which need a real floating-point tensor, got {x.dtype}")
+    if not (torch.is_floating_point(x) or torch.is_complex(x)):
+        raise ShapeError(f"{ann} has Partial values, which need a floating-point or complex tensor, got {x.dtype}")
 
 
 def shard(
@@ -34,16 +69,15 @@ def shard(
         raise ShapeTypeError(f"shard needs a torch.Tensor, got {type(x).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ShapeTypeError(f"shard's seed must be an integer, got {seed!r}")
-    if not torch.is_floating_point(x) and ann.has_partial:
-        raise ShapeError(f"{ann} has Partial summands, which need a floating-point tensor, got {x.dtype}")
+    _check_partial_dtype(x, ann)
     gen = torch.Generator().manual_seed(seed)
     regions = subgroup_regions(ann, tuple(x.shape), ratios)
-    tops = _random_summands(x, ann.hsize, gen) if ann.hdim == "P" else [x] * ann.hsize
+    tops = _random_partials(x, ann.hsize, gen) if ann.hdim == "P" else [x] * ann.hsize
     out: dict[int, torch.Tensor] = {}
     for sub, region, top in zip(ann.subgroups, regions, tops):
         whole = tuple((0, s) for s in x.shape)
         value = top[box_relative(region, whole)]
-        summands = _random_summands(value, sub.ds.partial_count, gen)
+        summands = _random_partials(value, sub.ds.partial_count, gen, sub.ds.reduction)
         for device, piece in subgroup_pieces(sub, region).items():
             j = piece.summand[0] if piece.summand else 0
             out[device] = summands[j][box_relative(piece.box, region)].clone()
@@ -103,7 +137,7 @@ def infer_shape(locals_: Mapping[int, torch.Tensor], ann: Annotation | str) -> t
 def _agree(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
     if a.shape != b.shape:
         return False
-    if torch.is_floating_point(a):
+    if torch.is_floating_point(a) or torch.is_complex(a):
         return torch.allclose(a, b, rtol=rtol, atol=atol)
     return torch.equal(a, b)
 
@@ -132,7 +166,7 @@ def unshard(
     values = []
     for k, (sub, region) in enumerate(zip(ann.subgroups, regions)):
         seen: dict[tuple, int] = {}
-        value = torch.zeros([b - a for a, b in region], dtype=dtype, device=on)
+        partials: dict[tuple, torch.Tensor] = {}  # summand -> its value of the region
         for device in sub.dg:
             piece, local = pieces[device], locals_[device]
             if tuple(local.shape) != tuple(piece.shape):
@@ -143,14 +177,16 @@ def unshard(
             key = (piece.box, piece.summand)
             if key not in seen:
                 seen[key] = device
-                value[box_relative(piece.box, region)] += local
+                if piece.summand not in partials:
+                    partials[piece.summand] = torch.zeros([b - a for a, b in region], dtype=dtype, device=on)
+                partials[piece.summand][box_relative(piece.box, region)] = local
             elif not _agree(locals_[seen[key]], local, rtol, atol):
                 raise ReplicaMismatch(
                     f"unshard {ann}: devices {seen[key]} and {device} should hold equal copies of box {piece.box}"
                     f"{' summand ' + str(piece.summand) if piece.summand else ''} but differ "
                     f"(max abs diff {_max_diff(locals_[seen[key]], local):g})"
                 )
-        values.append(value)
+        values.append(combine([partials[j] for j in sorted(partials)], sub.ds.reduction))
     if ann.hdim == "P":
         return sum(values[1:], values[0])
     if ann.hdim == "D":
@@ -181,4 +217,8 @@ def _culprits(ann: Annotation, pieces, locals_, first: torch.Tensor, k: int, rto
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    if not a.numel():
+        return 0.0
+    if torch.is_complex(a):
+        return (a.to(torch.complex128) - b.to(torch.complex128)).abs().max().item()
+    return (a.double() - b.double()).abs().max().item()

@@ -92,17 +92,30 @@ class Duplicate:
         return f"D:{self.n}"
 
 
+REDUCTIONS = ("sum", "max", "min", "avg", "prod")
+"""How a Partial axis's members combine into the piece (torch.distributed's reduce ops; avg is
+the mean over the members)."""
+
+IDEMPOTENT = frozenset({"max", "min", "avg"})
+"""Reductions under which members that all hold the value combine to the value (a Partial
+destination of these is reached by keeping the value on every member)."""
+
+
 @dataclass(frozen=True)
 class Partial:
-    """`n` summands whose sum is the piece."""
+    """`n` partial values whose reduction `reduce` (one of REDUCTIONS; "sum" by default: summands)
+    is the piece."""
 
     n: int
+    reduce: str = "sum"
 
     def __post_init__(self):
         _positive_int(self.n, "Partial count")
+        if self.reduce not in REDUCTIONS:
+            raise AnnotationError(f"Partial reduction must be one of {', '.join(REDUCTIONS)}, got {brief(self.reduce)}")
 
     def __str__(self) -> str:
-        return f"P:{self.n}"
+        return f"P:{self.n}" if self.reduce == "sum" else f"P({self.reduce}):{self.n}"
 
 
 Axis = Union[Split, Duplicate, Partial]
@@ -210,6 +223,17 @@ class DistributedStates(_Memo):
             if not isinstance(a, (Split, Duplicate, Partial)):
                 raise AnnotationTypeError(f"a distributed-states axis must be Split, Duplicate or Partial, got {brief(a)}")
         object.__setattr__(self, "axes", tuple(a for a in axes if a.n > 1))
+        reductions = {a.reduce for a in self.axes if isinstance(a, Partial)}
+        if len(reductions) > 1:
+            raise AnnotationError(
+                f"distributed states {self} combine partial values by {' and '.join(sorted(reductions))}: the "
+                f"Partial axes of one layout share one reduction (reduce one first, with comm())"
+            )
+
+    @property
+    def reduction(self) -> str:
+        """The reduction combining this layout's partial values ("sum" where there are none)."""
+        return self._memo("reduction", lambda: next((a.reduce for a in self.axes if isinstance(a, Partial)), "sum"))
 
     @property
     def size(self) -> int:

@@ -4,7 +4,8 @@
     union      := 'H' hdim ratios? '{' subgroup ('|' subgroup)* '}'
     hdim       := 'D' | 'P' | INT                ratios := '(' INT (':' INT)* ')'
     subgroup   := (axis (',' axis)*)? '@' '[' devices ']'
-    axis       := 'S' INT ':' INT | 'D' ':' INT | 'P' ':' INT
+    axis       := 'S' INT ':' INT | 'D' ':' INT | 'P' reduce? ':' INT
+    reduce     := '(' ('sum' | 'max' | 'min' | 'avg' | 'prod') ')'      (P:4 is P(sum):4)
     devices    := item (',' item)*               item := INT | INT '-' INT
 
 Whitespace is free. Errors are ParseError with the offending character marked.
@@ -12,7 +13,7 @@ Whitespace is free. Errors are ParseError with the offending character marked.
 
 from __future__ import annotations
 
-from hspmd.annotations.states import Axis, DeviceGroup, DistributedStates, Duplicate, Partial, Split, Subgroup
+from hspmd.annotations.states import REDUCTIONS, Axis, DeviceGroup, DistributedStates, Duplicate, Partial, Split, Subgroup
 from hspmd.annotations.union import Annotation, Hierarchy
 from hspmd.errors import AnnotationError, AnnotationTypeError, LimitError, ParseError
 from hspmd.limits import MAX_DEVICES, MAX_DIGITS
@@ -70,9 +71,23 @@ class _Parser:
             self.expect(":", "between the split dim and the count (e.g. S0:2)")
             n = self.integer("a split count")
             return self.annotated(lambda: Split(dim, n), start)
+        reduce = self.reduction() if kind == "P" and self.peek() == "(" else "sum"
         self.expect(":", f"after {kind!r} (e.g. {kind}:2)")
         n = self.integer(f"a {'duplicate' if kind == 'D' else 'partial'} count")
-        return self.annotated(lambda: (Duplicate if kind == "D" else Partial)(n), start)
+        return self.annotated(lambda: Duplicate(n) if kind == "D" else Partial(n, reduce), start)
+
+    def reduction(self) -> str:
+        """A Partial axis's reduction in parentheses, e.g. (max)."""
+        self.expect("(", "to open the reduction")
+        self.skip()
+        start = self.pos
+        while self.pos < len(self.text) and self.text[self.pos].isalpha():
+            self.pos += 1
+        name = self.text[start : self.pos]
+        if name not in REDUCTIONS:
+            raise self.fail(f"expected a reduction ({', '.join(REDUCTIONS)}) after 'P(', found {name or self.peek()!r}", start)
+        self.expect(")", "to close the reduction (e.g. P(max):2)")
+        return name
 
     def devices(self) -> DeviceGroup:
         start = self.pos

@@ -91,6 +91,13 @@ class Annotation(_Memo):
         object.__setattr__(self, "subgroups", subgroups)
         object.__setattr__(self, "hdim", hdim)
         object.__setattr__(self, "ratios", ratios)
+        reductions = {ds.reduction for ds in self.distinct_states if ds.partial_count > 1}
+        if len(reductions) > 1 or hdim == "P" and reductions - {"sum"}:
+            found = " and ".join(sorted(reductions | ({"sum"} if hdim == "P" else set())))
+            raise AnnotationError(
+                f"union {self} combines partial values by {found}: one layout's partial values share one reduction, "
+                f"and a top-tier P (HP) sums its subgroups"
+            )
 
     @property
     def hsize(self) -> int:
@@ -175,6 +182,13 @@ class Annotation(_Memo):
     @property
     def has_partial(self) -> bool:
         return self._memo("partial", lambda: self.hdim == "P" or any(ds.partial_count > 1 for ds in self.distinct_states))
+
+    @property
+    def reduction(self) -> str:
+        """The reduction combining this layout's partial values ("sum" where there are none, and
+        for a top-tier P, which sums its subgroups)."""
+        return self._memo("reduction", lambda: next(
+            (ds.reduction for ds in self.distinct_states if ds.partial_count > 1), "sum"))
 
     def _subgroup_index(self) -> dict[int, int]:
         return self._memo("subgroup_of", lambda: dict(zip(self.devices, chain.from_iterable(

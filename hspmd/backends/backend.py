@@ -15,10 +15,41 @@ from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 
+from hspmd.annotations import REDUCTIONS
+from hspmd.annotations.reference import combine
 from hspmd.errors import CommunicationError
 
 Group = tuple[int, ...]
 Shape = tuple[int, ...]
+
+IDENTITY = {"sum": 0.0, "prod": 1.0, "max": float("-inf"), "min": float("inf")}
+"""The element each reduction leaves a value unchanged with (avg has none: a plan never gives an
+avg reduction an empty input)."""
+
+
+def check_reduction(op: str, what: str, rank: int) -> None:
+    """Raise CommunicationError unless `op` is a reduction (annotations.REDUCTIONS)."""
+    if op not in REDUCTIONS:
+        raise CommunicationError(f"{what} on rank {rank}: op must be one of {', '.join(REDUCTIONS)}, got {op!r}")
+
+
+def accumulate(out: torch.Tensor, value: torch.Tensor, op: str) -> None:
+    """`out` combined in place with `value` under `op` (avg accumulates a sum: divide afterwards,
+    finish_reduction)."""
+    if op in ("sum", "avg"):
+        out.add_(value)
+    elif op == "prod":
+        out.mul_(value)
+    elif op == "max":
+        torch.maximum(out, value, out=out)
+    else:
+        torch.minimum(out, value, out=out)
+
+
+def finish_reduction(out: torch.Tensor, op: str, members: int) -> None:
+    """What an accumulated reduction still needs: an avg's sum divided by the member count."""
+    if op == "avg":
+        out.div_(members)
 
 
 class Pending(Protocol):
@@ -94,24 +125,35 @@ class Backend(abc.ABC):
     # the in-process and torch.distributed backends override them to write in place.
 
     def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor, op: str = "sum") -> None:
-        """The group's sum (op="max": elementwise maximum) of `tensor` written into `out` (same
-        shape; any strides). The default maximum gathers every member's tensor first."""
+        """The group's reduction `op` (annotations.REDUCTIONS: sum, max, min, avg, prod) of
+        `tensor` written into `out` (same shape; any strides). The default reduces other than
+        the sum gather every member's tensor first."""
+        check_reduction(op, "all_reduce", self.rank)
         if op == "sum":
             out.copy_(self.all_reduce(tensor, group))
-        elif op == "max":
-            shapes = [tuple(tensor.shape)] * len(group)
-            out.copy_(torch.stack(self.all_gather(tensor.contiguous(), group, shapes)).amax(0))
         else:
-            raise CommunicationError(f"all_reduce: op must be 'sum' or 'max', got {op!r}")
+            shapes = [tuple(tensor.shape)] * len(group)
+            out.copy_(combine(self.all_gather(tensor.contiguous(), group, shapes), op))
 
     def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
         """Member i's tensor written into outs[i] (its shape is member i's; any strides)."""
         for out, got in zip(outs, self.all_gather(tensor, group, [tuple(o.shape) for o in outs])):
             out.copy_(got)
 
-    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
-        """This rank's reduce_scatter result (the sum of every member's part for it) written into `out`."""
-        out.copy_(self.reduce_scatter(parts, group))
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor,
+                            op: str = "sum") -> None:
+        """This rank's reduce_scatter result (the reduction `op` of every member's part for it)
+        written into `out`. The default reduces other than the sum gather every member's parts."""
+        check_reduction(op, "reduce_scatter", self.rank)
+        if op == "sum":
+            out.copy_(self.reduce_scatter(parts, group))
+            return
+        joined = torch.cat([p.detach().reshape(-1) for p in parts])
+        me = group.index(self.rank)
+        start = sum(p.numel() for p in parts[:me])
+        gathered = self.all_gather(joined, group, [tuple(joined.shape)] * len(group))
+        mine = [g[start : start + parts[me].numel()].reshape(parts[me].shape) for g in gathered]
+        out.copy_(combine(mine, op))
 
     def exchange_into(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
         """`exchange` receiving into the caller's buffers: recvs[peer] is filled with peer's message."""

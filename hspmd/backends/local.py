@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 import torch
 
 from hspmd.errors import CommunicationError, HSPMDError
-from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.backends.backend import Backend, Group, Shape, accumulate, check_reduction, finish_reduction
 
 T = TypeVar("T")
 
@@ -147,15 +147,12 @@ class LocalBackend(Backend):
         self.world.rendezvous(self._key("done", group), group, self.rank, None)
 
     def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor, op: str = "sum") -> None:
-        if op not in ("sum", "max"):
-            raise CommunicationError(f"all_reduce: op must be 'sum' or 'max', got {op!r}")
+        check_reduction(op, "all_reduce", self.rank)
         values = self.world.rendezvous(self._key("all_reduce", group), group, self.rank, tensor)
         out.copy_(values[group[0]])
         for r in group[1:]:
-            if op == "sum":
-                out.add_(values[r])
-            else:
-                torch.maximum(out, values[r], out=out)
+            accumulate(out, values[r], op)
+        finish_reduction(out, op, len(group))
         del values
         self._done(group)
 
@@ -169,12 +166,15 @@ class LocalBackend(Backend):
         del values
         self._done(group)
 
-    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor,
+                            op: str = "sum") -> None:
+        check_reduction(op, "reduce_scatter", self.rank)
         values = self.world.rendezvous(self._key("reduce_scatter", group), group, self.rank, list(parts))
         me = group.index(self.rank)
         out.copy_(values[group[0]][me])
         for r in group[1:]:
-            out.add_(values[r][me])
+            accumulate(out, values[r][me], op)
+        finish_reduction(out, op, len(group))
         del values
         self._done(group)
 

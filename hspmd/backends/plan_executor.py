@@ -31,7 +31,7 @@ from hspmd.comm_resolve.plan_part import (
 from hspmd.comm_resolve.slices import box_contains, box_volume
 from hspmd.errors import HSPMDError, ShapeError, ShapeTypeError
 from hspmd.limits import brief
-from hspmd.backends.backend import Backend
+from hspmd.backends.backend import IDENTITY, Backend
 from hspmd.backends.local import run_on_devices
 
 
@@ -54,6 +54,10 @@ class Buffers:
 
     def zeros(self, shape) -> torch.Tensor:
         return torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
+
+    def identity(self, shape, reduce: str) -> torch.Tensor:
+        """A buffer holding the identity of `reduce` (zeros for sums and averages, ones for products)."""
+        return torch.full(tuple(shape), IDENTITY.get(reduce, 0.0), dtype=self.dtype, device=self.device)
 
     def empty(self, shape) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
@@ -104,8 +108,9 @@ def _target(out: torch.Tensor, held: Box, region: Box, buf: Buffers) -> tuple[to
 
 def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out, dst: Box, buf: Buffers,
                     zero: torch.Tensor | None, reduce: str = "sum") -> None:
-    """Run one sub-collective straight into this rank's destination piece `out` (holding `dst`);
-    a member without a summand contributes `zero` (one element) broadcast to the shape."""
+    """Run one sub-collective straight into this rank's destination piece `out` (holding `dst`),
+    reducing by `reduce`; a member without a summand contributes `zero` (one element: the
+    reduction's identity) broadcast to the shape."""
     me = backend.rank
     gives_zeros = me in c.zero_inputs or src is None
     if c.kind == "all_gather":
@@ -127,7 +132,7 @@ def _run_collective(c: Collective, backend: Backend, local, src: Box | None, out
     if c.kind == "all_reduce":
         backend.all_reduce_into(value, c.devices, target, reduce)
     else:
-        backend.reduce_scatter_into(value, c.devices, target)
+        backend.reduce_scatter_into(value, c.devices, target, reduce)
     if own:
         _write(out, dst, region, target)
 
@@ -246,10 +251,10 @@ def execute_step(step: StepPart, dtype: torch.dtype, backend: Backend, local, re
         if step.exchanges:
             _exchange((), step.exchanges, backend, {0: (local, src_box)}, {}, {0: buf})
         return local if step.dst is not None else None
-    out = buf.empty(step.dst.shape) if step.covered else buf.zeros(step.dst.shape)
+    out = buf.empty(step.dst.shape) if step.covered else buf.identity(step.dst.shape, reduce)
     zero = None  # the reduction's identity, one element, for a member without a value
     if any(backend.rank in c.zero_inputs or src_box is None for c in step.collectives):
-        zero = buf.zeros(()) if reduce == "sum" else torch.full((), -torch.inf, dtype=dtype, device=buf.device)
+        zero = buf.identity((), reduce)
     for c in step.collectives:
         _run_collective(c, backend, local, src_box, out, step.dst.box, buf, zero, reduce)
     _exchange(step.copies, step.exchanges, backend, {0: (local, src_box)}, {0: (out, step.dst.box)}, {0: buf})
@@ -260,17 +265,22 @@ def execute_plan(plan: Plan | PlanPart, backend: Backend, local: torch.Tensor | 
                  reduce: str = "sum") -> torch.Tensor | None:
     """This rank's part of `plan` (a whole plan is cut to it first, once: plan_part.part_of): its
     source piece in, its destination piece out (None if the rank holds no destination piece).
-    reduce="max" combines partial values by their maximum (a plan whose collectives are all
-    all-reduces: Partial -> Duplicate, SplitAllReduce)."""
+    Partial values combine by the plan's reduction (Plan.reduction, read off its layouts);
+    `reduce` names one for a plan between sum layouts (comm(..., reduce="max")), which then runs
+    on all-reduces alone (Partial -> Duplicate, SplitAllReduce)."""
     me = backend.rank
     part = part_of(plan, me) if isinstance(plan, Plan) else plan
     if part.device != me:
         raise HSPMDError(f"rank {me} was given device {part.device}'s part of the plan {part.label}")
     dtype = _torch_dtype(part.dtype)
     _check_local(local, part.src, dtype, me, lambda: f"source {part.source}")
-    if reduce != "sum" and set(part.collective_kinds) - {"all_reduce"}:
+    if reduce != "sum" and part.reduction not in ("sum", reduce):
+        raise HSPMDError(f"{part.label} combines partial values by {part.reduction}, and a {reduce} reduction "
+                         f"was asked for; state one reduction, in the layouts (P({reduce}):n)")
+    if reduce != "sum" and part.reduction == "sum" and set(part.collective_kinds) - {"all_reduce"}:
         raise HSPMDError(f"a {reduce} reduction runs on all-reduces only, and {part.label} resolves to "
                          f"{' + '.join(part.collective_kinds)}; reshard to a layout the partial values all-reduce into")
+    reduce = part.reduction if reduce == "sum" else reduce
     for step in part.steps:
         local = execute_step(step, dtype, backend, local, reduce)
     return local if part.holds_result else None

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from hspmd.errors import CommunicationError, HSPMDError
-from hspmd.backends.backend import Backend, Done, Group, Pending, Shape
+from hspmd.backends.backend import (Backend, Done, Group, Pending, Shape, accumulate, check_reduction,
+                                    finish_reduction)
 from hspmd.backends.heartbeat import HEARTBEAT_ENV, start_beating
 from hspmd.backends.store import STORE_PORT_ENV, hosts_store, job_from_env, open_store, secret_from_env
 from hspmd.backends.wire import decode_groups, encode_groups
@@ -42,7 +43,9 @@ SUPPORTED_BACKENDS = ("gloo", "nccl")
 # One-buffer collectives: renamed in recent torch (the old names warn), the old names before.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "prod": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}  # avg: the sum, divided afterwards
+_REAL_ONLY = frozenset({"max", "min", "prod"})  # torch.distributed reduces complex tensors by sum alone
 
 
 class TorchDistWorld:
@@ -258,14 +261,18 @@ class TorchDistBackend(Backend):
     # at most one piece-sized buffer in and one out.
 
     def all_reduce_into(self, tensor: torch.Tensor, group: Group, out: torch.Tensor, op: str = "sum") -> None:
+        """Any reduction (annotations.REDUCTIONS): avg as the sum divided by the member count, and
+        max, min and prod of complex tensors, which torch.distributed refuses, by gathering."""
         pg = self._process_group(group, "all_reduce")
-        if op not in _REDUCE_OPS:
-            raise CommunicationError(f"all_reduce on rank {self.rank}: op must be 'sum' or 'max', got {op!r}")
+        check_reduction(op, "all_reduce", self.rank)
+        if op in _REAL_ONLY and tensor.is_complex():
+            return super().all_reduce_into(tensor, group, out, op)
         target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
         target.copy_(tensor)
         if len(group) > 1 and target.numel():
             with self._wrapped("all_reduce", group):
                 dist.all_reduce(target, op=_REDUCE_OPS[op], group=pg)
+            finish_reduction(target, op, len(group))
         if target is not out:
             out.copy_(target)
 
@@ -302,18 +309,24 @@ class TorchDistBackend(Backend):
                 target.copy_(landing)
             del landing  # before the next round's
 
-    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor,
+                            op: str = "sum") -> None:
+        """Any reduction, as all_reduce_into; where no one-buffer collective serves, each member's
+        part travels point to point and is combined here."""
         pg = self._process_group(group, "reduce_scatter")
+        check_reduction(op, "reduce_scatter", self.rank)
         if len(parts) != len(group):
             raise CommunicationError(
                 f"reduce_scatter on rank {self.rank}: {len(parts)} parts for group {list(group)}; pass one per member"
             )
         me = group.index(self.rank)
         joined = _flat_view(parts) if self.native_in_place and list(group) == sorted(group) else None
-        if joined is not None and len({p.numel() for p in parts}) == 1 and out.is_contiguous() and len(group) > 1:
+        native = not (op in _REAL_ONLY and out.is_complex())
+        if joined is not None and native and len({p.numel() for p in parts}) == 1 and out.is_contiguous() and len(group) > 1:
             if joined.numel():
                 with self._wrapped("reduce_scatter", group):
-                    _REDUCE_SCATTER_SINGLE(out.view(-1), joined, group=pg)
+                    _REDUCE_SCATTER_SINGLE(out.view(-1), joined, op=_REDUCE_OPS[op], group=pg)
+                finish_reduction(out, op, len(group))
             return
         out.copy_(parts[me])
         if len(group) == 1:
@@ -322,7 +335,8 @@ class TorchDistBackend(Backend):
         for to, frm in _rounds(group, me):
             self._p2p_round("reduce_scatter", group, pg, parts[to].detach().contiguous(), group[to], landing,
                             group[frm])
-            out.add_(landing)
+            accumulate(out, landing, op)
+        finish_reduction(out, op, len(group))
 
     def _p2p_round(self, op: str, group: Group, pg, send: torch.Tensor, to: int, into: torch.Tensor, frm: int) -> None:
         """Send `send` (contiguous) to rank `to` while receiving rank `frm`'s message into `into` (contiguous)."""

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from hspmd.annotations import Annotation, Box, device_pieces
 from hspmd.annotations.geometry import device_pieces_of, subgroup_device_pieces, subgroup_kinds
+from hspmd.annotations.states import IDEMPOTENT
 from hspmd.comm_resolve.cost import itemsize_of
 from hspmd.comm_resolve.plan import Transfer
 from hspmd.comm_resolve.slices import Cell, Grid, box_contains, box_volume
@@ -54,9 +55,10 @@ def destination_needs(
     Non-partial pieces need their whole box. Where the destination holds partial summands, each
     slice goes to one summand of each group whose summands add up to the tensor (all subgroups
     under HDim P, else each subgroup): the one whose holders own most of it already; the other
-    summands stay zero."""
+    summands hold the reduction's identity (zeros for sums, ones for products). Under an
+    idempotent reduction (max, min, avg) every partial piece gets the value, as a value piece."""
     pieces = device_pieces(dst, shape) if devices is None else device_pieces_of(dst, shape, dict.fromkeys(devices))
-    if not any(p.is_partial for p in pieces.values()):
+    if dst.reduction in IDEMPOTENT or not any(p.is_partial for p in pieces.values()):
         return {d: [p.box] for d, p in pieces.items() if box_volume(p.box) > 0}
     families = [list(pieces)] if dst.hdim == "P" else [[d for d in s.dg if d in pieces] for s in dst.subgroups]
     grid = Grid([p.box for p in pieces.values()] + [b for b in owners.values()], len(shape))

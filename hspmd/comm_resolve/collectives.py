@@ -8,7 +8,9 @@ position's digit:
 
     P -> D   AllReduce          P -> S   ReduceScatter        S -> D   AllGather
     D -> S   LocalSplit (each device keeps its sub-box)
-    S -> P, D -> P   LocalSplit (each device keeps its part of the value, zeros elsewhere)
+    S -> P, D -> P   LocalSplit (each device keeps its part of the value, the reduction's identity
+                     elsewhere: 0 for sum, 1 for prod); under max, min and avg (no identity for
+                     avg) D -> P keeps the whole value on every member and S -> P is no local step
     S(d) -> S(d')   no collective (an all-to-all): the caller falls back to BSR
 
 Every step is checked geometrically (the parts must tile the box: with several splits of one dim
@@ -34,6 +36,7 @@ from hspmd.annotations import (
     box_intersection,
 )
 from hspmd.annotations.algebra import common_refinement
+from hspmd.annotations.states import IDEMPOTENT
 from hspmd.annotations.geometry import subgroup_device_pieces
 from hspmd.comm_resolve.plan import Collective, Step, Transfer
 from hspmd.comm_resolve.slices import box_contains, box_volume
@@ -127,11 +130,12 @@ def change_step(union: Annotation, k: int, axes: list[Axis], position: int, new_
                     return None
                 transfers.append(Transfer(d, d, (dst[d].box,), (0,)))
         elif change == ("S", "P"):
-            if not tiles(dst[first].box, [src[d].box for d in group]):
+            if new_axis.reduce in IDEMPOTENT or not tiles(dst[first].box, [src[d].box for d in group]):
                 return None
             transfers.extend(Transfer(d, d, (src[d].box,), (0,)) for d in group)
         else:
-            transfers.append(Transfer(first, first, (src[first].box,), (0,)))
+            keeping = group if new_axis.reduce in IDEMPOTENT else group[:1]
+            transfers.extend(Transfer(d, d, (src[d].box,), (0,)) for d in keeping)
     return Step(_PRIMITIVE[change], before, after, tuple(collectives), tuple(transfers), devices, k)
 
 

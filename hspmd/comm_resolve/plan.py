@@ -352,6 +352,13 @@ class Plan(_Stats):
         not every device's steps, nor every byte in its tables."""
         return frozenset(chain.from_iterable(map(itemgetter(1), chain.from_iterable(s.repeats for s in self.steps))))
 
+    @property
+    def reduction(self) -> str:
+        """How the partial values of the plan's layouts combine (Annotation.reduction: one per
+        plan, resolve refuses a plan between two reductions): every reducing collective and every
+        partial destination's fill follow it."""
+        return self.src.reduction if self.src.has_partial else self.dst.reduction
+
     def covers(self, devices: Iterable[int] | None) -> bool:
         """Whether the plan lists the steps of every one of `devices` (None: of every device)."""
         return not self.left_out if devices is None else self.left_out.isdisjoint(devices)

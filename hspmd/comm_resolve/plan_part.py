@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping
 
-from hspmd.annotations import Annotation, Box, Piece, box_intersection, device_piece
+from hspmd.annotations import REDUCTIONS, Annotation, Box, Piece, box_intersection, device_piece
 from hspmd.comm_resolve.collectives import tiles
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.slices import box_volume
@@ -131,6 +131,7 @@ class PlanPart:
     collective_kinds: tuple[str, ...] = ()
     source: str = ""
     destination: str = ""
+    reduction: str = "sum"
 
     @property
     def label(self) -> str:
@@ -143,7 +144,7 @@ class PlanPart:
         return {"schema": PART_SCHEMA, "device": self.device, "shape": list(self.shape), "dtype": self.dtype,
                 "src": _piece_json(self.src), "holds_result": self.holds_result,
                 "collective_kinds": list(self.collective_kinds), "source": self.source,
-                "destination": self.destination,
+                "destination": self.destination, "reduction": self.reduction,
                 "steps": [_step_json(s) for s in self.steps]}
 
     @classmethod
@@ -155,7 +156,10 @@ class PlanPart:
         device = json_count(d["device"], "device")
         part = cls(device, tuple(json_count(n, "shape") for n in d["shape"]), str(d["dtype"]), _piece_from(d["src"]),
                    json_flag(d["holds_result"], "holds_result"), tuple(_step_from(s) for s in d["steps"]),
-                   tuple(str(k) for k in d["collective_kinds"]), str(d["source"]), str(d["destination"]))
+                   tuple(str(k) for k in d["collective_kinds"]), str(d["source"]), str(d["destination"]),
+                   str(d.get("reduction", "sum")))
+        if part.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction is {part.reduction!r}, expected one of {', '.join(REDUCTIONS)}")
         for i, step in enumerate(part.steps):
             for c in step.collectives:
                 if device not in c.devices:
@@ -201,7 +205,7 @@ def _cut(plan: Plan, me: int) -> PlanPart:
                               exchanges))
     kinds = tuple(sorted({c.kind for s in plan.steps for c in s.collectives}))
     return PlanPart(me, shape, plan.dtype, piece_of(plan.src, shape, me), me in plan.dst.devices, tuple(steps),
-                    kinds, _shortened(str(plan.src)), _shortened(str(plan.dst)))
+                    kinds, _shortened(str(plan.src)), _shortened(str(plan.dst)), plan.reduction)
 
 
 def _shortened(text: str) -> str:

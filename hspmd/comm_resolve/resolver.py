@@ -149,7 +149,8 @@ def resolve(
     node holding every device; `dtype` sets the element size for byte counts and time estimates;
     `src_ratios` / `dst_ratios` bind top-tier ratios left to run time (`H0{...}`). A Partial
     source with no collective path is reduced in place first; `reduce_partial=False` raises
-    UnsupportedReshard instead (the paper's rule). `via` (one of VIAS) forces one route, None picks
+    UnsupportedReshard instead (the paper's rule). Partial values combine by the layouts'
+    reduction (Partial.reduce: sum, max, min, avg, prod), one per plan. `via` (one of VIAS) forces one route, None picks
     the cheapest (module docstring). `for_devices` resolves the plan for those devices only: a
     subgroup holding none of them whose steps repeat an earlier subgroup's (relabel.py) is left
     out, named in Step.repeats instead (a rank specializing alone then plans its own subgroups,
@@ -164,6 +165,12 @@ def resolve(
     if not isinstance(reduce_partial, bool):
         raise HSPMDTypeError(f"reduce_partial must be True or False, got {brief(reduce_partial)}")
     focus = None if for_devices is None else device_id_set(for_devices, "for_devices")
+    if src.has_partial and dst.has_partial and src.reduction != dst.reduction:
+        raise UnsupportedReshard(
+            f"cannot reshard {src} -> {dst}: the source's partial values combine by {src.reduction} and the "
+            f"destination's by {dst.reduction}; reshard to a layout without partial values first (one plan "
+            f"follows one reduction)"
+        )
     ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial, focus)
     with collector_paused():  # a large plan is many long-lived objects and no cycles (hspmd.heap)
         if via is not None:

@@ -126,8 +126,9 @@ class NonBlockingSends(Backend):
     def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
         self.inner.all_gather_into(tensor, group, outs)
 
-    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
-        self.inner.reduce_scatter_into(parts, group, out)
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor,
+                            op: str = "sum") -> None:
+        self.inner.reduce_scatter_into(parts, group, out, op)
 
     def reduce_scatter(self, parts: Sequence[torch.Tensor], group: Group) -> torch.Tensor:
         return self.inner.reduce_scatter(parts, group)

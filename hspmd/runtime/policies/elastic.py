@@ -144,9 +144,10 @@ class FaultInjector(Backend):
         self._tick("all_gather")
         self.inner.all_gather_into(tensor, group, outs)
 
-    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor,
+                            op: str = "sum") -> None:
         self._tick("reduce_scatter")
-        self.inner.reduce_scatter_into(parts, group, out)
+        self.inner.reduce_scatter_into(parts, group, out, op)
 
     def exchange_into(self, sends, recvs) -> None:
         self._tick("exchange")
