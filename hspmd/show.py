@@ -237,10 +237,22 @@ def calibrate_main(argv: Sequence[str]) -> int:
                                 "micro-benchmarks, the executor's overhead, a gloo ping-pong (2 processes)")
     p.add_argument("--out", default="calibration.json")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--cluster", default=None,
+                   help="a cluster file with an emulate block: also print the rates its emulated types follow from this "
+                        "host's fit (this host is its reference type; the others at the file's ratios)")
     args = p.parse_args(list(argv))
+    cluster = parse_cluster(args.cluster) if args.cluster else None
+    if cluster is not None and cluster.emulation is None:
+        raise HSPMDError(f"--cluster {args.cluster}: the cluster has no emulate block (nothing on this host follows from it)")
     cal = calibrate(args.repeats)
     cal.save(args.out)
     print(cal.describe())
+    if cluster is not None:
+        for t in cluster.device_types:
+            s = cluster.type_slowdown(t.name)
+            role = "this host (reference)" if t.name == cluster.emulation.reference else f"{s:.3g}x slower than this host"
+            print(f"  emulated {t.name}: {role}: matmul {cal.peak_flops / s / 1e9:.2f} GFLOP/s, elementwise "
+                  f"{cal.bandwidth / s / 1e9:.2f} GB/s, {cal.overhead * s * 1e6:.1f} us/instruction")
     print(f"wrote {args.out} (use it with hspmd simulate --calibration {args.out})")
     return 0
 

@@ -5,12 +5,16 @@ any weight changes, and nothing is emulated unless the cluster file asks."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from hspmd.backends.local import LocalWorld
+from hspmd.cli import main as cli_main
 from hspmd.cluster import ClusterSpec, cluster_from_dict, cluster_from_yaml, cluster_to_dict
 from hspmd.cluster.emulation import Emulation
 from hspmd.errors import ClusterError, DeviceOutOfMemory, HSPMDError
@@ -201,3 +205,70 @@ def test_a_stage_over_its_memory_fails_by_name_before_any_weight_changes():
     assert f"rank {raised[0]} (slow): out of device memory" in str(error) and "bytes live" in str(error)
     assert all(unchanged for _, unchanged, _ in results.values())
     assert isinstance(info.value, HSPMDError)
+
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "llama" / "train.py"
+TWO_TYPES = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "emulated-two-types.yaml"
+
+
+def test_run_with_a_cluster_is_refused_in_one_line_when_it_does_not_fit(tmp_path, capsys):
+    assert cli_main(["run", "-n", "5", "--cluster", str(TWO_TYPES), str(SCRIPT)]) == 2
+    assert "-n 5 ranks but cluster emulated-two-types has 4 devices" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TWO_TYPES.read_text().replace("reference: fast", "reference: slow"))
+    assert cli_main(["run", "--cluster", str(bad), str(SCRIPT)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "faster than the emulation's reference 'slow'" in err[0]
+
+
+@pytest.mark.multiprocess
+def test_plan_then_run_under_emulation_prints_measured_next_to_simulated(tmp_path, capsys):
+    """`hspmd plan --cluster C` writes a strategy, `hspmd run --cluster C` trains it with every rank
+    as its emulated type (one rank per device), and the summary has the measured step time beside
+    the simulated one and each rank's emulated waits: the slow type's compute, nobody else's."""
+    plan = tmp_path / "plan.yaml"
+    assert cli_main(["plan", "--cluster", str(TWO_TYPES), "--model", "llama-tiny", "--global-batch", "4",
+                     "--search", "dp", "--out", str(plan)]) == 0
+    summary, trace = tmp_path / "summary.json", tmp_path / "trace.json"
+    code = cli_main(["run", "--cluster", str(TWO_TYPES), str(SCRIPT), "--strategy-file", str(plan), "--steps", "3",
+                     "--checkpoint", str(tmp_path / "c.safetensors"), "--summary", str(summary), "--trace", str(trace)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "step time: measured" in out and "simulated" in out and "rank 3 emulated slow x2.5" in out
+    data = json.loads(summary.read_text())
+    assert data["measured_step_s"] > 0 and data["simulated_step_s"] > 0
+    by_rank = {e["rank"]: e for e in data["emulation"]}
+    assert set(by_rank) == {0, 1, 2, 3}
+    slow = [r for r in by_rank if by_rank[r]["device_type"] == "slow"]
+    assert slow == [2, 3]
+    used = {int(r) for p in yaml.safe_load(plan.read_text())["pipelines"] for s in p["stages"]
+            for r in str(s["ranks"]).split(",")}
+    assert all(by_rank[r]["compute_wait_s"] > 0 for r in slow if r in used)
+    assert all(by_rank[r]["compute_wait_s"] == 0 for r in (0, 1))
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e.get("cat") == "emulated"} & set(slow)
+
+
+def test_calibration_prices_the_emulated_types_at_the_file_ratios():
+    """This host's fit is the reference type; the slow type gets its rates / 2.5 and 1.5 x the
+    per-instruction overhead per kernel; links inside a node are the fitted host link."""
+    from hspmd.planning import model_named
+    from hspmd.planning.strategy_sim import simulate_strategy
+    from hspmd.runtime.policies.calibrate import Calibration, simulated_step
+
+    cal = Calibration(peak_flops=4e10, bandwidth=2e10, overhead=1e-4, link_latency=1e-4, link_bandwidth=1e9,
+                      step_overhead=1e-3, gamma=3.0)
+    cluster = cluster_from_yaml(TWO_TYPES.read_text())
+    cost = cal.cost_model_for(cluster, model_named("llama-tiny"))
+    assert cost.cluster.type_named("slow").peak_flops("float32") == pytest.approx(4e10 / 2.5)
+    assert cost.cluster.type_named("fast").hbm_bandwidth == pytest.approx(2e10)
+    assert cost.efficiency_of(cost.cluster.type_named("slow")).d("gemm") == pytest.approx(1.5e-4)
+    assert cost.efficiency_of(cost.cluster.type_named("fast")).d("gemm") == 0.0
+    assert cost.cluster.link(0, 1).name == "gloo" and cost.cluster.link(0, 2).name == "net"
+    on_fast = parse_strategy("layers=4 ; 4x1: R0 L0-3")
+    on_slow = parse_strategy("layers=4 ; 4x1: R2 L0-3")
+    fast, slow = simulate_strategy(on_fast, cost).iteration, simulate_strategy(on_slow, cost).iteration
+    assert 2.0 < slow / fast < 2.6  # the per-step overhead is not slowed
+    assert simulated_step(on_slow, cluster, model_named("llama-tiny"), cal)[0] == pytest.approx(slow)
+    with pytest.raises(HSPMDError, match="no emulate block"):
+        cal.cost_model_for(cluster.with_emulation(None), model_named("llama-tiny"))

@@ -20,6 +20,13 @@ bar with the loss, and saves a safetensors checkpoint (whole tensors, loadable u
 A config.json beside the checkpoint describes the model, so `hspmd checkpoint export-hf CHECKPOINT DIR`
 turns it into a directory that transformers' LlamaForCausalLM.from_pretrained loads.
 
+Under `hspmd run --cluster C` the job runs as cluster C: a cluster file with an emulate block makes
+every rank run as its device type on this host (slower compute, its memory, slow links between
+nodes: hspmd.runtime.execution.emulation), and rank 0 ends with the measured step time next to
+the simulated one (--calibration FILE from `hspmd calibrate`: as this host runs it; else the
+file's nominal figures) and each rank's emulated waits. --trace FILE writes a Chrome trace of
+every rank, the emulated waits under their own category.
+
 --init-from-hf DIR continues training a local Hugging Face Llama (config.json + safetensors shards,
 never downloaded): the model takes DIR's configuration, every rank reads only its own slices of
 the weights, and the optimizer starts fresh. The strategy must have the model's layer count, and
@@ -53,7 +60,11 @@ from hspmd.errors import HSPMDError
 from hspmd.models.hf_llama import hf_config, read_hf_config, read_hf_config_json
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
+from hspmd.planning import from_llama_config
 from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.execution.emulation import EmulatedBackend, cluster_from_env, emulated
+from hspmd.runtime.execution.trace import Tracer, write_trace
+from hspmd.runtime.policies.calibrate import Calibration, simulated_step
 from hspmd.runtime.persistence.hf_checkpoint import HFCheckpoint
 from hspmd.backends.from_env import backend_from_env
 from hspmd.runtime.policies.elastic import ElasticTrainer, KillPoint
@@ -99,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(hspmd checkpoint inspect/verify/consolidate read it); --resume loads either kind")
     p.add_argument("--summary", default=None, help="rank 0 writes a JSON summary of the run here")
     p.add_argument("--log-every", type=int, default=1, help="without a terminal, print every N-th step (default 1)")
+    p.add_argument("--calibration", default=None,
+                   help="`hspmd calibrate`'s file: the simulated step time printed beside the measured one is this "
+                        "host's (under hspmd run --cluster with an emulate block)")
+    p.add_argument("--trace", default=None, help="write a Chrome trace of every rank's steps here")
     return p.parse_args(argv)
 
 
@@ -190,7 +205,8 @@ def main(argv=None) -> int:
         return main_elastic(args)
     if args.kill:
         raise HSPMDError("--kill needs an elastic job: start it with `hspmd run -n N --elastic examples/llama/train.py`")
-    backend = backend_from_env()
+    cluster = cluster_from_env()
+    backend = emulated(backend_from_env(), cluster)
     rank = backend.rank
     console = Console(width=100, highlight=False, soft_wrap=True)
     say = console.print if rank == 0 else (lambda *a, **k: None)
@@ -226,7 +242,12 @@ def main(argv=None) -> int:
         say(f"initialised from the Hugging Face model in {args.init_from_hf}")
     if rank == 0:
         write_model_config(args.checkpoint, config, read_hf_config_json(args.init_from_hf) if args.init_from_hf else None)
+    tracer = Tracer(rank) if args.trace else None
+    trainer.tracer = tracer
+    if isinstance(backend, EmulatedBackend):
+        backend.emulator.tracer = tracer
     losses: list[float] = []
+    step_seconds: list[float] = []
     pending = []
     step_end_times: list[float] = []
     began = time.monotonic()
@@ -234,6 +255,7 @@ def main(argv=None) -> int:
     for step in range(start, args.steps):
         tick = time.monotonic()
         loss = trainer.step(corpus.batch(step, rows, args.seq, args.seed))
+        step_seconds.append(time.monotonic() - tick)
         step_end_times.append(time.time())
         if loss is not None:
             losses.append(loss)
@@ -270,14 +292,67 @@ def main(argv=None) -> int:
         say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps} "
             f"({seconds:.1f}s, {seconds / len(losses):.2f}s/step)")
     say(f"checkpoint: {os.path.abspath(args.checkpoint)} (step {trainer.steps_done})")
+    timing = step_report(args, strategy, config, cluster, step_seconds, backend, say)
+    if args.trace:
+        gather_trace(args.trace, tracer, backend)
+        say(f"trace: {os.path.abspath(args.trace)} (emulated waits under the category 'emulated')")
     if rank == trainer.devices[0] and args.summary:  # the lowest rank still training
         with open(args.summary, "w", encoding="utf-8") as f:
             json.dump({"losses": losses, "start_step": start, "steps": args.steps, "seconds": seconds,
                        "checkpoint": os.path.abspath(args.checkpoint), "schedule": args.schedule,
                        "world_size": backend.world_size, "strategy": args.strategy,
-                       "step_end_times": step_end_times}, f, indent=1)
+                       "step_end_times": step_end_times, "step_seconds": step_seconds, **timing}, f, indent=1)
     backend.shutdown()
     return 0
+
+
+def step_report(args, strategy, config, cluster, step_seconds, backend, say) -> dict:
+    """Measured step time (median of the steps after the first, with its spread) next to the
+    simulated one, and every rank's emulated waits (gathered, so rank 0 prints them all)."""
+    measured = sorted(step_seconds[1:] or step_seconds)
+    out: dict = {}
+    if measured:
+        median = measured[len(measured) // 2]
+        out["measured_step_s"] = median
+        line = f"step time: measured {median:.4f}s (median of {len(measured)} steps, {measured[0]:.4f}-{measured[-1]:.4f})"
+        if cluster is not None:
+            calibration = Calibration.load(args.calibration) if args.calibration else None
+            model = from_llama_config(config, seq_len=args.seq)
+            simulated, source = simulated_step(strategy, cluster, model, calibration, args.schedule or "1f1b")
+            out["simulated_step_s"] = simulated
+            line += f", simulated {simulated:.4f}s ({source}): measured/simulated {median / simulated:.2f}"
+        say(line)
+    if isinstance(backend, EmulatedBackend):
+        stats = backend.emulator.stats()
+        mine = torch.tensor([stats.compute_wait_s, stats.link_wait_s, float(stats.ops), float(stats.peak_bytes)],
+                            dtype=torch.float64)
+        everyone = tuple(range(backend.world_size))
+        rows = backend.inner.all_gather(mine, everyone, [(4,)] * len(everyone))
+        out["emulation"] = []
+        for r, row in enumerate(rows):
+            compute, link, ops, peak = row.tolist()
+            kind = cluster.device_type(r).name
+            capacity = cluster.emulated_memory(r)
+            memory = f", peak {peak / 2**20:.2f} of {capacity / 2**20:.2f} MiB" if capacity is not None else ""
+            say(f"  rank {r} emulated {kind} x{cluster.slowdown(r):.3g}: waited {compute:.3f}s for compute "
+                f"({int(ops)} ops), {link:.3f}s for links{memory}")
+            out["emulation"].append({"rank": r, "device_type": kind, "compute_wait_s": compute, "link_wait_s": link,
+                                     "ops": int(ops), "peak_bytes": int(peak), "capacity": capacity})
+    return out
+
+
+def gather_trace(path: str, tracer, backend) -> None:
+    """Every rank writes its events beside `path`; rank 0 joins them into one Chrome trace."""
+    with open(f"{path}.rank{backend.rank}", "w", encoding="utf-8") as f:
+        json.dump(tracer.events, f)
+    backend.barrier(tuple(range(backend.world_size)))
+    if backend.rank == 0:
+        per_rank = []
+        for r in range(backend.world_size):
+            with open(f"{path}.rank{r}", encoding="utf-8") as f:
+                per_rank.append(json.load(f))
+            os.remove(f"{path}.rank{r}")
+        write_trace(path, per_rank)
 
 
 def main_elastic(args) -> int:

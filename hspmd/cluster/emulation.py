@@ -24,6 +24,7 @@ from typing import Mapping
 
 from hspmd.errors import ClusterError
 
+CLUSTER_ENV = "HSPMD_CLUSTER"  # the cluster file `hspmd run --cluster` gives every rank of a job
 EMULATE_KEYS = ("reference", "dtype", "slowdown", "memory_scale", "links", "host_link")
 
 
@@ -124,4 +125,4 @@ def slowdown_of(emulation: Emulation, types: Mapping, type_name: str, name: str 
     return max(1.0, ratio)
 
 
-__all__ = ["EMULATE_KEYS", "Emulation", "check_emulation", "slowdown_of"]
+__all__ = ["CLUSTER_ENV", "EMULATE_KEYS", "Emulation", "check_emulation", "slowdown_of"]

@@ -353,9 +353,12 @@ class ClusterSpec:
 
     def slowdown(self, device: int) -> float:
         """How many times slower than this host `device` runs under the cluster's emulation (1 without one)."""
-        if self.emulation is None:
-            return 1.0
-        return slowdown_of(self.emulation, self._types, self.device_type(device).name, self.name)
+        return self.type_slowdown(self.device_type(device).name)
+
+    def type_slowdown(self, name: str) -> float:
+        """How many times slower than this host a device of type `name` runs under the emulation (1 without one)."""
+        self.type_named(name)
+        return 1.0 if self.emulation is None else slowdown_of(self.emulation, self._types, name, self.name)
 
     def emulated_memory(self, device: int) -> float | None:
         """Host bytes `device` may hold under the cluster's emulation (its type's capacity x memory_scale),

@@ -44,7 +44,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hspmd.backends.backend import Backend, Group, Pending, Shape
-from hspmd.cluster import ClusterSpec, LinkClass
+from hspmd.cluster import ClusterSpec, LinkClass, parse_cluster
+from hspmd.cluster.emulation import CLUSTER_ENV
 from hspmd.errors import DeviceOutOfMemory, HSPMDError
 from hspmd.planning.cost import ring_time
 from hspmd.runtime.execution.trace import Tracer
@@ -392,18 +393,13 @@ def emulation_of(backend: Backend) -> RankEmulator | None:
     return getattr(backend, "emulator", None)
 
 
-CLUSTER_ENV = "HSPMD_CLUSTER"
-
-
 def cluster_from_env() -> ClusterSpec | None:
     """The cluster `hspmd run --cluster C` gave the job (HSPMD_CLUSTER), or None."""
-    from hspmd.cluster import parse_cluster
-
     text = os.environ.get(CLUSTER_ENV)
     return parse_cluster(text) if text else None
 
 
 __all__ = [
-    "CLUSTER_ENV", "EmulatedBackend", "EmulationError", "EmulationStats", "RankEmulator", "StampBoard",
+    "EmulatedBackend", "EmulationError", "EmulationStats", "RankEmulator", "StampBoard",
     "cluster_from_env", "emulated", "emulation_of", "emulator_for", "shared_board",
 ]

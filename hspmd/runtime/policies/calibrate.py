@@ -46,6 +46,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, ModelSpec
 from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.planning.device_sim import DISPATCHED, op_kernel
+from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.ops import AdamW
 from hspmd.runtime.execution.batches import MicroBatchLayout
@@ -82,6 +83,29 @@ class Calibration:
     def cost_model(self, model: ModelSpec, devices: int) -> CostModel:
         return CostModel(self.cluster(devices), model, {"*": self.efficiency()}, overhead=self.overhead,
                          step_overhead=self.step_overhead)
+
+    def cost_model_for(self, cluster: ClusterSpec, model: ModelSpec) -> CostModel:
+        """The cost model of `cluster` emulated on this host (hspmd.runtime.execution.emulation): this
+        fit is the emulation's reference type; a type s times slower has the fitted rates / s and
+        pays (s - 1) x the per-instruction overhead per kernel as its delta (emulation slows each
+        op's whole measured time, dispatch included); memory is its capacity x memory_scale; links
+        inside a node are this host's fitted link (not emulated), between nodes the file's."""
+        emulation = cluster.emulation
+        if emulation is None:
+            raise HSPMDError(f"cluster {cluster.describe()} has no emulate block: it is not run on this host")
+        types, efficiency = [], {}
+        for t in cluster.device_types:
+            s = cluster.type_slowdown(t.name)
+            memory = t.hbm_capacity * emulation.memory_scale if emulation.memory_scale is not None else t.hbm_capacity
+            types.append(DeviceType(t.name, ((model.dtype, self.peak_flops / s),), self.bandwidth / s, memory))
+            efficiency[t.name] = Efficiency(gamma=tuple((cls, self.gamma) for cls in KERNEL_CLASSES),
+                                            delta=tuple((cls, (s - 1.0) * self.overhead) for cls in KERNEL_CLASSES))
+        host = self.link()
+        links = tuple(l for l in cluster.links if l.name != host.name) + (host,)
+        nodes = tuple(replace(n, intra=None) for n in cluster.nodes)
+        spec = ClusterSpec(nodes, tuple(types), links, tuple((t.name, host.name) for t in types), cluster.inter,
+                           cluster.cross, (), cluster.name, emulation)
+        return CostModel(spec, model, efficiency, overhead=self.overhead, step_overhead=self.step_overhead)
 
     def to_dict(self) -> dict:
         return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "overhead": self.overhead,
@@ -279,4 +303,16 @@ def calibrate(repeats: int = 7) -> Calibration:
     return fit(results[0])
 
 
-__all__ = ["Calibration", "Probe", "ProbeShape", "calibrate", "fit", "fit_line", "fit_steps", "median_seconds", "step_work", "StepWork"]
+def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration: Calibration | None = None,
+                   schedule: str = "1f1b") -> tuple[float, str]:
+    """(seconds, source) of one step of `strategy` on `cluster` by the level-1 simulator: with a
+    calibration and an emulated cluster, as this host runs it (Calibration.cost_model_for); else
+    from the cluster file's own figures (nominal rooflines, no overheads)."""
+    if calibration is not None and cluster.emulation is not None:
+        cost, source = calibration.cost_model_for(cluster, model), "level-1 simulator, this host's calibration"
+    else:
+        cost, source = CostModel(cluster, model), "level-1 simulator, the cluster file's nominal figures"
+    return simulate_strategy(strategy, cost, schedule).iteration, source
+
+
+__all__ = ["Calibration", "Probe", "ProbeShape", "calibrate", "simulated_step", "fit", "fit_line", "fit_steps", "median_seconds", "step_work", "StepWork"]

@@ -31,6 +31,7 @@ from typing import IO, Sequence
 from hspmd.arguments import ArgumentParser, non_negative_float, non_negative_int, positive_int
 from hspmd.backends.from_env import BACKENDS, check_backend
 from hspmd.backends.heartbeat import DEFAULT_INTERVAL_S as DEFAULT_HEARTBEAT_S
+from hspmd.cluster.emulation import CLUSTER_ENV
 from hspmd.limits import MAX_LOCAL_RANKS
 from hspmd.runtime.processes.affinity import CPUS_ENV, available_cpus, cpu_slices
 from hspmd.runtime.processes.ports import LOOPBACK
@@ -47,7 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="hspmd run",
         description="Launch N local processes of one job (rendezvous on 127.0.0.1).",
     )
-    parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of ranks to start")
+    parser.add_argument("-n", "--nproc", type=positive_int, default=None,
+                        help="number of ranks to start (default with --cluster: one per device of the cluster)")
+    parser.add_argument("--cluster", default=None,
+                        help="the cluster the job runs as (a .yaml file or a preset), passed to every rank in "
+                             f"{CLUSTER_ENV}; a file with an emulate block makes each rank run as its device type "
+                             "on this host (hspmd.runtime.execution.emulation)")
     parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (CPU), nccl (torch.distributed on GPUs) or cupy (NCCL through CuPy); sets HSPMD_BACKEND")
     parser.add_argument("--port", type=positive_int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--grace", type=non_negative_float, default=DEFAULT_GRACE_S,
@@ -66,6 +72,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("script", nargs="?", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    cluster_env = {}
+    if args.cluster is not None:
+        from hspmd.cluster import parse_cluster
+
+        cluster = parse_cluster(args.cluster)  # a bad file is one line naming its key (hspmd.cli)
+        args.nproc = cluster.n_devices if args.nproc is None else args.nproc
+        if args.nproc > cluster.n_devices:
+            parser.error(f"-n {args.nproc} ranks but cluster {cluster.describe()} has {cluster.n_devices} devices")
+        cluster_env[CLUSTER_ENV] = os.path.abspath(args.cluster) if os.path.isfile(args.cluster) else args.cluster
+    if args.nproc is None:
+        parser.error("give the number of ranks (-n N) or a cluster (--cluster FILE)")
     if args.nproc > MAX_LOCAL_RANKS:
         parser.error(f"-n {args.nproc} is over the limit of {MAX_LOCAL_RANKS} local ranks")
     if args.port is not None and args.port > 65535:
@@ -80,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_restarts and not args.elastic:
         parser.error("--max-restarts needs --elastic (a restarted rank joins the running job)")
     return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace, elastic=args.elastic,
-                  max_restarts=args.max_restarts, heartbeat=args.heartbeat, pin_cpus=args.pin_cpus)
+                  max_restarts=args.max_restarts, heartbeat=args.heartbeat, pin_cpus=args.pin_cpus, env=cluster_env)
 
 
 def launch(
@@ -95,6 +112,7 @@ def launch(
     max_restarts: int = 0,
     heartbeat: float = DEFAULT_HEARTBEAT_S,
     pin_cpus: bool = False,
+    env: dict[str, str] | None = None,
 ) -> int:
     """Run `command` as ranks 0..nprocs-1 and return the job's exit code (0 when all succeed).
 
@@ -108,7 +126,8 @@ def launch(
     ends the job naming a rank whose heartbeat stood still for `heartbeat` seconds (a frozen rank,
     found long before its peers' collectives time out; an elastic job kills it and goes on). Every rank runs under rank_guard.py, so
     no rank or grandchild outlives a launcher that is SIGKILLed. `pin_cpus`: each rank (and a
-    restarted one in its slot) runs on its own CPUs (hspmd.runtime.processes.affinity.cpu_slices)."""
+    restarted one in its slot) runs on its own CPUs (hspmd.runtime.processes.affinity.cpu_slices).
+    `env`: more environment variables for every rank (e.g. HSPMD_CLUSTER from --cluster)."""
     from hspmd.backends.heartbeat import HeartbeatMonitor
     from hspmd.backends.store import new_secret  # imports torch: only once a job is launched
 
@@ -129,13 +148,14 @@ def launch(
         for rank in range(nprocs):
             if stop.signal:
                 break
-            ranks.append(_start_rank(rank, command, nprocs, backend, port, secret, elastic, heartbeat, cpus=cpus[rank]))
+            ranks.append(_start_rank(rank, command, nprocs, backend, port, secret, elastic, heartbeat, cpus=cpus[rank],
+                                     extra=env))
         # Pumps (threads) start only after every Popen: preexec_fn is not safe once threads run.
         pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
         if not stop.signal:
             if elastic:
                 restart = _Restarter(command, nprocs, backend, port, secret, heartbeat, max_restarts, out, err, ranks,
-                                     pumps, cpus)
+                                     pumps, cpus, env)
                 failed = _wait_elastic(ranks, stop, store, err, restart, monitor)
             else:
                 failed = _wait_for_end(ranks, stop, monitor)
@@ -177,8 +197,9 @@ def _host_store(port: int | None, secret: str):
 
 
 def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int, secret: str,
-                elastic: bool = False, heartbeat: float = 0.0, joining: bool = False, cpus: str | None = None) -> _Rank:
-    env = dict(os.environ)
+                elastic: bool = False, heartbeat: float = 0.0, joining: bool = False, cpus: str | None = None,
+                extra: dict[str, str] | None = None) -> _Rank:
+    env = {**os.environ, **(extra or {})}
     # Like torchrun: one intra-op thread per rank unless the user says otherwise, so N ranks on
     # few cores do not oversubscribe them (4 ranks on 2 cores were ~25x slower without it).
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -248,9 +269,9 @@ def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest", monitor=None) -> lis
 class _Restarter:
     """Restarts dead ranks' slots (up to `budget` in all) as joining processes."""
 
-    def __init__(self, command, nprocs, backend, port, secret, heartbeat, budget, out, err, ranks, pumps, cpus):
+    def __init__(self, command, nprocs, backend, port, secret, heartbeat, budget, out, err, ranks, pumps, cpus, extra=None):
         self.command, self.nprocs, self.backend, self.port, self.secret = command, nprocs, backend, port, secret
-        self.heartbeat, self.cpus = heartbeat, cpus
+        self.heartbeat, self.cpus, self.extra = heartbeat, cpus, extra
         self.budget, self.out, self.err, self.ranks, self.pumps = budget, out, err, ranks, pumps
 
     def __call__(self, rank: int) -> _Rank | None:
@@ -258,7 +279,7 @@ class _Restarter:
             return None
         self.budget -= 1
         fresh = _start_rank(rank, self.command, self.nprocs, self.backend, self.port, self.secret, elastic=True,
-                            heartbeat=self.heartbeat, joining=True, cpus=self.cpus[rank])
+                            heartbeat=self.heartbeat, joining=True, cpus=self.cpus[rank], extra=self.extra)
         self.ranks.append(fresh)
         self.pumps.extend(_start_pumps(fresh, self.out, self.err))
         return fresh
