@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast equivalence multiprocess elastic bench mutation clean gpu-check
+.PHONY: demo test lint test-fast equivalence multiprocess elastic bench mutation clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m hspmd.cli demo
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+# The linter (ruff, pyproject's [tool.ruff]) over everything, the type checker (mypy) over the core layers.
+lint: $(STAMP)
+	$(PY) -m ruff check hspmd tests benchmarks examples tools
+	$(PY) -m mypy
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not multiprocess"

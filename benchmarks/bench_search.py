@@ -26,7 +26,6 @@ from hspmd.planning import CostModel, model_named  # noqa: E402
 from hspmd.planning.search import GENERAL, PERMUTED, UNIFORM, dfs, dp, exhaustive, mcts  # noqa: E402
 from hspmd.planning.search.command import uniform_baseline  # noqa: E402
 from hspmd.planning.search.costed import cluster_problem  # noqa: E402
-from hspmd.planning.search.space import price_strategy  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
 from hspmd.specialize.paper_strategies import paper_strategy  # noqa: E402
 

@@ -21,7 +21,8 @@ All sides (hspmd once per bucket cap given, default 25 MiB and 0.05 MiB, and the
 run side by side in one job, interleaved step by step (A B C D E, then B C D E A, ...) so that machine
 noise hits them alike. A step's time is the slowest rank's, each step starting on a world
 barrier. Reported: the median of the per-step ratios hspmd / baseline with their spread (min-max
-and interquartile range), medians in ms, the median per-step ratio of CPU time (all ranks), and the peak resident memory of each process (VmHWM,
+and interquartile range), medians in ms, the median per-step ratio of CPU time (all ranks), and the peak resident memory of each
+process (VmHWM,
 Linux) when each side runs alone in fresh processes (in one process, memory one side freed
 and the allocator kept would hide the other's).
 """

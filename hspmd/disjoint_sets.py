@@ -4,9 +4,15 @@ joins the (pipeline, stage) pairs that hold a layer in common."""
 
 from __future__ import annotations
 
-from typing import Generic, Sequence, TypeVar
+from typing import Any, Generic, Protocol, Sequence, TypeVar
 
-K = TypeVar("K")  # hashable and ordered: a set is named by its least member that joined another set
+
+
+class _Ordered(Protocol):
+    def __lt__(self, other: Any, /) -> bool: ...
+
+
+K = TypeVar("K", bound=_Ordered)  # hashable and ordered: a set is named by its least member that joined another set
 
 
 class DisjointSets(Generic[K]):

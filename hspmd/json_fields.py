@@ -7,6 +7,8 @@ the data is (`rank3.json: program field forward[3].inputs[1]: expected an intege
 
 from __future__ import annotations
 
+import builtins
+
 import json
 from typing import Sequence
 
@@ -77,18 +79,18 @@ class JsonField:
             raise self.fail("expected true or false")
         return self.value
 
-    def ints(self, minimum: int = 0) -> tuple[int, ...]:
+    def ints(self, minimum: builtins.int = 0) -> tuple[builtins.int, ...]:
         return tuple(f.int(minimum) for f in self.items())
 
-    def box(self, optional: bool = False) -> Box | None:
+    def box(self, optional: builtins.bool = False) -> Box | None:
         if optional and self.value is None:
             return None
-        out = []
+        out: list[tuple[builtins.int, builtins.int]] = []
         for r in self.items():
-            a, z = r.ints() if isinstance(r.value, list) and len(r.value) == 2 else (None, None)
-            if a is None or z < a:
+            bounds = r.ints() if isinstance(r.value, list) and len(r.value) == 2 else ()
+            if len(bounds) != 2 or bounds[1] < bounds[0]:
                 raise r.fail("expected a range [start, stop] with start <= stop")
-            out.append((a, z))
+            out.append((bounds[0], bounds[1]))
         return tuple(out)
 
 

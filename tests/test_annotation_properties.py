@@ -189,7 +189,8 @@ def test_random_constructor_arguments_raise_an_annotation_error_naming_the_bad_v
         other = data.draw(st.integers(0, 2))
         hdim = data.draw(st.one_of(junk, st.sampled_from(["D", "P"])))
         ratios = data.draw(st.one_of(st.none(), st.lists(junk, max_size=3).map(tuple)))
-        build = lambda: Annotation((Subgroup(DeviceGroup((0,))), Subgroup(DeviceGroup((other,)))), hdim, ratios)
+        def build():
+            return Annotation((Subgroup(DeviceGroup((0,))), Subgroup(DeviceGroup((other,)))), hdim, ratios)
         words, valid = [], None
     try:
         build()

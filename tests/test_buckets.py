@@ -98,7 +98,7 @@ def test_buckets_respect_the_cap_and_fill_in_backward_order(text, cap, data):
     syncing = [ins for ins in exe.update if ins.node.id in {t.node.id for t in exe.graph.gradients.values()}
                and ins.role != "identity"]
     assert len(slots) + len(plan.kept) == len(syncing) and slots
-    for gradient, mine in slots.items():
+    for _gradient, mine in slots.items():
         groups = [g for g, _ in mine]
         assert len(groups) == len(set(groups))  # one slot per all-reduce
         if len(mine) == 1:

@@ -11,7 +11,8 @@ from hspmd.cluster import ClusterSpec, DeviceType, Node
 from hspmd.planning import CostModel, Efficiency, ModelSpec
 from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.runtime.policies.calibrate import (
-    ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, Calibration, ProbeShape, fit, fit_line, fit_steps, probe_trainer, step_work, StepWork,
+    ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, Calibration, ProbeShape, fit, fit_line, fit_steps, probe_trainer,
+    step_work, StepWork,
 )
 from hspmd.runtime.execution.trace import Tracer, read_trace, write_trace
 

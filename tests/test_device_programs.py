@@ -157,7 +157,8 @@ def test_a_program_prints_its_place_ops_plans_and_pieces():
     # stage [2] of a TP1 pipeline sends activations on and takes gradients back: no collective forward
     assert {o.role for o in programs[2].forward} & {"send", "collective"} == {"send"}
     assert "collective" in {o.role for o in programs[0].forward}  # TP2
-    assert "SendRecv" in text and "parameter layers.0.wq" in text and "causal_attention(t13, t18, t22)" in text and "init kind=normal" in text
+    assert "SendRecv" in text and "parameter layers.0.wq" in text
+    assert "causal_attention(t13, t18, t22)" in text and "init kind=normal" in text
     assert programs[4].idle and "idle" in str(programs[4])
     for p in programs.values():
         assert DeviceProgram.from_json(p.to_json()) == p
@@ -231,7 +232,7 @@ def test_a_program_carries_its_buckets_and_the_runner_reads_gradients_from_them(
     bucketed = compile_programs(model.graph, 0, layout, "1f1b", symbols, bucket_cap_mb=0.001)
     plain = compile_programs(model.graph, 0, layout, "1f1b", symbols, bucket_cap_mb=None)
     assert all(p.buckets is None for p in plain.values())
-    for rank, program in bucketed.items():
+    for program in bucketed.values():
         assert len(program.buckets.buckets) > 1 and not program.buckets.kept
         assert DeviceProgram.from_json(program.to_json()).buckets == program.buckets
     world = LocalWorld(range(len(bucketed)))
@@ -250,7 +251,7 @@ def test_a_program_carries_its_buckets_and_the_runner_reads_gradients_from_them(
     for rank in grads:
         for name, (box, value) in grads[rank].items():
             assert plain_grads[rank][name][0] == box and torch.equal(value, plain_grads[rank][name][1]), name
-        for name, (box, value) in pieces[rank].items():
+        for name, (_box, value) in pieces[rank].items():
             assert torch.equal(value, plain_pieces[rank][name][1]), name
 
 
@@ -284,7 +285,7 @@ def test_load_of_dump_is_the_program(x_ann, y_ann, factor):
         spec = specialize_graph(g, 0, Binding(), fetches=[out])
     except HSPMDError:
         return
-    for d, exe in spec.executables.items():
+    for _d, exe in spec.executables.items():
         p = device_program(exe, seed=1, place=None, feeds=(), global_batch=4, devices=spec.devices,
                            groups=(spec.devices,), loss=None, loss_summand=False)
         text = p.to_json()

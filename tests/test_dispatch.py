@@ -24,7 +24,7 @@ def _instance(seed):
     n = rng.randint(4, 10)
     lengths = [rng.choice([rng.randint(1, 64), rng.randint(64, 512)]) for _ in range(n)]
     pipes = []
-    for p in range(3):
+    for _p in range(3):
         pipes.append(PipelineCost(a=rng.uniform(0, 2e-3), b=rng.uniform(0.2, 2.0), c=rng.uniform(0, 20),
                                   max_tokens=rng.randint(128, 1024), stages=rng.randint(1, 3)))
     longest = max(lengths)

@@ -41,7 +41,8 @@ def _check(text, sequence_parallel=False, expect=None, **options):
 
     initial = {n.name: initial_value(n) for n in model.graph.parameters}
     scaling = config.rope_scaling
-    history, final = reference_training(initial, lambda step: batches[step], config.layers, config.heads, STEPS, lr=LR, rope_scaling=scaling and {
+    history, final = reference_training(initial, lambda step: batches[step], config.layers, config.heads, STEPS, lr=LR,
+        rope_scaling=scaling and {
         "rope_type": scaling.kind, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
         "high_freq_factor": scaling.high_freq_factor, "original_max_position_embeddings": scaling.original_max_position})
     for step in range(STEPS):

@@ -80,7 +80,7 @@ def test_every_rank_of_a_heterogeneous_strategy_starts_with_its_box_of_the_singl
     model = build_llama(LlamaConfig(layers=strategy.num_layers), [strategy])
     spec = specialize_graph(model.graph, 0, Binding.of({"B": 3, "S": 4, "T": 12 * 4}, ratios=strategy.micro_batch_ratios))
     seen = 0
-    for device, exe in spec.executables.items():
+    for _device, exe in spec.executables.items():
         state = DeviceState.initial(exe, seed=5)
         for node in exe.held_leaves:
             box = exe.box(node.output, exe.binding)

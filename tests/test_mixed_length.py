@@ -97,7 +97,7 @@ def test_length_buckets_inside_a_step_in_process():
     # Hetu-A: buckets by length, gradient accumulation across strategies, moved with the weights
     results = LocalWorld(range(4), 120).run(lambda b: mixed_rank(b, True))
     history = _check(results)
-    for (names, switches), lengths in zip(history, STEPS):
+    for (names, _switches), lengths in zip(history, STEPS):
         wanted = {"S1" if s > THRESHOLD else "S2" for s in lengths}
         assert set(names) == wanted and len(names) == len(wanted)
     total = sum(len(sw) for _, sw in history)

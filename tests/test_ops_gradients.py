@@ -93,7 +93,7 @@ def test_op_value_and_gradient_match_torch(case):
     ref = theirs(*leaves)
     (ref * w_value).sum().backward()
     torch.testing.assert_close(got[y.name], ref.detach(), rtol=1e-5, atol=1e-5)
-    for x, leaf, gx in zip(xs, leaves, grads):
+    for _x, leaf, gx in zip(xs, leaves, grads):
         torch.testing.assert_close(got[gx.name], leaf.grad, rtol=1e-4, atol=1e-5)
 
 

@@ -85,7 +85,6 @@ def test_replan_places_tp_groups_inside_nodes_left_odd_by_failures():
     # Two nodes of 4 lose a device each: 6 devices count as three TP-2 groups, but a node of 3
     # holds one TP-2 group; the replan must place every group inside a node.
     from hspmd.cluster.presets import uniform
-    from hspmd.planning.ranks import assign_ranks
     from hspmd.planning.search import PlanningError
     evaluator = TableEvaluator({("gpu", 1): 1.0, ("gpu", 2): 0.3, ("gpu", 4): 0.2}, {"gpu": 1e15})
     cluster = uniform(2, 4)

@@ -13,7 +13,7 @@ from hspmd.cluster import ClusterSpec, LinkClass, Node, cluster_from_dict, clust
 from hspmd.cluster.presets import GENERIC, GENERIC_INTER, GENERIC_INTRA, INFINIBAND, NVLINK
 from hspmd.cli import main as cli_main
 from hspmd.comm_resolve.explain import main as explain_main
-from hspmd.errors import AnnotationError, ClusterError, HSPMDError, HSPMDTypeError, PlanError, ShapeError
+from hspmd.errors import ClusterError, HSPMDError, HSPMDTypeError, PlanError, ShapeError
 from hspmd.backends.local import run_on_devices
 from hspmd.backends.plan_executor import execute_plan
 

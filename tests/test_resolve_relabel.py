@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hspmd.annotations import Annotation, Subgroup
 from hspmd.annotations.states import order_pattern
 from hspmd.cluster import LinkClass, uniform
 from hspmd.comm_resolve import relabel, resolve

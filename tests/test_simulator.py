@@ -101,7 +101,7 @@ def test_breakdown_memory_and_sync():
     st1 = SimStage((2,), 1.0, 2.0, sync=0.5, update=1.0, static_memory=50.0, activation_memory=10.0)
     result = simulate_pipelines([SimPipeline((st0, st1), (SimLink(),), 4)], [((0, 0), (0, 1))])
     assert result.iteration == pytest.approx(5 * 3.0 + 3.0 + 1.0)  # pipeline, then one sync of the group, update
-    for rank, b in result.per_rank.items():
+    for _rank, b in result.per_rank.items():
         assert b.compute + b.comm + b.idle == pytest.approx(result.iteration)
     assert result.per_rank[0].comm == pytest.approx(4 * 0.75 + 3.0)
     assert result.peak_memory == {0: 120.0, 1: 120.0, 2: 60.0}

@@ -170,7 +170,7 @@ def _top_tier_regions(hdim, weights: tuple[int, ...] | None, hsize: int, shape: 
     if not isinstance(hdim, int):
         return (whole,) * hsize
     head, tail = whole[:hdim], whole[hdim + 1:]
-    return tuple(head + (rng,) + tail for rng in split_bounds(shape[hdim], weights))
+    return tuple(head + (rng,) + tail for rng in split_bounds(shape[hdim], weights or (1,) * hsize))
 
 
 def split_index(sub: Subgroup, index: int, dim: int) -> tuple[int, int]:
@@ -254,7 +254,7 @@ def _device_pieces(ann: Annotation, shape: tuple[Length, ...], ratios: tuple[int
     """device_pieces, cached: a pure function of immutable values that a resolver asks for
     several times per plan (and for the same layouts across plans). Callers get a copy, so the
     cached dict is never modified; the size bound keeps memory small for unions of many devices."""
-    out = {}
+    out: dict[int, Piece] = {}
     placed: dict[tuple, tuple] = {}  # (states, region) -> ((box, summand index), ...) in device order
     values: dict[tuple, tuple[Piece, ...]] = {}  # the same as value pieces
     for k, region in enumerate(subgroup_regions(ann, shape, ratios)):
@@ -324,7 +324,9 @@ def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, 
     held = before.device_set
     if held.isdisjoint(after.devices):  # (a move onto other devices: only the states and extents tell)
         return numbered(list(zip(after.states_codes, after_extents)))
-    kinds, numbers, last = [], {}, (None, None)
+    kinds: list[int | None] = []
+    numbers: dict[tuple, int] = {}
+    last: tuple[tuple | None, int | None] = (None, None)
     for k, (sub, region, extents) in enumerate(zip(after.subgroups, after_regions, after_extents)):
         devices = sub.dg.devices
         if aligned:
@@ -342,7 +344,7 @@ def _subgroup_kinds(before: Annotation, after: Annotation, shape: tuple[Length, 
             else:
                 kinds.append(None)
                 continue
-        source = ()  # (before holds none of its devices)
+        source: tuple = ()  # (before holds none of its devices)
         if j is not None:
             ds = before.subgroups[j].ds
             start = _relative_start(ds.split_dims, before_regions[j], sub.ds.split_dims, region)

@@ -11,7 +11,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from hspmd.annotations.geometry import box_intersection, box_relative, check_shape, device_pieces, split_index, subgroup_pieces, subgroup_regions
+from hspmd.annotations.geometry import (
+    box_intersection, box_relative, check_shape, device_pieces, split_index, subgroup_pieces, subgroup_regions,
+)
 from hspmd.annotations.states import Subgroup
 from hspmd.annotations.union import Annotation
 from hspmd.annotations.syntax import parse
@@ -164,7 +166,7 @@ def unshard(
     regions = subgroup_regions(ann, shape, ratios)
     on = next(iter(locals_.values())).device  # the whole tensor is made where the pieces are (a GPU's too)
     values = []
-    for k, (sub, region) in enumerate(zip(ann.subgroups, regions)):
+    for sub, region in zip(ann.subgroups, regions):
         seen: dict[tuple, int] = {}
         partials: dict[tuple, torch.Tensor] = {}  # summand -> its value of the region
         for device in sub.dg:

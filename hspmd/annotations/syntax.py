@@ -13,7 +13,9 @@ Whitespace is free. Errors are ParseError with the offending character marked.
 
 from __future__ import annotations
 
-from hspmd.annotations.states import REDUCTIONS, Axis, DeviceGroup, DistributedStates, Duplicate, Partial, Split, Subgroup
+from hspmd.annotations.states import (
+    REDUCTIONS, Axis, DeviceGroup, DistributedStates, Duplicate, HDim, Partial, Split, Subgroup,
+)
 from hspmd.annotations.union import Annotation, Hierarchy
 from hspmd.errors import AnnotationError, AnnotationTypeError, LimitError, ParseError
 from hspmd.limits import MAX_DEVICES, MAX_DIGITS
@@ -135,7 +137,7 @@ class _Parser:
             return Annotation((sub,))
         self.pos += 1
         if self.peek() in ("D", "P"):
-            hdim: int | str = self.peek()
+            hdim: HDim = "D" if self.peek() == "D" else "P"
             self.pos += 1
         else:
             hdim = self.integer("HDim after 'H' (a tensor dim, D or P)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from hspmd.annotations.states import (DeviceGroup, DistributedStates, HDim, Subgroup, _Memo, _members, _positive_int,
                                       numbered)
@@ -232,10 +232,10 @@ class Annotation(_Memo):
         outside = [k for k in replaced if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < self.hsize]
         if outside:
             raise AnnotationError(f"{self} has subgroups 0-{self.hsize - 1}; there is no subgroup {outside[0]!r} to replace")
-        subs = list(self.subgroups)
+        listed = list(self.subgroups)
         for k, sub in replaced.items():
-            subs[k] = sub
-        subs = tuple(subs)
+            listed[k] = sub
+        subs = tuple(listed)
         groups = self.dg_union
         if not (all(isinstance(sub, Subgroup) for sub in replaced.values())
                 and [sub.dg for sub in replaced.values()] == [groups[k] for k in replaced]):  # (in C: mostly one object each)
@@ -243,7 +243,7 @@ class Annotation(_Memo):
         self._subgroup_index()  # made here once, it passes down a plan's chain of layouts (else one per layout)
         new = Annotation.known(subs, self.hdim, self.ratios)
         known = self.__dict__.get("_memo_cache") or {}
-        kept = {key: known[key] for key in self._KEPT_BY_WITH_SUBGROUP if key in known}
+        kept: dict[object, object] = {key: known[key] for key in self._KEPT_BY_WITH_SUBGROUP if key in known}
         kept.update((key, v) for key, v in known.items() if isinstance(key, tuple) and key[:1] == ("derived",)
                     and isinstance(key[1], tuple) and key[1][:1] == ("regions",))  # regions: HDim, ratios, HSize only
         if "dim_bound" in known:
@@ -263,16 +263,13 @@ class Annotation(_Memo):
         uniform = self.uniform_states
         if uniform is not None:  # one layout: restated once
             ds = states(uniform[0])
-            if ds == uniform[0]:
-                subs = list(self.subgroups)
-            else:
-                if ds.size != uniform[1]:
-                    Subgroup(self.subgroups[0].dg, ds)  # raises, naming both
-                subs = _subgroups_on(self, ds)
-            return self._restated_as(subs, hdim, ratios, (ds, uniform[1]))
+            if ds.size != uniform[1]:
+                Subgroup(self.subgroups[0].dg, ds)  # raises, naming both
+            same = ds == uniform[0]
+            return self._restated_as(self.subgroups if same else _subgroups_on(self, ds), hdim, ratios, (ds, uniform[1]))
         new_states: dict[DistributedStates, tuple] = {}  # old -> (new, its size, unchanged)
         by_object: dict[int, tuple] = {}  # the same by id: hashed once per object
-        subs = []
+        subs: list[Subgroup] = []
         for sub in self.subgroups:
             entry = by_object.get(id(sub.ds))
             if entry is None:
@@ -290,12 +287,12 @@ class Annotation(_Memo):
             subs.append(Subgroup.known(sub.dg, ds))
         return self._restated_as(subs, hdim, ratios, None)
 
-    def _restated_as(self, subs: list[Subgroup], hdim: HDim, ratios: tuple[int, ...] | None,
+    def _restated_as(self, subs: Sequence[Subgroup], hdim: HDim, ratios: tuple[int, ...] | None,
                      uniform: tuple[DistributedStates, int] | None) -> "Annotation":
         """A union of `subs` (this union's device groups, valid states) and the given top tier,
         keeping what this union knows of its devices (and `uniform`, when known)."""
         new = Annotation.known(subs, *_top_tier(hdim, ratios, len(subs)))  # the device groups are this union's
-        self.device_set  # made here once, every layout deduced or derived from this one shares it
+        _ = self.device_set  # made here once, every layout deduced or derived from this one shares it
         known = self.__dict__.get("_memo_cache") or {}
         cache = new.__dict__.setdefault("_memo_cache", {})
         cache.update((key, known[key]) for key in self._KEPT_BY_WITH_SUBGROUP if key in known and key not in cache)

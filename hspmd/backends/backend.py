@@ -86,6 +86,7 @@ class Backend(abc.ABC):
         """Set up communicators for `groups` before their first use. Collective over the whole job:
         every rank calls it at the same point, passing the groups it will use (lists may differ).
         Backends whose groups need no setup do nothing."""
+        return None
 
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:

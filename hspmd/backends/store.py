@@ -320,4 +320,5 @@ def open_store(host: str, port: int, is_master: bool, secret: bytes | None = Non
     return JobStore(host, server.port if server else port, secret, timeout, server)
 
 
-__all__ = ["JobStore", "LOOPBACK", "SECRET_ENV", "STORE_HOSTED_ENV", "STORE_PORT_ENV", "StoreServer", "hosts_store", "new_secret", "open_store", "secret_from_env"]
+__all__ = ["JobStore", "LOOPBACK", "SECRET_ENV", "STORE_HOSTED_ENV", "STORE_PORT_ENV", "StoreServer", "hosts_store",
+    "new_secret", "open_store", "secret_from_env"]

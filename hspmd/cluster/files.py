@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import yaml
 
@@ -50,7 +50,7 @@ def _required(data: Mapping, name: str, key: str):
     return data[name]
 
 
-def _number(value: object, key: str) -> float:
+def _number(value: Any, key: str) -> float:
     if isinstance(value, bool):
         raise ClusterError(f"cluster file: {key} must be a number, got {value!r}")
     try:
@@ -106,7 +106,7 @@ def _device_type(name: str, data: object) -> DeviceType:
 def _nodes(raw: object) -> list[Node]:
     if not isinstance(raw, (list, tuple)) or not raw:
         raise ClusterError("cluster file: nodes must be a non-empty list of {type, devices[, count, site, intra]}")
-    nodes = []
+    nodes: list[Node] = []
     for i, n in enumerate(raw):
         key = f"nodes[{i}]"
         n = _mapping(n, key)

@@ -22,7 +22,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from itertools import chain, repeat
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from hspmd.cluster.emulation import Emulation, check_emulation, slowdown_of
 from hspmd.errors import ClusterError
@@ -31,7 +31,7 @@ from hspmd.limits import MAX_DEVICES, check_limit
 DTYPES = ("float64", "float32", "tfloat32", "bfloat16", "float16", "float8")
 
 
-def _positive(value: object, where: str, allow_zero: bool = False, allow_inf: bool = False) -> float:
+def _positive(value: Any, where: str, allow_zero: bool = False, allow_inf: bool = False) -> float:
     if isinstance(value, bool):
         raise ClusterError(f"{where}: expected a number, got {value!r}")
     try:
@@ -104,7 +104,7 @@ class LinkClass:
         return alpha + nbytes / beta
 
     def to_dict(self) -> dict:
-        out = {"bandwidth": self.bandwidth, "latency": self.latency}
+        out: dict[str, object] = {"bandwidth": self.bandwidth, "latency": self.latency}
         if self.shared:
             out["shared"] = True
         if self.buckets:
@@ -190,7 +190,7 @@ class ClusterSpec:
     _types: dict = field(init=False, repr=False, compare=False)
     _links: dict = field(init=False, repr=False, compare=False)
     _pair_map: dict = field(init=False, repr=False, compare=False)
-    _only_link: object = field(init=False, repr=False, compare=False)
+    _only_link: LinkClass | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         nodes = tuple(self.nodes)

@@ -62,7 +62,8 @@ def _parser() -> ArgumentParser:
     p.add_argument("src", help="source annotation, e.g. 'HP{S1:4@[0-3] | S1:2@[4,5]}'")
     p.add_argument("dst", help="destination annotation")
     p.add_argument("--shape", type=_ints, required=True, help="global tensor shape, e.g. 8,6")
-    p.add_argument("--topology", default=None, help="cluster: a preset (hetu-h800-h20, hapt-a100-v100, heterosim-a100-h100, hetauto-a100-2x16), 2x4, "
+    p.add_argument("--topology", default=None,
+        help="cluster: a preset (hetu-h800-h20, hapt-a100-v100, heterosim-a100-h100, hetauto-a100-2x16), 2x4, "
                    "nvlink-ib:4x8, h800-h20:2+4 or a cluster .yaml file (default: one node)")
     p.add_argument("--dtype", default="float32", help="element type for byte counts (default float32)")
     p.add_argument("--src-ratios", type=_ints, default=None, help="run-time top-tier ratios of SRC, e.g. 2,1")

@@ -140,6 +140,8 @@ def initial_value(node: Node, seed: int = 0, box: Box | None = None,
     """The initial value of a parameter or state, deterministic in its name and `seed`: the whole
     tensor, or only the elements of `box` (equal to the same box of the whole, made without it),
     on `device`."""
+    if node.init is None:
+        raise HSPMDError(f"initial_value: {node.kind} {node.name} is not a parameter or state (it has no initializer)")
     shape = tuple(node.output.shape)
     box = tuple((0, n) for n in shape) if box is None else tuple(box)
     return make_piece(node.init, shape, box, name_seed(node.name, seed), node.output.dtype, device)

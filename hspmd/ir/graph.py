@@ -20,6 +20,7 @@ import torch
 
 from hspmd.annotations import Annotation, Hierarchy, parse
 from hspmd.errors import AnnotationError, HSPMDError
+from hspmd.ir.init import Initializer
 from hspmd.ir.shapes import Shape, format_shape
 
 PHASES = ("forward", "backward", "update")
@@ -159,7 +160,7 @@ class Node:
         self.inputs, self.attrs, self.phase = inputs, attrs, phase
         self.outputs: tuple[Tensor, ...] = ()
         self.annotation: tuple[Annotation, ...] | Derived | None = None
-        self.init: Callable[[tuple[int, ...], torch.Generator], torch.Tensor] | None = None
+        self.init: Initializer | None = None
 
     @property
     def kind(self) -> str:
@@ -294,7 +295,8 @@ class Graph:
                     )
                 new[node] = as_annotation(ann)
         for node, ann in new.items():
-            node.annotation = tuple(node.annotation or ()) + (ann,)
+            earlier = node.annotation if isinstance(node.annotation, tuple) else ()  # (derived ones were skipped)
+            node.annotation = earlier + (ann,)
         self.num_strategies += 1
         return self.num_strategies - 1
 

@@ -21,6 +21,7 @@ fine for small weights, and the one initializer that does not scale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -147,7 +148,7 @@ def make_piece(init: Initializer, shape: tuple[int, ...], box: Box, seed: int, d
     return out
 
 
-_KINDS: dict[str, type] = {"normal": Normal, "uniform": Uniform, "constant": Constant}
+_KINDS: dict[str, type[Normal] | type[Uniform] | type[Constant]] = {"normal": Normal, "uniform": Uniform, "constant": Constant}
 
 
 def initializer_key(init: Initializer) -> tuple[tuple[str, object], ...] | None:
@@ -155,7 +156,7 @@ def initializer_key(init: Initializer) -> tuple[tuple[str, object], ...] | None:
     WholeTensor, which is code and cannot be written down."""
     for kind, cls in _KINDS.items():
         if type(init) is cls:
-            return (("kind", kind),) + tuple((f, getattr(init, f)) for f in cls.__dataclass_fields__)
+            return (("kind", kind),) + tuple((f.name, getattr(init, f.name)) for f in dataclasses.fields(cls))
     return None
 
 
@@ -166,13 +167,13 @@ def initializer_from_key(key: Mapping[str, object]) -> Initializer:
     if kind not in _KINDS:
         raise HSPMDError(f"initializer kind {kind!r} is not one of {', '.join(_KINDS)}")
     cls = _KINDS[kind]
-    names = set(cls.__dataclass_fields__)
+    names = {f.name for f in dataclasses.fields(cls)}
     if not set(fields) <= names or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in fields.values()):
         raise HSPMDError(f"initializer {kind} takes numbers {sorted(names)}, got {fields!r}")
-    return cls(**{k: float(v) for k, v in fields.items()})
+    return cls(**{k: float(v) for k, v in fields.items()})  # type: ignore[arg-type]  # numbers, checked above
 
 
-def as_initializer(init: object) -> Initializer:
+def as_initializer(init: Initializer | Callable[[tuple[int, ...], torch.Generator], torch.Tensor]) -> Initializer:
     return init if isinstance(init, Initializer) else WholeTensor(init)
 
 

@@ -35,8 +35,8 @@ def as_dim(value: object, where: str) -> Dim:
             raise ShapeError(f"{where}: dim {value} is negative")
         return value
     if isinstance(value, sympy.Basic):
-        value = sympy.sympify(value)
-        return int(value) if value.is_Integer else value
+        expr = sympy.sympify(value)
+        return int(expr) if expr.is_Integer else expr
     raise ShapeError(f"{where}: a dim must be an int or a sympy expression, got {value!r}")
 
 

@@ -54,7 +54,8 @@ def reference_logits(params: dict[str, torch.Tensor], tokens: torch.Tensor, laye
     b, s = tokens.shape
     x = params["embed"][tokens]
     for l in range(layers):
-        p = lambda n: params[f"layers.{l}.{n}"]
+        def p(n):
+            return params[f"layers.{l}.{n}"]
         h = _rmsnorm(x, p("attn_norm"), eps)
         hd = p("wq").shape[1] // heads
         kv = p("wk").shape[1] // hd

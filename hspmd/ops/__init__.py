@@ -41,7 +41,8 @@ class Graph(_BaseGraph):
 
 
 __all__ = [
-    "AdamW", "Graph", "Mismatch", "TENSOR_OPERATORS", "Optimizer", "SGD", "add", "cast", "causal_attention", "context_attention", "cross_entropy", "div", "embedding",
+    "AdamW", "Graph", "Mismatch", "TENSOR_OPERATORS", "Optimizer", "SGD", "add", "cast", "causal_attention", "context_attention",
+    "cross_entropy", "div", "embedding",
     "exp",
     "expand_as", "fill_like", "gradients", "group_sum", "layernorm", "linear", "matmul", "mean", "mul", "neg",
     "reduce_sum", "relu", "repeat_interleave", "reshape", "rmsnorm", "rotary", "scale", "silu", "softmax", "sub",

@@ -1,5 +1,6 @@
 """Pointwise ops of one tensor (same shape in and out): neg, scale, add_scalar, silu, relu, the
-one-kernel gradients of silu and relu, and cast (dtype conversion, for mixed precision). Below shape_ops and the broadcasting arithmetic, which use them."""
+one-kernel gradients of silu and relu, and cast (dtype conversion, for mixed precision). Below shape_ops and the broadcasting
+arithmetic, which use them."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def _take(pool: DevicePool, free: list[bool], tp: int) -> tuple[int, ...]:
         chosen = cursor
     else:
         chosen = None
-        for k, node in enumerate(pool.nodes):
+        for k, _node in enumerate(pool.nodes):
             idx = [i for i, nk in enumerate(node_of) if nk == k and free[i]]
             if len(idx) >= tp:
                 chosen = idx[:tp]

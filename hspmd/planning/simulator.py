@@ -268,7 +268,8 @@ def simulate_pipelines(pipelines: Sequence[SimPipeline],
         m_f = sum(1 for i in items if i.kind == FORWARD)
         m_b = sum(1 for i in items if i.kind == BACKWARD)
         comm = m_f * st.forward_comm + m_b * st.backward_comm + sum(i.end - i.start for i in items if i.kind == "sync")
-        compute = sum(i.end - i.start for i in items if i.kind in (FORWARD, BACKWARD, "update")) - m_f * st.forward_comm - m_b * st.backward_comm
+        busy = sum(i.end - i.start for i in items if i.kind in (FORWARD, BACKWARD, "update"))
+        compute = busy - m_f * st.forward_comm - m_b * st.backward_comm
         mem = st.static_memory + st.activation_memory * peak_in_flight(orders[key])
         for d in st.devices:
             per_rank[d] = Breakdown(compute, comm, max(0.0, iteration - compute - comm))

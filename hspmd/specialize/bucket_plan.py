@@ -1,7 +1,8 @@
 """Gradient buckets, planned: which gradients one device all-reduces together, in what order.
 
 A gradient joins buckets when its synchronisation plan is all-reduces alone in which every device
-keeps its piece and the boxes it reduces tile that piece (Plan.why_not_all_reduces): data parallelism over whatever else splits the gradient, HP -> HD,
+keeps its piece and the boxes it reduces tile that piece (Plan.why_not_all_reduces): data parallelism over whatever else splits
+the gradient, HP -> HD,
 either one all-reduce of each device's whole piece (the common case) or a split all-reduce
 (pipelines of different TP degrees in a heterogeneous strategy: a device holding the whole gradient
 reduces one box with each TP rank of the other pipeline). A member without a summand (a TP rank

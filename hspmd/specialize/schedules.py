@@ -285,7 +285,8 @@ def describe_schedule(name: str, stages: int, micro_batches: int) -> str:
 
 
 __all__ = [
-    "Action", "BACKWARD", "FORWARD", "SCHEDULES", "SCHEDULE_POLICIES", "Schedule", "Timeline", "VECTOR_POLICIES", "WARMUP_POLICIES", "check_order",
+    "Action", "BACKWARD", "FORWARD", "SCHEDULES", "SCHEDULE_POLICIES", "Schedule", "Timeline", "VECTOR_POLICIES",
+    "WARMUP_POLICIES", "check_order",
     "check_warmup", "describe_schedule", "gpipe", "link_delta", "one_f_one_b", "peak_in_flight", "pipeline_schedule",
     "render_timeline", "schedule_for", "simulate", "warmup_vector",
 ]

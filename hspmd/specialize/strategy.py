@@ -67,7 +67,8 @@ class Stage:
             if not is_int(r):
                 raise StrategyFieldTypeError(("ranks",), f"ranks must be non-negative integers, got {brief(r)}")
             if not 0 <= r < MAX_DEVICES:
-                raise StrategyFieldError(("ranks",), f"ranks must be non-negative integers below {MAX_DEVICES} (hspmd.limits), got {brief(r)}")
+                raise StrategyFieldError(("ranks",),
+                    f"ranks must be non-negative integers below {MAX_DEVICES} (hspmd.limits), got {brief(r)}")
         if len(set(ranks)) != len(ranks):
             seen: set[int] = set()
             repeated = sorted({r for r in ranks if r in seen or seen.add(r)})
@@ -318,7 +319,8 @@ class Strategy:
             for j, s in enumerate(p.stages):
                 if rank in s.ranks:
                     return i, j
-        raise StrategyError(f"rank {rank!r} is not used by strategy {self.name or '(unnamed)'}; its ranks are {format_ranks(self.all_ranks)}")
+        raise StrategyError(
+            f"rank {rank!r} is not used by strategy {self.name or '(unnamed)'}; its ranks are {format_ranks(self.all_ranks)}")
 
     # ---- conversion ---------------------------------------------------------------------------
 

@@ -104,7 +104,8 @@ def parse_count_list(text: str) -> tuple[int, ...]:
     for item in text.split(","):
         item = item.strip()
         if not is_ascii_number(item) or len(item) > MAX_DIGITS:
-            raise StrategyFieldError((), f"{item[:12]!r} in {text[:40]!r} is not a count: write positive integers separated by commas, e.g. 5,2,1")
+            raise StrategyFieldError((),
+                f"{item[:12]!r} in {text[:40]!r} is not a count: write positive integers separated by commas, e.g. 5,2,1")
         out.append(int(item))
     return tuple(out)
 
@@ -126,5 +127,6 @@ def check_keys(data: object, valid: Sequence[str], path: Path, required: Sequenc
             raise StrategyFieldError(path + (key,), f"missing required key {key!r}")
 
 
-__all__ = ["Path", "StrategyFieldError", "StrategyFieldTypeError", "check_keys", "field_context", "format_layers", "format_path", "format_ranks",
+__all__ = ["Path", "StrategyFieldError", "StrategyFieldTypeError", "check_keys", "field_context", "format_layers",
+    "format_path", "format_ranks",
            "is_int", "parse_count_list", "parse_index_list", "parse_layer_range", "positive_count"]

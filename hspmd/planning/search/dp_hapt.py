@@ -21,7 +21,6 @@ d identical pipelines are emitted (PLANNING B2, "Emission").
 
 from __future__ import annotations
 
-import bisect
 import math
 import sys
 import time

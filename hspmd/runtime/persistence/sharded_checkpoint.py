@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from hspmd.annotations import device_pieces
 from hspmd.comm_resolve.slices import box_volume

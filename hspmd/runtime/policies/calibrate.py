@@ -129,7 +129,8 @@ class Calibration:
     def describe(self) -> str:
         return (f"cpu: matmul {self.peak_flops / 1e9:.2f} GFLOP/s, elementwise {self.bandwidth / 1e9:.2f} GB/s, "
                 f"model kernels x{self.gamma:.2f}, executor "
-                f"{self.overhead * 1e6:.1f} us/instruction + {self.step_overhead * 1e3:.2f} ms/step; gloo link alpha {self.link_latency * 1e6:.1f} us, "
+                f"{self.overhead * 1e6:.1f} us/instruction + {self.step_overhead * 1e3:.2f} ms/step; "
+                f"gloo link alpha {self.link_latency * 1e6:.1f} us, "
                 f"beta {self.link_bandwidth / 1e9:.3f} GB/s")
 
 

@@ -54,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the cluster the job runs as (a .yaml file or a preset), passed to every rank in "
                              f"{CLUSTER_ENV}; a file with an emulate block makes each rank run as its device type "
                              "on this host (hspmd.runtime.execution.emulation)")
-    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (CPU), nccl (torch.distributed on GPUs) or cupy (NCCL through CuPy); sets HSPMD_BACKEND")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo",
+                        help="gloo (CPU), nccl (torch.distributed on GPUs) or cupy (NCCL through CuPy); sets HSPMD_BACKEND")
     parser.add_argument("--port", type=positive_int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--grace", type=non_negative_float, default=DEFAULT_GRACE_S,
                         help="seconds between SIGTERM and SIGKILL")

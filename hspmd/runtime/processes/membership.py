@@ -167,4 +167,5 @@ class Membership:
         self._closed = True
 
 
-__all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "JOIN_ENV", "dead_key", "is_elastic", "joined_key", "ready_key", "killed_at", "killed_key", "killed_note"]
+__all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "JOIN_ENV", "dead_key", "is_elastic", "joined_key",
+    "ready_key", "killed_at", "killed_key", "killed_note"]
