@@ -148,7 +148,7 @@ def test_ranks_read_their_pipeline_rows_only_and_train_as_one_device(tmp_path):
         assert after == loader.skip(state, rows)
         assert set(per_rank[0].rows) == {"tokens", "labels"} == set(per_rank[1].rows)
         assert set(per_rank[2].rows) == {"tokens"} and set(per_rank[3].rows) == {"labels"}  # first / last stage
-        for rank, share in per_rank.items():
+        for share in per_rank.values():
             first, stop = layout.pipeline_rows(share.pipeline)
             assert share.ids == ids[first:stop]
             for name, value in share.rows.items():

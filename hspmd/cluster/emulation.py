@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from hspmd.errors import ClusterError
 
@@ -84,15 +84,16 @@ class Emulation:
         if host is not None:
             if not isinstance(host, Mapping) or set(host) - {"latency", "bandwidth"} or "bandwidth" not in host:
                 raise ClusterError(f"emulate.host_link must be {{bandwidth: B, latency: A}}, got {host!r}")
-            host = (_number(host.get("latency", 0.0), "emulate.host_link.latency"),
-                    _number(host["bandwidth"], "emulate.host_link.bandwidth"))
+            host = (as_number(host.get("latency", 0.0), "emulate.host_link.latency"),
+                    as_number(host["bandwidth"], "emulate.host_link.bandwidth"))
         scale = data.get("memory_scale")
         return cls(str(data.get("reference", "") or ""), str(data.get("dtype", "float32")),
-                   tuple((str(k), _number(v, f"emulate.slowdown.{k}")) for k, v in slowdown.items()),
-                   None if scale is None else _number(scale, "emulate.memory_scale"), data.get("links", True), host)
+                   tuple((str(k), as_number(v, f"emulate.slowdown.{k}")) for k, v in slowdown.items()),
+                   None if scale is None else as_number(scale, "emulate.memory_scale"), data.get("links", True), host)
 
 
-def _number(value: object, key: str) -> float:
+def as_number(value: Any, key: str) -> float:
+    """A number read from a cluster file (`key` names where); a bool or text is a ClusterError."""
     if isinstance(value, bool):
         raise ClusterError(f"{key} must be a number, got {value!r}")
     try:
@@ -125,4 +126,4 @@ def slowdown_of(emulation: Emulation, types: Mapping, type_name: str, name: str 
     return max(1.0, ratio)
 
 
-__all__ = ["CLUSTER_ENV", "EMULATE_KEYS", "Emulation", "check_emulation", "slowdown_of"]
+__all__ = ["CLUSTER_ENV", "EMULATE_KEYS", "Emulation", "as_number", "check_emulation", "slowdown_of"]

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from hspmd.cluster.emulation import Emulation
+from hspmd.cluster.emulation import Emulation, as_number
 from hspmd.cluster.spec import Bucket, ClusterSpec, DeviceType, LinkClass, Node
 from hspmd.errors import ClusterError
 from hspmd.limits import MAX_DEVICES, brief, check_limit
@@ -51,12 +51,7 @@ def _required(data: Mapping, name: str, key: str):
 
 
 def _number(value: Any, key: str) -> float:
-    if isinstance(value, bool):
-        raise ClusterError(f"cluster file: {key} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ClusterError(f"cluster file: {key} must be a number, got {value!r}") from None
+    return as_number(value, f"cluster file: {key}")
 
 
 def _wrap(key: str, make):
