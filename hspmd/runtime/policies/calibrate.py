@@ -316,4 +316,5 @@ def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration
     return simulate_strategy(strategy, cost, schedule).iteration, source
 
 
-__all__ = ["Calibration", "Probe", "ProbeShape", "calibrate", "simulated_step", "fit", "fit_line", "fit_steps", "median_seconds", "step_work", "StepWork"]
+__all__ = ["Calibration", "Probe", "ProbeShape", "calibrate", "simulated_step", "fit", "fit_line", "fit_steps", "median_seconds",
+           "step_work", "StepWork"]
