@@ -56,8 +56,8 @@ class CommDef(OpDef):
         if g is None or node.attrs.get("reduce") == "max":
             return [None]
         x = node.inputs[0]
-        return [comm(g, Derived((x,), lambda _, refs: gradient_annotation(refs[0]), f"grad layout of {x.name}"),
-                     name=node.graph.unique_name(node.name))]
+        return [comm(g, Derived((x,), lambda own, refs: summand_gradient_annotation(refs[0], (own,)),
+                                f"grad layout of {x.name}"), name=node.graph.unique_name(node.name))]
 
 
 def gradient_annotation(ann: Annotation) -> Annotation:
@@ -65,6 +65,21 @@ def gradient_annotation(ann: Annotation) -> Annotation:
     splits, with every Partial (bottom tier or HDim P) read as Duplicate. Computed once per
     annotation object."""
     return ann.derived(gradient_annotation, lambda: _gradient_annotation(ann))
+
+
+def summand_gradient_annotation(ann: Annotation, incoming: Sequence[Annotation | None]) -> Annotation:
+    """The layout of the gradient flowing back to `ann` from gradients laid out as `incoming`:
+    gradient_annotation(ann), except where `ann` is replicated over its subgroups (HDim D, HSize > 1,
+    e.g. a weight over pipelines) and every incoming gradient holds one summand per subgroup (HDim P,
+    as many subgroups). Then the gradient stays one summand per subgroup (HDim P): each subgroup's
+    summand moves inside its own subgroup (a tied LM head's gradient goes from the last stage back
+    to the first stage of its own pipeline) and the summands meet once per step in the parameter's
+    gradient sync, for any micro-batch counts, rather than across subgroups in every micro-batch."""
+    whole = gradient_annotation(ann)
+    if ann.hdim == "D" and ann.hsize > 1 and incoming and all(
+            i is not None and i.hdim == "P" and i.hsize == ann.hsize for i in incoming):
+        return Annotation.known(whole.subgroups, "P", None)
+    return whole
 
 
 def _gradient_annotation(ann: Annotation) -> Annotation:

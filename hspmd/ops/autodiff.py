@@ -5,7 +5,9 @@ same deduction pass as the forward. Where a tensor feeds several consumers, its 
 contributions may come back in different layouts (one Partial from a tensor-parallel branch, one
 whole from the residual path); each contribution then passes a CommOp whose target is derived at
 deduction time: unchanged when all contributions agree, else the tensor's gradient layout (its
-annotation with Partial read as Duplicate), which the resolver lowers to e.g. an AllReduce.
+annotation with Partial read as Duplicate, except that summands per subgroup of a tensor replicated
+over its subgroups stay summands: `ir.dsl.summand_gradient_annotation`), which the resolver lowers
+to e.g. an AllReduce.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Sequence
 
 from hspmd.annotations import Annotation
 from hspmd.errors import HSPMDError
-from hspmd.ir.dsl import comm, gradient_annotation
+from hspmd.ir.dsl import comm, summand_gradient_annotation
 from hspmd.ir.graph import Derived, Graph, Tensor
 from hspmd.ops.elementwise import add
 from hspmd.ops.shape_ops import fill_like
@@ -24,7 +26,7 @@ def _aligned_target(own: Annotation | None, refs: tuple[Annotation, ...]) -> Ann
     forward, contributions = refs[0], refs[1:]
     if all(c == contributions[0] for c in contributions):
         return own
-    return gradient_annotation(forward)
+    return summand_gradient_annotation(forward, contributions)
 
 
 def _accumulate(x: Tensor, contributions: list[Tensor]) -> Tensor:
