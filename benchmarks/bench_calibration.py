@@ -15,7 +15,7 @@
 
 Reports each strategy's measured and predicted time, the mean absolute percentage error (goal
 <= 15%) and Spearman's rank correlation (goal >= 0.8), over all strategies and over the four of
-PLANNING.md F (4) (DP2, PP2 1F1B, TP2, PP2 GPipe; its goal there: MAPE <= 25%). Timing-sensitive: not part of `make test`
+the calibration set (DP2, PP2 1F1B, TP2, PP2 GPipe; its goal there: MAPE <= 25%). Timing-sensitive: not part of `make test`
 (run `make calibration`). `--json FILE` also writes the figures and per-rank timelines.
 """
 
@@ -63,7 +63,7 @@ STRATEGIES = {  # name: (strategy text, schedule); the last two vary the micro-b
 }
 
 TRACED_STEPS = 7  # with --trace: the median one of these is written
-# PLANNING.md F (4)'s acceptance set: DP2, PP2 1F1B, TP2, PP2 GPipe
+# the calibration set's acceptance set: DP2, PP2 1F1B, TP2, PP2 GPipe
 PLANNING_FOUR = ["DP2", "PP2 1F1B", "TP2", "PP2 GPipe"]
 
 
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
              ms(predicted[name][1]), f"{(predicted[name][1] - measured[name]) / measured[name]:+.1%}"] for name in STRATEGIES]
     print(table(["strategy", "measured ms", "min-max", "cpu ms", "level 2 ms", "error", "level 1 ms", "error"], rows))
     figures = {}
-    for label, names in (("all", list(STRATEGIES)), ("PLANNING F (4)", PLANNING_FOUR)):
+    for label, names in (("all", list(STRATEGIES)), ("the calibration set", PLANNING_FOUR)):
         for level in (0, 1):
             mape = 100 * statistics.mean(abs(predicted[n][level] - measured[n]) / measured[n] for n in names)
             rho = spearman([measured[n] for n in names], [predicted[n][level] for n in names])

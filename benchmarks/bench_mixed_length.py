@@ -10,7 +10,7 @@ the same steps; a step's time is its slowest rank's; tokens/s counts real tokens
 tokens/s per pass and mode (tokens over seconds), the median (min-max) over passes of the ratios,
 and the median (min-max) of the per-step ratios.
 
-Part 2 (predicted): the paper's setting, 32B Llama on 32 H20 (003 section 7.3), priced by the
+Part 2 (predicted): the paper's setting, 32B Llama on 32 H20 (Hetu v2 §7.3), priced by the
 cost model (hspmd.planning.cost) in the dispatcher's closed form (L0, not the event simulator):
 long-tailed steps of ~200K tokens up to 32K, Table 11's pool (Hetu-B) against Table 10's
 homogeneous strategies (Hetu-A buckets within the step, and DP2TP16 for everything).

@@ -12,7 +12,7 @@ embedding and LM head vocab-parallel).
 Reported: planning time of the fused BSR (goal: under 1 s), fused message count vs planning each
 tensor alone, max per-device send bytes vs the lower bound (slices split freely among owners),
 total bytes vs the volume lower bound, bytes per link class, and the estimated switch time.
-Then, for a few of 002 App. E's stage hand-offs across HetAuto's two clusters, the route resolve()
+Then, for a few of HetAuto App. E's stage hand-offs across HetAuto's two clusters, the route resolve()
 picks by default, its messages across the clusters and its estimated gain over the hierarchical plan.
 Run: python benchmarks/bench_resolve.py
 """
@@ -121,7 +121,7 @@ def main() -> None:
     cross_cluster_routes()
 
 
-# 002 App. E: one stage per cluster, (inner DP, CP x TP) per stage, activations [b', s, h] in bf16
+# HetAuto App. E: one stage per cluster, (inner DP, CP x TP) per stage, activations [b', s, h] in bf16
 APP_E_CASES = [((16, 1), (1, 16)), ((4, 4), (8, 2)), ((2, 8), (4, 4)), ((1, 16), (16, 1))]
 APP_E_SHAPES = [(16, 128, 256), (16, 512, 1024), (16, 8192, 4096)]
 
@@ -131,7 +131,7 @@ def cross_cluster_routes() -> None:
     one shared ~10 Gb/s pipe between them) and its estimated gain over the hierarchical plan."""
     from hspmd.comm_resolve.compare import alternatives, chosen_route
 
-    print("\nCross-cluster stage hand-off (002 App. E, hetauto-a100-2x16, bf16): the default route vs the hierarchical plan")
+    print("\nCross-cluster stage hand-off (HetAuto App. E, hetauto-a100-2x16, bf16): the default route vs the hierarchical plan")
     rows = []
     for (d1, ct1), (d2, ct2) in APP_E_CASES:
         src, dst = f"S0:{d1},S1:{ct1}@[0-15]", f"S0:{d2},S1:{ct2}@[16-31]"

@@ -1,8 +1,8 @@
-"""003 Table 2 reproduced: per-sender NVLink / InfiniBand volumes of the C1 -> C2 switch after
+"""Hetu v2 Table 2 reproduced: per-sender NVLink / InfiniBand volumes of the C1 -> C2 switch after
 rank 31 fails, planned by hspmd for llama-32b-hetu (60 layers, hidden 6656, 52 heads, FFN 17920,
 vocab 30592, untied) on 4 nodes of 8 GPUs, printed next to the paper's figures.
 
-Units are the two constants fitted to the table (PLANNING A3): 6 bytes per parameter and
+Units are the two constants fitted to the table (Hetu v2 §8, Table 2): 6 bytes per parameter and
 "MB" = 2^30/1000 bytes. Rows: the fused plan (heuristics, largest tensors first: the default),
 the fused plan scanning tensors in model order (shows why the scan order matters: same per-link
 totals, uneven IB senders), and each tensor planned alone with the smallest-rank owner sending
@@ -41,7 +41,7 @@ def main() -> None:
     rows = table2_rows()
     planned = time.perf_counter() - start
     given = table2_rows(order="given")["fused"]
-    print("003 Table 2, C1 -> C2 after rank 31 fails, llama-32b-hetu, 6 B/parameter, MB = 2^30/1000 B")
+    print("Hetu v2 Table 2, C1 -> C2 after rank 31 fails, llama-32b-hetu, 6 B/parameter, MB = 2^30/1000 B")
     print(f"(both rows planned in {planned:.2f} s)\n")
     print(_side_by_side("fused BSR (largest tensors first)", rows["fused"], PAPER["fused"]))
     print()

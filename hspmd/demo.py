@@ -88,7 +88,7 @@ def show_recovery() -> None:
 
 
 def show_mixed_length(steps: int) -> int:
-    """Mixed-length training (003 section 7.3): the paper's selection rule at 32K context, then
+    """Mixed-length training (Hetu v2 §7.3): the paper's selection rule at 32K context, then
     4 gloo processes on the long-tailed corpus, each step's strategy, dispatch and switches."""
     from hspmd.planning.dispatch import select_entry
     from hspmd.planning.paper_pools import paper_pool

@@ -32,7 +32,7 @@ def random_problem(seed, types=(("A", 4, 4), ("B", 2, 2)), layers=8, batch=16, r
 
 
 def hapt_problem():
-    """PLANNING B2 (1): L = 10, A = 1x4, B = 1x2, per-layer time proportional to 1/peak (312 vs 125
+    """HAPT §5.2: L = 10, A = 1x4, B = 1x2, per-layer time proportional to 1/peak (312 vs 125
     TFLOPS), cross-mesh transfer 0.6 of the largest stage time of a balanced split, B = 16."""
     table = {}
     for name, peak, n in (("A", 312.0, 4), ("B", 125.0, 2)):

@@ -1,4 +1,4 @@
-"""Checkpoint integrity (issue #9): checksums verified on load, a schema version, clear errors for
+"""Checkpoint integrity: checksums verified on load, a schema version, clear errors for
 corrupted, truncated, wrong-model or negative-step files (the write helpers: test_integrity.py)."""
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def test_bad_input_is_named():
 def test_micro_batching_tries_sixteen_bin_counts_from_the_fewest():
     from hspmd.planning.dispatch import pack_micro_batches
     # 51 unit sequences fit one micro-batch; with many stages, a smaller largest bin wins: 17 bins
-    # of 3 would, but the counts tried are 1 ... 16 (PLANNING A1), where 13 bins of at most 4 do.
+    # of 3 would, but the counts tried are 1 ... 16 (Hetu v2 §7.3), where 13 bins of at most 4 do.
     deep = PipelineCost(0, 1, 0, 51, stages=1000)
     assert len(pack_micro_batches(deep, [1] * 51)) == 13
 

@@ -147,7 +147,7 @@ def test_a_restarted_rank_joins_and_the_job_grows_back(tmp_path):
     assert join["strategy"] == result["final_strategy"] and "R3" in join["strategy"]
     # the final save gathers every replica and checks they agree: rank 3's re-received pieces match
     # pipeline 0's copies after the steps it trained (an equivalence check against a reference run
-    # is missing: see the note of issue 12)
+    # is missing)
     weights = load_file(str(checkpoint))
     assert all(torch.isfinite(v).all() for v in weights.values())
     assert result["losses"][-1] < result["losses"][0]

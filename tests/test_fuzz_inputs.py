@@ -1,4 +1,4 @@
-"""Fuzz tests of the user-facing parsers and value entry points (issue #9).
+"""Fuzz tests of the user-facing parsers and value entry points.
 
 Random mutations of valid inputs (unicode digits, huge numbers, broken brackets, repeated parts)
 and random text or bytes: every call either gives a result equal to the reference or raises an

@@ -1,4 +1,4 @@
-"""File integrity helpers (issue #9) shared by every checkpoint format: per-tensor checksums,
+"""File integrity helpers shared by every checkpoint format: per-tensor checksums,
 durable atomic writes (fsync of the file before the rename, of the directory after), and removal
 of temporary files left by writers that are no longer running."""
 

@@ -1,4 +1,4 @@
-"""Mixed-length training (003 section 7.3): per-step strategies from a pool, dispatch, packed rows
+"""Mixed-length training (Hetu v2 §7.3): per-step strategies from a pool, dispatch, packed rows
 and switches (Hetu-B), and length buckets inside a step (Hetu-A). Per-step loss and final weights
 equal a single-device torch run over the same sequences, each alone, token-weighted."""
 

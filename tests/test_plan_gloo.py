@@ -52,7 +52,7 @@ HAND_PICKED = [
 ]
 
 
-# HetAuto's routes (002 App. E) across a slow link shared by two sites of 2 devices: the default
+# HetAuto's routes (HetAuto App. E) across a slow link shared by two sites of 2 devices: the default
 # picks the root route (one message across) for these small tensors; representatives forced.
 TWO_SITES = cluster_from_yaml("""
 device_types: {gpu: {flops: {float32: 2e13}, hbm_bandwidth: 2e12, hbm_capacity: 8e10}}

@@ -1,5 +1,5 @@
 """`hspmd plan` on the paper's cluster and model: the strategy it prints and writes is rated by the
-simulator at least as fast as the paper's Table 5 strategy (PLANNING F4, issue #11's "Done when")."""
+simulator at least as fast as the paper's Table 5 strategy (the searches' common interface)."""
 
 from hspmd.cli import main
 from hspmd.cluster import parse_cluster

@@ -13,7 +13,7 @@ from hspmd.models.llama import LlamaConfig
 from hspmd.planning import MODELS, CostModel, Efficiency, ModelSpec, ProfileTable, StageShape, from_llama_config
 from hspmd.planning.model import model_named
 
-MB_HETU = 2 ** 30 / 1000  # 003 Table 2's "MB" (PLANNING A3)
+MB_HETU = 2 ** 30 / 1000  # Hetu v2 Table 2's "MB" (Hetu v2 §8, Table 2)
 
 
 def test_llama_32b_hetu_layer_shard_is_table2s_unit():

@@ -1,4 +1,4 @@
-"""End to end (PLANNING F6): a 4-rank cluster of two device types (one 2.5x faster) planned by each
+"""End to end (the end-to-end planning check): a 4-rank cluster of two device types (one 2.5x faster) planned by each
 search; every plan trains on 4 gloo processes with the losses and weights of one device."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Re-planning after failures and joins (PLANNING A4): the paper's C1 -> C2 and C5 -> C6, and
+"""Re-planning after failures and joins (Hetu v2 §7.2): the paper's C1 -> C2 and C5 -> C6, and
 valid plans for C2 -> C3 (a node lost) and C3 -> C4 (16 H800 join with no state)."""
 
 import pytest
@@ -14,7 +14,7 @@ from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 
 GB = 2**30
 H20_ONLY = TableEvaluator({("H20", tp): 1.0 / tp for tp in (1, 2, 4, 8)}, {"H20": 1e15})
-# Per-(type, TP) layer times with H800 = 3.2 x H20 at TP4 (PLANNING A4). H800's TP2/TP1 times
+# Per-(type, TP) layer times with H800 = 3.2 x H20 at TP4 (Hetu v2 §7.2). H800's TP2/TP1 times
 # are fitted (the paper omits them): TP2 1.72 and TP1 3.2 units make C6's 22/13/7 split exact.
 # Memory per layer: 8 GB of states and 2 GB of activations per micro-batch at TP1 (divided by TP).
 FITTED = TableEvaluator(

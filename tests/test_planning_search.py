@@ -1,4 +1,4 @@
-"""Strategy searches against the exhaustive oracle of their own space (PLANNING B2, C, D)."""
+"""Strategy searches against the exhaustive oracle of their own space (HAPT §5.2, C, D)."""
 
 import pytest
 
@@ -50,7 +50,7 @@ def test_dp_pruning_changes_nothing():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_dfs_equals_exhaustive_on_three_types(seed):
-    # PLANNING C (1), scaled down: three types of decreasing memory, TP up to a node.
+    # H2 §5, scaled down: three types of decreasing memory, TP up to a node.
     problem = random_problem(seed, types=(("X", 4, 4), ("Y", 4, 4), ("Z", 4, 4)), layers=12, batch=16)
     oracle = exhaustive(problem, UNIFORM)
     found = dfs(problem)
@@ -68,7 +68,7 @@ def test_two_stage_never_worse_than_one_stage():
 
 
 def test_mcts_finds_the_optimum_in_18_of_20_seeds():
-    # PLANNING D (1): 8 + 8 devices, L = 8, B = 16, 3000 iterations.
+    # HetAuto §5: 8 + 8 devices, L = 8, B = 16, 3000 iterations.
     problem = random_problem(100, types=(("A", 8, 8), ("B", 8, 8)), layers=8, batch=16)
     optimum = best_time(exhaustive(problem, PERMUTED))
     times = [best_time(mcts(problem, iterations=3000, seed=seed)) for seed in range(20)]
@@ -79,7 +79,7 @@ def test_mcts_finds_the_optimum_in_18_of_20_seeds():
 
 def test_small_lambda_is_no_better_on_average():
     # At the 3000-iteration budget. (At 300 iterations lambda = 0.1 did better on this instance:
-    # the claim holds only once the budget lets lambda = 10 explore; see notes/issue-11.md.)
+    # the claim holds only once the budget lets lambda = 10 explore.)
     problem = random_problem(7, types=(("A", 8, 8), ("B", 8, 8)), layers=8, batch=16, recompute=False)
     small = [best_time(mcts(problem, iterations=3000, seed=s, exploration=0.1)) for s in range(3)]
     large = [best_time(mcts(problem, iterations=3000, seed=s, exploration=10.0)) for s in range(3)]

@@ -1,5 +1,5 @@
 """Routes the resolver can take between two layouts (HetAuto S1/S2/S3, merged AllGather) and the
-choice by estimated cost; 002 App. E's 20 combinations of (inner DP, CP x TP) across two stages."""
+choice by estimated cost; HetAuto App. E's 20 combinations of (inner DP, CP x TP) across two stages."""
 
 import itertools
 import json
@@ -22,7 +22,7 @@ from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.verify import check_plan
 from hspmd.errors import UnsupportedReshard
 
-# 002 App. E: two clusters of 16 devices, one stage each; d_inner * (c t) = 16 per stage, d1 != d2
+# HetAuto App. E: two clusters of 16 devices, one stage each; d_inner * (c t) = 16 per stage, d1 != d2
 DEGREES = (1, 2, 4, 8, 16)
 COMBOS = [(d1, d2) for d1, d2 in itertools.product(DEGREES, DEGREES) if d1 != d2]
 CLUSTERS = uniform(2, 16)  # "inter-node" is the slow cross-cluster link here
@@ -214,7 +214,7 @@ def _between_sites(plan, first_of_b: int) -> int:
 
 
 def test_representatives_win_across_a_shared_slow_link():
-    """002 App. E's clusters (one ~10 Gb/s pipe between them), inner DP 4 x CT 4 -> inner DP 8 x
+    """HetAuto App. E's clusters (one ~10 Gb/s pipe between them), inner DP 4 x CT 4 -> inner DP 8 x
     CT 2, a 16 MB activation: S1's 32 messages queue on the pipe; S3 sends 4 (HetAuto's pick)."""
     src, dst, shape = "S0:4,S1:4@[0-15]", "S0:8,S1:2@[16-31]", (16, 512, 1024)
     alts = alternatives(src, dst, shape, "hetauto-a100-2x16", dtype="bfloat16")

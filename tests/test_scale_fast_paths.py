@@ -1,5 +1,5 @@
 """The shortcuts that keep a rank's specialization cheap at thousands of devices give exactly what the
-general code gives (sessions 5 and 6 of issue 14): merging cells, pairing fine and coarse cells,
+general code gives: merging cells, pairing fine and coarse cells,
 restating a union's states, sharing value pieces, pricing only where another route applies, box
 arithmetic, pricing without byte tables, one-link clusters, comparing uniform unions, device orders,
 pipeline discovery over repeated groups, disjointness of many boxes, keys numbered in C."""

@@ -121,7 +121,7 @@ def test_paper_strategies_simulate_and_the_slow_type_is_the_bottleneck():
     assert result.iteration > 0 and set(result.per_rank) == set(strategy.all_ranks)
     run = plan_run(strategy, cost)
     assert estimate_strategy(strategy, cost) == pytest.approx(result.iteration, rel=0.1)
-    # 003 Table 5 gives H800 stages more layers: per-layer, H20 stages are slower
+    # Hetu v2 Table 5 gives H800 stages more layers: per-layer, H20 stages are slower
     for pipe, sp in zip(run.pipelines, strategy.pipelines):
         for sim_stage, stage in zip(pipe.stages, sp.stages):
             assert sim_stage.devices == stage.ranks

@@ -1,4 +1,4 @@
-"""The job's store (issue #9): bound to the address it was given, refusing clients without the
+"""The job's store: bound to the address it was given, refusing clients without the
 per-job secret, and no unpickling of anything read from the store or a peer."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Every surviving piece is a source: after a failure the fused switch plans from what is still
-alive, down to single devices of a damaged tensor-parallel group (003 section 8, Table 2)."""
+alive, down to single devices of a damaged tensor-parallel group (Hetu v2 §8, Table 2)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""003 Table 2 reproduced by the planner: every sender within 1 MB of the paper, both rows."""
+"""Hetu v2 Table 2 reproduced by the planner: every sender within 1 MB of the paper, both rows."""
 
 import pytest
 

@@ -1,6 +1,6 @@
 """Mixed-length training of a small Llama on 4 ranks: each step's strategy from a pool, chosen by
 the step's longest sequence; sequences dispatched to the strategy's pipelines by a cost model and
-packed into rows (003 section 7.3, Hetu-B); or, with --buckets, length buckets run one after
+packed into rows (Hetu v2 §7.3, Hetu-B); or, with --buckets, length buckets run one after
 another inside each step (Hetu-A / HotSPa).
 
     hspmd run -n 4 examples/mixed_length/train.py [--steps 8] [--tokens 256] [--buckets]

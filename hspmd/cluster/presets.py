@@ -1,19 +1,19 @@
 """Named clusters from the seed papers, and the generic shapes the resolver has always accepted.
 
-    hetu-h800-h20         003 Table 3: 2 nodes x 8 H800 (990 TFLOP/s bf16, 80 GB, NVLink 400 GB/s)
+    hetu-h800-h20         Hetu v2 Table 3: 2 nodes x 8 H800 (990 TFLOP/s bf16, 80 GB, NVLink 400 GB/s)
                           + 4 nodes x 8 H20 (148 TFLOP/s, 96 GB, NVLink 900 GB/s); IB between nodes
-    hapt-a100-v100        000 Table 2: 4 x 8 A100 (312 TFLOP/s fp16, 40 GB, 300 GB/s intra-host)
+    hapt-a100-v100        HAPT Table 2: 4 x 8 A100 (312 TFLOP/s fp16, 40 GB, 300 GB/s intra-host)
                           + 4 x 8 V100 (125, 32 GB, 150 GB/s); 200 Gb/s inside a sub-cluster,
                           5 Gb/s Ethernet across (the paper's default of its 1-10 Gb/s range)
-    heterosim-a100-h100   004 Table 2 level H3 at 128 GPUs: 8 A100 nodes (NVLink 3, RoCE 200 Gb/s)
+    heterosim-a100-h100   HeteroSim Table 2 level H3 at 128 GPUs: 8 A100 nodes (NVLink 3, RoCE 200 Gb/s)
                           + 8 H100 nodes (NVLink 4, IB 400 Gb/s); RoCE between the two
-    hetauto-a100-2x16     002 App. E: 2 clusters x 2 nodes x 8 A100-80GB (NVLink 600 GB/s, IB
+    hetauto-a100-2x16     HetAuto App. E: 2 clusters x 2 nodes x 8 A100-80GB (NVLink 600 GB/s, IB
                           100 Gb/s), one shared ~10 Gb/s link between the clusters
     NxM / nvlink-ib:NxM / h800-h20:A+B[xM]
                           the shapes the resolver has always accepted, with the same link classes
                           (names, bandwidths, latencies), so plans and costs do not change.
 
-Paper figures: NVLink rates in 003 Table 3 are both directions together (400 GB/s = 200 GB/s per
+Paper figures: NVLink rates in Hetu v2 Table 3 are both directions together (400 GB/s = 200 GB/s per
 direction, as the resolver has always used them); HAPT's intra-host numbers are per direction.
 Not in the papers, and taken from vendor data sheets (nominal, rounded): HBM bandwidths, fp32
 peaks, H20/H800 IB rate (200 Gb/s per GPU), every latency.
@@ -97,7 +97,7 @@ def heterosim_a100_h100() -> ClusterSpec:
 
 
 def hetauto_a100_2x16(cross_latency: float = 100e-6) -> ClusterSpec:
-    """002 App. E: two clusters of 2 nodes x 8 A100-80GB, NVLink inside a node (600 GB/s both
+    """HetAuto App. E: two clusters of 2 nodes x 8 A100-80GB, NVLink inside a node (600 GB/s both
     directions), 100 Gb/s InfiniBand between the nodes of a cluster, about 10 Gb/s between the
     clusters (iperf3): one shared pipe, since the paper measured the clusters' link, not a NIC.
     The latencies are not in the paper (nominal; the cross link's includes HetAuto's D2H/H2D)."""

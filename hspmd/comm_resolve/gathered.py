@@ -1,4 +1,4 @@
-"""HetAuto's gathered layouts (002 section 5.2, App. E): a union with each subgroup's piece
+"""HetAuto's gathered layouts (HetAuto §5.2, App. E): a union with each subgroup's piece
 gathered onto a few of its devices, the middle hops of the resolver's "root" and
 "representatives" routes. Pure functions of annotations, made once per annotation."""
 

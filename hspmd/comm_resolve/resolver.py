@@ -32,7 +32,7 @@ to the earlier one:
 * "merged-allgather": a source whose pieces tile the tensor once, gathered whole onto the same
   devices, in one AllGather over the union instead of AllGathers per subgroup followed by a
   SplitAllGather;
-* HetAuto's resharding routes (002 section 5.2, App. E), for value layouts:
+* HetAuto's resharding routes (HetAuto §5.2, App. E), for value layouts:
   "direct": one BatchedSendRecv over all devices (S1: every overlapping pair exchanges);
   "root": each subgroup gathers onto its first device, the roots exchange, each destination
   subgroup's first device scatters (S2; one message per subgroup pair of one stage each);

@@ -1,4 +1,4 @@
-"""Per-step dispatch of mixed-length sequences (Hetu v2 section 7.3, Hetu-B; PLANNING.md A1).
+"""Per-step dispatch of mixed-length sequences (Hetu v2 section 7.3, Hetu-B; Hetu v2 §7.3).
 
 Each training step: pick a strategy from a pool by the step's longest sequence (and the memory
 limits of its pipelines), assign every sequence to one of its pipelines so that the slowest
@@ -7,7 +7,7 @@ under its per-micro-batch token limit. The result is a `Dispatch` (plain data) t
 runs; nothing here touches a device.
 
 The paper gives neither the cost model nor the dispatcher. Both follow the authors' code
-(`PKU-DAIR/Hetu`, examples/hydraulis/strategy/{cost_model.py,new_dynamic.py}) as PLANNING.md A1
+(`PKU-DAIR/Hetu`, examples/hydraulis/strategy/{cost_model.py,new_dynamic.py}) as Hetu v2 §7.3
 describes it -- "from the authors' code":
 
 - cost of a sequence of s tokens on pipeline p: a_p s^2 + b_p s (fwd+bwd of its bottleneck

@@ -10,8 +10,8 @@ project's causal_attention computes it); bytes are the tensors each op reads and
 approximation of the real traffic). Activation
 memory counts the tensors autograd keeps for the backward pass (an estimate, not a measurement).
 
-Presets: llama-32b-hetu (the Hetu authors' scripts, PLANNING A3), llama-30b and gpt-13b (004's
-workloads), h2-100b (001 Table 4: GQA with 8 queries per key head), llama-tiny (the demo's model).
+Presets: llama-32b-hetu (the Hetu authors' scripts, Hetu v2 §8, Table 2), llama-30b and gpt-13b (HeteroSim's
+workloads), h2-100b (H2 Table 4: GQA with 8 queries per key head), llama-tiny (the demo's model).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The paper's strategy pools for mixed-length training (003 Tables 10-12) as dispatch pools.
+"""The paper's strategy pools for mixed-length training (Hetu v2 Tables 10-12) as dispatch pools.
 
 Each pool lists strategies with the upper bound of the step's longest sequence they serve
 (PAPER_POOLS, transcribed in hspmd.specialize.paper_strategies); what a pipeline costs comes from

@@ -1,4 +1,4 @@
-"""Re-planning after devices fail or join (003 §7.2, Tables 6-8; PLANNING A4).
+"""Re-planning after devices fail or join (Hetu v2 §7.2, Tables 6-8; Hetu v2 §7.2).
 
 `replan(strategy, cluster, model, failed=(), added=())` prices two kinds of candidates with the
 searches' objective; among those within `tolerance` (2%) of the fastest it keeps the one whose

@@ -1,4 +1,4 @@
-"""The pipeline simulator, levels 0 and 1 (PLANNING F3; level 2 is hspmd.planning.device_sim).
+"""The pipeline simulator, levels 0 and 1 (HeteroSim §3; level 2 is hspmd.planning.device_sim).
 
 Level 0, `closed_form`: sum_i (t_i + 2 c_i) + (M - 1) t_max + gradient sync + update (HAPT eq. 13;
 with c = 0 the formula H2, Metis and Hydraulis share). An upper bound of level 1 for 1F1B (B3).

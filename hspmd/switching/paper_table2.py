@@ -1,4 +1,4 @@
-"""003 Table 2: who sends what, over which link, when C1 becomes C2 after rank 31 fails (section 8).
+"""Hetu v2 Table 2: who sends what, over which link, when C1 becomes C2 after rank 31 fails (section 8).
 
 C1 (Table 7) is two pipelines of four TP4 stages on 32 H20 GPUs (4 nodes of 8, NVLink inside a
 node, InfiniBand between nodes); rank 31 fails and `recover_strategy` gives C2 (pipeline 2 ends
@@ -7,7 +7,7 @@ own pieces, rank 15 serves rank 31's.
 
 The paper never states the model or the units. With the Hetu authors' model (llama-32b-hetu: 60
 layers, hidden 6656, 52 heads, FFN 17920, vocab 30592, untied) the table is reproduced with two
-fitted constants (PLANNING A3): 6 bytes per parameter and "MB" = 2^30/1000 bytes.
+fitted constants (Hetu v2 §8, Table 2): 6 bytes per parameter and "MB" = 2^30/1000 bytes.
 
 Rows: "fused" (one fused plan, heuristics, largest tensors first) and "w/o heuristics" (each
 tensor planned alone, the smallest-rank owner sends: the paper's baseline).
@@ -29,7 +29,7 @@ MB = 2**30 / 1000
 FAILED = (31,)
 TOPOLOGY = nvlink_ib(4, 8)
 
-# sender rank: (NVLink MB, InfiniBand MB), as printed in 003 Table 2
+# sender rank: (NVLink MB, InfiniBand MB), as printed in Hetu v2 Table 2
 PAPER = {
     "fused": {
         8: (0, 747), 9: (0, 747), 10: (0, 747), 11: (0, 747), 15: (0, 11496),

@@ -1,4 +1,4 @@
-"""H2's HeteroAuto (001 §4.3.3): depth-first search over one pipeline count for all device types and
+"""H2's HeteroAuto (H2 §4.3.3): depth-first search over one pipeline count for all device types and
 per type a TP degree and a recompute flag, with layer sharding and two-stage refinement.
 
     for d in pipeline counts:

@@ -1,4 +1,4 @@
-"""HAPT's planner (000 §5.2, Alg. 1): dynamic programming over stages, sub-meshes and t_max.
+"""HAPT's planner (HAPT §5.2, Alg. 1): dynamic programming over stages, sub-meshes and t_max.
 
 For a fixed bound t_max on every stage time and link time, F(q, k, rem) is the least
 sum_i (t_i + 2 c_i) over ways to run layers k..L-1 as stages on exactly the devices `rem` (a count
@@ -16,7 +16,7 @@ and link times), T* is the exact optimum of the GENERAL space under the shared o
 Pruning (HAPT's t_S / t_E): candidates are visited in increasing order from the smallest feasible
 one (found by bisection); once (M - 1) t_max + sync(d) passes the best T found, no larger t_max can
 win, since sum(t + 2c) >= 0. Run once per pipeline count d on one pipeline's device budget;
-d identical pipelines are emitted (PLANNING B2, "Emission").
+d identical pipelines are emitted (HAPT §5.2, "Emission").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""HetAuto's planner (002 Alg. 1): Monte Carlo tree search over a decision tree of layouts.
+"""HetAuto's planner (HetAuto Alg. 1): Monte Carlo tree search over a decision tree of layouts.
 
-The tree (002 Fig. 3, principles P1-P4 of its Table 5): root -> pipeline count d (the
+The tree (HetAuto Fig. 3, principles P1-P4 of its Table 5): root -> pipeline count d (the
 micro-batches follow: global batch / d, size 1) -> order of the device types -> per type, in that
 order, (TP degree, recompute flag), which fixes its stage count -> per stage, its layer count
 (non-uniform splits allowed; each stage keeps at least one layer). Constraint-aware pruning: only

@@ -4,7 +4,7 @@ slow links leave bubbles that 1F1B cannot hide and the extra micro-batches in fl
 Both are priced by the level-1 simulator (hspmd.planning.simulator) on the pipeline's stage and
 link times from the search's Evaluator; H-1F1B is chosen only when it is strictly faster there
 and every stage still fits its device with min(N_i, M) micro-batches in flight. Approximate: a
-stage's forward is taken as a third of its forward + backward time (F:B = 1:2, PLANNING B3), and a
+stage's forward is taken as a third of its forward + backward time (F:B = 1:2, HAPT eq. 13), and a
 gradient crosses a link in the time an activation does.
 """
 

@@ -8,7 +8,7 @@ recompute flag), with `global_batch / d` micro-batches of one sample per pipelin
     T = sum_i (t_i + 2 c_i) + (M - 1) * max(max_i t_i, max_i c_i) + sync(d)
 
 t_i: stage i's forward + backward per micro-batch, c_i: the activation transfer to stage i + 1,
-M micro-batches (HAPT eq. 13, H2's alpha = 1 cost, the shared pipeline formula of PLANNING B3: an
+M micro-batches (HAPT eq. 13, H2's alpha = 1 cost, the shared pipeline formula of HAPT eq. 13: an
 upper bound of the 1F1B makespan, exact for uniform stages). sync(d) is the gradient all-reduce
 across the d pipelines plus the optimizer update, priced from the *average* per-device parameter
 share (approximate: it ignores which stage holds more, so it does not depend on the layer split).
