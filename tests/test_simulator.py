@@ -137,3 +137,33 @@ def test_uniform_strategy_level1_matches_closed_form_without_sync():
     links = [l.forward for l in run.pipelines[0].links]
     assert result.iteration <= closed_form(t, 8, links, 0, max(s.update for s in run.pipelines[0].stages)) + 1e-12
 
+
+
+def test_the_pipeline_formula_with_links_is_an_estimate_not_a_bound():
+    """One formula prices pipelines for the searches and for level 0, links included; with a link
+    slower than a stage it is not an upper bound of level 1 (plain 1F1B stalls a round trip per
+    warm-up window), which the simulator's docstring says."""
+    from hspmd.planning.search.space import StagePlan, price_pipeline
+
+    f, b, c, m = 1 / 3, 2 / 3, 10.0, 8
+    level1 = simulate_pipelines([chain([(f, b)] * 2, m, [c])]).iteration
+    level0 = closed_form([f + b] * 2, m, [c])
+    assert level1 == pytest.approx(98.0) and level0 == pytest.approx(2 + 2 * c + (m - 1) * c) and level0 < level1
+
+    class Flat:  # every stage takes f + b, every link c: the search's price must be level 0's
+        def stage_time(self, *args):
+            return f + b
+
+        def stage_memory(self, *args):
+            return 0.0
+
+        def capacity(self, device_type):
+            return 1.0
+
+        def link_time(self, a, b):
+            return c
+
+    stages = [StagePlan("x", 1, 1, False)] * 2
+    assert price_pipeline(Flat(), stages, m, 1).time == pytest.approx(level0)
+    with pytest.raises(HSPMDError, match="link times"):
+        closed_form([1.0, 1.0], 4, [1.0, 2.0])

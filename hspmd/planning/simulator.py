@@ -1,7 +1,12 @@
 """The pipeline simulator, levels 0 and 1 (HeteroSim §3; level 2 is hspmd.planning.device_sim).
 
-Level 0, `closed_form`: sum_i (t_i + 2 c_i) + (M - 1) t_max + gradient sync + update (HAPT eq. 13;
-with c = 0 the formula H2, Metis and Hydraulis share). An upper bound of level 1 for 1F1B (B3).
+Level 0, `closed_form`: the pipeline formula (`pipeline_time`, the one every strategy search
+prices with) plus gradient sync and the update. Without links it is an upper bound of level 1's
+1F1B makespan (exact for uniform stages; HAPT §4). With links it is HAPT's steady-state estimate,
+one bottleneck period per micro-batch, and not a bound either way: plain 1F1B stalls a round trip
+per warm-up window once a link is slower than about half a stage (S = 2, f = 1/3, b = 2/3, c = 10,
+M = 8: level 1 98.0, level 0 92.0), and under H-1F1B's warm-up level 1 lies within 0.83-1.50x
+of it on random pipelines. Level 1 prices the candidates a search keeps.
 
 Level 1, `simulate_pipelines`: a discrete-event run of every stage's schedule order. Each stage is
 one resource running its order (1F1B with a warm-up vector, or GPipe) one action at a time; each
@@ -148,12 +153,23 @@ class SimResult:
         return "\n".join(lines)
 
 
+def pipeline_time(stage_times: Sequence[float], micro_batches: int, link_times: Sequence[float] = ()) -> float:
+    """The pipeline formula: sum_i t_i + 2 sum_i c_i + (M - 1) * max(max_i t_i, max_i c_i), for
+    stage times t_i = f_i + b_i per micro-batch and c_i the transfer from stage i to i + 1 (HAPT
+    eq. 13; with c = 0 the formula H2 (alpha = 1), Metis and Hydraulis share). What it bounds and
+    what it does not: the module docstring."""
+    if not stage_times:
+        raise HSPMDError("the pipeline formula needs at least one stage time")
+    if len(link_times) not in (0, len(stage_times) - 1):
+        raise HSPMDError(f"{len(stage_times)} stages have {len(stage_times) - 1} links, got {len(link_times)} link times")
+    bottleneck = max(max(stage_times), max(link_times, default=0.0))
+    return sum(stage_times) + 2 * sum(link_times) + (micro_batches - 1) * bottleneck
+
+
 def closed_form(stage_times: Sequence[float], micro_batches: int, link_times: Sequence[float] = (),
                 sync: float = 0.0, update: float = 0.0) -> float:
-    """Level 0: sum_i (t_i + 2 c_i) + (M - 1) t_max + sync + update for one pipeline (t_i = f_i + b_i)."""
-    if not stage_times:
-        raise HSPMDError("closed_form needs at least one stage time")
-    return sum(stage_times) + 2 * sum(link_times) + (micro_batches - 1) * max(stage_times) + sync + update
+    """Level 0: the pipeline formula for one pipeline, plus its gradient sync and update."""
+    return pipeline_time(stage_times, micro_batches, link_times) + sync + update
 
 
 def simulate_pipelines(pipelines: Sequence[SimPipeline],
@@ -280,5 +296,5 @@ def simulate_pipelines(pipelines: Sequence[SimPipeline],
 
 
 __all__ = [
-    "Breakdown", "Interval", "SimLink", "SimPipeline", "SimResult", "SimStage", "closed_form", "simulate_pipelines",
+    "Breakdown", "Interval", "SimLink", "SimPipeline", "SimResult", "SimStage", "closed_form", "pipeline_time", "simulate_pipelines",
 ]

@@ -8,8 +8,8 @@ recompute flag), with `global_batch / d` micro-batches of one sample per pipelin
     T = sum_i (t_i + 2 c_i) + (M - 1) * max(max_i t_i, max_i c_i) + sync(d)
 
 t_i: stage i's forward + backward per micro-batch, c_i: the activation transfer to stage i + 1,
-M micro-batches (HAPT eq. 13, H2's alpha = 1 cost, the shared pipeline formula of HAPT eq. 13: an
-upper bound of the 1F1B makespan, exact for uniform stages). sync(d) is the gradient all-reduce
+M micro-batches: the pipeline formula (`planning.simulator.pipeline_time`, HAPT eq. 13, H2's
+alpha = 1 cost; what it bounds is said there). sync(d) is the gradient all-reduce
 across the d pipelines plus the optimizer update, priced from the *average* per-device parameter
 share (approximate: it ignores which stage holds more, so it does not depend on the layer split).
 Memory: stage i holds its parameters and optimizer states plus min(S - i, M) micro-batches of
@@ -29,6 +29,7 @@ from typing import Mapping, Protocol, Sequence
 from hspmd.errors import HSPMDError
 from hspmd.planning.ranks import DevicePool, RankAssignmentError, assign_ranks
 from hspmd.planning.search.schedule_choice import choose_schedule
+from hspmd.planning.simulator import pipeline_time
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 from hspmd.specialize.strategy_text import format_strategy
 
@@ -206,9 +207,7 @@ def price_pipeline(evaluator: Evaluator, stages: Sequence[StagePlan], micro_batc
         memory.append(mem)
         feasible = feasible and mem <= evaluator.capacity(s.device_type)
     links = [evaluator.link_time(a.device_type, b.device_type) for a, b in zip(stages, stages[1:])]
-    bottleneck = max(times + links)
-    time = sum(times) + 2 * sum(links) + (micro_batches - 1) * bottleneck
-    return Priced(time, tuple(times), tuple(memory), feasible)
+    return Priced(pipeline_time(times, micro_batches, links), tuple(times), tuple(memory), feasible)
 
 
 def price(problem: Problem, layout: Layout) -> Priced:
