@@ -1,5 +1,5 @@
 """Peak memory per process during one reshard, before and after the lean plan executor, on 4 gloo
-processes, float32 2048 x 2048 (16 MB whole).
+processes, float32 2048 x 2048 (16 MiB whole).
 
 Each process runs one reshard under torch.profiler (profile_memory) and reports the peak of bytes
 allocated minus bytes freed by torch's CPU allocator while it runs, every thread of the process
@@ -38,7 +38,7 @@ except ImportError:
     from _common import table
 
 WORLD = 4
-MB = 1 << 20
+MiB = 1 << 20
 SHAPE = (2048, 2048)
 BEFORE = "c0b3e87"  # main before the lean executor
 CASES = [
@@ -130,12 +130,12 @@ def main(argv=None) -> int:
         held_after = max(srcs[r] + after[r][i] for r in range(WORLD))
         fits = all(after[r][i] <= memory_bound(plan, r) for r in range(WORLD))
         ok &= fits
-        rows.append([label, "+".join(plan.primitives), f"{max(srcs) / MB:.1f}",
-                     f"{max(piece_bytes(dst, r) for r in range(WORLD)) / MB:.1f}", f"{bound / MB:.1f}",
-                     f"{held_before / MB:.1f}", f"{held_after / MB:.1f}", f"{held_after / held_before:.2f}",
+        rows.append([label, "+".join(plan.primitives), f"{max(srcs) / MiB:.1f}",
+                     f"{max(piece_bytes(dst, r) for r in range(WORLD)) / MiB:.1f}", f"{bound / MiB:.1f}",
+                     f"{held_before / MiB:.1f}", f"{held_after / MiB:.1f}", f"{held_after / held_before:.2f}",
                      "yes" if fits else "NO"])
     print(f"Peak memory per process during one reshard, {WORLD} gloo processes, float32 {SHAPE[0]}x{SHAPE[1]} "
-          f"(16 MB whole); max over processes; before = hspmd at {args.before}, smallest of {args.repeat} runs")
+          f"(16 MiB whole); max over processes; before = hspmd at {args.before}, smallest of {args.repeat} runs")
     print(table(["layout", "plan", "src MB", "dst MB", "bound MB", "before MB", "after MB", "after/before",
                  "within bound"], rows))
     print("held = source piece + peak of torch bytes allocated - freed during the reshard (all threads);\n"

@@ -1,7 +1,7 @@
 """Resharding time of hspmd (a resolved plan executed over TorchDistBackend) against DTensor's
 `redistribute`, on 4 gloo processes, side by side in one job.
 
-Part 1: layouts both can express, on a 1-D mesh of 4 and a 2x2 mesh, at 1 MB and 16 MB (float32).
+Part 1: layouts both can express, on a 1-D mesh of 4 and a 2x2 mesh, at 1 MiB and 16 MiB (float32).
 Both start from the very same local tensors (hspmd's `shard`, Partial summands included) and must
 end with the same local tensors. Each repetition starts on a world barrier; a reshard's time is
 its slowest rank's; the figure is the median over repetitions (hspmd and DTensor interleaved,
@@ -40,7 +40,7 @@ except ImportError:
     from _common import ms, slowest_rank_median, table, timed_on_world
 
 WORLD = 4
-MB = 1 << 20
+MiB = 1 << 20
 
 # (label, hspmd src, hspmd dst, mesh shape, DTensor src placements, DTensor dst placements)
 COMPARABLE = [
@@ -168,7 +168,7 @@ def rank_main(backend: Backend, reps: dict[str, int], warmup: int) -> tuple[list
 def memory_cells(per_rank: list[dict]) -> tuple[list[str], bool]:
     """[peak MB, largest buffer MB, largest own piece MB] over the processes, and whether no process
     allocated a whole-tensor buffer unless its source or destination piece is whole-shaped."""
-    cells = [f"{max(r[key] for r in per_rank) / MB:.2f}" for key in ("peak", "largest", "piece_bytes")]
+    cells = [f"{max(r[key] for r in per_rank) / MiB:.2f}" for key in ("peak", "largest", "piece_bytes")]
     ok = all(r["whole_piece"] or r["largest"] < r["whole_bytes"] for r in per_rank)
     return cells, ok
 
@@ -210,9 +210,9 @@ def main(argv=None) -> int:
         rows.append([c["size"], c["label"], c["primitives"], ms(h), *memory_columns, "yes" if fits else "NO"])
     print("Layouts DTensor cannot express (heterogeneous / uneven HSize / other device sets): hspmd only")
     print(table(["size", "layout", "plan", "hspmd ms", *MEMORY_HEADER], rows))
-    print("\nhspmd memory per process during one reshard (max over the 4 processes; whole tensor = 1 or 16 MB):\n"
-          "  peak MB: peak of torch bytes allocated minus freed (on top of the input)\n"
-          "  buffer MB: the largest single allocation; piece MB: the process's larger of source/destination piece\n"
+    print("\nhspmd memory per process during one reshard (max over the 4 processes; whole tensor = 1 or 16 MiB):\n"
+          "  peak MiB: peak of torch bytes allocated minus freed (on top of the input)\n"
+          "  buffer MiB: the largest single allocation; piece MiB: the process's larger of source/destination piece\n"
           "  no whole: no process allocated a whole-tensor buffer unless its own source or destination piece is\n"
           f"  whole-shaped (Partial summands are): {'yes' if memory_ok else 'NO'}")
     print(f"wall {time.perf_counter() - start:.0f}s")

@@ -15,7 +15,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.backends.backend import Backend
 from hspmd.runtime.execution.batches import MicroBatchLayout
-from hspmd.comm_resolve.bucketing import MB, chain_cap
+from hspmd.comm_resolve.bucketing import MiB, chain_cap
 from hspmd.runtime.execution.buckets import BucketSync
 from hspmd.specialize.bucket_plan import Bucket, BucketPlan, BucketSlot, plan_buckets
 from hspmd.runtime.training.inprocess import InProcessJob
@@ -61,7 +61,7 @@ def made_order(exe) -> list[int]:
 
 
 @settings(max_examples=60)
-@given(text=st.sampled_from([DP_TP, DP_PP, MIXED, HETERO]), cap=st.integers(1, 40_000) | st.integers(MB, 64 * MB),
+@given(text=st.sampled_from([DP_TP, DP_PP, MIXED, HETERO]), cap=st.integers(1, 40_000) | st.integers(MiB, 64 * MiB),
        data=st.data())
 def test_buckets_respect_the_cap_and_fill_in_backward_order(text, cap, data):
     exes = EXES[text]
@@ -78,7 +78,7 @@ def test_buckets_respect_the_cap_and_fill_in_backward_order(text, cap, data):
         # the group's cap: the one given, lowered (not under 1 MiB) so that a small model gets >= 4 buckets
         total = sum(b.nbytes for b in chain)
         group_cap = chain_cap(total, cap)
-        assert group_cap <= cap and (group_cap == cap or group_cap >= MB)
+        assert group_cap <= cap and (group_cap == cap or group_cap >= MiB)
         assert group_cap == cap or total <= 4 * cap
         for bucket in chain:
             assert bucket.nbytes <= group_cap or len(bucket.slots) == 1
@@ -111,7 +111,7 @@ def test_buckets_respect_the_cap_and_fill_in_backward_order(text, cap, data):
 
 
 @pytest.mark.parametrize("text", [DP_TP, DP_PP, MIXED, HETERO])
-@pytest.mark.parametrize("cap", [1, 3000, 64 * MB])
+@pytest.mark.parametrize("cap", [1, 3000, 64 * MiB])
 def test_every_member_of_a_group_plans_the_same_buckets(text, cap):
     by_group: dict = {}
     for device, exe in EXES[text].items():
@@ -126,18 +126,18 @@ def test_every_member_of_a_group_plans_the_same_buckets(text, cap):
 
 
 def test_a_model_smaller_than_the_cap_still_gets_several_buckets_of_at_least_one_mib():
-    assert chain_cap(16 * MB, 25 * MB) == 4 * MB  # the benchmark's medium MLP: 4 buckets, not 1
-    assert chain_cap(200 * MB, 25 * MB) == 25 * MB  # a large model: the cap as given
-    assert chain_cap(100_000, 25 * MB) == MB  # a tiny one: one bucket (no 25 KB all-reduces)
+    assert chain_cap(16 * MiB, 25 * MiB) == 4 * MiB  # the benchmark's medium MLP: 4 buckets, not 1
+    assert chain_cap(200 * MiB, 25 * MiB) == 25 * MiB  # a large model: the cap as given
+    assert chain_cap(100_000, 25 * MiB) == MiB  # a tiny one: one bucket (no 25 KB all-reduces)
     assert chain_cap(100_000, 3000) == 3000  # a cap below the floor is the caller's choice
 
 
 def test_split_synchronisations_join_buckets_one_slot_per_all_reduce():
     exe = EXES[HETERO][2]  # rank 2 holds whole layers 0-1 that pipeline A splits over ranks 0, 1
-    plan = plan_buckets(exe, 64 * MB)
+    plan = plan_buckets(exe, 64 * MiB)
     assert not plan.kept
     # a norm weight: ranks 0 and 1 hold the same replica, one of them gives zeros in its bucket
-    zeros = [(d, s.gradient) for d, e in EXES[HETERO].items() for b in plan_buckets(e, 64 * MB).buckets
+    zeros = [(d, s.gradient) for d, e in EXES[HETERO].items() for b in plan_buckets(e, 64 * MiB).buckets
              for s in b.slots if s.zero]
     assert zeros and all("norm" in name for _, name in zeros) and {d for d, _ in zeros} <= {0, 1}
     assert {b.group for b in plan.buckets} == {(0, 2), (1, 2), (0, 1, 2)}  # halves; norms (rank 0 or 1 gives zeros)
@@ -201,7 +201,7 @@ class _Overlapping(Backend):
 
 def test_reading_a_synced_gradient_waits_for_its_buckets_alone():
     slots = [BucketSlot(f"w{k}", tensor_id=10 + k, sync_node_id=20 + k, shape=(2, 3), offset=0) for k in range(3)]
-    plan = BucketPlan(MB, tuple(Bucket((0, 1), torch.float32, (slot,)) for slot in slots), ())
+    plan = BucketPlan(MiB, tuple(Bucket((0, 1), torch.float32, (slot,)) for slot in slots), ())
     sync, backend = BucketSync(plan, "cpu"), _Overlapping()
     for k in range(3):
         sync.view(10 + k).fill_(k)

@@ -14,7 +14,7 @@ from hspmd.planning.dispatch import (
     dispatch,
     fit_sequence_cost,
     pack_micro_batches,
-    pipeline_time,
+    packed_pipeline_time,
     select_entry,
 )
 
@@ -41,7 +41,7 @@ def _optimum(pipes, lengths):
 
     def t(p, mask):
         if (p, mask) not in memo:
-            memo[p, mask] = pipeline_time(pipes[p], [lengths[i] for i in range(n) if mask >> i & 1])
+            memo[p, mask] = packed_pipeline_time(pipes[p], [lengths[i] for i in range(n) if mask >> i & 1])
         return memo[p, mask]
 
     choices = [[p for p in range(3) if lengths[i] <= pipes[p].max_tokens] for i in range(n)]

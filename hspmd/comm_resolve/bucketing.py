@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Sequence
 
 DEFAULT_BUCKET_CAP_MB = 25.0
-MB = 1 << 20
+MiB = 1 << 20
 MIN_BUCKETS = 4  # per group, where the cap allows: the first can start while the backward still runs
-MIN_BUCKET_BYTES = MB
+MIN_BUCKET_BYTES = MiB
 
 
 def chain_cap(total_bytes: float, cap_bytes: float) -> float:
@@ -36,4 +36,4 @@ def fill_buckets(sizes: Sequence[float], cap_bytes: float) -> list[list[int]]:
     return buckets
 
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "MB", "MIN_BUCKETS", "MIN_BUCKET_BYTES", "chain_cap", "fill_buckets"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "MiB", "MIN_BUCKETS", "MIN_BUCKET_BYTES", "chain_cap", "fill_buckets"]

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from hspmd.comm_resolve.bucketing import DEFAULT_BUCKET_CAP_MB, MB, fill_buckets
+from hspmd.comm_resolve.bucketing import DEFAULT_BUCKET_CAP_MB, MiB, fill_buckets
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.errors import HSPMDError
 from hspmd.ir.shapes import Binding
@@ -31,7 +31,7 @@ from hspmd.planning.model import ModelSpec
 from hspmd.specialize.specialized import Specialized, specialize_graph
 from hspmd.specialize.strategy import Strategy
 
-BUCKET_BYTES = DEFAULT_BUCKET_CAP_MB * MB  # the trainer's default gradient bucket cap
+BUCKET_BYTES = DEFAULT_BUCKET_CAP_MB * MiB  # the trainer's default gradient bucket cap
 DISPATCHED = ("compute", "collective", "send", "recv", "send+recv", "local")  # roles that cost the framework a dispatch
 VIEWS = ("reshape", "transpose", "expand_as", "expand", "view", "squeeze", "unsqueeze", "fill_like", "zeros_like")
 

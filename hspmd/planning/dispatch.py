@@ -35,7 +35,6 @@ hardware where the narrow strategy does not pay for its switch, this keeps the c
 
 from __future__ import annotations
 
-import itertools
 import math
 import numbers
 import random
@@ -43,9 +42,9 @@ from functools import lru_cache
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 
 from hspmd.errors import HSPMDError
+from hspmd.planning.fitting import nonnegative_least_squares
 
 SHUFFLED_PASSES = 100
 EXTRA_BIN_COUNTS = 16
@@ -79,7 +78,10 @@ class PipelineCost:
         return sum(self.sequence(s) for s in lengths) + self.c
 
     def time(self, micro_batches: Sequence[Sequence[int]]) -> float:
-        """T_p of running these micro-batches (lists of sequence lengths) through the pipeline."""
+        """T_p of running these micro-batches (lists of sequence lengths) through the pipeline: the
+        pipeline formula (planning.simulator.pipeline_time) read across micro-batches instead of
+        stages, sum_m c_m + (S - 1) max_m c_m, for S equal stages and micro-batches of unequal
+        cost c_m (Hydraulis); the two agree where both apply, (M + S - 1) c."""
         costs = [self.micro_batch(m) for m in micro_batches if len(m)]
         return sum(costs) + (self.stages - 1) * max(costs) if costs else 0.0
 
@@ -193,14 +195,14 @@ def _lpt(cost: PipelineCost, lengths: Sequence[int], order: Sequence[int], v: in
     return bins
 
 
-def pipeline_time(cost: PipelineCost, lengths: Sequence[int]) -> float:
+def packed_pipeline_time(cost: PipelineCost, lengths: Sequence[int]) -> float:
     """T_p of one pipeline given its sequences' lengths, packed by pack_micro_batches."""
     return _packed_time(cost, tuple(sorted(lengths, reverse=True)))
 
 
 @lru_cache(maxsize=1 << 14)
 def _packed_time(cost: PipelineCost, lengths: tuple[int, ...]) -> float:
-    """pipeline_time of a multiset of lengths (packing depends on nothing else): the assignment
+    """packed_pipeline_time of a multiset of lengths (packing depends on nothing else): the assignment
     passes of a step score the same pipeline contents over and over."""
     mbs = pack_micro_batches(cost, lengths)
     return cost.time([[lengths[k] for k in mb] for mb in mbs])
@@ -235,7 +237,7 @@ def assign(pipelines: Sequence[PipelineCost], lengths: Sequence[int], seed: int 
     best, best_key = None, None
     for seq_order in passes_orders:
         result = _greedy_pass(pipelines, lengths, forced, seq_order, order[0])
-        times = [pipeline_time(pipelines[p], [lengths[i] for i in range(n) if result[i] == p]) for p in range(P)]
+        times = [packed_pipeline_time(pipelines[p], [lengths[i] for i in range(n) if result[i] == p]) for p in range(P)]
         empty = sum(1 for p in range(P) if p not in result)
         key = (empty > 0 and n >= P, max(times), sum(times))
         if best_key is None or key < best_key:
@@ -320,28 +322,11 @@ def fit_sequence_cost(lengths: Sequence[int], seconds: Sequence[float], constant
         raise HSPMDError(f"fit_sequence_cost: needs at least {terms} (length, time) measurements of equal count")
     if len(set(lengths)) < 2:
         raise HSPMDError("fit_sequence_cost: needs at least two different lengths")
-    return _nonnegative_fit([[s * s, s, 1.0][:terms] for s in lengths], seconds)
-
-
-def _nonnegative_fit(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[float, ...]:
-    """Least squares with every coefficient >= 0: the best fit over the subsets of terms whose
-    unconstrained fit is non-negative (a tiny active-set search: at most 4 terms, 15 subsets)."""
-    x, y = np.array(rows, dtype=np.float64), np.array(seconds, dtype=np.float64)
-    terms = x.shape[1]
-    best, best_error = np.zeros(terms), float(np.sum(y * y))
-    for subset in itertools.chain.from_iterable(itertools.combinations(range(terms), k) for k in range(1, terms + 1)):
-        cols = list(subset)
-        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-        if np.all(coef >= 0):
-            error = float(np.sum((x[:, cols] @ coef - y) ** 2))
-            if error < best_error:
-                best, best_error = np.zeros(terms), error
-                best[cols] = coef
-    return tuple(float(v) for v in best)
+    return nonnegative_least_squares([[s * s, s, 1.0][:terms] for s in lengths], seconds)
 
 
 __all__ = [
     "Dispatch", "PipelineCost", "PoolEntry", "assign", "dispatch", "fit_sequence_cost", "fitting_entries",
     "pack_micro_batches",
-    "pipeline_time", "select_entry",
+    "packed_pipeline_time", "select_entry",
 ]

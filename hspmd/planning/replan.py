@@ -44,7 +44,9 @@ from hspmd.planning.search.space import (
 )
 from hspmd.specialize.strategy import Pipeline, Stage, Strategy
 
-TIE = 1e-9
+TIME_RESOLUTION_S = 1e-3
+"""Candidate times closer than this count as equal, so that the fewer moved bytes (then wider TP)
+decide between them: pipeline times are estimates, and sub-millisecond differences are noise."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,7 @@ class _Replanner:
         if not priced.feasible:
             return None
         moved = moved_share(self.old, Strategy((_pipeline(stages, ranks, share),), self.old.num_layers))
-        return (round(priced.time / TIE * 1e-6) if priced.time else 0, moved, tuple(-s.tp for s in stages), stages, ranks)
+        return (round(priced.time / TIME_RESOLUTION_S) if priced.time else 0, moved, tuple(-s.tp for s in stages), stages, ranks)
 
     def shift_layers(self, best, pools, share):
         """Move stage boundaries one layer at a time while the time does not grow and less data

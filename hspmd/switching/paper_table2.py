@@ -25,7 +25,7 @@ from hspmd.switching.recovery import recover_strategy
 from hspmd.switching.switch import plan_layout_switch
 
 BYTES_PER_PARAMETER = 6
-MB = 2**30 / 1000
+PAPER_MB = 2**30 / 1000  # the paper's "MB"
 FAILED = (31,)
 TOPOLOGY = nvlink_ib(4, 8)
 
@@ -59,7 +59,7 @@ def sender_volumes(plans) -> dict[int, tuple[float, float]]:
     """{sender: (NVLink MB, InfiniBand MB)} summed over `plans`, at BYTES_PER_PARAMETER."""
     out: dict[int, list[float]] = {}
     for plan in plans:
-        scale = BYTES_PER_PARAMETER / plan.itemsize / MB
+        scale = BYTES_PER_PARAMETER / plan.itemsize / PAPER_MB
         for device, links in plan.bytes_sent_by_link.items():
             row = out.setdefault(device, [0.0, 0.0])
             for link, n in links.items():
@@ -76,4 +76,4 @@ def table2_rows(model: ModelSpec | str = "llama-32b-hetu", **fused_choices) -> d
     return {"fused": sender_volumes([fused.fused]), "w/o heuristics": sender_volumes(alone)}
 
 
-__all__ = ["BYTES_PER_PARAMETER", "MB", "PAPER", "PAPER_TOTAL", "sender_volumes", "table2_layouts", "table2_rows"]
+__all__ = ["BYTES_PER_PARAMETER", "PAPER_MB", "PAPER", "PAPER_TOTAL", "sender_volumes", "table2_layouts", "table2_rows"]

@@ -30,7 +30,7 @@ import torch
 
 from hspmd.errors import HSPMDError
 from hspmd.backends.backend import Backend, Group, Pending
-from hspmd.comm_resolve.bucketing import DEFAULT_BUCKET_CAP_MB, MB
+from hspmd.comm_resolve.bucketing import DEFAULT_BUCKET_CAP_MB, MiB
 from hspmd.specialize.bucket_plan import BucketPlan
 from hspmd.runtime.execution.trace import Tracer
 
@@ -40,7 +40,7 @@ def cap_bytes_of(cap_mb: float) -> int:
     if isinstance(cap_mb, bool) or not isinstance(cap_mb, (int, float)) or not 0 < cap_mb < float("inf"):
         raise HSPMDError(f"bucket_cap_mb must be a positive number of MiB (or None to synchronise each gradient "
                          f"after the backward), got {cap_mb!r}")
-    return max(1, int(cap_mb * MB))
+    return max(1, int(cap_mb * MiB))
 
 
 class BucketSync:

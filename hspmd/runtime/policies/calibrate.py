@@ -35,7 +35,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-import numpy
 import torch
 
 from hspmd.backends.backend import Backend
@@ -46,6 +45,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, ModelSpec
 from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.planning.device_sim import DISPATCHED, op_kernel
+from hspmd.planning.fitting import nonnegative_least_squares
 from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.ops import AdamW
@@ -222,19 +222,11 @@ def fit_steps(work: list[StepWork], seconds: list[float]) -> tuple[float, float,
     out any of them), refused when gamma is not positive (kernel time that does not grow with the
     work: noise). A zero overhead is kept: a busy machine can slow the larger probe enough that
     gamma takes all the time (seen under a parallel test run)."""
-    a = numpy.array([[w.roofline, float(w.instructions), 1.0] for w in work])
-    y = numpy.array(seconds)
-    best, best_error = None, float("inf")
-    for kept in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
-        solution = numpy.zeros(3)
-        solution[list(kept)] = numpy.linalg.lstsq(a[:, kept], y, rcond=None)[0]
-        error = float(numpy.sum((a @ solution - y) ** 2))
-        if (solution >= 0).all() and error < best_error:
-            best, best_error = solution, error
-    if best is None or best[0] <= 0:
+    best = nonnegative_least_squares([[w.roofline, float(w.instructions), 1.0] for w in work], seconds)
+    if best[0] <= 0:
         raise HSPMDError(f"calibration: step times {[round(t, 6) for t in seconds]} do not grow with the work "
                          f"{work}; the machine is too noisy, or the probe's layers too small to time their kernels")
-    gamma, overhead, per_step = (float(c) for c in best)
+    gamma, overhead, per_step = best
     return gamma, overhead, per_step
 
 
