@@ -10,7 +10,7 @@ runs in a fresh process, as a rank of a job does, so no cache survives from anot
 module-level ones included: the memos of interned layouts, the resolver's bound and piece
 tables; with them warm, as measured here before, 4,096 ranks looked ~20% cheaper); building the
 graph (making the strategy's leaf annotations) is reported apart. The phases run with automatic garbage
-collection paused, as specialize_graph runs them (hspmd/heap.py); the per-rank total counts
+collection paused, as specialize_graph runs them (hspmd/gc_pause.py); the per-rank total counts
 the collection that closes the block. Times are CPU seconds of the process (the
 work is single-threaded; on a shared machine wall time also counts waiting for a core), the sizes
 are interleaved (each repetition runs every size once) and the ratio to 48 ranks is the median of
@@ -53,7 +53,7 @@ from hspmd.ir import Binding
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate, live_nodes
-from hspmd.heap import collector_paused
+from hspmd.gc_pause import collector_paused
 from hspmd.specialize.paper_strategies import paper_strategy
 from hspmd.specialize.pipelines import discover_pipelines, expected_pipelines
 from hspmd.specialize.program import DeviceProgram, device_program

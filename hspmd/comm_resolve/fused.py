@@ -34,7 +34,7 @@ from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
 from hspmd.comm_resolve.render import box_text
 from hspmd.errors import HSPMDError, HSPMDTypeError, ShapeError, UnsupportedReshard, WeightLost
-from hspmd.heap import collector_paused
+from hspmd.gc_pause import collector_paused
 from hspmd.limits import brief, device_id_set
 
 SCAN_ORDERS = ("largest_first", "given")
@@ -134,7 +134,7 @@ def resolve_many(
     failed = device_id_set(failed, "resolve_many: failed")
     devices = {d for m in moves for d in m.src.devices + m.dst.devices}
     topology = cluster_for(topology, devices, "fused reshard")
-    with collector_paused():  # as resolve: many long-lived objects, no cycles (hspmd.heap)
+    with collector_paused():  # as resolve: many long-lived objects, no cycles (hspmd.gc_pause)
         fams = families(moves, failed)
         if failed:
             _check_failed(moves, fams, failed)

@@ -64,7 +64,7 @@ from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.split_collectives import split_step
 from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
 from hspmd.errors import CommunicationError, HSPMDTypeError, ShapeError, ShapeTypeError, UnsupportedReshard
-from hspmd.heap import collector_paused
+from hspmd.gc_pause import collector_paused
 from hspmd.limits import MAX_DIMS, brief, check_limit, device_id_set
 
 
@@ -172,7 +172,7 @@ def resolve(
             f"follows one reduction)"
         )
     ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial, focus)
-    with collector_paused():  # a large plan is many long-lived objects and no cycles (hspmd.heap)
+    with collector_paused():  # a large plan is many long-lived objects and no cycles (hspmd.gc_pause)
         if via is not None:
             return _plan(ctx, name, _via(via, src, dst, ctx))
         return _cheapest(ctx, name)

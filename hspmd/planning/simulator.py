@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from hspmd.errors import HSPMDError
 from hspmd.specialize.schedules import (
@@ -32,6 +32,22 @@ from hspmd.specialize.schedules import (
 )
 
 StageKey = tuple[int, int]  # (pipeline, stage)
+
+STAGE_ACTION, LINK_MESSAGE = 0, 1
+"""The two kinds of event level 1 commits; at equal start times a stage's action goes first."""
+
+
+class _Message(NamedTuple):
+    """A transfer queued on a link: from stage `index` of pipeline `pipeline` to stage `target`,
+    carrying micro-batch `micro_batch`'s `kind` (forward activations or backward gradients)."""
+
+    pipeline: int
+    index: int
+    direction: str
+    target: int
+    kind: str
+    micro_batch: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -204,7 +220,7 @@ def simulate_pipelines(pipelines: Sequence[SimPipeline],
             return
         resource = link.resource or f"p{p}.link{index}.{direction}"
         sequence += 1
-        heapq.heappush(queues.setdefault(resource, []), (ready, sequence, (p, index, direction, target, kind, m, seconds)))
+        heapq.heappush(queues.setdefault(resource, []), (ready, sequence, _Message(p, index, direction, target, kind, m, seconds)))
 
     while remaining:
         best = None
@@ -222,19 +238,19 @@ def simulate_pipelines(pipelines: Sequence[SimPipeline],
                     continue
                 start = max(start, dep)
             if best is None or start < best[0]:
-                best = (start, 0, key, a)
+                best = (start, STAGE_ACTION, key, a)
         for resource, queue in queues.items():
             if queue:
                 ready, seq, job = queue[0]
                 start = max(ready, link_free.get(resource, 0.0))
                 if best is None or start < best[0]:
-                    best = (start, 1, resource, job)
+                    best = (start, LINK_MESSAGE, resource, job)
         if best is None:
             stuck = ", ".join(f"pipeline {p} stage {s} at {orders[(p, s)][position[(p, s)]]}"
                               for (p, s) in orders if position[(p, s)] < len(orders[(p, s)]))
             raise HSPMDError(f"simulated schedule deadlocks: {stuck}")
-        start, what, key, job = best
-        if what == 0:
+        start, event, key, job = best
+        if event == STAGE_ACTION:
             stage = stage_of[key]
             seconds = stage.forward if job.kind == FORWARD else stage.backward
             end = start + seconds
@@ -245,18 +261,19 @@ def simulate_pipelines(pipelines: Sequence[SimPipeline],
             enqueue(key[0], key[1], job.kind, job.micro_batch, end)
         else:
             heapq.heappop(queues[key])
-            p, index, direction, target, kind, m, seconds = job
-            end = start + seconds
+            end = start + job.seconds
             link_free[key] = end
-            arrived[(p, target, kind, m)] = end
-            link_intervals.setdefault((p, index, direction), []).append(Interval("send", start, end, m))
+            arrived[(job.pipeline, job.target, job.kind, job.micro_batch)] = end
+            link_intervals.setdefault((job.pipeline, job.index, job.direction), []).append(
+                Interval("send", start, end, job.micro_batch))
     # drain transfers nobody waits for (none in a valid pipeline, kept for the timeline)
     for resource, queue in queues.items():
         while queue:
-            ready, _, (p, index, direction, target, kind, m, seconds) = heapq.heappop(queue)
+            ready, _, message = heapq.heappop(queue)
             start = max(ready, link_free.get(resource, 0.0))
-            link_free[resource] = start + seconds
-            link_intervals.setdefault((p, index, direction), []).append(Interval("send", start, start + seconds, m))
+            link_free[resource] = start + message.seconds
+            link_intervals.setdefault((message.pipeline, message.index, message.direction), []).append(
+                Interval("send", start, start + message.seconds, message.micro_batch))
 
     # gradient sync (one collective per group, once every member is done) and the update
     grouped = {k for g in (sync_groups or ()) for k in g}

@@ -18,7 +18,7 @@ from hspmd.ir.shapes import Binding
 from hspmd.specialize import comm_plans
 from hspmd.specialize.deduce import Deduced, deduce
 from hspmd.specialize.executable import ExecutableGraph, comm_args, instantiate_many, live_nodes, resolve_node
-from hspmd.heap import collector_paused
+from hspmd.gc_pause import collector_paused
 from hspmd.specialize.pipelines import PipelineLayout, discover_pipelines
 
 
@@ -126,7 +126,7 @@ def specialize_graph(graph: Graph, strategy: int = 0, binding: Binding | None = 
     `devices` is given), resolve CommOps under `binding`, and discover the pipelines. Given
     `devices`, the plans are resolved for them alone (instantiate_many's `focused`: a rank of a
     large job plans its own subgroups). The graph and everything older stay out of the cyclic
-    collector's walks meanwhile (heap.py)."""
+    collector's walks meanwhile (gc_pause.py)."""
     binding = binding or Binding()
     with collector_paused():
         deduced = deduced or deduce(graph, strategy)

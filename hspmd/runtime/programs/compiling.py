@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Mapping
 
 from hspmd.annotations import box_relative, subgroup_regions
 from hspmd.errors import HSPMDError, ShapeError
-from hspmd.heap import collector_paused
+from hspmd.gc_pause import collector_paused
 from hspmd.ir.graph import Graph
 from hspmd.ir.shapes import Binding
 from hspmd.runtime.execution.batches import MicroBatchLayout
@@ -115,7 +115,7 @@ def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strate
 
     def each_rank() -> Iterator[tuple[int, DeviceProgram]]:
         facts = None
-        with collector_paused():  # thousands of long-lived objects: no collection walks them meanwhile (heap.py)
+        with collector_paused():  # thousands of long-lived objects: no collection walks them meanwhile (gc_pause.py)
             for first in range(0, len(chosen), RANKS_AT_ONCE):
                 batch = chosen[first:first + RANKS_AT_ONCE]
                 executables = spec.instantiate([r for r in batch if r in in_strategy])

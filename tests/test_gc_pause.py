@@ -1,11 +1,11 @@
-"""hspmd/heap.py: automatic collection paused inside a specialization, nothing lost after it."""
+"""hspmd/gc_pause.py: automatic collection paused inside a specialization, nothing lost after it."""
 
 import gc
 import weakref
 
 import pytest
 
-from hspmd.heap import collector_paused
+from hspmd.gc_pause import collector_paused
 
 
 class _Node:
