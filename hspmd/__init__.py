@@ -23,6 +23,7 @@ from hspmd.backends.plan_executor import run_plan
 from hspmd.cluster import ClusterSpec, parse_cluster
 from hspmd.comm_resolve import FusedPlan, Plan, resolve, resolve_many
 from hspmd.errors import HSPMDError
+from hspmd.interop import from_dtensor, to_dtensor
 from hspmd.ir import Binding, Derived, comm, parameter, placeholder, state, symbols
 from hspmd.ops import SGD, AdamW, Graph, gradients
 from hspmd.runtime.execution.batches import MicroBatchLayout
@@ -44,4 +45,6 @@ __all__ = [
     "ClusterSpec", "FusedPlan", "Plan", "parse_cluster", "resolve", "resolve_many", "run_plan",
     # the trainer and strategy switching
     "MicroBatchLayout", "Trainer", "execute_switch", "plan_switch", "recover_strategy",
+    # the DTensor bridge (torch.distributed.tensor is imported when a bridge function is called)
+    "from_dtensor", "to_dtensor",
 ]

@@ -117,6 +117,11 @@ class CheckpointError(HSPMDError):
     """A checkpoint is missing, corrupted, truncated, of another model or schema; names file and tensor."""
 
 
+class InteropError(HSPMDError):
+    """A layout has no equivalent on the other side of a bridge (hspmd annotation <-> DTensor placements):
+    the message names the layout and what the other side cannot state."""
+
+
 class LaunchError(HSPMDError):
     """The launcher's arguments are invalid, or a rank stopped (the message names the rank)."""
 
