@@ -76,40 +76,51 @@ def test_graphs_built_to_deduce_deduce_to_the_row_layout_and_match_the_reference
     _run_and_compare(spec, out, {"x": xv, "y": yv, "w": wv}, anns, op, seed)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    x_ann=annotations(2, devices=DEVICES, max_hsize=2),
-    y_ann=annotations(2, devices=DEVICES, max_hsize=2),
-    w_ann=annotations(2, devices=DEVICES, max_hsize=2),
-    op=st.sampled_from(sorted(OPS)),
-    reshard_y=st.sampled_from([True, True, True, False]),
-    replicate_w=st.sampled_from([True, True, True, False]),
-    seed=st.integers(0, 2**16),
-)
-def test_random_graphs_deduce_or_fail_cleanly_and_match_the_reference(x_ann, y_ann, w_ann, op, reshard_y,
-                                                                     replicate_w, seed):
-    xv, yv, wv = _leaves(seed)
-    g = Graph()
-    x = placeholder(g, "x", (4, 6), annotation=x_ann)
-    y = placeholder(g, "y", (4, 6), annotation=y_ann)
-    w = placeholder(g, "w", (6, 5), annotation=w_ann)
-    if reshard_y:
-        y = comm(y, x_ann, name="y_like_x")
-    if replicate_w:  # w whole on every subgroup of x's union: matmul then only needs x's K dim whole
-        w = comm(w, _whole_on(x_ann), name="w_on_x")
-    out = OPS[op][0](x, y) @ w
-    try:
-        deduced = deduce(g, 0)
-    except DeductionError:
-        event("rejected by deduction")
-        return
-    # past deduction nothing may fail: resolving, instantiating and pipeline discovery (a reshard
-    # inside one stage that runs P2P both ways once raised "P2P edges form a cycle")
-    spec = specialize_graph(g, 0, Binding(), fetches=[out], deduced=deduced)
-    event("specialized and run")
-    if reshard_y and _two_way_p2p(spec, "y_like_x"):
-        event("reshard with P2P both ways between two devices")
-    _run_and_compare(spec, out, {"x": xv, "y": yv, "w": wv}, {"x": x_ann, "y": y_ann, "w": w_ann}, op, seed)
+def test_random_graphs_deduce_or_fail_cleanly_and_match_the_reference():
+    """Random layouts of x, y, w: deduction succeeds or raises DeductionError; past it, every
+    specialized graph runs and matches the reference. At least a tenth of the cases (about 40% in
+    practice) must get past deduction, or the property would hold by rejecting everything."""
+    counts = {"rejected": 0, "specialized": 0}
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        x_ann=annotations(2, devices=DEVICES, max_hsize=2),
+        y_ann=annotations(2, devices=DEVICES, max_hsize=2),
+        w_ann=annotations(2, devices=DEVICES, max_hsize=2),
+        op=st.sampled_from(sorted(OPS)),
+        reshard_y=st.sampled_from([True, True, True, False]),
+        replicate_w=st.sampled_from([True, True, True, False]),
+        seed=st.integers(0, 2**16),
+    )
+    def case(x_ann, y_ann, w_ann, op, reshard_y, replicate_w, seed):
+        xv, yv, wv = _leaves(seed)
+        g = Graph()
+        x = placeholder(g, "x", (4, 6), annotation=x_ann)
+        y = placeholder(g, "y", (4, 6), annotation=y_ann)
+        w = placeholder(g, "w", (6, 5), annotation=w_ann)
+        if reshard_y:
+            y = comm(y, x_ann, name="y_like_x")
+        if replicate_w:  # w whole on every subgroup of x's union: matmul then only needs x's K dim whole
+            w = comm(w, _whole_on(x_ann), name="w_on_x")
+        out = OPS[op][0](x, y) @ w
+        try:
+            deduced = deduce(g, 0)
+        except DeductionError:
+            event("rejected by deduction")
+            counts["rejected"] += 1
+            return
+        # past deduction nothing may fail: resolving, instantiating and pipeline discovery (a reshard
+        # inside one stage that runs P2P both ways once raised "P2P edges form a cycle")
+        spec = specialize_graph(g, 0, Binding(), fetches=[out], deduced=deduced)
+        event("specialized and run")
+        counts["specialized"] += 1
+        if reshard_y and _two_way_p2p(spec, "y_like_x"):
+            event("reshard with P2P both ways between two devices")
+        _run_and_compare(spec, out, {"x": xv, "y": yv, "w": wv}, {"x": x_ann, "y": y_ann, "w": w_ann}, op, seed)
+
+    case()
+    total = counts["rejected"] + counts["specialized"]
+    assert counts["specialized"] >= max(6, total // 10), counts
 
 
 def test_a_reshard_inside_one_stage_with_p2p_both_ways_is_no_pipeline_edge():
