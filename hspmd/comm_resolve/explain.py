@@ -7,8 +7,10 @@ does not apply says why. JSON of --compare: {"schema": "hspmd.plan-alternatives/
 "alternatives": {ROUTE: plan JSON as below, or {"unsupported": reason}}}.
 
 Without --json it prints the steps (primitive, device groups, bytes, estimated time), the bytes
-each device sends and receives, the bytes per link class and the estimated time. Errors print
-one message on stderr and exit with code 2.
+each device sends and receives, the bytes per link class, the estimated time and, where the
+resolver's decision order fell back from one tier to a later one, when and why (resolve also
+issues a FallbackWarning then; explain shows it here instead). Errors print one message on
+stderr and exit with code 2.
 
 JSON schema ("schema": "hspmd.plan/1"; device ids as JSON object keys are strings):
 
@@ -35,7 +37,9 @@ JSON schema ("schema": "hspmd.plan/1"; device ids as JSON object keys are string
       ],
       "bytes_sent": {"0": n, ...}, "bytes_received": {"0": n, ...},
       "bytes_by_link": {"intra-node": n, ...},
-      "estimated_seconds": t
+      "estimated_seconds": t,
+      "fallbacks": ["top tier: ...", ...]     only where a tier of the decision order could not give its
+                                              primitive and a later one made the steps: which and why
     }
 
 Boxes are global half-open ranges per dim. `hspmd.comm_resolve.Plan.from_json` reads it back.
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from hspmd.arguments import ArgumentParser, non_negative_int
 from hspmd.errors import HSPMDError, error_line
@@ -107,6 +112,8 @@ def _print_rich(plan, details: bool) -> None:
     console.print(f"bytes by link class: {links}", markup=False)
     console.print(f"estimated time: {seconds_text(plan.estimated_seconds)} (alpha-beta model, ring collectives)",
                   markup=False)
+    for why in plan.fallbacks:
+        console.print(f"fallback: {why}", markup=False)
 
 
 def _print_compare(alts, chosen: str) -> None:
@@ -131,20 +138,25 @@ def _print_compare(alts, chosen: str) -> None:
     console.print(table)
     for line in skipped:
         console.print(line, markup=False)
+    for via, plan in alts.items():
+        for why in getattr(plan, "fallbacks", ()):
+            console.print(f"{via}: fallback: {why}", markup=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     from hspmd.comm_resolve.compare import alternatives, chosen_route
-    from hspmd.comm_resolve.resolver import resolve
+    from hspmd.comm_resolve.resolver import FallbackWarning, resolve
 
     try:
         args = _parser().parse_args(argv)
         options = dict(dtype=args.dtype, src_ratios=args.src_ratios, dst_ratios=args.dst_ratios,
                        reduce_partial=not args.strict)
-        plan = resolve(args.src, args.dst, args.shape, args.topology, via=args.via, **options)
-        if args.compare:
-            alts = alternatives(args.src, args.dst, args.shape, args.topology, **options)
-            chosen = chosen_route(alts, resolve(args.src, args.dst, args.shape, args.topology, **options))
+        with warnings.catch_warnings():  # the plan's fallbacks are printed with it
+            warnings.simplefilter("ignore", FallbackWarning)
+            plan = resolve(args.src, args.dst, args.shape, args.topology, via=args.via, **options)
+            if args.compare:
+                alts = alternatives(args.src, args.dst, args.shape, args.topology, **options)
+                chosen = chosen_route(alts, resolve(args.src, args.dst, args.shape, args.topology, **options))
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except HSPMDError as exc:

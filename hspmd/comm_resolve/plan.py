@@ -22,7 +22,7 @@ boxes it sends, receives or reduces, never the whole tensor unless its piece is 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
 from operator import itemgetter
@@ -127,7 +127,11 @@ def _read_plan(f: _Field) -> "Plan":
     shape = f["shape"].ints()
     return Plan(_annotation(f["src"], len(shape)), _annotation(f["dst"], len(shape)), shape,
                 tuple(_read_step(s, len(shape)) for s in f["steps"].items()), _topology(f["topology"]),
-                _dtype(f.get("dtype")))
+                _dtype(f.get("dtype")), _fallbacks(f.get("fallbacks")))
+
+
+def _fallbacks(f: _Field) -> tuple[str, ...]:
+    return () if f.value is None else tuple(x.str() for x in f.items())
 
 
 def _read_fused_plan(f: _Field) -> "FusedPlan":
@@ -333,6 +337,9 @@ class Plan(_Stats):
     steps: tuple[Step, ...]
     topology: ClusterSpec
     dtype: str = "float32"
+    # Where a tier of the resolver's decision order could not give its primitive and a later tier
+    # made these steps: what and why, in order (not part of the plan's value: the steps are).
+    fallbacks: tuple[str, ...] = field(default=(), compare=False)
 
     def _priced(self, tables: bool = True) -> list[Traffic]:
         return [s.traffic(self.topology, self.itemsize, tables) for s in self.steps]
@@ -443,6 +450,7 @@ class Plan(_Stats):
                 for s, b, t in zip(self.steps, self.step_bytes(), self.step_seconds())
             ],
             **self._stats_dict(),
+            **({"fallbacks": list(self.fallbacks)} if self.fallbacks else {}),
         }
 
     @classmethod

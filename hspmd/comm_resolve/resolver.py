@@ -46,52 +46,27 @@ are not built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import warnings
+from dataclasses import replace
 from functools import partial
-from operator import add
 from typing import Iterable, Sequence
 
 from hspmd.annotations import Annotation, Box, Subgroup, device_piece, device_pieces, parse
-from hspmd.annotations.geometry import check_ratios, device_pieces_of, kept_regions, region_extents, region_shift
+from hspmd.annotations.geometry import check_ratios, device_pieces_of, region_extents
 from hspmd.comm_resolve.bounds import lacks, reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, local_copies, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.comm_resolve.gathered import gathered_within, representatives, root
-from hspmd.comm_resolve import relabel
+from hspmd.comm_resolve import relabel, scaling
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
+from hspmd.comm_resolve.reshard import Reshard, Resolution, identity, in_sequence, next_round, regions, shifted
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.split_collectives import split_step
 from hspmd.comm_resolve.topology import ClusterSpec, cluster_for
 from hspmd.errors import CommunicationError, HSPMDTypeError, ShapeError, ShapeTypeError, UnsupportedReshard
 from hspmd.gc_pause import collector_paused
 from hspmd.limits import MAX_DIMS, brief, check_limit, device_id_set
-
-
-@dataclass(frozen=True)
-class _Reshard:
-    """The reshard being resolved: its two layouts, shape, topology and options, shared by every route."""
-
-    src: Annotation
-    dst: Annotation
-    shape: tuple[int, ...]
-    topology: ClusterSpec
-    itemsize: int
-    reduce_partial: bool
-    focus: frozenset[int] | None = None  # resolved for these devices (None: every device)
-    planned: dict = field(default_factory=dict, compare=False)  # BSR transfers already planned, by hop
-
-    def leaves_out(self, devices) -> bool:
-        """Whether a repeated subgroup on `devices` may be left out of the plan (it holds none of
-        the devices the plan is resolved for)."""
-        return self.focus is not None and self.focus.isdisjoint(devices)
-
-    def refuse(self, why: str) -> UnsupportedReshard:
-        return UnsupportedReshard(
-            f"cannot reshard {self.src} -> {self.dst} (shape {self.shape}): {why}, which BatchedSendRecv cannot "
-            f"carry, and no collective path exists; reduce the sums first (e.g. comm() to a split or "
-            f"duplicate layout on the same devices) or resolve with reduce_partial=True"
-        )
 
 
 def bind_ratios(ann: Annotation, ratios: Sequence[int] | None, role: str, argument: str = "") -> Annotation:
@@ -151,7 +126,9 @@ def resolve(
     source with no collective path is reduced in place first; `reduce_partial=False` raises
     UnsupportedReshard instead (the paper's rule). Partial values combine by the layouts'
     reduction (Partial.reduce: sum, max, min, avg, prod), one per plan. `via` (one of VIAS) forces one route, None picks
-    the cheapest (module docstring). `for_devices` resolves the plan for those devices only: a
+    the cheapest (module docstring). Where a tier of the decision order cannot give its primitive
+    and a later one serves, the plan's `fallbacks` say which and why, and a FallbackWarning is
+    issued. `for_devices` resolves the plan for those devices only: a
     subgroup holding none of them whose steps repeat an earlier subgroup's (relabel.py) is left
     out, named in Step.repeats instead (a rank specializing alone then plans its own subgroups,
     not every data-parallel replica's); their parts, the plan's cost and choice of route, and
@@ -171,17 +148,24 @@ def resolve(
             f"destination's by {dst.reduction}; reshard to a layout without partial values first (one plan "
             f"follows one reduction)"
         )
-    ctx = _Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial, focus)
+    ctx = Resolution(Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial, focus))
     with collector_paused():  # a large plan is many long-lived objects and no cycles (hspmd.gc_pause)
-        if via is not None:
-            return _plan(ctx, name, _via(via, src, dst, ctx))
-        return _cheapest(ctx, name)
+        plan = _plan(ctx, name, _via(via, src, dst, ctx), ctx.fallbacks) if via is not None else _cheapest(ctx, name)
+    if plan.fallbacks:
+        warnings.warn(FallbackWarning(f"resolve {src} -> {dst} (shape {shape}): " + "; ".join(plan.fallbacks)),
+                      stacklevel=2)
+    return plan
+
+
+class FallbackWarning(UserWarning):
+    """A tier of the decision ladder could not give its primitive and a later tier planned the
+    reshard instead (Plan.fallbacks says which and why; `hspmd explain` prints it)."""
 
 
 VIAS = ("hierarchical", "merged-allgather", "direct", "root", "representatives")
 
 
-def _via(via: str, src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
+def _via(via: str, src: Annotation, dst: Annotation, ctx: Resolution) -> list[Step]:
     """The steps of route `via`, or UnsupportedReshard saying why it does not apply."""
     if via not in VIAS:
         raise UnsupportedReshard(f"unknown route via={via!r}; use one of {', '.join(VIAS)} (or None: the cheapest)")
@@ -203,7 +187,7 @@ def _via(via: str, src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step
     )
 
 
-def _alternative(via: str, ctx: _Reshard) -> list[Step] | None:
+def _alternative(via: str, ctx: Resolution) -> list[Step] | None:
     """The steps of a route other than the hierarchical one, or None where it does not apply."""
     if via == "merged-allgather":
         step = _merged_all_gather(ctx.src, ctx.dst, ctx)
@@ -212,7 +196,7 @@ def _alternative(via: str, ctx: _Reshard) -> list[Step] | None:
     return None if hops is None else _hop_steps(hops, ctx)
 
 
-def _hops(via: str, ctx: _Reshard) -> tuple[Annotation, ...] | None:
+def _hops(via: str, ctx: Resolution) -> tuple[Annotation, ...] | None:
     """The layouts HetAuto's route `via` passes through, src first and dst last, or None where it
     does not apply: the routes move values, so they need a source without partial sums, and root
     and representatives, which gather values onto a few devices, a destination without them."""
@@ -228,11 +212,11 @@ def _hops(via: str, ctx: _Reshard) -> tuple[Annotation, ...] | None:
     return tuple(h for i, h in enumerate(hops) if i == 0 or h != hops[i - 1])
 
 
-def _hop_steps(hops: tuple[Annotation, ...], ctx: _Reshard) -> list[Step]:
+def _hop_steps(hops: tuple[Annotation, ...], ctx: Resolution) -> list[Step]:
     """One BatchedSendRecv per hop, in sequence (the hierarchical plan when there is no hop)."""
     if len(hops) == 1:
         return _route(ctx.src, ctx.dst, ctx)
-    return _in_sequence([_transfer_step(a, b, ctx) for a, b in zip(hops, hops[1:])])
+    return in_sequence([_transfer_step(a, b, ctx) for a, b in zip(hops, hops[1:])])
 
 
 # choosing by cost ---------------------------------------------------------------------------------
@@ -248,7 +232,7 @@ def cheaper(a: float, b: float) -> bool:
     return a < b * (1.0 - TIE)
 
 
-def _cheapest(ctx: _Reshard, dtype: str) -> Plan:
+def _cheapest(ctx: Resolution, dtype: str) -> Plan:
     """The plan of least estimated time among every route that applies (VIAS). Ties go to the
     earlier route, so the hierarchical plan stays unless another is strictly cheaper, and every
     device, resolving the same arguments, picks the same plan.
@@ -258,7 +242,7 @@ def _cheapest(ctx: _Reshard, dtype: str) -> Plan:
     bound no plan undercuts (bounds.py), a HetAuto route is built only when its own bound is below
     the best so far, and a route whose messages are the best plan's (the direct BSR when the
     hierarchical plan is that BSR) is not priced again."""
-    best = _plan(ctx, dtype, _route(ctx.src, ctx.dst, ctx))
+    best = _plan(ctx, dtype, _route(ctx.src, ctx.dst, ctx), ctx.fallbacks)
     if ctx.src.has_partial or best.estimated_seconds == 0.0:  # every other route moves values
         return best
     floor = reshard_bound(ctx.src, ctx.dst, ctx.shape, ctx.itemsize, ctx.topology)
@@ -285,8 +269,9 @@ def _cheapest(ctx: _Reshard, dtype: str) -> Plan:
     return best
 
 
-def _plan(ctx: _Reshard, dtype: str, steps: list[Step]) -> Plan:
-    return Plan(ctx.src, ctx.dst, ctx.shape, tuple(steps), ctx.topology, dtype)
+def _plan(ctx: Resolution, dtype: str, steps: list[Step], fallbacks: Sequence[str] = ()) -> Plan:
+    """The plan of `steps`; `fallbacks`: those the ladder took to make them (the hierarchical route's)."""
+    return Plan(ctx.src, ctx.dst, ctx.shape, tuple(steps), ctx.topology, dtype, tuple(fallbacks))
 
 
 def _same_messages(steps: list[Step], others: tuple[Step, ...]) -> bool:
@@ -295,7 +280,7 @@ def _same_messages(steps: list[Step], others: tuple[Step, ...]) -> bool:
             and steps[0].transfers is others[0].transfers)
 
 
-def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Reshard) -> Step | None:
+def _merged_all_gather(src: Annotation, dst: Annotation, ctx: Resolution) -> Step | None:
     """One AllGather over the whole union, when every source device holds a disjoint piece, the
     pieces tile the tensor and every destination device (the same devices) wants all of it."""
     if src.has_partial or src.device_set != dst.device_set:
@@ -310,18 +295,18 @@ def _merged_all_gather(src: Annotation, dst: Annotation, ctx: _Reshard) -> Step 
     return Step("AllGather", src, dst, (gather,), (), devices)
 
 
-def _whole_everywhere(ann: Annotation, whole: Box, ctx: _Reshard) -> bool:
+def _whole_everywhere(ann: Annotation, whole: Box, ctx: Resolution) -> bool:
     """Whether every device of `ann` holds the `whole` tensor as a value, read from its subgroups:
     a region short of the tensor, or states splitting a dim of some length, leave a device less."""
-    return (not ann.has_partial and all(r == whole for r in _regions(ann, ctx))
+    return (not ann.has_partial and all(r == whole for r in regions(ann, ctx))
             and not any(ds.split_dims for ds in ann.distinct_states))
 
 
 # routing ------------------------------------------------------------------------------------------
 
 
-def _route(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
-    if src.hsize == dst.hsize and src.hdim == dst.hdim and _regions(src, ctx) == _regions(dst, ctx):
+def _route(src: Annotation, dst: Annotation, ctx: Resolution) -> list[Step]:
+    if src.hsize == dst.hsize and src.hdim == dst.hdim and regions(src, ctx) == regions(dst, ctx):
         return _bottom_tier(src, dst, ctx)
     if src.hsize == dst.hsize and src.same_dg_union(dst):
         steps = _top_tier(src, dst, ctx)
@@ -330,34 +315,14 @@ def _route(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
     return _general(src, dst, ctx)
 
 
-def _regions(ann: Annotation, ctx: _Reshard) -> tuple[Box, ...]:
-    return kept_regions(ann, ctx.shape)  # (ctx.shape is checked against both layouts by resolve)
-
-
-def _identity(union: Annotation, k: int) -> Step:
-    return Step("Identity", union, union, subgroup=k)
-
-
-def _shift(steps: list[Step], by: int) -> list[Step]:
-    return [replace(s, round=s.round + by) for s in steps]
-
-
-def _in_sequence(steps: list[Step]) -> list[Step]:
-    return [replace(s, round=i) for i, s in enumerate(steps)]
-
-
-def _next_round(steps: list[Step]) -> int:
-    return max((s.round + 1 for s in steps if s.primitive != "Identity"), default=0)
-
-
-def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tuple[list[Step], Annotation]:
+def _equalise(union: Annotation, k: int, target: Subgroup, ctx: Resolution) -> tuple[list[Step], Annotation]:
     """Subgroup k (same device group) into `target`'s distributed states, inside `union`."""
     current = union.subgroups[k]
     if current == target:
-        return [_identity(union, k)], union
+        return [identity(union, k)], union
     steps = collective_steps(union, k, target.ds, ctx.shape)
     if steps:
-        return _in_sequence(steps), union.with_subgroup(k, target)
+        return in_sequence(steps), union.with_subgroup(k, target)
     if steps is not None:
         done = union.with_subgroup(k, target)
         return [Step("Identity", union, done, subgroup=k)], done
@@ -369,55 +334,38 @@ def _equalise(union: Annotation, k: int, target: Subgroup, ctx: _Reshard) -> tup
     return steps + [replace(step, round=len(steps))], done
 
 
-def _equalise_like(templates: dict, union: Annotation, k: int, target: Subgroup, ctx: _Reshard,
-                   region: Box, key: tuple) -> tuple[list[Step], Annotation]:
-    """_equalise, or an earlier subgroup's steps of the same frame moved onto subgroup k (exactly
-    what _equalise would plan: relabel.py), so that a union of hundreds of equal subgroups is
-    planned once. `templates` is kept by the caller for one pass over the subgroups; `region` is
-    subgroup k's (the caller's union and `union` share HDim, ratios and HSize, so their regions);
-    `key` is subgroup k's frame (relabel.frames_in_place)."""
-    if key in templates:
-        steps, k0, region0 = templates[key]
-        if relabel.same_links(union.dg_key[k0], union.dg_key[k], ctx.topology) or not relabel.has_messages(steps):
-            moved = relabel.moved_steps(steps, k0, k, union, region0, region)
-            return moved, moved[-1].dst  # k in `target`'s states: the template's last layout moved
-    steps, done = _equalise(union, k, target, ctx)
-    templates.setdefault(key, (steps, k, region))
-    return steps, done
-
-
-def _reduce_subgroup(union: Annotation, k: int, ctx: _Reshard, why: str) -> tuple[list[Step], Annotation]:
+def _reduce_subgroup(union: Annotation, k: int, ctx: Resolution, why: str) -> tuple[list[Step], Annotation]:
     """Reduce subgroup k's bottom-tier Partial in place (ReduceScatter, else AllReduce)."""
     if not ctx.reduce_partial:
         raise ctx.refuse(f"{why} with partial sums")
     sub = union.subgroups[k]
-    for target in reduction_targets(sub.ds, _regions(union, ctx)[k]):
+    for target in reduction_targets(sub.ds, regions(union, ctx)[k]):
         steps = collective_steps(union, k, target, ctx.shape)
         if steps:
-            return _in_sequence(steps), union.with_subgroup(k, Subgroup(sub.dg, target))
+            return in_sequence(steps), union.with_subgroup(k, Subgroup(sub.dg, target))
     raise CommunicationError(f"internal: no reduction of {sub} in {union}")
 
 
-def _bottom_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
+def _bottom_tier(src: Annotation, dst: Annotation, ctx: Resolution) -> list[Step]:
     moving = () if src.same_dg_union(dst) else [k for k, (a, b) in enumerate(zip(src.dg_key, dst.dg_key)) if a != b]
     steps, union = _equalise_pass(src, dst, ctx, moving)
     if moving:
         before = [s for s in steps if s.subgroup in moving]  # the move overlaps the other subgroups' steps
-        steps.append(replace(_move_step(union, dst, moving, ctx), round=_next_round(before)))
+        steps.append(replace(_move_step(union, dst, moving, ctx), round=next_round(before)))
     elif steps[-1].dst != dst:
         steps[-1] = replace(steps[-1], dst=dst)  # equal regions written with other ratios: the same layout
     return steps
 
 
-def _equalise_pass(src: Annotation, dst: Annotation, ctx: _Reshard, moving=()) -> tuple[list[Step], Annotation]:
+def _equalise_pass(src: Annotation, dst: Annotation, ctx: Resolution, moving=()) -> tuple[list[Step], Annotation]:
     """Every subgroup of `src` but the `moving` ones (whose device group changes: only their
     partial sums are reduced here) into its states in `dst`, in one pass (_equalise_like), and the
-    union after it. The subgroups a plan for some devices leaves out (_repeating) are named in
-    their template's steps and end in their target states (relabel.leave_out)."""
+    union after it. The subgroups a plan for some devices leaves out (scaling.repeating) are named in
+    their template's steps and end in their target states (relabel.leave_out; scaling.py)."""
     union, steps, templates = src, [], {}
-    regions = _regions(src, ctx)
+    boxes = regions(src, ctx)
     frames = relabel.frames_in_place(src, dst, region_extents(src, ctx.shape))  # (of moving ones: unread)
-    repeating = _repeating(src, frames, ctx, moving)
+    repeating = scaling.repeating(src, frames, ctx, moving)
     planned = sorted(set(range(src.hsize)).difference(repeating)) if repeating else range(src.hsize)
     for k in planned:
         s, t = src.subgroups[k], dst.subgroups[k]
@@ -426,48 +374,20 @@ def _equalise_pass(src: Annotation, dst: Annotation, ctx: _Reshard, moving=()) -
                 sub_steps, union = _reduce_subgroup(union, k, ctx, f"subgroup {k} moves {s} -> {t}")
                 steps += sub_steps
             continue
-        sub_steps, union = _equalise_like(templates, union, k, t, ctx, regions[k], frames[k])
+        sub_steps, union = scaling.equalise_like(templates, union, k, t, ctx, boxes[k], frames[k], _equalise)
         steps += sub_steps
     return relabel.leave_out(steps, union, repeating, src.dg_key, dst.subgroups)
 
 
-def _repeating(union: Annotation, frames: list[tuple], ctx: _Reshard, moving) -> dict[int, int]:
-    """{k: its template k0} for each subgroup (not moving) the plan leaves out and names in its
-    template's repeats (Step.repeats): _left_out's rule, on the subgroups' own devices (their
-    collectives' cost, too, follows the links); empty where the plan is for every device."""
-    if ctx.focus is None:
-        return {}
-    moved = set(moving)
-    kept = {k: frame for k, frame in enumerate(frames) if k not in moved} if moved else dict(enumerate(frames))
-    return _left_out(kept, union.dg_key, ctx)
-
-
-def _left_out(frames: dict[int, tuple], devices: Sequence[tuple[int, ...]], ctx: _Reshard,
-              alone: frozenset[int] | None = None) -> dict[int, int]:
-    """{k: k0} for each subgroup k of `frames` ({k: its frame}) that a plan resolved for the focus
-    devices leaves out as a repeat of k0: the first subgroup of its frame, when k is another, on
-    `devices[k]` holding none of the focus devices, with the template's link between every pair
-    of them, and (where `alone` is given) k's and k0's devices all in `alone`. Worked out in a
-    pass of C-level lookups rather than a planner call per subgroup."""
-    first = dict(zip(reversed(frames.values()), reversed(frames.keys())))  # each frame's first subgroup
-    focus = ctx.focus
-    left_out = {k: first[frame] for k, frame in frames.items() if first[frame] != k and focus.isdisjoint(devices[k])}
-    if alone is not None:
-        left_out = {k: k0 for k, k0 in left_out.items() if alone.issuperset(devices[k]) and alone.issuperset(devices[k0])}
-    if relabel.keeps_links(ctx.topology):  # (every pair of devices alike)
-        return left_out
-    return {k: k0 for k, k0 in left_out.items() if relabel.same_links(devices[k0], devices[k], ctx.topology)}
-
-
-def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Reshard) -> Step:
+def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: Resolution) -> Step:
     """Subgroups whose device group changes, in one fused exchange. Same distributed states:
     SendRecv (partial summands go device to device by position; values go through the BSR table,
     so replicas already in place stay and each missing piece comes from the best owner).
     Otherwise BSR within the subgroup, planned once per frame and moved onto the subgroups of that
-    frame (_moved_subgroup). A plan resolved for some devices leaves out the subgroups
-    _moves_left_out finds and names them in the step's repeats."""
+    frame (scaling.moved_subgroup). A plan resolved for some devices leaves out the subgroups
+    scaling.moves_left_out finds and names them in the step's repeats."""
     piece = partial(device_piece, union, ctx.shape)  # read for the subgroups planned only
-    regions = _regions(union, ctx)
+    boxes = regions(union, ctx)
     before, after = union.ds_union, dst.ds_union
     partial_sums = {id(ds) for ds in union.distinct_states if ds.partial_count > 1}
     summands = [k for k in moving if id(before[k]) in partial_sums and before[k] == after[k]] if partial_sums else []
@@ -477,18 +397,18 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     else:
         reshaping = moving
     frames = dict(zip(reshaping, relabel.frames_moved(union, dst, reshaping, region_extents(union, ctx.shape))))
-    groups = _moving_devices(union, dst) if ctx.focus is not None else []
-    left_out = _moves_left_out(groups, moving, frames, ctx)
+    groups = scaling.moving_devices(union, dst) if ctx.focus is not None else []
+    left_out = scaling.moves_left_out(groups, moving, frames, ctx)
     transfers, templates = [], {}
     for k in summands:
         transfers += [Transfer(a, b, (piece(a).box,), (0,)) for a, b in zip(union.dg_key[k], dst.dg_key[k])]
     for k, key in frames.items():
         if k not in left_out:
-            transfers += _moved_subgroup(templates, union, dst, k, key, regions[k], piece, ctx)
+            transfers += scaling.moved_subgroup(templates, union, dst, k, key, boxes[k], piece, ctx)
     repeats = []
     for k, k0 in left_out.items():
-        if templates[frames[k0]][3]:  # the template's messages cross a shared link: its time adds up
-            transfers += _moved_subgroup(templates, union, dst, k, frames[k], regions[k], piece, ctx)
+        if scaling.crosses_shared_link(templates, frames[k0]):  # its time adds up: priced, not repeated
+            transfers += scaling.moved_subgroup(templates, union, dst, k, frames[k], boxes[k], piece, ctx)
         else:
             repeats.append((groups[k0], groups[k]))
     pairs = {(id(a), id(b)): (a, b) for a, b in zip(map(before.__getitem__, reshaping), map(after.__getitem__, reshaping))}
@@ -496,41 +416,6 @@ def _move_step(union: Annotation, dst: Annotation, moving: list[int], ctx: _Resh
     assembled_on = tuple(sorted(d for k in moving for d in dst.dg_key[k]))
     return Step("BatchedSendRecv" if reshaped else "SendRecv", union, dst, (), _fuse(transfers), assembled_on,
                 repeats=tuple(repeats))
-
-
-def _moving_devices(union: Annotation, dst: Annotation) -> list[tuple[int, ...]]:
-    """Per subgroup, the devices of its group in `union` then those of its group in `dst`."""
-    return list(map(add, union.dg_key, dst.dg_key))
-
-
-def _moves_left_out(groups: list[tuple[int, ...]], moving: list[int], frames: dict[int, tuple],
-                    ctx: _Reshard) -> dict[int, int]:
-    """{k: its template k0} for each moving subgroup k the plan leaves out: _left_out's rule on the
-    devices of both its groups (`groups`: _moving_devices), all of them devices of no other moving
-    subgroup (relabel.alone_devices); empty where the plan is for every device."""
-    if ctx.focus is None or not frames:
-        return {}
-    return _left_out(frames, groups, ctx, relabel.alone_devices(groups, moving))
-
-
-def _moved_subgroup(templates: dict, union: Annotation, dst: Annotation, k: int, key: tuple, region: Box, piece,
-                    ctx: _Reshard) -> list[Transfer]:
-    """The BSR messages taking subgroup k of `union` to subgroup k of `dst`, `key` its frame.
-    Moving subgroups share no sender, so each is planned alone (the senders' loads never meet),
-    and one of the same frame planned before, on the same links, is moved onto this one
-    (relabel.py). `templates`: frame -> (messages, devices, region, whether a message crosses a
-    shared link)."""
-    s, t = union.subgroups[k], dst.subgroups[k]
-    devices = s.dg.devices + t.dg.devices
-    if key in templates:
-        transfers, template, region0, _ = templates[key]
-        if relabel.same_links(template, devices, ctx.topology):
-            return relabel.moved_transfers(transfers, dict(zip(template, devices)), region_shift(region0, region))
-    owners = {d: piece(d).box for d in s.dg}
-    family = TensorSlices(0, len(ctx.shape), owners, destination_needs(dst, ctx.shape, owners, t.dg))
-    transfers = plan_transfers([family], ctx.topology, ctx.itemsize)
-    templates.setdefault(key, (transfers, devices, region, relabel.crosses_shared_link(transfers, ctx.topology)))
-    return list(transfers)
 
 
 def _fuse(transfers: list[Transfer]) -> tuple[Transfer, ...]:
@@ -546,30 +431,43 @@ def _fuse(transfers: list[Transfer]) -> tuple[Transfer, ...]:
 _SPLIT = {("P", "D"): "SplitAllReduce", ("P", "dim"): "SplitReduceScatter", ("dim", "D"): "SplitAllGather"}
 
 
-def _top_tier(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step] | None:
+def _top_tier(src: Annotation, dst: Annotation, ctx: Resolution) -> list[Step] | None:
+    """Decision 2: the bottom tiers equalised, then the split collective between the two HDims;
+    None where there is no split collective between them (the general tier's case), or where the
+    one there is cannot serve (a fallback, recorded with its reason)."""
     kind = lambda h: "dim" if isinstance(h, int) else h  # noqa: E731
     primitive = _SPLIT.get((kind(src.hdim), kind(dst.hdim)))
-    if primitive is None or any(ds.partial_count > 1 for ds in dst.distinct_states):
+    if primitive is None:
+        return None
+    general = "the general tier (BatchedSendRecv" + (", after reducing the partial values)" if src.has_partial else ")")
+    if any(ds.partial_count > 1 for ds in dst.distinct_states):
+        ctx.fall_back(f"top tier: {primitive} cannot make the partial values of the destination's subgroups, "
+                      f"so {general} serves")
         return None
     union, steps = src, []
     if not src.same_ds_union(dst):
         steps, union = _equalise_pass(src, dst, ctx)
     step = split_step(primitive, union, dst, ctx.shape)
     if step is None:
+        ctx.fall_back(f"top tier: {primitive} does not apply to {union} -> {dst} (a member would receive two "
+                      f"different sums of one slice), so {general} serves")
         return None
-    return steps + [replace(step, round=_next_round(steps))]
+    return steps + [replace(step, round=next_round(steps))]
 
 
-def _general(src: Annotation, dst: Annotation, ctx: _Reshard) -> list[Step]:
+def _general(src: Annotation, dst: Annotation, ctx: Resolution) -> list[Step]:
     if not src.has_partial:
         return [_transfer_step(src, dst, ctx)]
     if not ctx.reduce_partial:
         raise ctx.refuse("the destination has another HSize or device group union and the source holds partial sums")
     steps, union = _reduce_union(src, dst, ctx)
-    return steps + _shift(_route(union, dst, ctx), _next_round(steps))
+    if union.has_partial:  # what ends the recursion: _route on a union without partial values never returns here
+        raise CommunicationError(f"internal: reducing the partial values of {src} in place left {union}, which "
+                                 f"still holds partial values; resolving it again would not end")
+    return steps + shifted(_route(union, dst, ctx), next_round(steps))
 
 
-def _reduce_union(union: Annotation, goal: Annotation, ctx: _Reshard) -> tuple[list[Step], Annotation]:
+def _reduce_union(union: Annotation, goal: Annotation, ctx: Resolution) -> tuple[list[Step], Annotation]:
     """Every Partial reduced where it lies: bottom tier per subgroup, then the top tier by a
     SplitReduceScatter (along the goal's HDim and ratios when it has one, else ratios = subgroup
     sizes) or, failing that, a SplitAllReduce."""
@@ -580,7 +478,7 @@ def _reduce_union(union: Annotation, goal: Annotation, ctx: _Reshard) -> tuple[l
             steps += sub_steps
     if union.hdim != "P":
         return steps, union
-    next_round = _next_round(steps)
+    after = next_round(steps)
     split = {d for s in union.subgroups for d in s.ds.split_dims}
     dims = sorted(range(len(ctx.shape)), key=lambda d: (d != goal.hdim, d in split, -ctx.shape[d], d))
     sizes = tuple(len(s.dg) for s in union.subgroups)
@@ -589,12 +487,14 @@ def _reduce_union(union: Annotation, goal: Annotation, ctx: _Reshard) -> tuple[l
         target = Annotation(union.subgroups, d, ratios)
         step = split_step("SplitReduceScatter", union, target, ctx.shape)
         if step is not None:
-            return steps + [replace(step, round=next_round)], target
+            return steps + [replace(step, round=after)], target
     target = Annotation(union.subgroups, "D")
-    return steps + [replace(split_step("SplitAllReduce", union, target, ctx.shape), round=next_round)], target
+    ctx.fall_back(f"reducing {union} in place: no SplitReduceScatter splits any dim, so a SplitAllReduce "
+                  f"(every member receives the whole sum) serves")
+    return steps + [replace(split_step("SplitAllReduce", union, target, ctx.shape), round=after)], target
 
 
-def _transfer_step(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: int | None = None) -> Step:
+def _transfer_step(src: Annotation, dst: Annotation, ctx: Resolution, restrict: int | None = None) -> Step:
     """BatchedSendRecv of values from `src` to `dst` (whole union, or subgroup `restrict` only);
     LocalSplit when every device finds what it needs in its own piece. The messages are planned
     once per hop and reshard (routes share hops: the direct route is often the hierarchical BSR)."""
@@ -613,7 +513,7 @@ def _transfer_step(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: in
                 repeats=repeats)
 
 
-def _transfers(src: Annotation, dst: Annotation, ctx: _Reshard, restrict: int | None) -> tuple[Transfer, ...]:
+def _transfers(src: Annotation, dst: Annotation, ctx: Resolution, restrict: int | None) -> tuple[Transfer, ...]:
     if restrict is None:
         devices, sp = None, device_pieces(src, ctx.shape)
     else:  # one subgroup's pieces, not the union's (its intermediate layouts are many)
