@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ast
 import socket
+import struct
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -131,3 +134,85 @@ def test_no_module_unpickles_or_exchanges_python_objects():
             if isinstance(node, ast.ImportFrom) and node.module == "pickle":
                 found.append((str(path.relative_to(PACKAGE)), "from pickle import"))
     assert set(found) <= allowed, sorted(set(found) - allowed)
+
+
+class _Relay:
+    """A relay on the path between a client and the store: forwards bytes both ways; after the
+    handshake (64 bytes from the client) it hands each client message to `change`, which returns
+    what to forward instead."""
+
+    def __init__(self, port: int, change):
+        self.change, self.seen = change, []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._target = port
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        client, _ = self._listener.accept()
+        server = socket.create_connection(("127.0.0.1", self._target))
+        threading.Thread(target=self._pipe, args=(server, client), daemon=True).start()
+        handshake = b""
+        while len(handshake) < 64:
+            handshake += client.recv(64 - len(handshake))
+        server.sendall(handshake)
+        while True:
+            try:
+                head = client.recv(4, socket.MSG_WAITALL)
+                (n,) = struct.unpack(">I", head)
+                message = head + client.recv(n + 32, socket.MSG_WAITALL)
+            except (OSError, struct.error):
+                break
+            self.seen.append(message)
+            try:
+                server.sendall(self.change(message, self.seen))
+            except OSError:
+                break
+
+    @staticmethod
+    def _pipe(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for end in (src, dst):  # shutdown, not close: the other thread may be blocked reading it
+            try:
+                end.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize("attack", ["change a value", "replay", "reorder to another connection"])
+def test_every_message_is_authenticated_so_a_relay_cannot_change_or_replay_one(store, attack):
+    """The handshake is passed through untouched; what the relay does to a later message is caught
+    by its MAC: the store closes the connection and keeps the value it had."""
+    other = JobStore("127.0.0.1", store.port, SECRET, timeout=5)
+    other.set("k", b"original")
+    earlier = []
+    if attack == "reorder to another connection":  # a message recorded on one connection, sent on another
+        first = _Relay(store.port, lambda m, seen: m)
+        JobStore("127.0.0.1", first.port, SECRET, timeout=5).set("k", b"recorded")
+        earlier = first.seen
+
+    def change(message, seen):
+        if attack == "change a value":
+            return message[:-33] + bytes([message[-33] ^ 1]) + message[-32:]
+        if attack == "replay":
+            return seen[0] if len(seen) == 2 else message
+        return earlier[0]
+
+    relay = _Relay(store.port, change)
+    client = JobStore("127.0.0.1", relay.port, SECRET, timeout=5)
+    before = store.server.tampered
+    with pytest.raises(CommunicationError, match="is gone"):
+        if attack == "replay":
+            client.set("k", b"first")
+        client.set("k", b"changed")
+    expected = {"change a value": b"recorded" if earlier else b"original", "replay": b"first",
+                "reorder to another connection": b"recorded"}[attack]
+    assert store.get("k") == expected
+    deadline = time.monotonic() + 5
+    while store.server.tampered == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.server.tampered == before + 1

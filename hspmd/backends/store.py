@@ -8,6 +8,11 @@ write keys (and list them). This store replaces it for every hspmd job:
   answers HMAC-SHA256(secret, nonce) and sends its own nonce, the server answers in turn. A client
   without the job's secret is disconnected before it can read or write anything, and a client
   never talks to a server that does not know the secret either;
+* after the challenge every message in either direction carries a MAC: HMAC-SHA256 under a session
+  key both sides derive from the secret and the two nonces, over the direction, the message's
+  sequence number on the connection and its bytes. A relay on the path that changes, drops,
+  reorders or replays a message (also one from another connection: its key differs) is caught
+  by the next MAC, and the connection is closed;
 * values are opaque bytes: nothing read from the store is ever unpickled (hspmd.backends.wire).
 
 The secret is per job: the launcher generates it (new_secret) and passes it to its ranks in the
@@ -15,8 +20,10 @@ environment variable HSPMD_JOB_SECRET (a torchrun-started job sets that variable
 on every rank). `JobStore` is a torch.distributed Store, so gloo's rendezvous, PrefixStore and
 process groups run over it unchanged.
 
-Wire format: frames of a 4-byte big-endian length and a payload; a request is a frame holding the
-operation, followed by one frame per argument; a reply is a status frame and its result frames.
+Wire format: a message is a 4-byte big-endian length, a body and a 32-byte MAC; the body is a
+4-byte frame count and frames of a 4-byte length and a payload. A request's frames are the
+operation and its arguments; a reply's are a status and its results. The MAC is checked before
+the body is read.
 """
 
 from __future__ import annotations
@@ -89,26 +96,56 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _send_frames(sock: socket.socket, frames: Sequence[bytes]) -> None:
-    sock.sendall(b"".join(struct.pack(">I", len(f)) + f for f in frames))
+def _frame(payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + payload
 
 
-def _recv_frame(sock: socket.socket) -> bytes:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME_BYTES:
-        raise ConnectionError(f"a frame of {n} bytes is over the limit of {MAX_FRAME_BYTES}")
-    return _recv_exact(sock, n)
+class _Channel:
+    """One authenticated connection's MAC state: the session key and a sequence number per
+    direction, so every message is bound to its connection, its direction and its place."""
+
+    def __init__(self, secret: bytes, server_nonce: bytes, client_nonce: bytes, is_server: bool):
+        self._key = hmac.new(secret, b"session" + server_nonce + client_nonce, sha256).digest()
+        self._out, self._in = (b"s2c", b"c2s") if is_server else (b"c2s", b"s2c")
+        self._sent = self._received = 0
+
+    def _mac(self, direction: bytes, seq: int, body: bytes) -> bytes:
+        return hmac.new(self._key, direction + struct.pack(">Q", seq) + body, sha256).digest()
+
+    def send(self, sock: socket.socket, frames: Sequence[bytes]) -> None:
+        body = struct.pack(">I", len(frames)) + b"".join(_frame(f) for f in frames)
+        sock.sendall(_frame(body) + self._mac(self._out, self._sent, body))
+        self._sent += 1
+
+    def receive(self, sock: socket.socket) -> list[bytes]:
+        (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+        if n > MAX_FRAME_BYTES:
+            raise ConnectionError(f"a message of {n} bytes is over the limit of {MAX_FRAME_BYTES}")
+        body = _recv_exact(sock, n)
+        if not hmac.compare_digest(_recv_exact(sock, 32), self._mac(self._in, self._received, body)):
+            raise TamperedMessage("a store message failed its MAC (changed, replayed, reordered or not from this job)")
+        self._received += 1
+        return _frames_of(body)
 
 
-def _recv_message(sock: socket.socket) -> list[bytes]:
-    (count,) = struct.unpack(">I", _recv_frame(sock))
+class TamperedMessage(ConnectionError):
+    """A message on an authenticated store connection whose MAC does not match."""
+
+
+def _frames_of(body: bytes) -> list[bytes]:
+    (count,) = struct.unpack_from(">I", body, 0)
     if count > MAX_ARGUMENTS:
         raise ConnectionError(f"a message of {count} frames is over the limit of {MAX_ARGUMENTS}")
-    return [_recv_frame(sock) for _ in range(count)]
-
-
-def _send_message(sock: socket.socket, frames: Sequence[bytes]) -> None:
-    _send_frames(sock, [struct.pack(">I", len(frames)), *frames])
+    frames, at = [], 4
+    for _ in range(count):
+        (n,) = struct.unpack_from(">I", body, at)
+        if at + 4 + n > len(body):
+            raise ConnectionError("a frame runs past the end of its message")
+        frames.append(body[at + 4:at + 4 + n])
+        at += 4 + n
+    if at != len(body):
+        raise ConnectionError("bytes after the last frame of a message")
+    return frames
 
 
 # server -------------------------------------------------------------------------------------------
@@ -124,6 +161,7 @@ class StoreServer:
         self._data: dict[str, bytes] = {}
         self._changed = threading.Condition()
         self.refused = 0  # connections that failed the challenge
+        self.tampered = 0  # connections closed on a message whose MAC did not match
         self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -152,26 +190,32 @@ class StoreServer:
                 return
             threading.Thread(target=self._serve, args=(conn,), daemon=True, name="hspmd-store-client").start()
 
-    def _authenticate(self, conn: socket.socket) -> bool:
+    def _authenticate(self, conn: socket.socket) -> "_Channel | None":
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         nonce = secrets.token_bytes(NONCE_BYTES)
         conn.sendall(nonce)
         answer = _recv_exact(conn, 32 + NONCE_BYTES)
         if not hmac.compare_digest(answer[:32], _tag(self._secret, b"client", nonce)):
-            return False
+            return None
         conn.sendall(_tag(self._secret, b"server", answer[32:]))
         conn.settimeout(None)
-        return True
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return _Channel(self._secret, nonce, answer[32:], is_server=True)
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                if not self._authenticate(conn):
+                channel = self._authenticate(conn)
+                if channel is None:
                     self.refused += 1
                     return
                 while True:
-                    request = _recv_message(conn)
-                    _send_message(conn, self._handle(request))
+                    try:
+                        request = channel.receive(conn)
+                    except TamperedMessage:
+                        self.tampered += 1
+                        return
+                    channel.send(conn, self._handle(request))
             except (ConnectionError, OSError, struct.error, ValueError):
                 return
 
@@ -256,14 +300,15 @@ class JobStore(dist.Store):
             raise CommunicationError(f"the server at {self.host}:{self.port} does not know the job's secret: not our store")
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._channel = _Channel(secret, nonce, mine, is_server=False)
         return sock
 
     def _call(self, *frames: bytes) -> list[bytes]:
         with self._lock:
             try:
-                _send_message(self._sock, frames)
-                reply = _recv_message(self._sock)
-            except (ConnectionError, OSError) as exc:
+                self._channel.send(self._sock, frames)
+                reply = self._channel.receive(self._sock)
+            except (ConnectionError, OSError, struct.error) as exc:
                 raise CommunicationError(f"the job's store at {self.host}:{self.port} is gone: {exc}") from None
         if reply[0] == b"timeout":
             raise CommunicationError(
