@@ -19,6 +19,7 @@ USAGE = """usage: hspmd COMMAND ...
 commands:
   explain SRC DST --shape 8,6 [--topology 2x4] [--json]   the communication plan between two annotations
   run -n N [--backend gloo|nccl|cupy] script.py [args]  launch N local processes (rendezvous on 127.0.0.1)
+  run --nnodes M --node-rank K --master-addr HOST -n N script.py   the same on each node of a multi-node job
   demo                                                  the main job (heterogeneous multi-process training)
   checkpoint export-hf CHECKPOINT DIR [--config PATH]   a Llama checkpoint as a Hugging Face directory
   checkpoint inspect DIR | consolidate DIR OUT           sharded checkpoints: contents, or one plain file

@@ -69,6 +69,7 @@ from hspmd.runtime.persistence.hf_checkpoint import HFCheckpoint
 from hspmd.backends.from_env import backend_from_env
 from hspmd.runtime.policies.elastic import ElasticTrainer, KillPoint
 from hspmd.runtime.processes.membership import Membership, is_elastic
+from hspmd.runtime.processes.nodes import RankPlace
 from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_files import load_strategy
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
@@ -198,6 +199,13 @@ class StepReport:
             self.progress.stop()
 
 
+def say_place(place: RankPlace) -> None:
+    """Each rank of a job over several nodes (or with a cluster file) says where it runs."""
+    if place.nnodes > 1 or place.device_type:
+        kind = f" ({place.device_type})" if place.device_type else ""
+        print(f"rank {place.rank} runs on node {place.node} of {place.nnodes} at {place.node_addr}{kind}", flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     limit_threads()
@@ -208,6 +216,7 @@ def main(argv=None) -> int:
     cluster = cluster_from_env()
     backend = emulated(backend_from_env(), cluster)
     rank = backend.rank
+    say_place(RankPlace.from_env())
     console = Console(width=100, highlight=False, soft_wrap=True)
     say = console.print if rank == 0 else (lambda *a, **k: None)
 
@@ -377,6 +386,7 @@ def train_elastic(args) -> int:
     if args.init_from_hf:
         raise HSPMDError("--init-from-hf is for plain jobs; start without --elastic")
     membership = Membership.from_env()
+    say_place(RankPlace.from_env())
     corpus = CharCorpus()
     strategy = strategy_of(args)
     rows = MicroBatchLayout.of(strategy).global_batch_size

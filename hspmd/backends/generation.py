@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hspmd.backends.backend import Backend, Group, Shape
-from hspmd.backends.torch_dist import _checked_self_message, _padded_flat
+from hspmd.backends.torch_dist import _checked_self_message, _padded_flat, node_gloo
 from hspmd.errors import CommunicationError
 
 _P2P_TAG = 0
@@ -67,7 +67,7 @@ class GenerationBackend(Backend):
     def _create(self, key: tuple[int, ...]):
         prefix = f"g{self.generation}/{'-'.join(map(str, key))}/"
         try:
-            return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), key.index(self.rank), len(key), self.timeout)
+            return node_gloo(dist.PrefixStore(prefix, self.store), key.index(self.rank), len(key), self.timeout)
         except Exception as exc:  # noqa: BLE001 - re-raised typed
             raise PeerLost(f"rank {self.rank}: could not form group {list(key)} of generation {self.generation}: "
                            f"{type(exc).__name__}: {exc}") from exc

@@ -39,6 +39,8 @@ from hspmd.backends.wire import decode_groups, encode_groups
 
 DEFAULT_TIMEOUT_S = 300.0
 SUPPORTED_BACKENDS = ("gloo", "nccl")
+NODE_ADDR_ENV = "HSPMD_NODE_ADDR"  # set by `hspmd run`: the address this node's ranks bind and advertise
+_NODE_GLOO = "hspmd_node_gloo"  # gloo over this node's address, registered with torch.distributed
 
 # One-buffer collectives: renamed in recent torch (the old names warn), the old names before.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -525,7 +527,8 @@ def _join(backend: str, rank: int, world_size: int, timeout: float, rendezvous_t
         interval = float(os.environ.get(HEARTBEAT_ENV, "0") or 0)
         if interval > 0:
             start_beating(store.connect_again(secret), rank, interval)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(_gloo_name(backend), store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
         return store
     except HSPMDError:
         raise
@@ -534,6 +537,33 @@ def _join(backend: str, rank: int, world_size: int, timeout: float, rendezvous_t
             f"rank {rank} of {world_size} could not join the job at {address} with {backend} within "
             f"{rendezvous_timeout:g}s: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def node_address() -> str:
+    """The address this node's ranks bind ($HSPMD_NODE_ADDR), '' when the launcher gave none."""
+    return os.environ.get(NODE_ADDR_ENV, "")
+
+
+def node_gloo(store, rank: int, size: int, timeout: timedelta):
+    """A gloo process group whose connections listen on and advertise this node's address (gloo
+    otherwise picks the address of GLOO_SOCKET_IFNAME's interface or of the host name)."""
+    address = node_address()
+    if not address:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _gloo_name(backend: str) -> str:
+    """The torch.distributed backend to initialise: gloo bound to the node's address when the
+    launcher named one (registered once per process; new_group then uses it too), else `backend`."""
+    if backend != "gloo" or not node_address():
+        return backend
+    if _NODE_GLOO not in dist.Backend.backend_list:
+        dist.Backend.register_backend(_NODE_GLOO, node_gloo, devices=["cpu"])
+    return _NODE_GLOO
 
 
 def _default_device(dist_backend: str) -> torch.device:

@@ -1,5 +1,10 @@
 """`hspmd run -n N [--backend gloo|nccl|cupy] [--port P] [--pin-cpus] script.py args...`: N local ranks, one job.
 
+Over several nodes: `hspmd run --nnodes M --node-rank K --master-addr HOST [--master-port P]
+[--node-addr ADDR] [--cluster cluster.yaml] -n N script.py` on every node, with the job's secret in
+HSPMD_JOB_SECRET (hspmd.runtime.processes.nodes: node 0 hosts the store, the nodes meet in a
+rendezvous before any rank starts, ranks are numbered node by node).
+
 Each rank is `python script.py args...` with the torchrun variables set (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT) plus HSPMD_BACKEND,
 so the same script also runs under torchrun; a script joins with hspmd.backends.from_env.backend_from_env()
@@ -31,9 +36,15 @@ from typing import IO, Sequence
 from hspmd.arguments import ArgumentParser, non_negative_float, non_negative_int, positive_int
 from hspmd.backends.from_env import BACKENDS, check_backend
 from hspmd.backends.heartbeat import DEFAULT_INTERVAL_S as DEFAULT_HEARTBEAT_S
+from hspmd.cluster import parse_cluster
 from hspmd.cluster.emulation import CLUSTER_ENV
+from hspmd.errors import LaunchError
 from hspmd.limits import MAX_LOCAL_RANKS
 from hspmd.runtime.processes.affinity import CPUS_ENV, available_cpus, cpu_slices
+from hspmd.runtime.processes.nodes import (
+    DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_S, DEVICE_TYPE_ENV, NNODES_ENV, NODE_ADDR_ENV, NODE_ENV, NodeRole,
+    address_towards, check_bindable, check_cluster, cluster_digest, interface_of, node_rendezvous,
+)
 from hspmd.runtime.processes.ports import LOOPBACK
 
 DEFAULT_GRACE_S = 3.0
@@ -41,19 +52,22 @@ _KILL_WAIT_S = 5.0
 _PUMP_WAIT_S = 10.0
 _TAIL_LINES = 25
 _POLL_S = 0.05
+_NODES_POLL_S = 0.25
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = ArgumentParser(
         prog="hspmd run",
-        description="Launch N local processes of one job (rendezvous on 127.0.0.1).",
+        description="Launch N local processes of one job (rendezvous on 127.0.0.1), or this node's N of a multi-node job.",
     )
     parser.add_argument("-n", "--nproc", type=positive_int, default=None,
-                        help="number of ranks to start (default with --cluster: one per device of the cluster)")
+                        help="number of ranks to start (on this node; default with --cluster: one per device of the "
+                             "cluster, or of this node's entry of it)")
     parser.add_argument("--cluster", default=None,
                         help="the cluster the job runs as (a .yaml file or a preset), passed to every rank in "
-                             f"{CLUSTER_ENV}; a file with an emulate block makes each rank run as its device type "
-                             "on this host (hspmd.runtime.execution.emulation)")
+                             f"{CLUSTER_ENV}, each rank told its device type; with --nnodes node K of the cluster is node "
+                             "K of the job; a file with an emulate block makes each rank run as its device type on this "
+                             "host (hspmd.runtime.execution.emulation)")
     parser.add_argument("--backend", choices=BACKENDS, default="gloo",
                         help="gloo (CPU), nccl (torch.distributed on GPUs) or cupy (NCCL through CuPy); sets HSPMD_BACKEND")
     parser.add_argument("--port", type=positive_int, default=None, help="rendezvous port (default: a free one)")
@@ -70,24 +84,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "process joins the running job and receives its pieces from the survivors")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="give each rank its own CPUs (contiguous slices; round-robin when ranks outnumber CPUs)")
+    nodes = parser.add_argument_group("several nodes (the same command on every node, HSPMD_JOB_SECRET exported on each)")
+    nodes.add_argument("--nnodes", type=positive_int, default=1, help="number of nodes of the job (default 1)")
+    nodes.add_argument("--node-rank", type=non_negative_int, default=0, help="this node's index, 0..nnodes-1")
+    nodes.add_argument("--master-addr", default=None, help="node 0's address: it hosts the job's store there")
+    nodes.add_argument("--master-port", type=positive_int, default=None,
+                       help=f"the store's port on --master-addr (default {DEFAULT_MASTER_PORT})")
+    nodes.add_argument("--node-addr", default=None,
+                       help="the address this node's ranks bind and advertise (default: the one that reaches --master-addr)")
+    nodes.add_argument("--rendezvous-timeout", type=non_negative_float, default=DEFAULT_RENDEZVOUS_S,
+                       help=f"seconds to wait for every node (default {DEFAULT_RENDEZVOUS_S:g})")
     parser.add_argument("script", nargs="?", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     cluster_env = {}
     if args.cluster is not None:
-        from hspmd.cluster import parse_cluster
-
         cluster = parse_cluster(args.cluster)  # a bad file is one line naming its key (hspmd.cli)
+        if args.nproc is None and args.nnodes > 1 and args.node_rank < len(cluster.nodes):
+            args.nproc = cluster.nodes[args.node_rank].devices
         args.nproc = cluster.n_devices if args.nproc is None else args.nproc
-        if args.nproc > cluster.n_devices:
+        if args.nnodes == 1 and args.nproc > cluster.n_devices:
             parser.error(f"-n {args.nproc} ranks but cluster {cluster.describe()} has {cluster.n_devices} devices")
         cluster_env[CLUSTER_ENV] = os.path.abspath(args.cluster) if os.path.isfile(args.cluster) else args.cluster
     if args.nproc is None:
         parser.error("give the number of ranks (-n N) or a cluster (--cluster FILE)")
     if args.nproc > MAX_LOCAL_RANKS:
         parser.error(f"-n {args.nproc} is over the limit of {MAX_LOCAL_RANKS} local ranks")
-    if args.port is not None and args.port > 65535:
-        parser.error(f"--port must be 1-65535, got {args.port}")
+    for flag, port in (("--port", args.port), ("--master-port", args.master_port)):
+        if port is not None and port > 65535:
+            parser.error(f"{flag} must be 1-65535, got {port}")
     if args.script is None:
         parser.error("give the Python script every rank runs, e.g. hspmd run -n 2 examples/llama/train.py")
     if not os.path.isfile(args.script):
@@ -97,8 +122,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--elastic runs over gloo (the per-generation groups are gloo groups)")
     if args.max_restarts and not args.elastic:
         parser.error("--max-restarts needs --elastic (a restarted rank joins the running job)")
+    role = node_role(parser, args)
     return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace, elastic=args.elastic,
-                  max_restarts=args.max_restarts, heartbeat=args.heartbeat, pin_cpus=args.pin_cpus, env=cluster_env)
+                  max_restarts=args.max_restarts, heartbeat=args.heartbeat, pin_cpus=args.pin_cpus, env=cluster_env,
+                  role=role, cluster=args.cluster, rendezvous_timeout=args.rendezvous_timeout)
+
+
+def node_role(parser: ArgumentParser, args: argparse.Namespace) -> NodeRole | None:
+    """This launcher's node of a multi-node job (None for a one-node job), its arguments and cluster
+    file checked here, before anything starts."""
+    if args.nnodes == 1 and args.master_addr is None:
+        for flag, value in (("--node-rank", args.node_rank), ("--node-addr", args.node_addr),
+                            ("--master-port", args.master_port)):
+            if value:
+                parser.error(f"{flag} is for jobs of several nodes: give --nnodes N and --master-addr HOST")
+        return None
+    if args.node_rank >= args.nnodes:
+        parser.error(f"--node-rank {args.node_rank} is outside the job's nodes 0-{args.nnodes - 1} (--nnodes {args.nnodes})")
+    if args.nnodes > 1 and args.master_addr is None:
+        parser.error("--nnodes needs --master-addr HOST (node 0's address, where the job's store listens)")
+    if args.port is not None and args.nnodes > 1:
+        parser.error("--port is for one-node jobs; give --master-port")
+    if args.elastic and args.max_restarts and args.nnodes > 1:
+        parser.error("--max-restarts restarts ranks of one node; across nodes start a fresh node with --join")
+    master = args.master_addr or LOOPBACK
+    port = args.master_port or (args.port if args.nnodes == 1 and args.port else DEFAULT_MASTER_PORT)
+    node_addr = args.node_addr or (master if args.nnodes == 1 else address_towards(master, port))
+    check_bindable(node_addr)
+    role = NodeRole(args.nnodes, args.node_rank, args.nproc, master, port, node_addr)
+    if args.cluster is not None:
+        check_cluster(parse_cluster(args.cluster), role, args.cluster)
+    return role
 
 
 def launch(
@@ -114,8 +168,12 @@ def launch(
     heartbeat: float = DEFAULT_HEARTBEAT_S,
     pin_cpus: bool = False,
     env: dict[str, str] | None = None,
+    role: NodeRole | None = None,
+    cluster: str | None = None,
+    rendezvous_timeout: float = DEFAULT_RENDEZVOUS_S,
+    secret: str | None = None,
 ) -> int:
-    """Run `command` as ranks 0..nprocs-1 and return the job's exit code (0 when all succeed).
+    """Run `command` as `nprocs` ranks of this node and return the job's exit code (0 when all succeed).
 
     Output lines are forwarded prefixed with `[rank k]`. The first rank to exit non-zero decides
     the exit code; the others are stopped and the failing rank's last stderr lines are repeated.
@@ -128,38 +186,55 @@ def launch(
     found long before its peers' collectives time out; an elastic job kills it and goes on). Every rank runs under rank_guard.py, so
     no rank or grandchild outlives a launcher that is SIGKILLed. `pin_cpus`: each rank (and a
     restarted one in its slot) runs on its own CPUs (hspmd.runtime.processes.affinity.cpu_slices).
-    `env`: more environment variables for every rank (e.g. HSPMD_CLUSTER from --cluster)."""
+    `env`: more environment variables for every rank (e.g. HSPMD_CLUSTER from --cluster). `role`: this node of a multi-node job (hspmd.runtime.processes.nodes): node 0 hosts the store at
+    the master address, every node takes part in the node rendezvous (bounded by
+    `rendezvous_timeout`), its ranks are numbered node by node, and a failure on any node stops
+    every node. `cluster`: the job's cluster (a YAML file or a preset): each rank is told its device's
+    type (HSPMD_DEVICE_TYPE); a multi-node job's cluster must have its nodes and their sizes.
+    `secret`: the job's secret (default: HSPMD_JOB_SECRET for a multi-node job, a fresh one otherwise)."""
     from hspmd.backends.heartbeat import HeartbeatMonitor
-    from hspmd.backends.store import new_secret  # imports torch: only once a job is launched
+    from hspmd.backends.store import new_secret, secret_from_env  # imports torch: only once a job is launched
 
     check_backend(backend, nprocs)
     cpus = [",".join(map(str, c)) for c in cpu_slices(available_cpus(), nprocs)] if pin_cpus else [None] * nprocs
-
     out, err = stdout or sys.stdout, stderr or sys.stderr
-    secret = new_secret()
-    store = _host_store(port, secret)
-    port = store.port
-    monitor = HeartbeatMonitor(store, range(nprocs), heartbeat) if heartbeat > 0 else None
+    multi = role is not None and role.nnodes > 1
+    if role is not None and role.nproc != nprocs:
+        raise LaunchError(f"node {role.node_rank}: the role says {role.nproc} ranks per node but {nprocs} were asked for")
+    spec = parse_cluster(cluster) if cluster else None
+    if spec is not None and multi:
+        check_cluster(spec, role, cluster)
+    secret = secret or (secret_from_env().decode() if multi else new_secret())
+    store = _job_store(role if multi else None, port, secret, rendezvous_timeout)
+    try:
+        if multi:
+            node_rendezvous(store, role, cluster_digest(cluster), rendezvous_timeout, server=store.server)
+    except BaseException:
+        _close(store)
+        raise
+    role = role or NodeRole(1, 0, nprocs, LOOPBACK, store.port, LOOPBACK)
+    types = tuple(spec.device_type(r).name if r < spec.n_devices else "" for r in role.ranks) if spec else ()
+    place = _Place(role, store.port, secret, backend, elastic, heartbeat, types, env or {})
+    monitor = HeartbeatMonitor(store, role.ranks, heartbeat) if heartbeat > 0 else None
     stop = _StopRequest()
     previous_handlers = _install_stop_handlers(stop)
     ranks: list[_Rank] = []
     pumps: list[threading.Thread] = []
     failed: list[_Rank] = []
+    elsewhere = None
     try:
-        for rank in range(nprocs):
+        for local in range(nprocs):
             if stop.signal:
                 break
-            ranks.append(_start_rank(rank, command, nprocs, backend, port, secret, elastic, heartbeat, cpus=cpus[rank],
-                                     extra=env))
+            ranks.append(_start_rank(place, local, command, cpus=cpus[local]))
         # Pumps (threads) start only after every Popen: preexec_fn is not safe once threads run.
         pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
         if not stop.signal:
             if elastic:
-                restart = _Restarter(command, nprocs, backend, port, secret, heartbeat, max_restarts, out, err, ranks,
-                                     pumps, cpus, env)
+                restart = _Restarter(place, command, max_restarts, out, err, ranks, pumps, cpus)
                 failed = _wait_elastic(ranks, stop, store, err, restart, monitor)
             else:
-                failed = _wait_for_end(ranks, stop, monitor)
+                failed, elsewhere = _wait_for_end(ranks, stop, monitor, store if multi else None)
     except KeyboardInterrupt:
         stop.signal = "SIGINT"
     finally:
@@ -171,7 +246,9 @@ def launch(
         deadline = time.monotonic() + max(grace, _PUMP_WAIT_S)
         for pump in pumps:
             pump.join(timeout=max(0.0, deadline - time.monotonic()))
-        store.server.close()
+        if multi:
+            _end_node(store, role, stop.signal, failed, grace + rendezvous_timeout)
+        _close(store)
     if stop.signal:
         err.write(f"hspmd run: interrupted ({stop.signal}); stopped all {len(ranks)} started rank(s)\n")
         err.flush()
@@ -179,7 +256,71 @@ def launch(
     if failed:
         _report_failure(failed, err)
         return _exit_code(failed[0].process.returncode)
+    if elsewhere:
+        err.write(f"hspmd run: node {role.node_rank} stopped its ranks: {elsewhere}\n")
+        err.flush()
+        return 1
     return 0
+
+
+class _Place:
+    """What every rank of this node is told: the job's shape and store, this node, the backend."""
+
+    def __init__(self, role: NodeRole, port: int, secret: str, backend: str, elastic: bool, heartbeat: float,
+                 device_types: tuple[str, ...], extra: dict[str, str]):
+        self.role, self.port, self.secret, self.backend = role, port, secret, backend
+        self.elastic, self.heartbeat, self.device_types, self.extra = elastic, heartbeat, device_types, extra
+
+
+def _job_store(role: NodeRole | None, port: int | None, secret: str, timeout: float):
+    """The job's store: hosted here on loopback for a one-node job; for a multi-node job hosted by
+    node 0 at the master address (bound to it only) and joined by every node's launcher."""
+    from hspmd.backends.store import JobStore, open_store
+    from hspmd.errors import CommunicationError
+
+    if role is None:
+        return _host_store(port, secret)
+    where = f"{role.master_addr}:{role.master_port}"
+    try:
+        if role.node_rank == 0:
+            return open_store(role.master_addr, role.master_port, is_master=True, secret=secret.encode(), timeout=timeout)
+        return JobStore(role.master_addr, role.master_port, secret.encode(), timeout)
+    except CommunicationError as exc:
+        text = str(exc)
+        if "refused this process" in text or "does not know the job's secret" in text:
+            raise LaunchError(f"node {role.node_rank}: the job's store at {where} refused this node: its HSPMD_JOB_SECRET "
+                              f"is not the job's") from None
+        raise LaunchError(f"node {role.node_rank}: {text}") from None
+
+
+def _close(store) -> None:
+    if store.server is not None:
+        store.server.close()
+
+
+FAILED_KEY = "nodes/failed"
+
+
+def _done_key(node: int) -> str:
+    return f"nodes/done/{node}"
+
+
+def _end_node(store, role: NodeRole, interrupted: str | None, failed: list, wait: float) -> None:
+    """Tell the other nodes how this one ended (a failure stops them too); node 0, which hosts the
+    store, waits (bounded) until every node has ended before the store goes away."""
+    try:
+        if (interrupted or failed) and not store.check([FAILED_KEY]):
+            what = f"interrupted ({interrupted})" if interrupted else \
+                f"rank {failed[0].rank} {_describe(failed[0].process.returncode)}"
+            store.set(FAILED_KEY, f"node {role.node_rank}: {what}")
+        store.set(_done_key(role.node_rank), "1")
+        if role.node_rank == 0:
+            end = time.monotonic() + wait
+            keys = [_done_key(k) for k in range(role.nnodes)]
+            while not store.check(keys) and time.monotonic() < end:
+                time.sleep(_POLL_S * 4)
+    except Exception:  # noqa: BLE001 - the store is gone: node 0 ended, nobody is left to tell
+        pass
 
 
 class _Rank:
@@ -197,21 +338,28 @@ def _host_store(port: int | None, secret: str):
     return open_store(LOOPBACK, port or 0, is_master=True, secret=secret.encode())
 
 
-def _start_rank(rank: int, command: Sequence[str], nprocs: int, backend: str, port: int, secret: str,
-                elastic: bool = False, heartbeat: float = 0.0, joining: bool = False, cpus: str | None = None,
-                extra: dict[str, str] | None = None) -> _Rank:
-    env = {**os.environ, **(extra or {})}
+def _start_rank(place: _Place, local: int, command: Sequence[str], joining: bool = False,
+                cpus: str | None = None) -> _Rank:
+    role = place.role
+    rank = role.global_rank(local)
+    env = {**os.environ, **place.extra}
     # Like torchrun: one intra-op thread per rank unless the user says otherwise, so N ranks on
     # few cores do not oversubscribe them (4 ranks on 2 cores were ~25x slower without it).
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
-        HSPMD_BACKEND=backend, PYTHONUNBUFFERED="1", HSPMD_ELASTIC="1" if elastic else "0", HSPMD_JOB_SECRET=secret,
-        HSPMD_STORE_HOSTED="1", HSPMD_HEARTBEAT_S=f"{heartbeat:g}", HSPMD_JOIN="1" if joining else "0",
+        RANK=str(rank), LOCAL_RANK=str(local), GROUP_RANK=str(role.node_rank), WORLD_SIZE=str(role.world_size),
+        LOCAL_WORLD_SIZE=str(role.nproc), MASTER_ADDR=role.master_addr, MASTER_PORT=str(place.port),
+        HSPMD_BACKEND=place.backend, PYTHONUNBUFFERED="1", HSPMD_ELASTIC="1" if place.elastic else "0",
+        HSPMD_JOB_SECRET=place.secret, HSPMD_STORE_HOSTED="1", HSPMD_HEARTBEAT_S=f"{place.heartbeat:g}",
+        HSPMD_JOIN="1" if joining else "0",
+        **{NODE_ENV: str(role.node_rank), NNODES_ENV: str(role.nnodes), NODE_ADDR_ENV: role.node_addr,
+           DEVICE_TYPE_ENV: place.device_types[local] if place.device_types else ""},
     )
-    # gloo's own connections between ranks listen on loopback too (the job is local)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # gloo's and NCCL's own connections listen on this node's interface (loopback for a local job);
+    # gloo binds the node's address itself (hspmd.backends.torch_dist reads HSPMD_NODE_ADDR)
+    interface = interface_of(role.node_addr) or "lo"
+    env.setdefault("GLOO_SOCKET_IFNAME", interface)
+    env.setdefault("NCCL_SOCKET_IFNAME", interface)
     env.pop(CPUS_ENV, None)
     if cpus is not None:  # the guard pins itself before it starts the rank, which inherits it
         env[CPUS_ENV] = cpus
@@ -250,37 +398,46 @@ def _pump(pipe: IO[bytes], sink: IO[str], rank: int, tail: collections.deque | N
                 sink.flush()
 
 
-def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest", monitor=None) -> list[_Rank]:
-    """Block until every rank succeeded (returns []), some failed or stopped beating (returns them,
-    first one first) or a stop signal arrived (returns [])."""
+def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest", monitor=None, store=None) -> tuple[list[_Rank], str | None]:
+    """Block until every rank succeeded (returns [], None), some failed or stopped beating (returns
+    them, first one first), a stop signal arrived, or (`store`: a multi-node job) another node
+    reported a failure (returns [] and what it reported)."""
+    by_rank = {r.rank: r for r in ranks}
+    checked = 0.0
     while not stop.signal:
         codes = [r.process.poll() for r in ranks]
         failed = [r for r, code in zip(ranks, codes) if code not in (None, 0)]
         if failed or all(code == 0 for code in codes):
-            return failed
+            return failed, None
         for rank, silent in monitor.stopped() if monitor is not None else ():
-            ranks[rank].silent_for = silent
-            failed.append(ranks[rank])
+            by_rank[rank].silent_for = silent
+            failed.append(by_rank[rank])
         if failed:
-            return failed
+            return failed, None
+        if store is not None and time.monotonic() - checked > _NODES_POLL_S:
+            checked = time.monotonic()
+            try:
+                if store.check([FAILED_KEY]):
+                    return [], store.get(FAILED_KEY).decode()
+            except Exception:  # noqa: BLE001 - node 0's launcher and its store are gone
+                return [], "the job's store (node 0) is gone"
         time.sleep(_POLL_S)
-    return []
+    return [], None
 
 
 class _Restarter:
     """Restarts dead ranks' slots (up to `budget` in all) as joining processes."""
 
-    def __init__(self, command, nprocs, backend, port, secret, heartbeat, budget, out, err, ranks, pumps, cpus, extra=None):
-        self.command, self.nprocs, self.backend, self.port, self.secret = command, nprocs, backend, port, secret
-        self.heartbeat, self.cpus, self.extra = heartbeat, cpus, extra
+    def __init__(self, place: _Place, command, budget, out, err, ranks, pumps, cpus):
+        self.place, self.command, self.cpus = place, command, cpus
         self.budget, self.out, self.err, self.ranks, self.pumps = budget, out, err, ranks, pumps
 
     def __call__(self, rank: int) -> _Rank | None:
         if self.budget <= 0:
             return None
         self.budget -= 1
-        fresh = _start_rank(rank, self.command, self.nprocs, self.backend, self.port, self.secret, elastic=True,
-                            heartbeat=self.heartbeat, joining=True, cpus=self.cpus[rank], extra=self.extra)
+        local = rank - self.place.role.global_rank(0)
+        fresh = _start_rank(self.place, local, self.command, joining=True, cpus=self.cpus[local])
         self.ranks.append(fresh)
         self.pumps.extend(_start_pumps(fresh, self.out, self.err))
         return fresh
