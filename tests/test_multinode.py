@@ -38,8 +38,8 @@ SPANNING = "layers=4 ; 2x4: R0,1 L0-1 | R4 L2-3 ; 2x2: R2 L0-1 | R3,5 L2-3"
 TWO_TYPES = """
 name: two-types
 device_types:
-  H800: {flops: {bfloat16: 9.9e14}, hbm_bandwidth: 3.35e12, hbm_capacity: 8.0e10}
-  H20: {flops: {bfloat16: 1.48e14}, hbm_bandwidth: 4.0e12, hbm_capacity: 9.6e10}
+  H800: {flops: {bfloat16: 9.9e14, float32: 6.7e13}, hbm_bandwidth: 3.35e12, hbm_capacity: 8.0e10}
+  H20: {flops: {bfloat16: 1.48e14, float32: 4.4e13}, hbm_bandwidth: 4.0e12, hbm_capacity: 9.6e10}
 links:
   nvlink: {bandwidth: 2.0e11, latency: 1.0e-6}
   ib: {bandwidth: 2.5e10, latency: 5.0e-6}
@@ -168,7 +168,7 @@ def test_bad_input_names_the_node_and_nothing_waits_past_the_rendezvous_timeout(
         expected = {2: f"node 2: the job's store at 127.0.0.1:{port} refused this node: its HSPMD_JOB_SECRET is not "
                        "the job's",
                     0: "node(s) [2] of 3 never joined the job at 127.0.0.1:",
-                    1: "the job stopped: node(s) [2] of 3 never joined"}
+                    1: "node(s) [2] of 3 never joined"}
     elif case == "another --nnodes":
         nodes.append(launch_node(2, 2, port, script, job_secret, timeout, node_rank=1))
         expected = {2: "node 1 was given --nnodes 2 but the job (node 0) has 3",
