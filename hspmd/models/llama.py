@@ -36,6 +36,7 @@ from hspmd.ops import (
     Optimizer,
     cast,
     causal_attention,
+    context_attention,
     cross_entropy,
     embedding,
     matmul,
@@ -233,9 +234,22 @@ def _annotations_per_strategy(strategies: Sequence[object], config: LlamaConfig,
     return out
 
 
+def _context_choice(strategies: Sequence[object], context: str | None, ring_steps: int | None) -> tuple[str | None, int]:
+    """(attention mode, ring steps) of the graph: the strategies' cp_attention where any has context
+    parallelism (they must agree), or `context`; ring steps: the largest CP degree."""
+    with_cp = [s for s in strategies if getattr(s, "max_cp", 1) > 1]
+    modes = sorted({s.cp_attention for s in with_cp} | ({context} if context is not None else set()))
+    if len(modes) > 1:
+        raise HSPMDError(f"build_llama: the strategies' context-parallel attention differs ({', '.join(modes)}); "
+                         f"one graph runs one kind (give each kind its own graph)")
+    steps = max([getattr(s, "max_cp", 1) for s in strategies] + [ring_steps or 1])
+    return (modes[0] if modes else None), steps
+
+
 def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Optimizer | None = None,
                 sequence_parallel: bool = False, vocab_parallel: bool = True,
-                compute_dtype: torch.dtype = torch.float32, packed: bool = False) -> LlamaGraph:
+                compute_dtype: torch.dtype = torch.float32, packed: bool = False,
+                context: str | None = None, ring_steps: int | None = None) -> LlamaGraph:
     """The training graph of the model: loss = sum of token cross-entropies / T (T = tokens per
     step, a run-time symbol, so micro-batches and pipelines of any sizes add up to the mean).
     Labels equal to IGNORE_INDEX (padding) count for nothing.
@@ -243,6 +257,13 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
     packed: rows hold several sequences back to back; two more placeholders, `positions` (each
     token's index in its own sequence, for RoPE) and `segments` (which sequence of the row it
     belongs to, for the block-diagonal causal mask), both [B, S] integers, reach every layer.
+
+    context: attention over a sequence split across devices (hspmd.ops.context: ring, all_gather,
+    all_to_all), taken from the strategies' cp_attention when one has context parallelism (CP);
+    the `positions` placeholder ([B, S], each token's position) then reaches every layer, for RoPE
+    and the mask, so tokens may be fed in any order (`ops.context.head_tail_order` balances the
+    ring's causal work). ring_steps: the largest CP degree the graph will run (default: the
+    strategies' largest), for explicit annotation maps.
 
     strategies: one entry per strategy, a Strategy or an explicit {node name: annotation} map.
     optimizer: default AdamW(lr=1e-3), with ZeRO-1 if a strategy asks for it.
@@ -270,10 +291,12 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
     tokens = placeholder(g, "tokens", (B, S), torch.int64, annotation=ann("tokens"), values=(0, config.vocab, ()))
     labels = placeholder(g, "labels", (B, S), torch.int64, annotation=ann("labels"),
                          values=(0, config.vocab, (IGNORE_INDEX,)))
-    positions = segments = pos = seg = None
-    if packed:
+    mode, steps = _context_choice(strategies, context, ring_steps)
+    positions = segments = pos = seg = token_pos = None
+    if packed or mode is not None:
         positions = placeholder(g, "positions", (B, S), torch.int64, annotation=ann("positions"),
                                 values=(0, MAX_INDEX, ()))
+    if packed:
         segments = placeholder(g, "segments", (B, S), torch.int64, annotation=ann("segments"),
                                values=(0, MAX_INDEX, ()))
     table = param("embed", (config.vocab, h))
@@ -282,8 +305,10 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
         p = f"layers.{l}."
         with g.scope(f"layers.{l}"):
             a = comm(rmsnorm(x, param(p + "attn_norm", (h,), ones()), config.eps), ann(p + "attn.in"), name=p + "attn.in")
+            if positions is not None:
+                layer_pos = comm(positions, ann(p + "positions"), name=p + "positions")
+                pos, token_pos = reshape(layer_pos, (B, S, 1, 1)), reshape(layer_pos, (B, 1, S, 1))
             if packed:
-                pos = reshape(comm(positions, ann(p + "positions"), name=p + "positions"), (B, S, 1, 1))
                 seg = reshape(comm(segments, ann(p + "segments"), name=p + "segments"), (B, 1, S, 1))
 
             def heads(w, count):
@@ -298,7 +323,9 @@ def build_llama(config: LlamaConfig, strategies: Sequence[object], optimizer: Op
             q = transpose(rotary(heads("wq", nh), 1, config.rope_base, config.rope_scaling, pos), 1, 2)
             k = transpose(shared(rotary(heads("wk", kvh), 1, config.rope_base, config.rope_scaling, pos), "k.heads"), 1, 2)
             v = transpose(shared(heads("wv", kvh), "v.heads"), 1, 2)
-            o = reshape(transpose(causal_attention(q, k, v, seg), 1, 2), (B, S, nh * hd))
+            attended = causal_attention(q, k, v, seg) if mode is None else \
+                context_attention(q, k, v, token_pos, seg, mode=mode, ring_steps=steps)
+            o = reshape(transpose(attended, 1, 2), (B, S, nh * hd))
             x = x + comm(matmul(o, param(p + "wo", (nh * hd, h))), ann(p + "attn.out"), name=p + "attn.out")
             m = comm(rmsnorm(x, param(p + "mlp_norm", (h,), ones()), config.eps), ann(p + "mlp.in"), name=p + "mlp.in")
             ff = swiglu(matmul(m, param(p + "w_gate", (h, config.ffn))), matmul(m, param(p + "w_up", (h, config.ffn))))

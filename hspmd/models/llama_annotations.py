@@ -22,18 +22,29 @@ PARAM_KINDS = ("column", "row", "replicated")
 EMBEDDING_KINDS = ("vocab", "replicated")
 
 
-def _union(stages, axis_of, hdim="D", ratios=None) -> Annotation:
-    """One subgroup per stage; stages of one TP degree share one states object (what deduction
-    and planning work out per distinct states is then worked out once)."""
-    states: dict[int, DistributedStates] = {}
-    subgroups = tuple(Subgroup(DeviceGroup(s.ranks), states.setdefault(s.tp, DistributedStates((axis_of(s.tp),))))
-                      for s in stages)
+def _union(stages, axis_of, hdim="D", ratios=None, cp_axis=Duplicate) -> Annotation:
+    """One subgroup per stage; stages of one (CP, TP) degree share one states object (what
+    deduction and planning work out per distinct states is then worked out once). A stage with
+    context parallelism adds `cp_axis(cp)` outside its TP axis (its ranks are CP-major)."""
+    states: dict[tuple[int, int], DistributedStates] = {}
+
+    def of(s) -> DistributedStates:
+        inner, outer = axis_of(s.tp), cp_axis(s.cp)
+        if s.cp == 1:
+            axes = (inner,)
+        elif isinstance(inner, Duplicate) and isinstance(outer, Duplicate):
+            axes = (Duplicate(s.cp * s.tp),)  # (replicas of replicas: the form deduced layouts take)
+        else:
+            axes = (outer, inner)
+        return states.setdefault((s.cp, s.tp), DistributedStates(axes))
+
+    subgroups = tuple(Subgroup(DeviceGroup(s.ranks), of(s)) for s in stages)
     return Annotation(subgroups, hdim, ratios)
 
 
 def param_annotation(strategy, layer: int, kind: str) -> Annotation:
-    """A layer weight: duplicated across pipelines (HDim D), TP-sharded inside each holding stage.
-    column: S1:tp (splits out_features), row: S0:tp (splits in_features), replicated: D:tp."""
+    """A layer weight: duplicated across pipelines (HDim D) and a stage's CP groups, TP-sharded inside
+    each. column: S1:tp (splits out_features), row: S0:tp (splits in_features), replicated: D:tp."""
     axis_of = _param_axis(kind, PARAM_KINDS, {"column": lambda n: Split(1, n), "row": lambda n: Split(0, n)})
     layer = strategy.check_layer(layer)
     return _union([strategy.stage_holding(layer, i) for i in range(len(strategy.pipelines))], axis_of)
@@ -56,15 +67,26 @@ def lm_head_annotation(strategy, kind: str = "vocab") -> Annotation:
     return _union([p.stages[-1] for p in strategy.pipelines], axis_of)
 
 
-def activation_annotation(strategy, layer: int, pipeline_dim: int = 0) -> Annotation:
+def activation_annotation(strategy, layer: int, pipeline_dim: int = 0, seq_dim: int = 1) -> Annotation:
     """A micro-batch entering `layer`: split along `pipeline_dim` across pipelines in the ratio
-    of their micro-batch sizes (run-time ratios if any is unbound), duplicated over each TP group.
-    Tokens use layer 0, logits the last layer."""
+    of their micro-batch sizes (run-time ratios if any is unbound), along `seq_dim` across a
+    stage's CP groups, duplicated over each TP group. Tokens use layer 0, logits the last layer.
+    Uneven CP shares make the CP groups the union's subgroups (its top tier splits the sequence
+    in the shares), so they need a single pipeline."""
     layer = strategy.check_layer(layer)
-    if isinstance(pipeline_dim, bool) or not isinstance(pipeline_dim, int) or pipeline_dim < 0:
-        raise StrategyError(f"pipeline_dim must be a tensor dim (integer >= 0), got {brief(pipeline_dim)}")
+    for name, dim in (("pipeline_dim", pipeline_dim), ("seq_dim", seq_dim)):
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise StrategyError(f"{name} must be a tensor dim (integer >= 0), got {brief(dim)}")
     stages = [strategy.stage_holding(layer, i) for i in range(len(strategy.pipelines))]
-    return _union(stages, Duplicate, pipeline_dim, strategy.micro_batch_ratios)
+    uneven = [s for s in stages if s.cp_shares is not None]
+    if uneven:
+        if len(stages) > 1:
+            raise StrategyError(f"layer {layer}: uneven CP shares {list(uneven[0].cp_shares)} need a single pipeline "
+                                f"(the sequence split across CP groups is the union's top tier), got {len(stages)} pipelines")
+        (stage,) = stages
+        subgroups = tuple(Subgroup(DeviceGroup(g), DistributedStates((Duplicate(stage.tp),))) for g in stage.cp_groups)
+        return Annotation(subgroups, seq_dim, stage.cp_shares)
+    return _union(stages, Duplicate, pipeline_dim, strategy.micro_batch_ratios, lambda n: Split(seq_dim, n))
 
 
 def partial_over_pipelines(annotation: Annotation) -> Annotation:

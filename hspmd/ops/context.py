@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from hspmd.annotations import Annotation
+from hspmd.annotations import Annotation, split_bounds
 from hspmd.annotations.sequence import moved_split, partial_along, ring_shift, ring_size, whole_along
 from hspmd.errors import HSPMDError, ShapeError
 from hspmd.ir import Derived, comm
@@ -205,6 +205,30 @@ ATTENTION_MERGE = Fused("attention_merge", _merge, whole_dims=(-1,), diff_inputs
 ATTENTION_OUTPUT = Fused("attention_output", _output, whole_dims=(-1,), linear=True)
 
 
+# ---------------------------------------------------------------- token order
+
+
+def head_tail_order(length: int, ring: int) -> torch.Tensor:
+    """A token order that balances a causal ring: the sequence is cut into 2 * ring chunks and
+    ring position r takes chunk r and chunk 2 * ring - 1 - r, so every even share of the
+    reordered sequence holds one early and one late chunk (equal causal work where 2 * ring
+    divides the length, near it otherwise). Feed tokens, labels and positions in this order."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0 or \
+            isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
+        raise HSPMDError(f"head_tail_order: needs a length >= 0 and a ring size >= 1, got {length!r}, {ring!r}")
+    bounds = split_bounds(length, [1] * (2 * ring))
+    return torch.cat([torch.arange(*bounds[c]) for r in range(ring) for c in (r, 2 * ring - 1 - r)])
+
+
+def in_token_order(batch: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`batch` ({name: [rows, seq] tensor}) with its tokens in `order` along the sequence, and
+    `positions` (each token's index, unless the batch gives them, e.g. packed rows) moved alike."""
+    rows, length = next(iter(batch.values())).shape[:2]
+    out = dict(batch)
+    out.setdefault("positions", torch.arange(length).expand(rows, length).contiguous())
+    return {name: t[:, order] for name, t in out.items()}
+
+
 # ---------------------------------------------------------------- DSL
 
 
@@ -283,4 +307,5 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, segmen
     return _finish(acc, q.dtype)
 
 
-__all__ = ["MODES", "block_attention", "context_attention", "merge_blocks", "ring_step_layout", "token_layout"]
+__all__ = ["MODES", "block_attention", "context_attention", "head_tail_order", "in_token_order", "merge_blocks",
+           "ring_step_layout", "token_layout"]

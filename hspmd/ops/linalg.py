@@ -16,7 +16,7 @@ from hspmd.ir.shapes import format_shape, same_dim
 from hspmd.ops.base import RuleOp, make
 from hspmd.ops.elementwise import add
 from hspmd.ops.rules import Mismatch
-from hspmd.ops.shape_ops import reshape, transpose
+from hspmd.ops.shape_ops import transpose
 
 
 class MatMul(RuleOp):
@@ -84,16 +84,60 @@ class MatMul(RuleOp):
         x, w = node.inputs
         gx = matmul(g, transpose(w, -1, -2))
         if w.ndim == 2 and x.ndim > 2:
-            k, n = w.shape
-            x2 = reshape(x, (-1, k))
-            g2 = reshape(g, (-1, n))
-            gw = matmul(transpose(x2, 0, 1), g2)
+            gw = make(TOKEN_CONTRACTION, [x, g], [(w.shape, g.dtype)]).output
         else:
             gw = matmul(transpose(x, -1, -2), g)
         return [gx, gw]
 
 
-MATMUL = MatMul()
+class TokenContraction(RuleOp):
+    """A 2-D weight's gradient: x[..., K]^T g[..., N] summed over every leading (token) dim, one
+    GEMM. Any leading dim may be split (batch across pipelines, sequence across CP groups) when
+    both inputs split it alike: each device then holds a partial sum. A split of K or N carries to
+    the output's dim 0 or 1. (Flattening the tokens first, as a reshape, would need the split dim
+    to lead the merged run, which a sequence split does not.)"""
+
+    kind = "token_contraction"
+
+    def rule(self, node: Node):
+        last = node.inputs[0].ndim - 1
+
+        def rule(axes):
+            xa, ga = axes
+            n = xa.n
+            xs = isinstance(xa, Split)
+            gs = isinstance(ga, Split)
+            if xs and xa.dim < last or gs and ga.dim < last:
+                if xs and gs and xa.dim == ga.dim:
+                    return Partial(n), None
+                raise Mismatch("a token dim is split in one input but not alike in the other")
+            if isinstance(xa, Partial) and isinstance(ga, Partial):
+                raise Mismatch("both inputs are partial at one axis (a product of sums is not a sum of products)")
+            if xs and gs:
+                raise Mismatch("x is split along K and the gradient along N at one axis")
+            if xs or gs:
+                if isinstance(xa, Partial) or isinstance(ga, Partial):
+                    raise Mismatch("one input holds pieces where the other holds partial summands")
+                return (Split(0, n), 0) if xs else (Split(1, n), 1)
+            if isinstance(xa, Partial) or isinstance(ga, Partial):
+                return Partial(n), None
+            return Duplicate(n), None
+
+        return rule
+
+    def compute(self, node, ctx, inputs):
+        x, g = inputs
+        return [torch.matmul(x.reshape(-1, x.shape[-1]).transpose(0, 1), g.reshape(-1, g.shape[-1]))]
+
+    def compute_into(self, node, ctx, inputs, out):
+        x, g = inputs
+        if out.dtype != g.dtype or out.dtype != x.dtype:
+            return False
+        torch.matmul(x.reshape(-1, x.shape[-1]).transpose(0, 1), g.reshape(-1, g.shape[-1]), out=out)
+        return True
+
+
+MATMUL, TOKEN_CONTRACTION = MatMul(), TokenContraction()
 
 
 def matmul(x: Tensor, w: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ _DEFINITIONS: tuple[OpDef, ...] = (
     unary.NEG, unary.SCALE, unary.SILU, unary.SILU_GRAD, unary.RELU, unary.RELU_GRAD, unary.CAST,
     shape_ops.SUM, shape_ops.MEAN, shape_ops.RESHAPE, shape_ops.TRANSPOSE, shape_ops.EXPAND_AS,
     shape_ops.FILL_LIKE, shape_ops.REPEAT_INTERLEAVE, shape_ops.GROUP_SUM,
-    linalg.MATMUL,
+    linalg.MATMUL, linalg.TOKEN_CONTRACTION,
     nn.EMBEDDING, nn.EMBEDDING_GRAD, nn.CROSS_ENTROPY, nn.CROSS_ENTROPY_GRAD,
     nn.SOFTMAX, nn.RMS_NORMALIZE, nn.LAYER_NORMALIZE, nn.ROTARY, nn.CAUSAL_ATTENTION, nn.PACKED_ROTARY,
     nn.PACKED_ATTENTION, vocab.CLASS_MAX, vocab.CLASS_STATS, vocab.CLASS_STATS_GRAD, vocab.TOKEN_LOSS,

@@ -60,6 +60,9 @@ def op_kernel(exe: ExecutableGraph, ins: Instruction, binding: Binding) -> Kerne
     if kind == "matmul":
         out, a = _shape(exe, node.output, binding), _shape(exe, node.inputs[0], binding)
         return Kernel("gemm", 2.0 * math.prod(out) * a[-1], moved)
+    if kind == "token_contraction":  # x[..., K]^T g[..., N]: every token's K x N products
+        x, g = _shape(exe, node.inputs[0], binding), _shape(exe, node.inputs[1], binding)
+        return Kernel("gemm", 2.0 * math.prod(x) * g[-1], moved)
     if kind.startswith("causal_attention"):
         q = _shape(exe, node.inputs[0], binding)  # (b, heads, s, d)
         b, h, s, d = q

@@ -152,7 +152,7 @@ class ModelSpec:
             Kernel("elementwise", 0, (t * h + h) * e, 2),             # ... summed over tokens
             Kernel("elementwise", 0, 3 * t * q * e), Kernel("elementwise", 0, 3 * t * kv * e),  # rotary_grad
             Kernel("elementwise", 0, 3 * t * h * e, 5 if self.mlp == "swiglu" else 4),  # residual + fan-in adds
-            Kernel("misc", 0, 0, 38),                                 # reshapes and transposes
+            Kernel("misc", 0, 0, 17),                                 # reshapes and transposes
         ]
         if self.mlp == "swiglu":
             kernels += [Kernel("elementwise", 0, 3 * t * f * e, 3)]   # silu_grad, two products

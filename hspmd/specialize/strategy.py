@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from hspmd.errors import StrategyError, closest_hint
-from hspmd.limits import MAX_DEVICES, MAX_LAYERS, MAX_WARMUP, brief
+from hspmd.limits import MAX_DEVICES, MAX_LAYERS, MAX_RATIO as MAX_CP_SHARE, MAX_WARMUP, brief
 from hspmd.specialize.schedules import SCHEDULE_POLICIES, VECTOR_POLICIES
 from hspmd.specialize.strategy_fields import (
     Path,
@@ -36,23 +36,28 @@ from hspmd.specialize.strategy_fields import (
     positive_count,
 )
 
-STRATEGY_KEYS = ("name", "num_layers", "zero", "pipelines")
+STRATEGY_KEYS = ("name", "num_layers", "zero", "pipelines", "cp_attention")
 PIPELINE_KEYS = ("stages", "micro_batches", "micro_batch_size", "schedule", "warmup")
-STAGE_KEYS = ("ranks", "layers", "tp", "recompute")
+STAGE_KEYS = ("ranks", "layers", "tp", "recompute", "cp", "cp_shares")
+CP_ATTENTION = ("ring", "all_gather", "all_to_all")  # hspmd.ops.context.MODES
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One tensor-parallel group: `ranks` (in TP order) own layers `layers` (a range, or a
-    (first, last) inclusive pair); `tp` defaults to, and must equal, the number of ranks.
-    `recompute`: keep only the stage's inputs between a micro-batch's forward and backward and
-    run the forward again in the backward (activation recomputation: less memory, one more
-    forward)."""
+    """`cp` context-parallel groups of `tp` ranks each own layers `layers` (a range, or a
+    (first, last) inclusive pair): `ranks` lists them CP-major (rank c * tp + t is CP position c,
+    TP position t); `tp` defaults to, and must equal, the number of ranks / cp. `cp_shares`: each
+    CP position's share of the sequence (ratios or explicit token counts, e.g. 1024, 340, 341, 343;
+    None = equal). `recompute`: keep only the stage's inputs between a micro-batch's forward and
+    backward and run the forward again in the backward (activation recomputation: less memory,
+    one more forward)."""
 
     ranks: tuple[int, ...]
     layers: range
     tp: int | None = None
     recompute: bool = False
+    cp: int = 1
+    cp_shares: tuple[int, ...] | None = None
 
     def __post_init__(self):
         ranks = self.ranks
@@ -75,21 +80,40 @@ class Stage:
             raise StrategyFieldError(("ranks",), f"rank(s) {repeated} listed more than once in {format_ranks(sorted(set(ranks)))}")
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "layers", self._normalise_layers(self.layers))
-        tp = len(ranks) if self.tp is None else self.tp
+        cp = self._check_cp(len(ranks))
+        tp = len(ranks) // cp if self.tp is None else self.tp
         if not is_int(tp):
             raise StrategyFieldTypeError(("tp",), f"must be a positive integer, got {brief(tp)}")
         if tp < 1:
             raise StrategyFieldError(("tp",), f"must be a positive integer, got {brief(tp)}")
-        if tp != len(ranks):
+        if tp * cp != len(ranks):
             raise StrategyFieldError(
                 ("tp",),
-                f"tp {brief(tp)} does not match the {len(ranks)} ranks {format_ranks(ranks)}: a stage is one tensor-parallel "
-                f"group, so tp must equal its rank count; for data parallelism add another pipeline "
+                f"tp {brief(tp)} x cp {cp} does not match the {len(ranks)} ranks {format_ranks(ranks)}: a stage is cp "
+                f"tensor-parallel groups, so tp x cp must equal its rank count; for data parallelism add another pipeline "
                 f"(gradients are synchronised between pipelines)",
             )
         object.__setattr__(self, "tp", tp)
         if not isinstance(self.recompute, bool):
             raise StrategyFieldTypeError(("recompute",), f"must be true or false, got {brief(self.recompute)}")
+
+    def _check_cp(self, count: int) -> int:
+        cp, shares = self.cp, self.cp_shares
+        if not is_int(cp):
+            raise StrategyFieldTypeError(("cp",), f"must be a positive integer, got {brief(cp)}")
+        if not 1 <= cp <= count or count % cp:
+            raise StrategyFieldError(("cp",), f"cp {cp} must be a positive divisor of the stage's {count} rank(s)")
+        if shares is not None:
+            if isinstance(shares, (str, bytes)) or not isinstance(shares, (tuple, list)):
+                raise StrategyFieldTypeError(("cp_shares",), f"must be a list of positive integers, got {brief(shares)}")
+            shares = tuple(shares)
+            for n in shares:
+                if not is_int(n) or not 1 <= n <= MAX_CP_SHARE:
+                    raise StrategyFieldError(("cp_shares",), f"shares must be integers in 1-{MAX_CP_SHARE}, got {brief(n)}")
+            if len(shares) != cp:
+                raise StrategyFieldError(("cp_shares",), f"{len(shares)} share(s) for cp {cp}: give one per CP position")
+            object.__setattr__(self, "cp_shares", shares)
+        return cp
 
     @staticmethod
     def _normalise_layers(layers: object) -> range:
@@ -118,8 +142,14 @@ class Stage:
     def last_layer(self) -> int:
         return self.layers.stop - 1
 
+    @property
+    def cp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The stage's TP groups, one per CP position, in CP order."""
+        return tuple(self.ranks[c * self.tp:(c + 1) * self.tp] for c in range(self.cp))
+
     def __str__(self) -> str:
-        return f"R{format_ranks(self.ranks)} L{format_layers(self.layers)}" + (" recompute" if self.recompute else "")
+        cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if self.cp_shares is None else "=" + ",".join(map(str, self.cp_shares)))
+        return f"R{format_ranks(self.ranks)} L{format_layers(self.layers)}{cp}" + (" recompute" if self.recompute else "")
 
 
 @dataclass(frozen=True)
@@ -231,6 +261,7 @@ class Strategy:
     num_layers: int
     zero: bool = False
     name: str = ""
+    cp_attention: str = "ring"
 
     def __post_init__(self):
         pipelines = self.pipelines
@@ -249,6 +280,8 @@ class Strategy:
             raise StrategyFieldTypeError(("name",), f"must be one line of text without ';', got {brief(self.name)}")
         if ";" in self.name or "\n" in self.name:
             raise StrategyFieldError(("name",), f"must be one line of text without ';', got {brief(self.name)}")
+        if self.cp_attention not in CP_ATTENTION:
+            raise StrategyFieldError(("cp_attention",), f"must be one of {', '.join(CP_ATTENTION)}, got {brief(self.cp_attention)}")
         owner: dict[int, tuple[int, int]] = {}
         for i, p in enumerate(pipelines):
             if p.num_layers != self.num_layers:
@@ -274,6 +307,11 @@ class Strategy:
     @property
     def all_ranks(self) -> tuple[int, ...]:
         return tuple(sorted(r for p in self.pipelines for r in p.ranks))
+
+    @property
+    def max_cp(self) -> int:
+        """The largest CP degree of any stage (1: no context parallelism)."""
+        return max(s.cp for p in self.pipelines for s in p.stages)
 
     @property
     def num_pipelines(self) -> int:
@@ -327,12 +365,15 @@ class Strategy:
     def to_dict(self) -> dict:
         """Plain data for JSON/YAML: ranks and layers as compact strings ('0-3', '0-14'); schedule,
         warmup and recompute only where set."""
-        return {
+        out = {
             "name": self.name,
             "num_layers": self.num_layers,
             "zero": self.zero,
             "pipelines": [_pipeline_to_dict(p) for p in self.pipelines],
         }
+        if self.cp_attention != "ring":
+            out["cp_attention"] = self.cp_attention
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Strategy":
@@ -349,6 +390,7 @@ class Strategy:
             data.get("num_layers", pipelines[0].num_layers),
             data.get("zero", False),
             "" if data.get("name") is None else data["name"],
+            data.get("cp_attention", "ring"),
         )
 
 
@@ -366,6 +408,10 @@ def _stage_to_dict(s: Stage) -> dict:
     out: dict = {"ranks": format_ranks(s.ranks), "layers": format_layers(s.layers), "tp": s.tp}
     if s.recompute:
         out["recompute"] = True
+    if s.cp > 1:
+        out["cp"] = s.cp
+    if s.cp_shares is not None:
+        out["cp_shares"] = list(s.cp_shares)
     return out
 
 
@@ -391,7 +437,11 @@ def _stage_from_dict(data: object, path: Path) -> Stage:
     with field_context(*path, "layers"):
         layers = parse_layer_range(layers) if isinstance(layers, str) else (layers, layers) if is_int(layers) else layers
     with field_context(*path):
-        return Stage(ranks, layers, data.get("tp"), data.get("recompute", False))
+        shares = data.get("cp_shares")
+        if isinstance(shares, str):
+            with field_context(*path, "cp_shares"):
+                shares = parse_count_list(shares)
+        return Stage(ranks, layers, data.get("tp"), data.get("recompute", False), data.get("cp", 1), shares)
 
 
-__all__ = ["Pipeline", "Stage", "Strategy"]
+__all__ = ["CP_ATTENTION", "Pipeline", "Stage", "Strategy"]

@@ -14,14 +14,14 @@ from hspmd.specialize.strategy_fields import format_layers, format_ranks
 
 
 def describe_strategy(strategy: Strategy) -> str:
-    """A readable table of pipelines, stages, layers, ranks, TP degrees, micro-batches, schedules
+    """A readable table of pipelines, stages, layers, ranks, TP and CP degrees, micro-batches, schedules
     (a pipeline's warm-up count per stage) and recomputation."""
     title = (
         f"{strategy.name or 'strategy'}: {strategy.num_layers} layers, {len(strategy.all_ranks)} devices, "
         f"{len(strategy.pipelines)} pipeline(s), ZeRO {'on' if strategy.zero else 'off'}"
     )
     table = Table(title=title, title_justify="left")
-    for column in ("pipeline", "micro-batches", "schedule", "stage", "ranks", "layers", "tp", "warm-up", "recompute"):
+    for column in ("pipeline", "micro-batches", "schedule", "stage", "ranks", "layers", "tp", "cp", "warm-up", "recompute"):
         table.add_column(column)
     for i, p in enumerate(strategy.pipelines):
         count = "run time" if p.micro_batches is None else str(p.micro_batches)
@@ -31,12 +31,18 @@ def describe_strategy(strategy: Strategy) -> str:
             schedule = (p.schedule or "trainer's") if j == 0 else ""
             warmup = "" if p.warmup is None else str(p.warmup[j])
             table.add_row(str(i) if j == 0 else "", batches, schedule, str(j), format_ranks(s.ranks), format_layers(s.layers),
-                          str(s.tp), warmup, "yes" if s.recompute else "")
+                          str(s.tp), _cp_text(s), warmup, "yes" if s.recompute else "")
         if i + 1 < len(strategy.pipelines):
             table.add_section()
     buffer = io.StringIO()
     Console(file=buffer, width=120, color_system=None, force_terminal=False).print(table)
     return buffer.getvalue()
+
+
+def _cp_text(stage) -> str:
+    """A stage's CP degree, with its sequence shares where uneven ('2 (3:1)')."""
+    shares = "" if stage.cp_shares is None else f" ({':'.join(map(str, stage.cp_shares))})"
+    return f"{stage.cp}{shares}"
 
 
 def _bar(layers: range, num_layers: int, width: int) -> str:
@@ -57,7 +63,7 @@ def strategy_map_text(strategy: Strategy, device_type: Callable[[int], str] | No
     kind = device_type or (lambda rank: "")
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(strategy.pipelines):
-        shape = (tuple((s.tp, s.layers, s.recompute, kind(s.ranks[0])) for s in p.stages),
+        shape = (tuple((s.tp, s.cp, s.cp_shares, s.layers, s.recompute, kind(s.ranks[0])) for s in p.stages),
                  p.micro_batches, p.micro_batch_size, p.schedule_spec)
         groups.setdefault(shape, []).append(i)
     lines = [f"strategy map: {strategy.num_layers} layers across, one row per stage"]
@@ -69,7 +75,8 @@ def strategy_map_text(strategy: Strategy, device_type: Callable[[int], str] | No
             f"pipelines {format_ranks(members)} ({len(members)} alike, ranks of pipeline {members[0]})"
         lines.append(f"{which}: {count}x{size}, schedule {first.schedule_spec or 'of the trainer'}")
         for j, s in enumerate(first.stages):
-            label = f"TP{s.tp} {kind(s.ranks[0])}".rstrip()
+            cp = "" if s.cp == 1 else f"xCP{_cp_text(s).replace(' ', '')}"
+            label = f"TP{s.tp}{cp} {kind(s.ranks[0])}".rstrip()
             note = " recompute" if s.recompute else ""
             lines.append(f"  S{j:<3}|{_bar(s.layers, strategy.num_layers, width)}| {label:<10} L{format_layers(s.layers):<8}"
                          f"R{format_ranks(s.ranks)}{note}")

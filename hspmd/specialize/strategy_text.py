@@ -10,11 +10,13 @@ Grammar (whitespace is free between words, none inside a word):
     pipeline := batches [schedule] ':' stage ('|' stage)*
     batches  := COUNT 'x' SIZE          micro-batch count x micro-batch size; '?' = bound at run time
     schedule := POLICY ['=' INT (',' INT)*]   gpipe, 1f1b, eager, h1f1b, virtual; '=' its warm-up vector
-    stage    := 'R' ranks 'L' layers ['tp' INT] ['recompute']
+    stage    := 'R' ranks 'L' layers ['tp' INT] ['cp' INT ['=' INT (',' INT)*]] ['recompute']
     ranks    := item (',' item)*        item := INT | INT '-' INT     (0-3,8 = 0,1,2,3,8; TP order)
     layers   := INT | INT '-' INT       inclusive, as in the paper (L0-14 = layers 0..14)
 
-A stage is one tensor-parallel group, so `tp` may be left out (it must equal the rank count);
+A stage is `cp` tensor-parallel groups (context parallelism, CP-major ranks), so `tp` may be left
+out (it must equal the rank count / cp); `cp2=3,1` gives the CP positions uneven sequence shares;
+`cp_attention=ring|all_gather|all_to_all` picks how attention crosses the CP groups (default ring);
 `recompute` re-runs the stage's forward in its backward (Stage.recompute). A pipeline without a
 schedule runs the trainer's.
 `layers=` is an optional check of the model depth (inferred from the pipelines otherwise); TEXT of
@@ -32,10 +34,10 @@ from hspmd.specialize.strategy_fields import (
     Path, StrategyFieldError, field_context, parse_count_list, parse_index_list, parse_layer_range,
 )
 
-OPTIONS = ("zero", "name", "layers")
+OPTIONS = ("zero", "name", "layers", "cp_attention")
 _BATCHES = re.compile(r"\s*([0-9]+|\?)\s*x\s*([0-9]+|\?)([^:|]*):")
 _WORD = re.compile(r"\S+")
-_STAGE_FIELDS = {"R": "ranks", "L": "layers", "tp": "tp"}
+_STAGE_FIELDS = {"R": "ranks", "L": "layers", "tp": "tp", "cp": "cp"}
 RECOMPUTE = "recompute"
 
 
@@ -82,7 +84,8 @@ class _Parser:
         for key in options:
             self.positions[("num_layers" if key == "layers" else key,)] = options[key][0]
         name = options["name"][1] if "name" in options else ""
-        return self.build(lambda: Strategy(tuple(pipelines), num_layers, "zero" in options, name))
+        attention = options["cp_attention"][1] if "cp_attention" in options else "ring"
+        return self.build(lambda: Strategy(tuple(pipelines), num_layers, "zero" in options, name, attention))
 
     def build(self, make, prefix: Path = ()):
         """Run a constructor; a field error (its path under `prefix`) is reported at the text of the
@@ -180,9 +183,9 @@ class _Parser:
                 recompute = True
                 self.positions[path + ("recompute",)] = at
                 continue
-            prefix = "tp" if text.startswith("tp") else text[0]
+            prefix = text[:2] if text[:2] in ("tp", "cp") else text[0]
             if prefix not in _STAGE_FIELDS:
-                raise self.fail(f"unexpected {text!r}: a stage is R<ranks> L<layers> [tp<n>] [recompute], e.g. R0-3 L0-14", at)
+                raise self.fail(f"unexpected {text!r}: a stage is R<ranks> L<layers> [tp<n>] [cp<n>[=shares]] [recompute], e.g. R0-3 L0-14", at)
             field = _STAGE_FIELDS[prefix]
             if field in fields:
                 raise self.fail(f"{prefix} given twice in one stage (ranks are written without spaces: R0-3,8)", at)
@@ -194,6 +197,13 @@ class _Parser:
         tp = fields.get("tp")
         if tp is not None:
             tp = self.number(tp, "tp", self.positions[path + ("tp",)])
+        cp, shares = 1, None
+        if "cp" in fields:
+            degree, eq, listed = fields["cp"].partition("=")
+            cp = self.number(degree, "cp", self.positions[path + ("cp",)])
+            if eq:
+                self.positions[path + ("cp_shares",)] = self.positions[path + ("cp",)] + len(degree) + 1
+                shares = self.build(lambda: parse_count_list(listed), path + ("cp_shares",))
 
         def make() -> Stage:
             with field_context(*path, "ranks"):
@@ -201,7 +211,7 @@ class _Parser:
             with field_context(*path, "layers"):
                 layers = parse_layer_range(fields["layers"])
             with field_context(*path):
-                return Stage(ranks, layers, tp, recompute)
+                return Stage(ranks, layers, tp, recompute, cp, shares)
 
         return self.build(make)
 
@@ -224,4 +234,6 @@ def format_strategy(strategy: Strategy) -> str:
         clauses.append(f"{count}x{size}{schedule}: {stages}")
     if strategy.zero:
         clauses.append("zero")
+    if strategy.cp_attention != "ring":
+        clauses.append(f"cp_attention={strategy.cp_attention}")
     return " ; ".join(clauses)

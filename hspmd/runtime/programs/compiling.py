@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
-from hspmd.annotations import box_relative, subgroup_regions
+from hspmd.annotations import box_relative
 from hspmd.errors import HSPMDError, ShapeError
 from hspmd.gc_pause import collector_paused
 from hspmd.ir.graph import Graph
@@ -26,7 +26,7 @@ from hspmd.runtime.execution.batches import MicroBatchLayout
 from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB, cap_bytes_of
 from hspmd.runtime.persistence.integrity import atomic_write
 from hspmd.runtime.training.trainer import (
-    as_layout, batch_hsize, batch_subgroup, step_groups, summing_devices, trainer_binding,
+    as_layout, batch_hsize, batch_subgroup, pipeline_region, step_groups, summing_devices, trainer_binding,
 )
 from hspmd.specialize.bucket_plan import plan_buckets
 from hspmd.specialize.deduce import deduce
@@ -54,8 +54,7 @@ def _feeds(spec: Specialized, exe: ExecutableGraph, layout: MicroBatchLayout, pi
             t = node.output
             ann = spec.deduced[t]
             shape = binding.shape(t.shape, name)
-            k = next(k for k, sub in enumerate(ann.subgroups) if exe.device in sub.dg.devices)
-            region = subgroup_regions(ann, shape, run_time_ratios(ann, binding))[k]
+            region = pipeline_region(ann, shape, exe.device, run_time_ratios(ann, binding))
             if stop - start != region[0][1] - region[0][0]:
                 raise ShapeError(f"placeholder {name}: pipeline {pipeline}'s micro-batch has {stop - start} rows, its "
                                  f"region under {ann} has {region[0][1] - region[0][0]}")

@@ -86,17 +86,32 @@ def summing_devices(ann: Annotation, shape: tuple[int, ...], ratios=None) -> tup
     return tuple(chosen)
 
 
+def within_pipeline(ann: Annotation) -> bool:
+    """Whether a placeholder's subgroups lie inside one pipeline: its top tier splits another dim
+    than the batch (uneven context-parallel shares split the sequence across a stage's CP groups)."""
+    return isinstance(ann.hdim, int) and ann.hdim != 0
+
+
+def pipeline_region(ann: Annotation, shape: tuple[int, ...], device: int, ratios=None) -> tuple[tuple[int, int], ...]:
+    """The region of a placeholder that `device`'s pipeline feeds (its rows of a micro-batch)."""
+    if within_pipeline(ann):  # the subgroups share the pipeline's rows
+        return tuple((0, n) for n in shape)
+    k = next(k for k, sub in enumerate(ann.subgroups) if device in sub.dg.devices)
+    return subgroup_regions(ann, shape, ratios)[k]
+
+
 def batch_hsize(deduced: Deduced) -> int:
     """Across how many subgroups (pipelines) the placeholders split the batch."""
-    return max(deduced[p.output].hsize for p in deduced.graph.placeholders)
+    return max(1 if within_pipeline(a) else a.hsize for a in (deduced[p.output] for p in deduced.graph.placeholders))
 
 
 def batch_subgroup(deduced: Deduced, devices) -> int:
     """Index of the batch-annotation subgroup (= strategy pipeline) that holds `devices`."""
     for p in deduced.graph.placeholders:
-        for k, sub in enumerate(deduced[p.output].subgroups):
+        ann = deduced[p.output]
+        for k, sub in enumerate(ann.subgroups):
             if set(sub.dg.devices) & set(devices):
-                return k
+                return 0 if within_pipeline(ann) else k
     raise HSPMDError(f"no placeholder of graph {deduced.graph.name} is fed to pipeline {list(devices)}")
 
 
@@ -267,8 +282,7 @@ class Trainer:
             t = node.output
             ann = self.spec.deduced[t]
             shape = binding.shape(t.shape, node.name)
-            k = next(k for k, sub in enumerate(ann.subgroups) if self.backend.rank in sub.dg.devices)
-            region = subgroup_regions(ann, shape, run_time_ratios(ann, binding))[k]
+            region = pipeline_region(ann, shape, self.backend.rank, run_time_ratios(ann, binding))
             cut = (tuple(box_shape(region)), box_relative(self.exe.box(t, binding), region), str(ann))
             if binding == self.binding:  # the trainer's own binding: the same cut every step
                 self._cuts[node.name] = cut
@@ -562,6 +576,6 @@ class Trainer:
 
 
 __all__ = [
-    "Trainer", "as_layout", "batch_hsize", "batch_subgroup", "batch_symbol", "step_groups", "summing_devices",
+    "Trainer", "as_layout", "batch_hsize", "batch_subgroup", "batch_symbol", "pipeline_region", "step_groups", "summing_devices",
     "trainer_binding",
 ]
