@@ -114,6 +114,13 @@ class StageShape:
     dp: int = 1
     zero: bool = False
     recompute: bool = False
+    cp: int = 1
+    cp_share: float | None = None  # the busiest CP group's part of the sequence (None: 1 / cp)
+    cp_attention: str = "ring"
+
+    @property
+    def share(self) -> float:
+        return 1.0 / self.cp if self.cp_share is None else self.cp_share
 
 
 @dataclass(frozen=True)
@@ -136,7 +143,9 @@ class CostModel:
     `profile` overrides layer times where it has them; `overhead` is the framework's seconds per
     program instruction (Python dispatch: matters on CPU, 0 where launches are asynchronous);
     `step_overhead` its seconds per training step outside the programs (argument checks, feeding
-    the micro-batches, reading the loss), paid once per step by every device."""
+    the micro-batches, reading the loss), paid once per step by every device; `cp_overlap` the
+    part (0-1) of a ring step's K/V transfer hidden behind that step's attention (0: hspmd's
+    executor runs a ring's CommOps and blocks in turn; 1: a kernel that overlaps them)."""
 
     cluster: ClusterSpec
     model: ModelSpec
@@ -144,6 +153,7 @@ class CostModel:
     profile: ProfileTable | None = None
     overhead: float = 0.0
     step_overhead: float = 0.0
+    cp_overlap: float = 0.0
     _eff: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -211,16 +221,61 @@ class CostModel:
         seq = seq or self.model.seq_len
         return self._fwd_bwd(lambda bwd: self.model.embedding_kernels(mbs, seq, tp, bwd), self.device(device), False)
 
+    def context_time(self, device, stage: StageShape, mbs: int, seq: int,
+                     cp_groups: Sequence[Sequence[int]]) -> tuple[float, float]:
+        """(forward, backward) seconds one layer's attention spends crossing the stage's CP groups
+        (`cp_groups`: the TP groups in CP order), per micro-batch, as hspmd.ops.context moves it:
+        ring: cp - 1 K/V blocks passed to the next group forward and as many dK/dV blocks back,
+        each step at the ring's slowest edge, less `cp_overlap` of that step's attention; all_gather:
+        K/V gathered forward, their gradients reduce-scattered back; all_to_all: q, k, v and the
+        output moved between sequence and heads, forward and backward (an all-to-all of a
+        device's piece priced as a ring all-gather of it: (cp - 1) / cp of it crosses each link).
+        TP position 0 of each group stands for its column."""
+        cp = len(cp_groups)
+        if cp < 2:
+            return 0.0, 0.0
+        m, e = self.model, self.model.itemsize
+        ring = [g[0] for g in cp_groups]
+        local = mbs * seq * stage.share
+        kv_block = 2 * local * m.kv_dim / stage.tp * e
+        if stage.cp_attention == "ring":
+            step = max(self.p2p(kv_block, (a, ring[(i + 1) % cp])) for i, a in enumerate(ring))
+            per_block = mbs * (m.heads / stage.tp) * local * (seq / cp) * m.head_dim * 4.0
+            attn = self.kernel_time(Kernel("attn", per_block, kv_block), device)
+            exposed = max(0.0, step - self.cp_overlap * attn)
+            return (cp - 1) * exposed, (cp - 1) * exposed
+        if stage.cp_attention == "all_gather":
+            whole = 2 * mbs * seq * m.kv_dim / stage.tp * e
+            return self.collective("all_gather", whole, ring), self.collective("reduce_scatter", whole, ring)
+        moved = local * (2 * m.q_dim + 2 * m.kv_dim) / stage.tp * e
+        a2a = ring_time("all_gather", moved, [self.cluster.link(a, ring[(i + 1) % cp]) for i, a in enumerate(ring)])
+        return a2a, a2a
+
     def stage_time(self, device, stage: StageShape, mbs: int = 1, seq: int | None = None,
-                   tp_group: Sequence[int] | None = None) -> tuple[float, float]:
-        """(forward, backward) of a whole stage for one micro-batch."""
-        f, b = self.layer_time(device, stage.tp, mbs, seq, stage.recompute, tp_group)
-        f, b = stage.layers * f, stage.layers * b
+                   tp_group: Sequence[int] | None = None, cp_groups: Sequence[Sequence[int]] = ()) -> tuple[float, float]:
+        """(forward, backward) of a whole stage for one micro-batch; `tp_group` adds the TP
+        collectives, `cp_groups` (the stage's TP groups in CP order) the context-parallel traffic.
+        Under CP a device computes its share of the tokens (the busiest group's, for uneven
+        shares)."""
+        seq = seq or self.model.seq_len
+        if stage.cp > 1 and self.profile is None:
+            dev = self.device(device)
+            f, b = self._fwd_bwd(lambda bwd: self.model.layer_kernels(mbs, seq, stage.tp, bwd, stage.share), dev,
+                                 stage.recompute)
+            if tp_group is not None and stage.tp > 1:
+                ar = self.collective("all_reduce", mbs * seq * stage.share * self.model.hidden * self.model.itemsize,
+                                     tuple(tp_group)[:stage.tp])
+                f, b = f + 2 * ar, b + 2 * ar
+        else:
+            f, b = self.layer_time(device, stage.tp, mbs, seq, stage.recompute, tp_group)
+        cf, cb = self.context_time(device, stage, mbs, seq, cp_groups)
+        f, b = stage.layers * (f + cf), stage.layers * (b + cb)
+        tokens = seq * stage.share
         if stage.first:
-            ef, eb = self.embedding_time(device, stage.tp, mbs, seq)
+            ef, eb = self.embedding_time(device, stage.tp, mbs, tokens)
             f, b = f + ef, b + eb
         if stage.last:
-            hf, hb = self.head_time(device, stage.tp, mbs, seq)
+            hf, hb = self.head_time(device, stage.tp, mbs, tokens)
             f, b = f + hf, b + hb
         return f, b
 
@@ -257,9 +312,10 @@ class CostModel:
         if stage.zero and stage.dp > 1:
             optimizer /= stage.dp
         seq = seq or m.seq_len
-        act = stage.layers * m.layer_activation_bytes(mbs, seq, stage.tp, stage.recompute)
+        act = stage.layers * m.layer_activation_bytes(mbs, seq, stage.tp, stage.recompute, stage.cp, stage.share,
+                                                      stage.cp_attention)
         if stage.last:
-            act += mbs * seq * (m.hidden + 2 * m.vocab / stage.tp) * e
+            act += mbs * seq * stage.share * (m.hidden + 2 * m.vocab / stage.tp) * e
         return Memory(params * e, params * e, optimizer, act * max(0, inflight))
 
     # ---- communication --------------------------------------------------------------------------

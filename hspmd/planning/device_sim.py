@@ -67,6 +67,9 @@ def op_kernel(exe: ExecutableGraph, ins: Instruction, binding: Binding) -> Kerne
         q = _shape(exe, node.inputs[0], binding)  # (b, heads, s, d)
         b, h, s, d = q
         return Kernel("attn", (8.0 if kind.endswith("_grad") else 4.0) * b * h * s * s * d, moved)
+    if kind.startswith("attention_block"):  # the device's queries over the keys it holds at this ring step
+        (b, h, sq, d), sk = _shape(exe, node.inputs[0], binding), _shape(exe, node.inputs[1], binding)[2]
+        return Kernel("attn", (8.0 if kind.endswith("_grad") else 4.0) * b * h * sq * sk * d, moved)
     if kind.startswith("rms_normalize"):
         return Kernel("norm", 0.0, moved)
     if kind in VIEWS:

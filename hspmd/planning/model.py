@@ -118,13 +118,16 @@ class ModelSpec:
 
     # ---- kernels --------------------------------------------------------------------------------
 
-    def layer_kernels(self, mbs: int, seq: int, tp: int = 1, backward: bool = False) -> tuple[Kernel, ...]:
+    def layer_kernels(self, mbs: int, seq: int, tp: int = 1, backward: bool = False,
+                      share: float = 1.0) -> tuple[Kernel, ...]:
         """One layer's kernels (forward, or backward) on one of `tp` tensor-parallel devices, one
-        per op of hspmd's DSL Llama (hspmd.models.llama) with its bytes read + written."""
+        per op of hspmd's DSL Llama (hspmd.models.llama) with its bytes read + written. `share`:
+        the device's part of the sequence under context parallelism (its queries attend to the
+        whole sequence's keys; head + tail chunks balance the causal half)."""
         b, s, h, e = mbs, seq, self.hidden, self.itemsize
         q, kv, f, heads = self.q_dim / tp, self.kv_dim / tp, self.ffn / tp, self.heads / tp
-        t = b * s
-        scores = 4.0 * b * heads * s * s * self.head_dim
+        t = b * s * share
+        scores = 4.0 * b * heads * (s * share) * s * self.head_dim
         projections = [(h, q), (h, kv), (h, kv), (q, h)]
         projections += [(h, f), (h, f), (f, h)] if self.mlp == "swiglu" else [(h, f), (f, h)]
         if not backward:
@@ -184,19 +187,31 @@ class ModelSpec:
 
     # ---- memory ---------------------------------------------------------------------------------
 
-    def layer_activation_bytes(self, mbs: int, seq: int, tp: int = 1, recompute: bool = False) -> float:
+    def layer_activation_bytes(self, mbs: int, seq: int, tp: int = 1, recompute: bool = False,
+                               cp: int = 1, share: float | None = None, cp_attention: str = "ring") -> float:
         """Bytes one layer keeps for its backward pass per micro-batch on one TP device; with
-        recompute only the layer input."""
-        t, h, f, e = mbs * seq, self.hidden, self.ffn, self.itemsize
+        recompute only the layer input. Under context parallelism (`cp` groups, this device's
+        `share` of the sequence, default 1/cp) everything per token scales by the share, and
+        attention keeps what hspmd.ops.context keeps: the ring and all_gather the whole
+        sequence's K/V plus each ring step's [o | lse] block and merge, all_to_all the heads-split
+        q, k, v and output over the whole sequence."""
+        share = 1.0 / cp if share is None else share
+        t, h, f, e = mbs * seq * share, self.hidden, self.ffn, self.itemsize
         if recompute:
             return t * h * e
         q, kv = self.q_dim / tp, self.kv_dim / tp
         kept = (2 * t * h                    # norm input and output (attention)
                 + t * (q + 2 * kv)           # q, k, v projections
                 + t * (q + kv)               # rotated q, k
-                + mbs * (self.heads / tp) * seq * seq  # softmax probabilities
                 + t * q                      # attention output (input of wo)
                 + 2 * t * h)                 # norm input and output (MLP)
+        if cp == 1:
+            kept += mbs * (self.heads / tp) * seq * seq  # softmax probabilities
+        elif cp_attention == "all_to_all":
+            kept += mbs * seq * (2 * q + 2 * kv) / cp  # heads-split q, k, v and output, whole sequence
+        else:
+            steps = cp if cp_attention == "ring" else 1
+            kept += mbs * seq * 2 * kv + 2 * steps * t * (q + self.heads / tp)  # K/V whole; blocks, merges
         kept += 3 * t * f / tp if self.mlp == "swiglu" else 2 * t * f / tp
         return kept * e
 

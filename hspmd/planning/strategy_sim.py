@@ -9,7 +9,10 @@ same layers in different pipelines form one group; its time is, per set of holde
 all-reduce of those layers' gradients (the smallest TP shard) over the holders' first ranks (an
 approximation of SplitAllReduce). Update: AdamW over the stage's parameters (divided by the
 number of pipelines with ZeRO-1). Memory: the CostModel's per-stage memory with the schedule's
-peak in-flight micro-batches.
+peak in-flight micro-batches. Context parallelism: a stage's devices compute their (busiest)
+share of the tokens, its attention's ring / all-gather / all-to-all traffic is added per layer
+(CostModel.context_time), its weight gradients are all-reduced over the CP groups in the stage's
+sync, and each CP group sends its share of the activation to the next stage.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ class PlannedRun:
 def _shape(strategy: Strategy, p: int, s: int) -> StageShape:
     pipe = strategy.pipelines[p]
     stage = pipe.stages[s]
+    share = None if stage.cp_shares is None else max(stage.cp_shares) / sum(stage.cp_shares)
     return StageShape(len(stage.layers), stage.tp, s == 0, s == len(pipe.stages) - 1,
-                      strategy.num_pipelines, strategy.zero, stage.recompute)
+                      strategy.num_pipelines, strategy.zero, stage.recompute, stage.cp, share, strategy.cp_attention)
 
 
 def _sync_groups(strategy: Strategy) -> list[list[tuple[int, int]]]:
@@ -96,14 +100,18 @@ def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: i
             shape = _shape(strategy, p, s)
             device = stage.ranks[0]
             f0, b0 = cost.stage_time(device, shape, mbs, seq)
-            f, b = cost.stage_time(device, shape, mbs, seq, tp_group=stage.ranks) if comm else (f0, b0)
+            f, b = cost.stage_time(device, shape, mbs, seq, tp_group=stage.cp_groups[0], cp_groups=stage.cp_groups) \
+                if comm else (f0, b0)
             group = group_of.get((p, s))
             sync = 0.0
+            if stage.cp > 1 and comm:  # weight gradients are partial sums over the sequence's CP groups
+                sync += cost.collective("all_reduce", cost.stage_parameters(shape) * cost.model.itemsize,
+                                        tuple(g[0] for g in stage.cp_groups))
             if group is not None and comm:
                 gid = id(group)
                 if gid not in sync_cache:
                     sync_cache[gid] = _sync_seconds(strategy, cost, group)
-                sync = sync_cache[gid]
+                sync += sync_cache[gid]
             params = cost.stage_parameters(shape)
             update = fixed + cost.update_time(device, params / (shape.dp if shape.zero else 1),
                                               tensors=9 * shape.layers + int(shape.first) + 2 * int(shape.last))
@@ -111,7 +119,7 @@ def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: i
             stages.append(SimStage(tuple(stage.ranks), f, b, f - f0, b - b0, sync, update,
                                    one.weights + one.gradients + one.optimizer, one.activations))
             if s + 1 < len(pipe.stages):
-                nbytes = mbs * seq * cost.model.hidden * cost.model.itemsize
+                nbytes = mbs * seq * shape.share * cost.model.hidden * cost.model.itemsize  # each CP group its share
                 t = cost.p2p(nbytes, (stage.ranks[0], pipe.stages[s + 1].ranks[0])) if comm else 0.0
                 links.append(SimLink(t, t))
         policy = pipe.schedule_spec or schedule

@@ -1,0 +1,58 @@
+"""Context parallelism in the cost model, memory model and simulator: per-device compute and
+activations follow the device's share of the sequence, the ring / all-gather / all-to-all traffic
+is priced per layer (the ring's partly hidden behind attention with cp_overlap), the weight
+gradients' all-reduce over the CP groups joins the stage's sync, and uneven shares are priced at
+the busiest group."""
+
+from __future__ import annotations
+
+import pytest
+
+from hspmd.cluster.presets import parse_cluster
+from hspmd.planning.cost import CostModel, StageShape
+from hspmd.planning.model import MODELS
+from hspmd.planning.strategy_sim import plan_run, simulate_strategy
+from hspmd.specialize.strategy_text import parse_strategy
+
+LONG = 32768
+
+
+def _cost(**options):
+    return CostModel(parse_cluster("nvlink-ib:2x4"), MODELS["llama-32b-hetu"].with_(layers=4), **options)
+
+
+def _stage(text, seq=LONG, cost=None):
+    return plan_run(parse_strategy(text), cost or _cost(), seq=seq).pipelines[0].stages[0]
+
+
+def test_compute_and_activations_follow_the_share_of_the_sequence():
+    one, cp2, cp4 = (_stage(t) for t in ("1x1: R0 L0-3", "1x1: R0,1 L0-3 cp2", "1x1: R0-3 L0-3 cp4"))
+    assert cp2.forward - cp2.forward_comm == pytest.approx((one.forward - one.forward_comm) / 2, rel=0.05)
+    assert cp4.forward - cp4.forward_comm == pytest.approx((one.forward - one.forward_comm) / 4, rel=0.05)
+    assert cp2.activation_memory < one.activation_memory / 2 and cp4.activation_memory < cp2.activation_memory
+    uneven = _stage("1x1: R0,1 L0-3 cp2=3,1")  # priced at the group holding 3/4 of the tokens
+    assert uneven.forward > cp2.forward * 1.4 and uneven.activation_memory > cp2.activation_memory
+
+
+def test_each_mode_prices_its_own_traffic():
+    ring, a2a, gather = (_stage(f"1x1: R0-3 L0-3 cp4 ; cp_attention={m}") for m in ("ring", "all_to_all", "all_gather"))
+    for s in (ring, a2a, gather):
+        assert s.forward_comm > 0 and s.backward_comm > 0
+    across = _stage("1x1: R0,4 L0-3 cp2")  # the two CP groups on different nodes: the ring crosses the network
+    assert across.forward_comm > _stage("1x1: R0,1 L0-3 cp2").forward_comm
+    hidden = _stage("1x1: R0-3 L0-3 cp4", cost=_cost(cp_overlap=1.0))
+    assert hidden.forward_comm < ring.forward_comm
+    # memory: the ring keeps K/V and every step's block; all_to_all a heads-split copy
+    assert a2a.activation_memory < gather.activation_memory < ring.activation_memory
+
+
+def test_cp_gradient_all_reduce_joins_the_stage_sync():
+    assert _stage("1x1: R0 L0-3").sync == 0.0
+    assert _stage("1x1: R0,1 L0-3 cp2").sync > 0.0
+    result = simulate_strategy(parse_strategy("2x1 1f1b: R0,1 L0-1 cp2 | R2,3 L2-3 cp2"), _cost(), seq=LONG)
+    plain = simulate_strategy(parse_strategy("2x1 1f1b: R0 L0-1 | R2 L2-3"), _cost(), seq=LONG)
+    assert 0 < result.iteration < plain.iteration
+
+
+def test_stage_shape_share():
+    assert StageShape(1, cp=4).share == 0.25 and StageShape(1, cp=2, cp_share=0.75).share == 0.75
