@@ -1,17 +1,18 @@
 """Context parallelism in the cost model, memory model and simulator: per-device compute and
 activations follow the device's share of the sequence, the ring / all-gather / all-to-all traffic
 is priced per layer (the ring's partly hidden behind attention with cp_overlap), the weight
-gradients' all-reduce over the CP groups joins the stage's sync, and uneven shares are priced at
-the busiest group."""
+gradients' all-reduce over the CP groups joins the stage's sync, and each CP group is priced on
+its own device type with its own share (unequal devices get tokens by speed)."""
 
 from __future__ import annotations
 
 import pytest
 
+from hspmd.cluster import h800_h20
 from hspmd.cluster.presets import parse_cluster
 from hspmd.planning.cost import CostModel, StageShape
 from hspmd.planning.model import MODELS
-from hspmd.planning.strategy_sim import plan_run, simulate_strategy
+from hspmd.planning.strategy_sim import balanced_cp_shares, plan_run, simulate_strategy
 from hspmd.specialize.strategy_text import parse_strategy
 
 LONG = 32768
@@ -56,3 +57,18 @@ def test_cp_gradient_all_reduce_joins_the_stage_sync():
 
 def test_stage_shape_share():
     assert StageShape(1, cp=4).share == 0.25 and StageShape(1, cp=2, cp_share=0.75).share == 0.75
+
+
+def test_unequal_devices_in_a_cp_group_get_tokens_by_speed():
+    """An H800 and an H20 as one CP stage: the faster device takes more tokens, and the step the
+    simulator prices for those shares is faster than the even split (the H20 no longer the
+    straggler)."""
+    cost = CostModel(h800_h20(1, 1, per_node=1), MODELS["llama-32b-hetu"].with_(layers=4, dtype="bfloat16"))
+    even = parse_strategy("1x1: R0,1 L0-3 cp2")
+    shares = balanced_cp_shares(cost, even.pipelines[0].stages[0], 16384)
+    assert sum(shares) == 16384 and shares[0] > 2 * shares[1]
+    tuned = parse_strategy(f"1x1: R0,1 L0-3 cp2={shares[0]},{shares[1]}")
+    fast, slow = (simulate_strategy(s, cost, seq=16384).iteration for s in (tuned, even))
+    assert fast < 0.8 * slow
+    flipped = parse_strategy(f"1x1: R0,1 L0-3 cp2={shares[1]},{shares[0]}")  # the H20 given the larger share
+    assert simulate_strategy(flipped, cost, seq=16384).iteration > slow

@@ -17,7 +17,7 @@ sync, and each CP group sends its share of the activation to the next stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from hspmd.disjoint_sets import DisjointSets
@@ -80,6 +80,33 @@ def _sync_seconds(strategy: Strategy, cost: CostModel, group: Sequence[tuple[int
     return sum(cost.collective("all_reduce", nbytes, holders) for holders, nbytes in by_holders.items())
 
 
+def _stage_time(cost: CostModel, stage, shape: StageShape, mbs: int, seq: int, comm: bool) -> tuple[float, float]:
+    """(forward, backward) of a stage: its slowest CP group's, each group on its own device type
+    with its own share of the sequence (one group: the stage's first device)."""
+    shares = stage.cp_shares or (1,) * stage.cp
+    worst = (0.0, 0.0)
+    for group, part in zip(stage.cp_groups, shares):
+        own = replace(shape, cp_share=part / sum(shares))
+        t = cost.stage_time(group[0], own, mbs, seq, tp_group=group if comm else None,
+                            cp_groups=stage.cp_groups if comm else ())
+        worst = max(worst, t, key=sum)
+    return worst
+
+
+def balanced_cp_shares(cost: CostModel, stage, seq: int, mbs: int = 1) -> tuple[int, ...]:
+    """Token counts for a stage's CP groups (summing to `seq`) that give each group about the same
+    layer time on its own device type: a group's share is proportional to its throughput at an
+    even split (a faster device takes more tokens). Attention grows faster than linearly in a
+    share, so this is approximate for long sequences; the simulator prices the result exactly."""
+    even = StageShape(1, stage.tp, cp=stage.cp)
+    speed = [1.0 / sum(cost.stage_time(group[0], even, mbs, seq)) for group in stage.cp_groups]
+    exact = [seq * v / sum(speed) for v in speed]
+    counts = [max(1, int(x)) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: exact[i] - int(exact[i]), reverse=True)[:max(0, seq - sum(counts))]:
+        counts[i] += 1
+    return tuple(counts)
+
+
 def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: int | None = None,
              micro_batch_size: int | None = None, comm: bool = True) -> PlannedRun:
     """The simulator's pipelines for `strategy` (module docstring). A pipeline's own schedule (and
@@ -99,9 +126,8 @@ def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: i
         for s, stage in enumerate(pipe.stages):
             shape = _shape(strategy, p, s)
             device = stage.ranks[0]
-            f0, b0 = cost.stage_time(device, shape, mbs, seq)
-            f, b = cost.stage_time(device, shape, mbs, seq, tp_group=stage.cp_groups[0], cp_groups=stage.cp_groups) \
-                if comm else (f0, b0)
+            f0, b0 = _stage_time(cost, stage, shape, mbs, seq, False)
+            f, b = _stage_time(cost, stage, shape, mbs, seq, True) if comm else (f0, b0)
             group = group_of.get((p, s))
             sync = 0.0
             if stage.cp > 1 and comm:  # weight gradients are partial sums over the sequence's CP groups
@@ -157,4 +183,4 @@ def estimate_strategy(strategy: Strategy, cost: CostModel, schedule: str = "1f1b
     return worst
 
 
-__all__ = ["PlannedRun", "estimate_strategy", "plan_run", "simulate_strategy"]
+__all__ = ["PlannedRun", "balanced_cp_shares", "estimate_strategy", "plan_run", "simulate_strategy"]
