@@ -225,7 +225,7 @@ def test_run_with_a_cluster_is_refused_in_one_line_when_it_does_not_fit(tmp_path
 def test_plan_then_run_under_emulation_prints_measured_next_to_simulated(tmp_path, capsys):
     """`hspmd plan --cluster C` writes a strategy, `hspmd run --cluster C` trains it with every rank
     as its emulated type (one rank per device), and the summary has the measured step time beside
-    the simulated one and each rank's emulated waits: the slow type's compute, nobody else's."""
+    the simulated one and each rank's emulated waits."""
     plan = tmp_path / "plan.yaml"
     assert cli_main(["plan", "--cluster", str(TWO_TYPES), "--model", "llama-tiny", "--global-batch", "4",
                      "--search", "dp", "--out", str(plan)]) == 0
@@ -234,7 +234,7 @@ def test_plan_then_run_under_emulation_prints_measured_next_to_simulated(tmp_pat
                      "--checkpoint", str(tmp_path / "c.safetensors"), "--summary", str(summary), "--trace", str(trace)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "step time: measured" in out and "simulated" in out and "rank 3 emulated slow x2.5" in out
+    assert "step time: measured" in out and "simulated" in out and "rank 3 emulated slow x10" in out
     data = json.loads(summary.read_text())
     assert data["measured_step_s"] > 0 and data["simulated_step_s"] > 0
     by_rank = {e["rank"]: e for e in data["emulation"]}
@@ -243,28 +243,32 @@ def test_plan_then_run_under_emulation_prints_measured_next_to_simulated(tmp_pat
     assert slow == [2, 3]
     used = {int(r) for p in yaml.safe_load(plan.read_text())["pipelines"] for s in p["stages"]
             for r in str(s["ranks"]).split(",")}
-    assert all(by_rank[r]["compute_wait_s"] > 0 for r in slow if r in used)
-    assert all(by_rank[r]["compute_wait_s"] == 0 for r in (0, 1))
+    # every rank waits (the file dilates the fast type 4x too), each op the slow type 2.5x as long
+    assert all(by_rank[r]["compute_wait_s"] > 0 for r in used)
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e.get("cat") == "emulated"} & set(slow)
 
 
 def test_calibration_prices_the_emulated_types_at_the_file_ratios():
     """This host's fit is the reference type; the slow type gets its rates / 2.5 and 1.5 x the
-    per-instruction overhead per kernel; links inside a node are the fitted host link."""
+    per-instruction overhead per kernel; links inside a node are the fitted host link; a dilated
+    reference (slowdown given) divides its own rates too."""
     from hspmd.planning import model_named
     from hspmd.planning.strategy_sim import simulate_strategy
     from hspmd.runtime.policies.calibrate import Calibration, simulated_step
 
     cal = Calibration(peak_flops=4e10, bandwidth=2e10, overhead=1e-4, link_latency=1e-4, link_bandwidth=1e9,
                       step_overhead=1e-3, gamma=3.0)
-    cluster = cluster_from_yaml(TWO_TYPES.read_text())
+    cluster = cluster_from_yaml(CLUSTER_YAML + "emulate: {reference: fast}\n")
     cost = cal.cost_model_for(cluster, model_named("llama-tiny"))
     assert cost.cluster.type_named("slow").peak_flops("float32") == pytest.approx(4e10 / 2.5)
     assert cost.cluster.type_named("fast").hbm_bandwidth == pytest.approx(2e10)
     assert cost.efficiency_of(cost.cluster.type_named("slow")).d("gemm") == pytest.approx(1.5e-4)
     assert cost.efficiency_of(cost.cluster.type_named("fast")).d("gemm") == 0.0
     assert cost.cluster.link(0, 1).name == "gloo" and cost.cluster.link(0, 2).name == "net"
+    dilated = cal.cost_model_for(cluster_from_yaml(TWO_TYPES.read_text()), model_named("llama-tiny"))
+    assert dilated.cluster.type_named("fast").peak_flops("float32") == pytest.approx(4e10 / 4)
+    assert dilated.cluster.type_named("slow").peak_flops("float32") == pytest.approx(4e10 / 10)
     on_fast = parse_strategy("layers=4 ; 4x1: R0 L0-3")
     on_slow = parse_strategy("layers=4 ; 4x1: R2 L0-3")
     fast, slow = simulate_strategy(on_fast, cost).iteration, simulate_strategy(on_slow, cost).iteration

@@ -12,7 +12,10 @@ rank is the device of its id, and this host's CPU process stands for the `refere
       host_link: {bandwidth: 2.0e9, latency: 3.0e-5}   # this host's own transfer (default: free)
 
 A type's slowdown is the reference's peak FLOP/s over its own (>= 1: this host cannot run faster
-than itself, so a type faster than the reference is an error naming it). The values here are pure
+than itself, so a type faster than the reference is an error naming it), unless `slowdown` gives
+it. Giving the reference itself a slowdown s > 1 dilates time: every rank then computes 1/s of
+the time and waits the rest, so ranks that share fewer cores than they are stop competing for
+them (the host's scheduler would otherwise set the pace, not the emulated devices). The values here are pure
 data; hspmd.runtime.execution.emulation runs them. Everything is off unless a file asks for it.
 """
 

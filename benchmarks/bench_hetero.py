@@ -1,0 +1,282 @@
+"""Are the planner's heterogeneous decisions faster when measured? (emulated device types on this host)
+
+Every comparison runs the tiny Llama on 4 gloo processes as the emulated cluster
+examples/clusters/emulated-two-types.yaml: ranks 0, 1 are the "fast" type, ranks 2, 3 the "slow"
+one (2.5x slower compute, hspmd.runtime.execution.emulation), the two nodes joined by a slower
+link; the file dilates time 4x (the fast type is this host 4x slowed), so the 4 ranks compute a
+quarter of the time at most and do not fight over the host's shared cores. The cost model is this host's calibration with the other type at the file's ratio
+(Calibration.cost_model_for). Within a part every side is built once and the steps run
+round-robin (ABC, then CBA, ...), so load drifts hit all sides alike; a step's time is its slowest
+rank's, every rank starting together. Reported: per side the median step (min-max), and per
+comparison the measured ratio (median over rounds of the per-round ratio, min-max) beside the
+simulated one (level-1 simulator on the calibrated cost model).
+
+1. planned vs uniform vs hand: the strategies the searches (dp, dfs, mcts; hspmd.planning.search)
+   pick on the calibrated cost model, against the best uniform DPxTPxPP split (`hspmd plan`'s
+   baseline) and a paper-style hand strategy (data parallel, the batch split 3:3:1:1 by speed).
+2. mixed-length dispatch (hspmd.planning.dispatch over MixedLengthTrainer): long-tailed steps of
+   packed sequences over 4 data-parallel pipelines, with each pipeline's costs calibrated on the
+   emulated run (so the slow ones get fewer tokens) against the same dispatch told every pipeline
+   costs what the fast ones do (speeds ignored).
+3. H-1F1B vs 1F1B across a slow emulated link (the nodes' link at 40 ms latency): two 2-stage
+   pipelines whose stages sit on different nodes, H-1F1B's warm-up vector chosen by the level-1
+   simulator.
+
+Not here: elastic recovery on mixed hardware (needs the cluster-aware re-plan), the 8-rank
+three-type cluster. Timing-sensitive, not part of `make test`:
+
+    python benchmarks/bench_hetero.py [--calibration cal.json] [--rounds 5] [--parts plan,dispatch,h1f1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from _common import table, timed_on_world  # noqa: E402
+from hspmd.cluster import LinkClass, load_cluster  # noqa: E402
+from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
+from hspmd.ops import AdamW  # noqa: E402
+from hspmd.planning import from_llama_config  # noqa: E402
+from hspmd.planning.dispatch import PipelineCost, PoolEntry  # noqa: E402
+from hspmd.planning.search.command import run_searches, uniform_baseline  # noqa: E402
+from hspmd.planning.search.costed import cluster_problem  # noqa: E402
+from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
+from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
+from hspmd.runtime.execution.emulation import emulated  # noqa: E402
+from hspmd.runtime.policies.calibrate import Calibration, calibrate  # noqa: E402
+from hspmd.runtime.policies.mixed import MixedLengthTrainer  # noqa: E402
+from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
+from hspmd.runtime.training.trainer import Trainer  # noqa: E402
+from hspmd.specialize.strategy_text import format_strategy, parse_strategy  # noqa: E402
+
+CLUSTER = ROOT / "examples" / "clusters" / "emulated-two-types.yaml"
+SEQ = 32
+CONFIG = dict(vocab=64, hidden=64, heads=4, ffn=128, layers=4)
+GLOBAL_BATCH = 8
+HAND = "name=hand-hetdp ; layers=4 ; 3x1: R0 L0-3 ; 3x1: R1 L0-3 ; 1x1: R2 L0-3 ; 1x1: R3 L0-3"
+SLOW_LINK_LATENCY = 0.040
+PIPELINES_ACROSS = "layers=4 ; 8x1 {schedule}: R0 L0-2 | R2 L3 ; 8x1 {schedule}: R1 L0-2 | R3 L3"
+DISPATCH_STRATEGY = "name=DP4 ; layers=2 ; ?x?: R0 L0-1 ; ?x?: R1 L0-1 ; ?x?: R2 L0-1 ; ?x?: R3 L0-1"
+MAX_TOKENS = 64
+DISPATCH_TOKENS = 512
+DISPATCH_LENGTHS = (8, 16, 32, 48, 64)
+
+
+def spread(values) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def batch(step: int, rows: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return {"tokens": torch.randint(0, CONFIG["vocab"], (rows, SEQ), generator=gen),
+            "labels": torch.randint(0, CONFIG["vocab"], (rows, SEQ), generator=gen)}
+
+
+def interleaved(backend, sides: dict, rounds: int, warmup: int, data) -> dict[str, list[float]]:
+    """Each side's step seconds on this rank, sides run round-robin (reversed every other round)."""
+    names = list(sides)
+    for i in range(warmup):
+        for name in names:
+            sides[name](data(10_000 + i))
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            seconds, _ = timed_on_world(backend, lambda: sides[name](data(r)))
+            times[name].append(seconds)
+    return times
+
+
+# ---- 1. planned vs uniform vs hand ---------------------------------------------------------------
+
+def strategies_rank(backend, cluster, texts: dict[str, str], rounds: int, warmup: int):
+    """One rank's step times of each strategy (all of one global batch) on the emulated cluster."""
+    torch.set_num_threads(1)
+    backend = emulated(backend, cluster)
+    sides, rows = {}, None
+    for name, text in texts.items():
+        strategy = parse_strategy(text)
+        rows = MicroBatchLayout.of(strategy).global_batch_size
+        model = build_llama(LlamaConfig(**CONFIG), [strategy], optimizer=AdamW(lr=1e-3))
+        trainer = Trainer(model.graph, 0, backend, strategy, symbols={"S": SEQ, "T": rows * SEQ})
+        sides[name] = trainer.step
+    return interleaved(backend, sides, rounds, warmup, lambda i: batch(i, rows))
+
+
+def slowest(results, name: str) -> list[float]:
+    return [max(per_rank[name][k] for per_rank in results) for k in range(len(results[0][name]))]
+
+
+def report(results, simulated: dict[str, float], baseline: str) -> list[list[str]]:
+    rows = []
+    base = slowest(results, baseline)
+    for name in simulated:
+        mine = slowest(results, name)
+        ratios = [b / m for b, m in zip(base, mine)]
+        rows.append([name, spread(mine), f"{simulated[name]:.3f}", f"{spread(ratios)}x",
+                     f"{simulated[baseline] / simulated[name]:.2f}x"])
+    return rows
+
+
+def _unnamed(text: str) -> dict:
+    data = parse_strategy(text).to_dict()
+    data.pop("name", None)
+    return data
+
+
+def part_plan(cluster, cal: Calibration, rounds: int, warmup: int, iterations: int) -> None:
+    model = from_llama_config(LlamaConfig(**CONFIG), seq_len=SEQ, name="llama-tiny")
+    cost = cal.cost_model_for(cluster, model)
+    problem = cluster_problem(cost, GLOBAL_BATCH, recompute=False)
+    found = run_searches(problem, ("dp", "dfs", "mcts"), iterations=iterations)
+    base = uniform_baseline(problem)
+    texts = {f"uniform ({base[0].name})": format_strategy(base[0]), "hand (HetDP 3:3:1:1)": HAND}
+    picked = {}
+    for name, result in found.items():
+        if isinstance(result, str):
+            print(f"{name}: no strategy ({result})")
+            continue
+        text = format_strategy(result.strategy)
+        same = next((k for k, v in texts.items() if _unnamed(v) == _unnamed(text)), None)
+        picked[name] = same or f"{name} plan"
+        if same is None:
+            texts[f"{name} plan"] = text
+    simulated = {name: simulate_strategy(parse_strategy(text), cost).iteration for name, text in texts.items()}
+    results = run_multiprocess(strategies_rank, 4, cluster, texts, rounds, warmup, timeout=1800)
+    baseline = next(iter(texts))
+    print("\n1. the planned strategy against the best uniform split and a hand strategy "
+          f"(global batch {GLOBAL_BATCH}, {rounds} rounds + {warmup} warm-up)")
+    for name, text in texts.items():
+        print(f"  {name}: {text}")
+    print("  searches: " + ", ".join(f"{k} -> {v}" for k, v in picked.items()))
+    print(table(["strategy", "measured step s, median (min-max)", "simulated s", "measured speedup vs uniform",
+                 "simulated speedup"], report(results, simulated, baseline)))
+    base = slowest(results, baseline)
+    for name in sorted(set(picked.values())):
+        sim_gain = simulated[baseline] / simulated[name] - 1
+        measured_gain = statistics.median(b / m for b, m in zip(base, slowest(results, name))) - 1
+        if sim_gain >= 0.10:
+            print(f"  goal for {name}: simulated gain {sim_gain:.0%} -> measured {measured_gain:.0%} "
+                  f"({'met' if measured_gain > 0 and measured_gain >= 0.8 * sim_gain else 'NOT met'}: faster, and >= 80% "
+                  f"of the simulated gain)")
+        else:
+            print(f"  {name}: simulated gain {sim_gain:.0%} (< 10%: no goal), measured {measured_gain:.0%}")
+
+
+# ---- 2. mixed-length dispatch ---------------------------------------------------------------------
+
+def long_tailed(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rng = random.Random(step)
+    out, total = [], 0
+    while total < DISPATCH_TOKENS:
+        n = min(MAX_TOKENS, max(4, int(rng.paretovariate(1.2) * 6)))
+        tokens = torch.tensor([rng.randrange(CONFIG["vocab"]) for _ in range(n + 1)])
+        out.append((tokens[:-1], tokens[1:]))
+        total += n
+    return out
+
+
+def dispatch_rank(backend, cluster, rounds: int, warmup: int):
+    torch.set_num_threads(1)
+    backend = emulated(backend, cluster)
+    model = build_llama(LlamaConfig(**{**CONFIG, "layers": 2}), [parse_strategy(DISPATCH_STRATEGY)],
+                        optimizer=AdamW(lr=1e-3), packed=True)
+    guess = PipelineCost(a=1e-6, b=1e-4, c=0.01, max_tokens=MAX_TOKENS)
+    pool = (PoolEntry("DP4", 0, MAX_TOKENS, (guess,) * 4),)
+    aware = MixedLengthTrainer(model.graph, pool, backend, symbols={"S": 16, "T": 16}, passes=20)
+    calibrated = aware.calibrate(DISPATCH_LENGTHS)
+    fast = calibrated[0].pipelines[0]
+    blind = MixedLengthTrainer(model.graph, (PoolEntry("DP4", 0, MAX_TOKENS, (fast,) * 4, calibrated[0].sync),),
+                               backend, symbols={"S": 16, "T": 16}, passes=20)
+    times = interleaved(backend, {"speed-aware": aware.step, "speeds ignored": blind.step}, rounds, warmup, long_tailed)
+    shares = []
+    for trainer in (aware, blind):
+        d = trainer.history[-1].dispatches[0]
+        lengths = trainer.history[-1].lengths[0]
+        shares.append([sum(lengths[i] for mb in mbs for i in mb) for mbs in d.micro_batches])
+    return times, [(p.a, p.b, p.c) for p in calibrated[0].pipelines], shares, calibrated[0], fast
+
+
+def part_dispatch(cluster, rounds: int, warmup: int) -> None:
+    results = run_multiprocess(dispatch_rank, 4, cluster, rounds, warmup, timeout=1800)
+    times = [r[0] for r in results]
+    costs, shares, entry, fast = results[0][1:]
+    aware, blind = slowest(times, "speed-aware"), slowest(times, "speeds ignored")
+    ratios = [b / a for a, b in zip(aware, blind)]
+    from hspmd.planning.dispatch import dispatch as plan_dispatch
+
+    predicted = []
+    for r in range(rounds):
+        lengths = [len(t) for t, _ in long_tailed(r)]
+        blind_d = plan_dispatch((PoolEntry("DP4", 0, MAX_TOKENS, (fast,) * 4, entry.sync),), lengths, passes=20)
+        # the blind dispatch's assignment priced with the real (calibrated) costs
+        real = [sum(entry.pipelines[p].micro_batch([lengths[i] for i in mb]) for mb in mbs)
+                for p, mbs in enumerate(blind_d.micro_batches)]
+        aware_d = plan_dispatch((entry,), lengths, passes=20)
+        predicted.append((max(real) + entry.sync) / aware_d.makespan)
+    print(f"\n2. mixed-length dispatch over 4 data-parallel pipelines (2 fast, 2 slow), steps of >= {DISPATCH_TOKENS} "
+          f"long-tailed tokens ({rounds} rounds + {warmup} warm-up)")
+    print("  calibrated per-pipeline costs (a s^2 + b s + c): " + "; ".join(f"{a:.2g} {b:.2g} {c:.2g}" for a, b, c in costs))
+    print(f"  tokens per pipeline in the last step: speed-aware {shares[0]}, speeds ignored {shares[1]}")
+    print(table(["dispatch", "measured step s, median (min-max)"], [["speed-aware", spread(aware)],
+                                                                    ["speeds ignored", spread(blind)]]))
+    print(f"  speed-aware vs speeds ignored: measured {spread(ratios)}x, predicted by the dispatcher's costs "
+          f"{statistics.median(predicted):.2f}x")
+
+
+# ---- 3. H-1F1B vs 1F1B across a slow link --------------------------------------------------------
+
+def part_h1f1b(cluster, cal: Calibration, rounds: int, warmup: int) -> None:
+    slow_net = LinkClass("net", 5e7, SLOW_LINK_LATENCY)
+    links = tuple(slow_net if link.name == "net" else link for link in cluster.links)
+    slow = type(cluster)(cluster.nodes, cluster.device_types, links, cluster.intra, cluster.inter, cluster.cross,
+                         cluster.pairs, cluster.name + "-slow-link", cluster.emulation)
+    model = from_llama_config(LlamaConfig(**CONFIG), seq_len=SEQ, name="llama-tiny")
+    cost = cal.cost_model_for(slow, model)
+    base = PIPELINES_ACROSS.format(schedule="1f1b")
+    candidates = {k: PIPELINES_ACROSS.format(schedule=f"h1f1b={k},1") for k in range(3, 9)}
+    simulated = {k: simulate_strategy(parse_strategy(t), cost).iteration for k, t in candidates.items()}
+    best = min(simulated, key=lambda k: (simulated[k], k))
+    texts = {"1F1B": base, f"H-1F1B (warm-up {best},1)": candidates[best]}
+    sims = {name: simulate_strategy(parse_strategy(t), cost).iteration for name, t in texts.items()}
+    results = run_multiprocess(strategies_rank, 4, slow, texts, rounds, warmup, timeout=1800)
+    print(f"\n3. H-1F1B vs 1F1B, two 2-stage pipelines across the nodes' link at {SLOW_LINK_LATENCY * 1e3:.0f} ms "
+          f"({rounds} rounds + {warmup} warm-up)")
+    for name, text in texts.items():
+        print(f"  {name}: {text}")
+    print(table(["schedule", "measured step s, median (min-max)", "simulated s", "measured speedup vs 1F1B",
+                 "simulated speedup"], report(results, sims, "1F1B")))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calibration", default=None, help="`hspmd calibrate`'s file (default: calibrate here first)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iterations", type=int, default=300, help="MCTS iterations")
+    p.add_argument("--parts", default="plan,dispatch,h1f1b")
+    args = p.parse_args(argv)
+    cluster = load_cluster(CLUSTER)
+    cal = Calibration.load(args.calibration) if args.calibration else calibrate(3)
+    print(cluster.summary())
+    print("this host (reference type): " + cal.describe())
+    parts = set(args.parts.split(","))
+    if "plan" in parts:
+        part_plan(cluster, cal, args.rounds, args.warmup, args.iterations)
+    if "dispatch" in parts:
+        part_dispatch(cluster, args.rounds, args.warmup)
+    if "h1f1b" in parts:
+        part_h1f1b(cluster, cal, args.rounds, args.warmup)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
