@@ -13,7 +13,7 @@ simulated one (level-1 simulator on the calibrated cost model).
 
 1. planned vs uniform vs hand: the strategies the searches (dp, dfs, mcts; hspmd.planning.search)
    pick on the calibrated cost model, against the best uniform DPxTPxPP split (`hspmd plan`'s
-   baseline) and a paper-style hand strategy (data parallel, the batch split 3:3:1:1 by speed).
+   baseline) and a paper-style hand strategy (data parallel, the batch split by speed: 3:3:1:1).
 2. mixed-length dispatch (hspmd.planning.dispatch over MixedLengthTrainer): long-tailed steps of
    packed sequences over 4 data-parallel pipelines, with each pipeline's costs calibrated on the
    emulated run (so the slow ones get fewer tokens) against the same dispatch told every pipeline
@@ -22,10 +22,13 @@ simulated one (level-1 simulator on the calibrated cost model).
    pipelines whose stages sit on different nodes, H-1F1B's warm-up vector chosen by the level-1
    simulator.
 
-Not here: elastic recovery on mixed hardware (needs the cluster-aware re-plan), the 8-rank
-three-type cluster. Timing-sensitive, not part of `make test`:
+4. (plan3) part 1 on examples/clusters/emulated-three-types.yaml: 8 ranks over three nodes of
+   three types (2 fast, 2 at 1.5x, 4 at 2.5x slower), global batch 16.
 
-    python benchmarks/bench_hetero.py [--calibration cal.json] [--rounds 5] [--parts plan,dispatch,h1f1b]
+Not here: elastic recovery on mixed hardware (needs the cluster-aware re-plan). Timing-sensitive,
+not part of `make test`:
+
+    python benchmarks/bench_hetero.py [--calibration cal.json] [--rounds 9] [--parts plan,dispatch,h1f1b,plan3]
 """
 
 from __future__ import annotations
@@ -59,10 +62,10 @@ from hspmd.runtime.training.trainer import Trainer  # noqa: E402
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy  # noqa: E402
 
 CLUSTER = ROOT / "examples" / "clusters" / "emulated-two-types.yaml"
+THREE_TYPES = ROOT / "examples" / "clusters" / "emulated-three-types.yaml"
 SEQ = 32
 CONFIG = dict(vocab=64, hidden=64, heads=4, ffn=128, layers=4)
 GLOBAL_BATCH = 8
-HAND = "name=hand-hetdp ; layers=4 ; 3x1: R0 L0-3 ; 3x1: R1 L0-3 ; 1x1: R2 L0-3 ; 1x1: R3 L0-3"
 SLOW_LINK_LATENCY = 0.040
 PIPELINES_ACROSS = "layers=4 ; 8x1 {schedule}: R0 L0-2 | R2 L3 ; 8x1 {schedule}: R1 L0-2 | R3 L3"
 DISPATCH_STRATEGY = "name=DP4 ; layers=2 ; ?x?: R0 L0-1 ; ?x?: R1 L0-1 ; ?x?: R2 L0-1 ; ?x?: R3 L0-1"
@@ -132,13 +135,33 @@ def _unnamed(text: str) -> dict:
     return data
 
 
-def part_plan(cluster, cal: Calibration, rounds: int, warmup: int, iterations: int) -> None:
+def hand_strategy(cluster, global_batch: int) -> tuple[str, str]:
+    """The paper-style hand strategy: every device a data-parallel pipeline of the whole model, the
+    batch split in proportion to the devices' speeds (largest remainders), as Hetu's heterogeneous
+    data parallelism would set it by hand. (name, text)"""
+    speed = [1 / cluster.slowdown(d) for d in range(cluster.n_devices)]
+    exact = [global_batch * s / sum(speed) for s in speed]
+    rows = [max(1, int(x)) for x in exact]
+    for d in sorted(range(len(rows)), key=lambda d: int(exact[d]) - exact[d]):
+        if sum(rows) >= global_batch:
+            break
+        rows[d] += 1
+    while sum(rows) > global_batch:
+        rows[max(range(len(rows)), key=lambda d: rows[d])] -= 1
+    layers = CONFIG["layers"] - 1
+    split = ":".join(map(str, rows))
+    return (f"hand (HetDP {split})",
+            f"name=hand-hetdp ; layers={CONFIG['layers']} ; " + " ; ".join(f"{r}x1: R{d} L0-{layers}" for d, r in enumerate(rows)))
+
+
+def part_plan(cluster, cal: Calibration, rounds: int, warmup: int, iterations: int, global_batch: int) -> None:
     model = from_llama_config(LlamaConfig(**CONFIG), seq_len=SEQ, name="llama-tiny")
     cost = cal.cost_model_for(cluster, model)
-    problem = cluster_problem(cost, GLOBAL_BATCH, recompute=False)
+    problem = cluster_problem(cost, global_batch, recompute=False)
     found = run_searches(problem, ("dp", "dfs", "mcts"), iterations=iterations)
     base = uniform_baseline(problem)
-    texts = {f"uniform ({base[0].name})": format_strategy(base[0]), "hand (HetDP 3:3:1:1)": HAND}
+    hand_name, hand_text = hand_strategy(cluster, global_batch)
+    texts = {f"uniform ({base[0].name})": format_strategy(base[0]), hand_name: hand_text}
     picked = {}
     for name, result in found.items():
         if isinstance(result, str):
@@ -150,10 +173,10 @@ def part_plan(cluster, cal: Calibration, rounds: int, warmup: int, iterations: i
         if same is None:
             texts[f"{name} plan"] = text
     simulated = {name: simulate_strategy(parse_strategy(text), cost).iteration for name, text in texts.items()}
-    results = run_multiprocess(strategies_rank, 4, cluster, texts, rounds, warmup, timeout=1800)
+    results = run_multiprocess(strategies_rank, cluster.n_devices, cluster, texts, rounds, warmup, timeout=1800)
     baseline = next(iter(texts))
-    print("\n1. the planned strategy against the best uniform split and a hand strategy "
-          f"(global batch {GLOBAL_BATCH}, {rounds} rounds + {warmup} warm-up)")
+    print(f"\n1. on {cluster.describe()} ({cluster.n_devices} ranks): the planned strategy against the best uniform "
+          f"split and a hand strategy (global batch {global_batch}, {rounds} rounds + {warmup} warm-up)")
     for name, text in texts.items():
         print(f"  {name}: {text}")
     print("  searches: " + ", ".join(f"{k} -> {v}" for k, v in picked.items()))
@@ -259,10 +282,11 @@ def part_h1f1b(cluster, cal: Calibration, rounds: int, warmup: int) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calibration", default=None, help="`hspmd calibrate`'s file (default: calibrate here first)")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iterations", type=int, default=300, help="MCTS iterations")
-    p.add_argument("--parts", default="plan,dispatch,h1f1b")
+    p.add_argument("--parts", default="plan,dispatch,h1f1b,plan3",
+                   help="plan (two types), dispatch, h1f1b, plan3 (the 8-rank three-type cluster)")
     args = p.parse_args(argv)
     cluster = load_cluster(CLUSTER)
     cal = Calibration.load(args.calibration) if args.calibration else calibrate(3)
@@ -270,7 +294,9 @@ def main(argv=None) -> int:
     print("this host (reference type): " + cal.describe())
     parts = set(args.parts.split(","))
     if "plan" in parts:
-        part_plan(cluster, cal, args.rounds, args.warmup, args.iterations)
+        part_plan(cluster, cal, args.rounds, args.warmup, args.iterations, GLOBAL_BATCH)
+    if "plan3" in parts:
+        part_plan(load_cluster(THREE_TYPES), cal, args.rounds, args.warmup, args.iterations, 2 * GLOBAL_BATCH)
     if "dispatch" in parts:
         part_dispatch(cluster, args.rounds, args.warmup)
     if "h1f1b" in parts:

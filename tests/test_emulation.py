@@ -117,12 +117,22 @@ def test_slow_type_waits_its_extra_time_and_the_fast_one_does_not():
     fast = RankEmulator(1, "fast", 1.0)
     began = time.perf_counter()
     for _ in range(10):
-        slow.computed(0.002, ())  # each op owes 2 x 2 ms
-        fast.computed(0.002, ())
+        slow.computed(0.002, 0.002, ())  # each op of 2 ms owes 3 x 2 - 2 ms
+        fast.computed(0.002, 0.002, ())
     slow.settle()
     waited = time.perf_counter() - began
     assert slow.compute_wait_s == pytest.approx(0.040, abs=0.01) and waited >= 0.035
     assert fast.compute_wait_s == 0.0 and fast.ops == 0
+    # an op the busy host stretched (1 ms of CPU in 5 ms of wall time) owes 3 x 1 - 5 ms: credit,
+    # which the next ops of the same stretch of compute use up, but which a communication drops
+    busy = RankEmulator(2, "slow", 3.0)
+    busy.computed(0.005, 0.001, ())
+    busy.computed(0.001, 0.001, ())
+    busy.settle()
+    assert busy.compute_wait_s == 0.0
+    busy.computed(0.001, 0.001, ())
+    busy.settle()
+    assert busy.compute_wait_s == pytest.approx(0.002, abs=0.002)
 
 
 @pytest.mark.multiprocess
@@ -215,10 +225,10 @@ def test_run_with_a_cluster_is_refused_in_one_line_when_it_does_not_fit(tmp_path
     assert cli_main(["run", "-n", "5", "--cluster", str(TWO_TYPES), str(SCRIPT)]) == 2
     assert "-n 5 ranks but cluster emulated-two-types has 4 devices" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
-    bad.write_text(TWO_TYPES.read_text().replace("reference: fast", "reference: slow"))
+    bad.write_text(TWO_TYPES.read_text().replace("slowdown: {fast: 4,", "slowdown: {fast: 0.5,"))
     assert cli_main(["run", "--cluster", str(bad), str(SCRIPT)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "faster than the emulation's reference 'slow'" in err[0]
+    assert len(err) == 1 and "emulate.slowdown.fast: must be a number >= 1" in err[0]
 
 
 @pytest.mark.multiprocess

@@ -6,11 +6,14 @@ rank's backend in an `EmulatedBackend` carrying that rank's `RankEmulator`; with
 returns the backend unchanged, so emulation is off unless a cluster file asks for it.
 
     compute   after each compute op (run.py's op loop calls `RankEmulator.computed`), a rank whose
-              type is s times slower than the reference owes (s - 1) x the op's measured seconds.
-              The debt is waited off with time.sleep (not a busy loop: the host's cores stay free
-              for the other ranks) once it reaches WAIT_CHUNK_S, and always before the rank
-              communicates, so what it sends leaves when it would have on the slower device;
-              oversleeping is carried as credit against the next debt.
+              type is s times slower than the reference owes s x the op's CPU time (this thread's:
+              what the op costs a core of its own, so other processes sharing the host do not
+              stretch it) less the wall time the op already took. The debt is waited off with
+              time.sleep (not a busy loop: the host's cores stay free for the other ranks) once it
+              reaches WAIT_CHUNK_S, and always before the rank communicates, so what it sends
+              leaves when it would have on the slower device; oversleeping, or an op the busy host
+              made slower than the emulated device, is credit until the next communication. Ranks
+              run one intra-op thread (the launcher's default), whose CPU time is the op's.
     memory    op outputs, received pieces and leaves are counted by storage while they live; a
               value that would take the rank over its type's hbm_capacity x memory_scale raises
               DeviceOutOfMemory (rank, type, bytes) before it is stored, as a GPU's allocator
@@ -95,20 +98,25 @@ class RankEmulator:
 
     # ---- compute ---------------------------------------------------------------------------------
 
-    def computed(self, seconds: float, outputs: Iterable[object], where: str = "") -> None:
-        """After one op that took `seconds` on this host: count its outputs against the device's
-        memory (raising DeviceOutOfMemory before the caller stores them) and owe the slowdown."""
+    def computed(self, seconds: float, cpu_seconds: float, outputs: Iterable[object], where: str = "") -> None:
+        """After one op that took `seconds` of wall time and `cpu_seconds` of this thread's CPU time:
+        count its outputs against the device's memory (raising DeviceOutOfMemory before the caller
+        stores them) and owe what the emulated device takes beyond the wall time already spent,
+        slowdown x the CPU time (what the op costs a core of its own, whatever else the host runs)."""
         if self.capacity is not None:
             self.hold(outputs, where)
         if self.slowdown > 1.0:
             self.ops += 1
-            self._debt += (self.slowdown - 1.0) * seconds
+            self._debt += self.slowdown * cpu_seconds - seconds
             if self._debt >= WAIT_CHUNK_S:
                 self.settle()
 
     def settle(self) -> None:
-        """Wait off the compute debt (called before every communication and in chunks)."""
+        """Wait off the compute debt (called before every communication and in chunks). A
+        negative debt (ops that took longer than the emulated device would: a busy host) is credit
+        within a stretch of compute, never across a communication."""
         if self._debt <= 0:
+            self._debt = 0.0
             return
         self._sleep(self._debt, "emulated compute")
 

@@ -17,7 +17,7 @@ stage recomputes, so they stay matched) but never a transfer to or from another 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import Mapping, Sequence
 
 import torch
@@ -124,7 +124,7 @@ def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> 
     for ins in program:
         node = ins.node
         kind = node.kind
-        started = perf_counter() if emulator is not None else 0.0
+        started, cpu = (perf_counter(), thread_time()) if emulator is not None else (0.0, 0.0)
         if kind == "placeholder":
             if feeds is None or node.name not in feeds:
                 raise HSPMDError(f"device {exe.device}: no value fed for placeholder {node.name}")
@@ -159,13 +159,13 @@ def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> 
                 write_gradient(node.opdef, node, _OpContext(exe, node, binding, state.step), inputs, target,
                                state.accum.pop(t.id, None))
                 if emulator is not None:
-                    emulator.computed(perf_counter() - started, (target,), node.name)
+                    emulator.computed(perf_counter() - started, thread_time() - cpu, (target,), node.name)
                 env[t.id] = target
                 buckets.written(t.id, backend)
                 continue
             outs = node.opdef.compute(node, _OpContext(exe, node, binding, state.step), inputs)
             if emulator is not None:  # waits the slower type's extra time; refuses what its memory cannot hold
-                emulator.computed(perf_counter() - started, outs, node.name)
+                emulator.computed(perf_counter() - started, thread_time() - cpu, outs, node.name)
             for t, v in zip(node.outputs, outs):
                 env[t.id] = v
 
