@@ -3,8 +3,10 @@
 Every comparison runs the tiny Llama on 4 gloo processes as the emulated cluster
 examples/clusters/emulated-two-types.yaml: ranks 0, 1 are the "fast" type, ranks 2, 3 the "slow"
 one (2.5x slower compute, hspmd.runtime.execution.emulation), the two nodes joined by a slower
-link; the file dilates time 4x (the fast type is this host 4x slowed), so the 4 ranks compute a
-quarter of the time at most and do not fight over the host's shared cores. The cost model is this host's calibration with the other type at the file's ratio
+link. Time is dilated (--dilation D, default 12: the fast type is this host D times slowed, the
+others at their ratio to it), so that ranks compute a small share of the time and the emulated
+devices, not the host's scheduler, set the pace: D must exceed the host's load per core, which
+the bench prints (8 lanes on 2 cores made it ~10 while this was written). The cost model is this host's calibration with the other type at the file's ratio
 (Calibration.cost_model_for). Within a part every side is built once and the steps run
 round-robin (ABC, then CBA, ...), so load drifts hit all sides alike; a step's time is its slowest
 rank's, every rank starting together. Reported: per side the median step (min-max), and per
@@ -34,9 +36,11 @@ not part of `make test`:
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,24 +283,42 @@ def part_h1f1b(cluster, cal: Calibration, rounds: int, warmup: int) -> None:
                  "simulated speedup"], report(results, sims, "1F1B")))
 
 
+def dilated(cluster, dilation: float):
+    """The cluster with its reference type `dilation` times slower than this host and every other
+    type at its own ratio to the reference (hspmd.cluster.emulation): a dilation above the host's
+    contention (runnable processes per core) keeps the emulated devices, not the host's
+    scheduler, setting the pace."""
+    emulation = cluster.emulation
+    ref = cluster.type_slowdown(emulation.reference)
+    slowdowns = tuple((t.name, cluster.type_slowdown(t.name) * dilation / ref) for t in cluster.device_types)
+    return cluster.with_emulation(replace(emulation, slowdowns=slowdowns))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calibration", default=None, help="`hspmd calibrate`'s file (default: calibrate here first)")
+    p.add_argument("--calibration", default=None,
+                   help="`hspmd calibrate --cpu-time`'s file (default: calibrate here first, on CPU time)")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iterations", type=int, default=300, help="MCTS iterations")
+    p.add_argument("--dilation", type=float, default=12.0,
+                   help="how many times slower than this host the fastest type runs (default 12; keep it above the "
+                        "host's load per core, else the scheduler sets the pace)")
     p.add_argument("--parts", default="plan,dispatch,h1f1b,plan3",
                    help="plan (two types), dispatch, h1f1b, plan3 (the 8-rank three-type cluster)")
     args = p.parse_args(argv)
-    cluster = load_cluster(CLUSTER)
-    cal = Calibration.load(args.calibration) if args.calibration else calibrate(3)
+    cluster = dilated(load_cluster(CLUSTER), args.dilation)
+    cal = Calibration.load(args.calibration) if args.calibration else calibrate(3, cpu_time=True)
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    print(f"host load: {load:.1f} runnable processes per core (1-minute average); dilation {args.dilation:g}")
     print(cluster.summary())
     print("this host (reference type): " + cal.describe())
     parts = set(args.parts.split(","))
     if "plan" in parts:
         part_plan(cluster, cal, args.rounds, args.warmup, args.iterations, GLOBAL_BATCH)
     if "plan3" in parts:
-        part_plan(load_cluster(THREE_TYPES), cal, args.rounds, args.warmup, args.iterations, 2 * GLOBAL_BATCH)
+        part_plan(dilated(load_cluster(THREE_TYPES), args.dilation), cal, args.rounds, args.warmup, args.iterations,
+                  2 * GLOBAL_BATCH)
     if "dispatch" in parts:
         part_dispatch(cluster, args.rounds, args.warmup)
     if "h1f1b" in parts:

@@ -240,11 +240,14 @@ def calibrate_main(argv: Sequence[str]) -> int:
     p.add_argument("--cluster", default=None,
                    help="a cluster file with an emulate block: also print the rates its emulated types follow from this "
                         "host's fit (this host is its reference type; the others at the file's ratios)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time the compute probes on CPU time (a core of one's own): what emulated device types follow "
+                        "(hspmd run --cluster with an emulate block), whatever else this host runs")
     args = p.parse_args(list(argv))
     cluster = parse_cluster(args.cluster) if args.cluster else None
     if cluster is not None and cluster.emulation is None:
         raise HSPMDError(f"--cluster {args.cluster}: the cluster has no emulate block (nothing on this host follows from it)")
-    cal = calibrate(args.repeats)
+    cal = calibrate(args.repeats, cpu_time=args.cpu_time)
     cal.save(args.out)
     print(cal.describe())
     if cluster is not None:

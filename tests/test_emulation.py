@@ -286,3 +286,13 @@ def test_calibration_prices_the_emulated_types_at_the_file_ratios():
     assert simulated_step(on_slow, cluster, model_named("llama-tiny"), cal)[0] == pytest.approx(slow)
     with pytest.raises(HSPMDError, match="no emulate block"):
         cal.cost_model_for(cluster.with_emulation(None), model_named("llama-tiny"))
+
+
+def test_cpu_time_probes_do_not_count_what_the_host_does_elsewhere():
+    """Emulated devices follow each op's CPU time, and so can the calibration's compute probes: a
+    call that waits (the host busy with others) costs wall time but next to no CPU time."""
+    from hspmd.runtime.policies.calibrate import median_seconds
+
+    wall = median_seconds(lambda: time.sleep(0.01), 3)
+    cpu = median_seconds(lambda: time.sleep(0.01), 3, clock=time.thread_time)
+    assert wall >= 0.009 and cpu < 0.005

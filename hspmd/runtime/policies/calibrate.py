@@ -134,15 +134,17 @@ class Calibration:
                 f"beta {self.link_bandwidth / 1e9:.3f} GB/s")
 
 
-def median_seconds(fn: Callable[[], object], repeats: int = 7, inner: int = 1) -> float:
-    """Median over `repeats` of the mean time of `inner` calls."""
+def median_seconds(fn: Callable[[], object], repeats: int = 7, inner: int = 1,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median over `repeats` of the mean time of `inner` calls, on `clock` (wall time by default;
+    time.thread_time: this thread's CPU time, what the calls cost a core of their own)."""
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(inner):
             fn()
-        times.append((time.perf_counter() - start) / inner)
+        times.append((clock() - start) / inner)
     return statistics.median(times)
 
 
@@ -234,9 +236,11 @@ class Probe:
     """One rank's micro-benchmarks, set up once and run any number of times (`once()`), so that a
     benchmark can interleave them with what it measures and both see the same machine load."""
 
-    def __init__(self, backend: Backend | None, shape: ProbeShape = ProbeShape()):
+    def __init__(self, backend: Backend | None, shape: ProbeShape = ProbeShape(), cpu_time: bool = False):
         torch.set_num_threads(1)
         self.backend = backend
+        # compute probes on this thread's CPU time: what emulated devices follow (runtime.execution.emulation)
+        self.clock = time.thread_time if cpu_time else time.perf_counter
         self.matrices = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
         self.vectors = [(torch.randn(n), torch.randn(n)) for n in ADD_SIZES]
         self.trainers = [probe_trainer(shape, *run) for run in PROBE_RUNS]
@@ -244,9 +248,10 @@ class Probe:
 
     def once(self) -> dict:
         """Raw seconds of every probe, measured once (short inner loops)."""
-        out = {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2))) for a, b in self.matrices],
-               "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0])) for a, b in self.vectors],
-               "steps": [median_seconds(lambda: trainer.step(batch), 1, 2) for trainer, batch in self.trainers]}
+        clock = self.clock
+        out = {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2)), clock) for a, b in self.matrices],
+               "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0]), clock) for a, b in self.vectors],
+               "steps": [median_seconds(lambda: trainer.step(batch), 1, 2, clock) for trainer, batch in self.trainers]}
         if self.backend is not None and self.backend.world_size >= 2:
             backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
             backend.barrier(group)
@@ -285,14 +290,16 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     return replace(fitted, link_latency=alpha, link_bandwidth=1.0 / slope)
 
 
-def _calibrate_rank(backend: Backend, repeats: int) -> list[dict]:
-    probe = Probe(backend)
+def _calibrate_rank(backend: Backend, repeats: int, cpu_time: bool = False) -> list[dict]:
+    probe = Probe(backend, cpu_time=cpu_time)
     return [probe.once() for _ in range(repeats)]
 
 
-def calibrate(repeats: int = 7) -> Calibration:
-    """Probe `repeats` times on 2 gloo processes (both busy at once, as in training) and fit."""
-    results = run_multiprocess(_calibrate_rank, 2, repeats, timeout=600)
+def calibrate(repeats: int = 7, cpu_time: bool = False) -> Calibration:
+    """Probe `repeats` times on 2 gloo processes (both busy at once, as in training) and fit.
+    `cpu_time`: compute probes on each thread's CPU time, not wall time: the rates of a core of
+    one's own, which emulated device types follow whatever else the host runs (links stay wall time)."""
+    results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, timeout=600)
     return fit(results[0])
 
 
