@@ -121,7 +121,8 @@ def test_slow_type_waits_its_extra_time_and_the_fast_one_does_not():
         fast.computed(0.002, 0.002, ())
     slow.settle()
     waited = time.perf_counter() - began
-    assert slow.compute_wait_s == pytest.approx(0.040, abs=0.01) and waited >= 0.035
+    # it slept at least what it owed, and oversleeping was credited (a busy host may wake it late)
+    assert 0.039 <= slow.compute_wait_s <= 0.040 + 0.25 and waited >= 0.039
     assert fast.compute_wait_s == 0.0 and fast.ops == 0
     # an op the busy host stretched (1 ms of CPU in 5 ms of wall time) owes 3 x 1 - 5 ms: credit,
     # which the next ops of the same stretch of compute use up, but which a communication drops
@@ -132,7 +133,7 @@ def test_slow_type_waits_its_extra_time_and_the_fast_one_does_not():
     assert busy.compute_wait_s == 0.0
     busy.computed(0.001, 0.001, ())
     busy.settle()
-    assert busy.compute_wait_s == pytest.approx(0.002, abs=0.002)
+    assert 0.0019 <= busy.compute_wait_s <= 0.25
 
 
 @pytest.mark.multiprocess
