@@ -18,6 +18,7 @@ from hspmd.runtime.data.loader import DocumentLoader, SequenceLoader
 from hspmd.runtime.data.order import DataState, permuted
 from hspmd.runtime.data.tokens import DataError, TokenFiles, TokenWriter
 from hspmd.runtime.execution.batches import MicroBatchLayout, PipelineBatch
+from hspmd.runtime.policies.mixed import MixedLengthTrainer
 from hspmd.runtime.training.inprocess import InProcessJob
 from hspmd.specialize.strategy_text import parse_strategy
 
@@ -173,3 +174,60 @@ def test_vocabulary_larger_than_the_model_is_refused(tmp_path):
                                                           * strategy.pipelines[0].micro_batches})
     with pytest.raises(DataError, match="vocabulary of 300 ids is larger than the model's 64"):
         SequenceLoader(files, 4).share(job.trainers[0], DataState())
+
+
+def mixed_rank(backend, files: TokenFiles, steps: int, buckets: bool):
+    """One rank of mixed-length training on the loader's document steps: the ids of every step,
+    the sequences this rank read, the losses and what dispatch gave this rank's pipeline."""
+    from tests.test_mixed_length import POOL, _graph
+
+    torch.set_num_threads(1)
+    trainer = MixedLengthTrainer(_graph().graph, POOL, backend, symbols={"S": 8, "T": 8}, passes=10)
+    loader, state = DocumentLoader(files, longest=30, seed=5), DataState()
+    out = []
+    for _ in range(steps):
+        step, state = loader.step(state, 24)
+        loss = (trainer.step_buckets if buckets else trainer.step)(step)
+        report = trainer.history[-1]
+        mine = 0
+        if not buckets and trainer.trainer.pipeline is not None:
+            mine = sum(1 for p in report.dispatches[0].assignment if p == trainer.trainer.pipeline)
+        out.append((step.ids, step.reads, mine, loss, [POOL[k].name for k in report.entries]))
+    return out, trainer.parameters()
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["per-step strategy", "length buckets"])
+def test_mixed_length_ranks_read_only_their_dispatched_sequences(tmp_path, buckets):
+    """Mixed-length steps from a DocumentLoader under changing strategies: each rank reads only the
+    sequences dispatched to its pipeline; losses and weights equal a single-device run of the
+    same sequences."""
+    from hspmd.backends.local import LocalWorld
+    from hspmd.testing import assert_weights_close
+    from tests.test_mixed_length import CONFIG, LR, _graph
+
+    files = make_dataset(tmp_path, [3, 25, 7, 40, 12, 5, 31, 9, 18, 2, 14, 60, 6, 8, 10, 4, 11, 6, 9, 7],
+                         vocab=CONFIG["vocab"])
+    steps = 7  # the longest sequences of the steps: 17 30 24 30 29 30 9 (S2 takes the last)
+    results = LocalWorld(range(4), 120).run(lambda b: mixed_rank(b, files, steps, buckets))
+    records = {rank: r[0] for rank, r in results.items()}
+    ids = [rec[0] for rec in records[0]]
+    assert all([rec[0] for rec in r] == ids for r in records.values())
+    names = {name for rec in records[0] for name in rec[4]}
+    assert names == {"S1", "S2"}, names  # the strategy changes across (or inside) steps
+    total = [len(i) for i in ids]
+    reads = [sum(rec[1] for rec in r) for r in records.values()]
+    assert max(reads) < sum(total) * 4, "every rank read every sequence"
+    if not buckets:
+        for r in records.values():
+            assert [rec[1] for rec in r] == [rec[2] for rec in r]  # exactly its pipeline's sequences
+    loader, state, data = DocumentLoader(files, longest=30, seed=5), DataState(), []
+    for _ in range(steps):
+        step, state = loader.step(state, 24)
+        data.append([step[i] for i in range(len(step))])
+    model = _graph()
+    initial = {n.name: initial_value(n) for n in model.graph.parameters}
+    history, final = reference_training(initial, lambda s: list(data[s]), CONFIG["layers"], CONFIG["heads"], steps, lr=LR)
+    for rec, (ref, _) in zip(records[0], history):
+        assert rec[3] == pytest.approx(ref, abs=1e-5, rel=1e-5)
+    for name, value in final.items():
+        assert_weights_close(results[0][1][name], value, LR, name)

@@ -32,6 +32,7 @@ import torch
 from hspmd.runtime.data.order import DataState, permuted
 from hspmd.runtime.data.tokens import DataError, TokenFiles
 from hspmd.runtime.execution.batches import PipelineBatch
+from hspmd.runtime.persistence.sharded_checkpoint import open_checkpoint
 
 FIELDS = ("tokens", "labels")
 
@@ -226,4 +227,12 @@ class DocumentLoader(_Walk):
         return DocumentStep(self.files, pieces), DataState(epoch, sample, position, offset)
 
 
-__all__ = ["DocumentLoader", "DocumentStep", "SequenceLoader"]
+def saved_state(source) -> DataState | None:
+    """The data state a checkpoint was saved with (a path of either format, or an open reader);
+    None if it was saved without one."""
+    reader = open_checkpoint(source) if isinstance(source, (str, os.PathLike)) else source
+    text = getattr(reader, "data", None)
+    return None if text is None else DataState.from_json(text, reader.path)
+
+
+__all__ = ["DocumentLoader", "DocumentStep", "SequenceLoader", "saved_state"]

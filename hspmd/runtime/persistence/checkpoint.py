@@ -39,6 +39,7 @@ from hspmd.specialize.executable import ExecutableGraph, live_nodes, run_time_ra
 STEP_KEY = "hspmd.step"
 GRAPH_KEY = "hspmd.graph"
 SCHEMA_KEY = "hspmd.schema"
+DATA_KEY = "hspmd.data"  # the data loader's state at this step (JSON text; hspmd.runtime.data.order.DataState)
 SCHEMA = "hspmd.checkpoint/1"
 CHECKSUM_PREFIX = f"hspmd.{CHECKSUM}."
 HEADER_CHECKSUM_KEY = f"hspmd.header.{CHECKSUM}"
@@ -200,6 +201,11 @@ class CheckpointReader:
                                   f"{CHECKSUM}: the file is corrupted")
         self.metadata = metadata
 
+    @property
+    def data(self) -> str | None:
+        """The data loader's state saved with the weights (JSON text), if any."""
+        return self.metadata.get(DATA_KEY)
+
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor `name`, checked against its checksum."""
         if name not in self.names:
@@ -251,5 +257,6 @@ class CheckpointReader:
         return value[tuple(slice(a, b) for a, b in box)]
 
 
-__all__ = ["CheckpointReader", "SCHEMA", "check_leaf_names", "checkpoint_leaves", "checkpoint_metadata", "cut_from_tensors", "cut_leaves",
+__all__ = ["CheckpointReader", "DATA_KEY", "SCHEMA", "check_leaf_names",
+           "checkpoint_leaves", "checkpoint_metadata", "cut_from_tensors", "cut_leaves",
            "gather_leaves", "gather_whole", "read_step", "save_checkpoint"]

@@ -82,7 +82,7 @@ def _box_key(box) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in box)
 
 
-def checkpoint_index(exe: ExecutableGraph, step: int, stand_in: bool = False) -> dict:
+def checkpoint_index(exe: ExecutableGraph, step: int, stand_in: bool = False, data: str | None = None) -> dict:
     """Every leaf's shape, dtype and the boxes that tile it once, each with the file of the device
     writing it (the same on every rank: it follows from the annotations alone). A union that
     replicates the tensor across subgroups (HDim D) is written from one subgroup, taken in turn
@@ -106,6 +106,8 @@ def checkpoint_index(exe: ExecutableGraph, step: int, stand_in: bool = False) ->
     index = {"format": FORMAT, "step": step, "graph": exe.graph.name, "tensors": tensors}
     if stand_in:
         index["stand_in"] = True
+    if data is not None:
+        index["data"] = data  # the data loader's state at this step (JSON text)
     return index
 
 
@@ -147,13 +149,14 @@ class PendingSave:
 
 def save_sharded(exe: ExecutableGraph, leaves: Mapping[str, torch.Tensor], step: int, directory,
                  writers: tuple[int, ...], background: bool = True, timeout: float = 300.0,
-                 job: str = "") -> PendingSave | None:
+                 job: str = "", data: str | None = None) -> PendingSave | None:
     """This device's part of a sharded checkpoint of `step` under `directory` (not collective).
     `writers`: every device of the strategy; the lowest writes the index once every file holds
-    this `job`'s save of `step` (Backend.job: the same on every rank)."""
+    this `job`'s save of `step` (Backend.job: the same on every rank). `data`: the data loader's
+    state at this step (JSON text), kept in the index."""
     directory = os.fspath(directory)
     stand_in = on_stand_in(leaves.values())
-    index = checkpoint_index(exe, step, stand_in)
+    index = checkpoint_index(exe, step, stand_in, data)
     pieces = own_pieces(exe, leaves, index)
 
     def write() -> None:
@@ -301,6 +304,11 @@ class ShardedReader:
         return int(self.index["step"])
 
     @property
+    @property
+    def data(self) -> str | None:
+        """The data loader's state saved with the weights (JSON text), if any."""
+        return self.index.get("data")
+
     def names(self) -> list[str]:
         return list(self.index["tensors"])
 
@@ -406,6 +414,8 @@ def _check_index(index: dict, where: str) -> None:
     KeyError mid-load."""
     top = _IndexField(index, "", where)
     top["step"].int()
+    if top.get("data").value is not None:
+        top["data"].str()
     files = top["files"]
     if not isinstance(files.value, dict) or not all(isinstance(v, str) for v in files.value.values()):
         raise files.fail("expected an object mapping each rank file to its signature")

@@ -38,6 +38,9 @@ from hspmd.backends.backend import Backend, Group, Shape
 from hspmd.backends.generation import PeerLost
 from hspmd.errors import HSPMDError, WeightLost
 from hspmd.ir.graph import Graph
+from hspmd.runtime.data.loader import SequenceLoader, saved_state
+from hspmd.runtime.data.order import DataState
+from hspmd.runtime.execution.batches import PipelineBatch
 from hspmd.runtime.processes.membership import Membership, killed_at, killed_key
 from hspmd.runtime.persistence.sharded_checkpoint import ShardedReader, step_dir
 from hspmd.runtime.training.trainer import Trainer
@@ -198,12 +201,14 @@ class Failure:
 
 @dataclass
 class _Version:
-    """A committed state: steps done, boundary actions done since, the trainer and its leaves."""
+    """A committed state: steps done, boundary actions done since, the trainer, its leaves and
+    where the data loader stands."""
 
     key: tuple[int, int]
     trainer: Trainer
     strategy: int
     leaves: dict[str, torch.Tensor] = field(default_factory=dict)
+    data: DataState = DataState()
 
 
 class ElasticTrainer:
@@ -212,13 +217,16 @@ class ElasticTrainer:
     build_graph(strategies) builds the model's graph annotated with each strategy of the list (the
     same nodes every time; a recovery appends the recovered strategy). `describe(strategy)` names a
     strategy in logs and the failure record. `sharded`: checkpoints are directories of per-rank
-    files written in the background (hspmd.runtime.persistence.sharded_checkpoint), else single files."""
+    files written in the background (hspmd.runtime.persistence.sharded_checkpoint), else single files.
+    `data`: a SequenceLoader; a step given no batch then trains this rank's share of the loader's
+    next global batch, and the loader's state (`data_state`, from `data_state=`) is part of every
+    transaction and checkpoint, so a redone step trains the same samples."""
 
     def __init__(self, build_graph: Callable[[Sequence[Strategy]], Graph], strategy: Strategy,
                  membership: Membership, schedule: str | None = None, symbols: Mapping[str, int] | None = None,
                  seed: int = 0, kills: Sequence[KillPoint] = (), describe: Callable[[Strategy], str] = str,
-                 sharded: bool = False):
-        self._setup(build_graph, strategy, membership, schedule, symbols, seed, kills, describe, sharded)
+                 sharded: bool = False, data: SequenceLoader | None = None, data_state: DataState = DataState()):
+        self._setup(build_graph, strategy, membership, schedule, symbols, seed, kills, describe, sharded, data, data_state)
         self.strategies: list[Strategy] = [strategy]
         self.graph = build_graph(self.strategies)
         self.trainer = self._trainer(0)
@@ -226,7 +234,8 @@ class ElasticTrainer:
 
     def _setup(self, build_graph, strategy: Strategy, membership: Membership, schedule: str | None = None,
                symbols: Mapping[str, int] | None = None, seed: int = 0, kills: Sequence[KillPoint] = (),
-               describe: Callable[[Strategy], str] = str, sharded: bool = False) -> None:
+               describe: Callable[[Strategy], str] = str, sharded: bool = False, data: SequenceLoader | None = None,
+               data_state: DataState = DataState()) -> None:
         self.build_graph, self.membership = build_graph, membership
         self.schedule, self.symbols, self.seed, self.describe = schedule, dict(symbols or {}), seed, describe
         self.kills = tuple(kills)
@@ -240,6 +249,8 @@ class ElasticTrainer:
         self.failures: list[Failure] = []
         self.switches_done = 0
         self._history: list[_Version] = []
+        self.data, self.data_state = data, data_state
+        self.last_batch: PipelineBatch | None = None
 
     # ---- pieces -----------------------------------------------------------------------------------
 
@@ -264,7 +275,7 @@ class ElasticTrainer:
 
     def _commit(self) -> None:
         version = _Version((self.trainer.steps_done, self.switches_done), self.trainer,
-                           self.trainer.spec.deduced.strategy, dict(self.trainer.state.leaves))
+                           self.trainer.spec.deduced.strategy, dict(self.trainer.state.leaves), self.data_state)
         self._history = (self._history + [version])[-HISTORY:]
 
     @property
@@ -281,10 +292,19 @@ class ElasticTrainer:
 
     # ---- transactions -------------------------------------------------------------------------------
 
-    def step(self, batch: Mapping[str, torch.Tensor]) -> float | None:
-        """One step; raises PeerLost (after which call recover()) if a rank died during it."""
+    def step(self, batch: Mapping[str, torch.Tensor] | None = None) -> float | None:
+        """One step (on this rank's share of the data loader's next batch when `batch` is None);
+        raises PeerLost (after which call recover()) if a rank died during it."""
         self._begin("step")
+        after = None
+        if batch is None:
+            if self.data is None:
+                raise HSPMDError("ElasticTrainer.step(): no batch given and no data loader to read one from")
+            batch, after = self.data.share(self.trainer, self.data_state)
+            self.last_batch = batch
         loss = self.trainer.step(batch)
+        if after is not None:
+            self.data_state = after
         self._commit()
         return loss
 
@@ -305,12 +325,13 @@ class ElasticTrainer:
         background (`wait` or not); a death before the index is written leaves the previous
         step the latest."""
         self._begin("save")
+        data = self.data_state.to_json() if self.data is not None else None
         if self.sharded:
-            pending = self.trainer.save_sharded(path)
+            pending = self.trainer.save_sharded(path, data=data)
             if pending is not None and wait:
                 pending.wait()
         else:
-            self.trainer.save_checkpoint(path)
+            self.trainer.save_checkpoint(path, data=data)
         self.checkpoint_path = os.fspath(path)
 
     def _adopt(self, target: Strategy) -> int:
@@ -352,18 +373,21 @@ class ElasticTrainer:
         index = self.strategies.index(target) if target in self.strategies else self._adopt(target)
         nxt = self._trainer(index)
         nxt.load_checkpoint(path)
+        if self.data is not None:
+            self.data_state = saved_state(path) or DataState()
         nxt.last_switch = None
         self.trainer = nxt
         self.restored_from = self.checkpoint_path
 
-    def train(self, steps: int, batch: Callable[[int], Mapping[str, torch.Tensor]],
+    def train(self, steps: int, batch: Callable[[int], Mapping[str, torch.Tensor]] | None = None,
               switches: Sequence[tuple[int, Strategy]] = (), save_every: int = 0, save_path=None,
               on_step: Callable[[int, float | None], None] | None = None,
               on_failure: Callable[[Failure], None] | None = None,
               on_switch: Callable[[int, Strategy], None] | None = None) -> dict[int, float | None]:
         """Train until `steps` steps are done, surviving deaths: {step (1-based): loss}.
 
-        batch(k) is the global batch of step k+1 (the same on every rank); `switches` are planned
+        batch(k) is the global batch of step k+1 (the same on every rank; None: the data loader's);
+        `switches` are planned
         switches (after step, to strategy), `save_every` saves to `save_path` every N steps. A
         step, switch or save interrupted by a death is redone after recovery."""
         planned = sorted(switches, key=lambda s: s[0])
@@ -381,7 +405,7 @@ class ElasticTrainer:
                 if save_every and save_path is not None and done % save_every == 0 and done != saved:
                     self.save(save_path, wait=False)
                     saved = done
-                loss = self.step(batch(done))
+                loss = self.step(batch(done) if batch is not None else None)
                 losses[done + 1] = loss
                 if on_step is not None:
                     on_step(done + 1, loss)
@@ -416,7 +440,7 @@ class ElasticTrainer:
                 if version is None:
                     raise HSPMDError(f"rank {self.rank}: survivors agreed on version {divmod(agreed, _VERSION)} but this "
                                      f"rank only kept {[v.key for v in self._history]}")
-                self.trainer, self.switches_done = version.trainer, version.key[1]
+                self.trainer, self.switches_done, self.data_state = version.trainer, version.key[1], version.data
                 self.trainer.state.step = version.key[0]
                 self.trainer.state.accum.clear()
                 dead = set(self.membership.dead)
@@ -429,7 +453,8 @@ class ElasticTrainer:
                 if self.membership.joined and self.rank == min(self.membership.original):
                     self.membership.store.set(_plan_key(self.membership.generation), json.dumps({
                         "source": format_strategy(old), "target": format_strategy(target), "failed": failed,
-                        "steps": version.key[0], "switches": version.key[1], "checkpoint": self.checkpoint_path}))
+                        "steps": version.key[0], "switches": version.key[1], "checkpoint": self.checkpoint_path,
+                        "data": version.data.to_json()}))
                 self.restored_from = None
                 try:
                     self._move_to(target, failed=failed, leaves=dict(version.leaves), source=version.strategy)
@@ -461,6 +486,7 @@ class ElasticTrainer:
         self.strategies = [source]
         self.graph = build_graph(self.strategies)
         self.switches_done, self.checkpoint_path = plan["switches"], plan["checkpoint"]
+        self.data_state = DataState.from_json(plan["data"], "the survivors' join plan")
         self.trainer = None
         index = self._adopt(target)
         try:

@@ -30,8 +30,9 @@ from hspmd.errors import HSPMDError
 from hspmd.ir.graph import Graph
 from hspmd.ops.nn import IGNORE_INDEX
 from hspmd.planning.dispatch import SHUFFLED_PASSES, Dispatch, PoolEntry, dispatch, fit_sequence_cost, select_entry
+from hspmd.runtime.data.loader import DocumentStep
 from hspmd.runtime.execution.batches import MicroBatchLayout
-from hspmd.runtime.execution.packing import Sample, check_sample, counted_tokens, pack_row
+from hspmd.runtime.execution.packing import PACKED_FIELDS, Sample, check_sample, counted_tokens, pack_row
 from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.specialized import Specialized
 from hspmd.switching import SwitchPlan
@@ -107,25 +108,42 @@ class MixedLengthTrainer:
 
     def _rows(self, samples: Sequence[Sample], d: Dispatch, ids: Sequence[int]):
         """Each pipeline's packed rows; a pipeline given no sequence runs one ignored token (its
-        gradients are exact zeros), so every rank runs the same update program."""
+        gradients are exact zeros), so every rank runs the same update program. From a
+        DocumentStep, only this rank's pipeline's sequences are read: the other pipelines' rows
+        are stand-ins on `meta` of their shapes (what binds their symbols)."""
         idle = [pack_row([(torch.zeros(1, dtype=torch.int64), torch.full((1,), IGNORE_INDEX))])]
-        return [[pack_row([samples[ids[i]] for i in mb]) for mb in mbs] or idle for mbs in d.micro_batches]
+        lazy = isinstance(samples, DocumentStep)
+
+        def row(p: int, mb) -> dict[str, torch.Tensor]:
+            if lazy and p != self.trainer.pipeline:
+                size = sum(samples.lengths[ids[i]] for i in mb)
+                return {k: torch.empty((1, size), dtype=torch.int64, device="meta") for k in PACKED_FIELDS}
+            return pack_row([samples[ids[i]] for i in mb])
+
+        return [[row(p, mb) for mb in mbs] or idle for p, mbs in enumerate(d.micro_batches)]
 
     # ---- steps ----------------------------------------------------------------------------------
 
     def _lengths(self, samples: Sequence[Sample]) -> list[int]:
         if not samples:
             raise HSPMDError("MixedLengthTrainer: a step needs at least one sequence")
+        if isinstance(samples, DocumentStep):  # lengths from the index: nothing read yet
+            return list(samples.lengths)
         return [check_sample(s, f"step {self.steps}, sequence {i}") for i, s in enumerate(samples)]
 
+    @staticmethod
+    def _counted(samples: Sequence[Sample]) -> int:
+        return samples.counted if isinstance(samples, DocumentStep) else counted_tokens(samples)
+
     def step(self, samples: Sequence[Sample]) -> float | None:
-        """Hetu-B: one step on these sequences ((tokens, labels) pairs, the same on every rank)."""
+        """Hetu-B: one step on these sequences ((tokens, labels) pairs, the same on every rank; or a
+        DocumentStep, of which this rank reads only the sequences dispatched to its pipeline)."""
         lengths = self._lengths(samples)
         d = dispatch(self.pool, lengths, seed=self.dispatch_seed + self.steps, passes=self.passes, by_cost=self.by_cost,
                      current=self.current, switch_seconds=self.switch_seconds)
         switch = self._enter(d.entry)
         loss = self.trainer.step_rows(self._rows(samples, d, range(len(samples))),
-                                      {self.tokens_symbol: counted_tokens(samples)})
+                                      {self.tokens_symbol: self._counted(samples)})
         return self._report([d.entry], [d], [lengths], [switch] if switch else [], loss)
 
     def step_buckets(self, samples: Sequence[Sample]) -> float | None:
@@ -137,7 +155,7 @@ class MixedLengthTrainer:
         for i, s in enumerate(lengths):
             buckets.setdefault(select_entry(self.pool, s), []).append(i)
         order = sorted(buckets, key=lambda k: (k != self.current, -self.pool[k].max_seq_len, k))
-        tokens = {self.tokens_symbol: counted_tokens(samples)}
+        tokens = {self.tokens_symbol: self._counted(samples)}
         entries, dispatches, parts, switches, losses, carry = [], [], [], [], [], None
         for n, k in enumerate(order):
             ids = buckets[k]

@@ -40,7 +40,7 @@ from hspmd.backends.backend import Backend
 from hspmd.runtime.execution.batches import MicroBatchLayout, PipelineBatch
 from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, SyncedGradients, cap_bytes_of
 from hspmd.runtime.persistence.checkpoint import (
-    CheckpointReader, check_leaf_names, cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
+    DATA_KEY, CheckpointReader, check_leaf_names, cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
 )
 from hspmd.runtime.execution.executor import ScheduleRun, run_schedule
 from hspmd.runtime.execution.checks import check_bound, check_feeds, check_seed, checked_ranks, checked_symbols
@@ -530,25 +530,26 @@ class Trainer:
         if step is not None:
             self.state.step = step
 
-    def save_checkpoint(self, path) -> None:
-        """Collective: gather to the lowest rank, which writes `path`; returns once it is written."""
+    def save_checkpoint(self, path, data: str | None = None) -> None:
+        """Collective: gather to the lowest rank, which writes `path`; returns once it is written.
+        `data`: the data loader's state at this step (JSON text), saved with the weights."""
         if self.backend.device.type == "meta":
             raise HSPMDError("save_checkpoint gathers and writes values, which a stand-in (meta) device has none of: "
                              "use save_sharded, which writes the stand-in pieces' manifests")
         tensors = self.state_dict()
         if tensors is not None:
-            save_checkpoint(path, tensors, self.state.step, self.graph.name)
+            save_checkpoint(path, tensors, self.state.step, self.graph.name, None if data is None else {DATA_KEY: data})
         if not self.idle:
             self.backend.barrier(self.devices)
 
-    def save_sharded(self, directory, background: bool = True) -> PendingSave | None:
+    def save_sharded(self, directory, background: bool = True, data: str | None = None) -> PendingSave | None:
         """This rank writes its own pieces to a sharded checkpoint under `directory` (not
         collective, nothing gathered; in the background unless told otherwise: wait() on the
         result before relying on the files). hspmd.runtime.persistence.sharded_checkpoint."""
         if self.idle:
             return None
         return save_sharded(self.exe, dict(self.state.leaves), self.state.step, directory, self.devices, background,
-                            job=self.backend.job)
+                            job=self.backend.job, data=data)
 
     def load_checkpoint(self, source) -> int:
         """Each rank reads only its own pieces from `source`: a checkpoint path (any strategy's
