@@ -35,6 +35,7 @@ from _common import table
 from hspmd.annotations import device_pieces
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
+from hspmd.runtime.data.prepare import BYTES_VOCAB
 from hspmd.runtime.processes.launcher import launch
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
@@ -124,10 +125,7 @@ def main(argv=None) -> int:
             elastic.append(seconds)
             inside.append(recovery)
             restart.append(restart_seconds(tmp, rep, checkpoint, recovered_text))
-    sys.path.insert(0, str(Path(SCRIPT).parent))
-    from chardata import CharCorpus  # the example's corpus sets the vocabulary (benchmarks are scripts)
-
-    sent, bound = bytes_against_lower_bound(recovered, CharCorpus().vocab)
+    sent, bound = bytes_against_lower_bound(recovered, BYTES_VOCAB)  # the example trains on bytes
     ratios = [e / r for e, r in zip(elastic, restart)]
     print(f"8 gloo processes, demo Llama (hidden 64, 4 layers), {STRATEGY}; rank {KILL_RANK} SIGKILLed in step {KILL_STEP}")
     print(f"recovered strategy: {recovered_text}")

@@ -91,20 +91,24 @@ def test_example_continues_a_hf_model_and_exports_it(tmp_path):
     from hspmd.cli import main as cli_main
     from hspmd.runtime.processes.launcher import launch
 
+    from hspmd.runtime.data.loader import SequenceLoader
+    from hspmd.runtime.data.order import DataState
+    from hspmd.runtime.data.prepare import prepare
+
     example = Path(__file__).resolve().parents[1] / "examples" / "llama"
-    sys.path.insert(0, str(example))
-    from chardata import CharCorpus
+    data = str(tmp_path / "data" / "documents")
+    prepare([str(example.parent / "mixed_length" / "documents.txt")], data, split="lines")  # what the example does
 
     hf_dir, checkpoint, summary = tmp_path / "hf", tmp_path / "run" / "ckpt.safetensors", tmp_path / "summary.json"
     hf = make_hf_model(hf_dir, num_key_value_heads=2, tie_word_embeddings=True, rope_scaling=LLAMA31,
-                       num_hidden_layers=4, vocab_size=128)
+                       num_hidden_layers=4, vocab_size=256)
     out, err = io.StringIO(), io.StringIO()
     code = launch([sys.executable, str(example / "train.py"), "--init-from-hf", str(hf_dir), "--steps", "2",
-                   "--seq", "8", "--lr", "1e-3", "--checkpoint", str(checkpoint), "--summary", str(summary)],
-                  4, stdout=out, stderr=err)
+                   "--seq", "8", "--lr", "1e-3", "--checkpoint", str(checkpoint), "--summary", str(summary),
+                   "--data", data], 4, stdout=out, stderr=err)
     assert code == 0, err.getvalue()
     assert f"initialised from the Hugging Face model in {hf_dir}" in out.getvalue()
-    batch = CharCorpus().batch(0, 12, 8, 0)
+    batch, _ = SequenceLoader(data, 8, seed=0).batch(DataState(), 12)
     z = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
     assert torch.equal(z[:, 1:], batch["labels"])
     _, ref_loss, _ = hf_reference(hf, z)

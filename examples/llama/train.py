@@ -2,6 +2,15 @@
 
     hspmd run -n 4 examples/llama/train.py [--steps 60] [--schedule 1f1b|gpipe] [--resume]
     torchrun --nproc-per-node 4 examples/llama/train.py
+    hspmd run -n 4 examples/llama/train.py --data data/corpus     # files from `hspmd data prepare`
+
+The data: without --data, each rank prepares the shipped documents (examples/mixed_length/
+documents.txt, one per line) as bytes into token files at start (hspmd.runtime.data); every epoch
+shuffles the documents and cuts them, back to back, into sequences of --seq tokens. Each rank reads
+only its pipeline's rows of each step (hspmd.runtime.data.loader.SequenceLoader); the loader's
+position is saved in every checkpoint, so --resume, a planned switch or a recovery continues with
+exactly the next samples, under any strategy and world size. --record-samples DIR makes each rank
+append the sample ids it trains per step to DIR/rank<N>.jsonl.
 
 Default strategy (compact syntax of hspmd.specialize.strategy_text):
 
@@ -30,8 +39,8 @@ every rank, the emulated waits under their own category.
 --init-from-hf DIR continues training a local Hugging Face Llama (config.json + safetensors shards,
 never downloaded): the model takes DIR's configuration, every rank reads only its own slices of
 the weights, and the optimizer starts fresh. The strategy must have the model's layer count, and
-the model's vocabulary must cover the corpus's characters (ids are the example's own, not DIR's
-tokenizer's: this continues training on the example corpus, it does not use DIR's tokenizer).
+the model's vocabulary must cover the data's ids (256 for the shipped bytes; ids are the data's
+own, not DIR's tokenizer's unless --data was prepared with `--tokenizer DIR`).
 
 Strategies change while training, without a restart: --switch 20=STRATEGY hot-switches every
 weight and optimizer state after step 20 (one fused batched send-receive). Under
@@ -46,8 +55,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -55,7 +67,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from chardata import CharCorpus
 from hspmd.errors import HSPMDError
 from hspmd.models.hf_llama import hf_config, read_hf_config, read_hf_config_json
 from hspmd.models.llama import LlamaConfig, build_llama
@@ -68,6 +79,10 @@ from hspmd.runtime.policies.calibrate import Calibration, simulated_step
 from hspmd.runtime.persistence.hf_checkpoint import HFCheckpoint
 from hspmd.backends.from_env import backend_from_env
 from hspmd.runtime.policies.elastic import ElasticTrainer, KillPoint
+from hspmd.runtime.data.loader import SequenceLoader, saved_state
+from hspmd.runtime.data.order import DataState
+from hspmd.runtime.data.prepare import prepare
+from hspmd.runtime.data.tokens import TokenFiles
 from hspmd.runtime.processes.membership import Membership, is_elastic
 from hspmd.runtime.processes.nodes import RankPlace
 from hspmd.runtime.training.trainer import Trainer
@@ -77,6 +92,7 @@ from hspmd.specialize.strategy_render import describe_strategy
 
 DEFAULT_STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
 DEFAULT_CHECKPOINT = os.path.join("runs", "llama", "checkpoint.safetensors")
+DOCUMENTS = Path(__file__).resolve().parents[1] / "mixed_length" / "documents.txt"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,7 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kill", action="append", default=[], metavar="STEP=RANK[:CALL]",
                    help="under `hspmd run --elastic`: that rank SIGKILLs itself inside step STEP (at its CALL-th "
                         "communication of the step, default 1); the others recover and finish; may repeat")
-    p.add_argument("--seq", type=int, default=32, help="sequence length in characters")
+    p.add_argument("--seq", type=int, default=32, help="sequence length in tokens (bytes of the shipped corpus)")
+    p.add_argument("--data", default=None, metavar="PREFIX",
+                   help="train on these prepared token files (`hspmd data prepare`); default: the shipped documents")
+    p.add_argument("--record-samples", default=None, metavar="DIR",
+                   help="each rank appends the sample ids it trains per step to DIR/rank<N>.jsonl")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=128)
@@ -129,18 +149,49 @@ def parse_switches(switches):
     return sorted(parsed, key=lambda e: e[0])
 
 
-def model_config(args, corpus: CharCorpus, strategy) -> LlamaConfig:
-    """The command line's model, or the Hugging Face directory's (checked against the strategy and corpus)."""
+def token_files(args) -> TokenFiles:
+    """--data's token files, or the shipped documents prepared now as bytes, in a scratch directory
+    of this rank's that is removed at once (the open memory maps keep the files readable)."""
+    if args.data:
+        return TokenFiles(args.data)
+    scratch = tempfile.mkdtemp(prefix="hspmd-data-")
+    try:
+        prepare([str(DOCUMENTS)], os.path.join(scratch, "documents"), split="lines")
+        return TokenFiles(os.path.join(scratch, "documents"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+class SampleRecord:
+    """--record-samples: this rank's trained sample ids per step, one JSON line each."""
+
+    def __init__(self, directory: str | None, rank: int):
+        self.path = None
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            self.path = os.path.join(directory, f"rank{rank}.jsonl")
+
+    def add(self, step: int, trainer: Trainer, batch, loss) -> None:
+        if self.path is None:
+            return
+        rows = list(trainer.layout.pipeline_rows(trainer.pipeline)) if not trainer.idle else None
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "pipeline": batch.pipeline, "rows": rows, "ids": list(batch.ids),
+                                "fields": sorted(batch.rows), "loss": loss}) + "\n")
+
+
+def model_config(args, files: TokenFiles, strategy) -> LlamaConfig:
+    """The command line's model, or the Hugging Face directory's (checked against the strategy and data)."""
     if not args.init_from_hf:
-        return LlamaConfig(vocab=corpus.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads,
+        return LlamaConfig(vocab=files.vocab, hidden=args.hidden, layers=strategy.num_layers, heads=args.heads,
                            ffn=args.ffn)
     config = read_hf_config(args.init_from_hf)
     if config.layers != strategy.num_layers:
         raise HSPMDError(f"--init-from-hf {args.init_from_hf}: the model has {config.layers} layers but the strategy "
                          f"covers {strategy.num_layers}; give a --strategy with layers={config.layers}")
-    if config.vocab < len(corpus.chars):
+    if config.vocab < files.vocab:
         raise HSPMDError(f"--init-from-hf {args.init_from_hf}: the model's vocabulary of {config.vocab} is smaller than "
-                         f"the corpus's {len(corpus.chars)} characters")
+                         f"the data's {files.vocab} ids ({files.tokenizer})")
     return config
 
 
@@ -220,10 +271,10 @@ def main(argv=None) -> int:
     console = Console(width=100, highlight=False, soft_wrap=True)
     say = console.print if rank == 0 else (lambda *a, **k: None)
 
-    corpus = CharCorpus()
+    files = token_files(args)
     strategy = strategy_of(args)
     layout = MicroBatchLayout.of(strategy)
-    config = model_config(args, corpus, strategy)
+    config = model_config(args, files, strategy)
     switches = parse_switches(args.switch)
     strategies = [strategy] + [s for _, s in switches]
     events = {step: (i + 1, "planned switch") for i, (step, _) in enumerate(switches)}
@@ -234,8 +285,10 @@ def main(argv=None) -> int:
                                  symbols={"S": args.seq, "T": rows * args.seq}, seed=args.seed)
 
     say(describe_strategy(strategy).rstrip())
-    say(f"{layout} sequences of {args.seq} characters")
-    say(f"vocabulary: {len(corpus.chars)} characters (padded to {corpus.vocab}); model {config}")
+    loader = SequenceLoader(files, args.seq, args.seed)
+    say(f"{layout} sequences of {args.seq} tokens")
+    say(f"data: {files.documents} documents, {files.tokens} tokens ({files.tokenizer}), {loader.samples_per_epoch} "
+        f"sequences per epoch; model {config}")
     say("pipelines discovered from the specialized graphs:")
     for i, p in enumerate(trainer.spec.pipelines):
         say(f"  {i}: {p}")
@@ -244,8 +297,11 @@ def main(argv=None) -> int:
     if args.resume and args.init_from_hf:
         raise HSPMDError("--resume and --init-from-hf both say where the weights come from; give one")
     start = trainer.load_checkpoint(args.checkpoint) if args.resume else 0
+    data = DataState()
     if args.resume:
-        say(f"resumed from {args.checkpoint} at step {start}")
+        data = saved_state(args.checkpoint) or loader.skip(DataState(), start * rows)
+        say(f"resumed from {args.checkpoint} at step {start}; data at epoch {data.epoch}, sample {data.sample}")
+    record = SampleRecord(args.record_samples, rank)
     if args.init_from_hf:
         trainer.load_checkpoint(HFCheckpoint(args.init_from_hf, config))
         say(f"initialised from the Hugging Face model in {args.init_from_hf}")
@@ -263,8 +319,10 @@ def main(argv=None) -> int:
     report = StepReport(console, start, args.steps, args.log_every) if rank == 0 else None
     for step in range(start, args.steps):
         tick = time.monotonic()
-        loss = trainer.step(corpus.batch(step, rows, args.seq, args.seed))
+        batch, data = loader.share(trainer, data)
+        loss = trainer.step(batch)
         step_seconds.append(time.monotonic() - tick)
+        record.add(step + 1, trainer, batch, loss)
         step_end_times.append(time.time())
         if loss is not None:
             losses.append(loss)
@@ -285,17 +343,17 @@ def main(argv=None) -> int:
             report = StepReport(console, step + 1, args.steps, args.log_every) if rank == 0 else None
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
             if args.sharded:
-                pending.append(trainer.save_sharded(args.checkpoint))  # training goes on meanwhile
+                pending.append(trainer.save_sharded(args.checkpoint, data=data.to_json()))  # training goes on meanwhile
             else:
-                trainer.save_checkpoint(args.checkpoint)
+                trainer.save_checkpoint(args.checkpoint, data=data.to_json())
     if report is not None:
         report.close()
     if args.sharded:
-        for save in pending + [trainer.save_sharded(args.checkpoint)]:
+        for save in pending + [trainer.save_sharded(args.checkpoint, data=data.to_json())]:
             if save is not None:
                 save.wait()
     else:
-        trainer.save_checkpoint(args.checkpoint)
+        trainer.save_checkpoint(args.checkpoint, data=data.to_json())
     seconds = time.monotonic() - began
     if losses:
         say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps} "
@@ -387,10 +445,10 @@ def train_elastic(args) -> int:
         raise HSPMDError("--init-from-hf is for plain jobs; start without --elastic")
     membership = Membership.from_env()
     say_place(RankPlace.from_env())
-    corpus = CharCorpus()
+    files = token_files(args)
     strategy = strategy_of(args)
     rows = MicroBatchLayout.of(strategy).global_batch_size
-    config = model_config(args, corpus, strategy)
+    config = model_config(args, files, strategy)
     if membership.rank == min(membership.alive):
         write_model_config(args.checkpoint, config)
     switches = parse_switches(args.switch)
@@ -406,7 +464,9 @@ def train_elastic(args) -> int:
         return build_llama(config, list(strategies), optimizer=AdamW(lr=args.lr), compute_dtype=dtype).graph
 
     options = dict(schedule=args.schedule, symbols={"S": args.seq, "T": rows * args.seq}, seed=args.seed,
-                   kills=[KillPoint.parse(k) for k in args.kill], describe=format_strategy, sharded=args.sharded)
+                   kills=[KillPoint.parse(k) for k in args.kill], describe=format_strategy, sharded=args.sharded,
+                   data=SequenceLoader(files, args.seq, args.seed))
+    record = SampleRecord(args.record_samples, membership.rank)
     if membership.joining:  # a restarted rank (--max-restarts): take its pieces from the survivors
         trainer = ElasticTrainer.join(build, membership, **options)
         print(f"rank {membership.rank}: restarted, joined at step {trainer.steps_done} under "
@@ -420,6 +480,7 @@ def train_elastic(args) -> int:
     step_end_times = {}
 
     def on_step(step, loss):
+        record.add(step, trainer.trainer, trainer.last_batch, loss)
         step_end_times[step] = time.time()
         if loss is not None and (step % max(1, args.log_every) == 0 or step == args.steps):
             say(f"step {step:>4}/{args.steps}  loss {loss:.4f}  {time.monotonic() - tick[0]:.2f}s")
@@ -446,8 +507,7 @@ def train_elastic(args) -> int:
         say(f"  one fused BSR moved {len(plan.names)} parameters and optimizer states in {plan.fused.messages} "
             f"messages, {sum(plan.fused.bytes_sent.values()) / 2**20:.2f} MiB (no restart, no checkpoint)")
 
-    losses = trainer.train(args.steps, lambda k: corpus.batch(k, rows, args.seq, args.seed), switches,
-                           args.save_every, args.checkpoint, on_step, on_failure, on_switch)
+    losses = trainer.train(args.steps, None, switches, args.save_every, args.checkpoint, on_step, on_failure, on_switch)
     trainer.save(args.checkpoint)
     seconds = time.monotonic() - began
     say(f"finished {args.steps} steps on ranks {list(membership.alive)} in {seconds:.1f}s; "

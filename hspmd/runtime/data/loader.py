@@ -147,11 +147,14 @@ class SequenceLoader(_Walk):
         unknown = sorted(set(names) - set(FIELDS))
         if unknown:
             raise DataError(f"the model takes {unknown}, which token files do not give (they give {', '.join(FIELDS)})")
-        if not names:
-            return PipelineBatch(None if trainer.idle else trainer.pipeline, {}, ()), after
-        self.check_vocab(trainer.graph)
+        if trainer.idle:
+            return PipelineBatch(None, {}, ()), after
         first, stop = layout.pipeline_rows(trainer.pipeline)
-        windows, ids = self.windows(self.skip(state, first), stop - first)
+        start = self.skip(state, first)
+        if not names:  # a middle stage: it trains these samples but reads none of them
+            return PipelineBatch(trainer.pipeline, {}, self.ids(start, stop - first)), after
+        self.check_vocab(trainer.graph)
+        windows, ids = self.windows(start, stop - first)
         values = torch.from_numpy(windows)
         fields = {"tokens": values[:, :-1], "labels": values[:, 1:]}
         return PipelineBatch(trainer.pipeline, {name: fields[name] for name in names}, ids), after
@@ -174,7 +177,11 @@ class DocumentStep(Sequence):
         self._files, self._pieces = files, tuple(pieces)
         self.lengths = tuple(p.length - 1 for p in self._pieces)
         self.ids = tuple((p.epoch, p.document, p.offset) for p in self._pieces)
-        self.reads = 0
+        self.read: list[int] = []  # the sequences read so far, by index
+
+    @property
+    def reads(self) -> int:
+        return len(self.read)
 
     @property
     def counted(self) -> int:
@@ -186,7 +193,7 @@ class DocumentStep(Sequence):
 
     def __getitem__(self, i):
         p = self._pieces[i]
-        self.reads += 1
+        self.read.append(i)
         window = torch.from_numpy(self._files.document(p.document, p.offset, p.offset + p.length).astype(np.int64))
         return window[:-1], window[1:]
 

@@ -304,11 +304,11 @@ class ShardedReader:
         return int(self.index["step"])
 
     @property
-    @property
     def data(self) -> str | None:
         """The data loader's state saved with the weights (JSON text), if any."""
         return self.index.get("data")
 
+    @property
     def names(self) -> list[str]:
         return list(self.index["tensors"])
 
