@@ -8,7 +8,9 @@ ranks notice, re-form their groups without it, recover its pieces from replicas 
 strategy (asymmetric unions across the two pipelines), the plan of the once-per-step gradient
 synchronisation between the pipelines (as `hspmd explain` prints it) and the 1F1B schedule of the
 two-stage pipeline. Then it runs `hspmd run -n 4 examples/llama/train.py` through the launcher
-and ends with a summary: how the loss moved and where the checkpoint is. A last phase trains on a
+on token files (the shipped documents prepared as bytes at start, or --data: each rank reads only
+its pipeline's rows, and the loader's position survives the switches and the recovery) and ends
+with a summary: how the loss moved and where the checkpoint is. A last phase trains on a
 long-tailed corpus with a strategy per step (examples/mixed_length): each step's chosen strategy,
 its dispatch of sequences to pipelines and micro-batches, and the switches.
 """
@@ -87,7 +89,7 @@ def show_recovery() -> None:
     print(f"  equal to the paper's C2: {same}; the lost stage's weights come from pipeline 0 (HD unions, ZeRO off)")
 
 
-def show_mixed_length(steps: int) -> int:
+def show_mixed_length(steps: int, data: str | None = None) -> int:
     """Mixed-length training (Hetu v2 §7.3): the paper's selection rule at 32K context, then
     4 gloo processes on the long-tailed corpus, each step's strategy, dispatch and switches."""
     from hspmd.planning.dispatch import select_entry
@@ -101,7 +103,8 @@ def show_mixed_length(steps: int) -> int:
     script = example_script("mixed_length")
     _rule(f"training: hspmd run -n 4 {script.relative_to(script.parents[2])} --steps {steps}")
     sys.stdout.flush()
-    code = launch([sys.executable, str(script), "--steps", str(steps)], 4, backend="gloo")
+    code = launch([sys.executable, str(script), "--steps", str(steps), *(["--data", data] if data else [])], 4,
+                  backend="gloo")
     if code != 0:
         print(f"hspmd demo: mixed-length training failed (exit code {code}); the failing rank's error is above",
               file=sys.stderr)
@@ -117,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=non_negative_int, default=50,
                         help="rank 3's process SIGKILLs itself inside this step; the others recover and finish (0: never)")
     parser.add_argument("--out", default=os.path.join("runs", "demo"), help="where the checkpoint and summary go")
+    parser.add_argument("--data", default=None, metavar="PREFIX",
+                        help="token files from `hspmd data prepare` for both trainings (default: the shipped documents, "
+                             "prepared as bytes at start)")
     parser.add_argument("--mixed-steps", type=non_negative_int, default=6,
                         help="steps of the mixed-length phase (a strategy per step; 0: skip it)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -144,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             command += ["--switch", f"{args.switch_at + 20}={STRATEGY}"]
     if 0 < args.kill_at <= args.steps:
         command += ["--kill", f"{args.kill_at}=3"]
+    if args.data:
+        command += ["--data", args.data]
     _rule(f"training: hspmd run -n 4 --elastic {script.relative_to(script.parents[2])} --steps {args.steps}")
     sys.stdout.flush()
     code = launch(command, 4, backend="gloo", elastic=True)
@@ -159,13 +167,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for failure in summary.get("failures", []):
         print(f"  rank(s) {failure['ranks']} died in step {failure['step']}; ranks {summary['survivors']} recovered in "
               f"{failure['recovery_seconds']:.2f}s without a restart and redid that step under {failure['strategy']}")
+    if "data" in summary:
+        data = json.loads(summary["data"])
+        print(f"  data: each rank read only its pipeline's rows; every sample once, in order, through the switches "
+              f"and the recovery; next: epoch {data['epoch']}, sample {data['sample']}")
     print(f"  training {summary['seconds']:.1f}s, demo total {time.monotonic() - began:.1f}s")
     print(f"  checkpoint: {summary['checkpoint']}")
     shown = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else str(script)
     print(f"  continue it: hspmd run -n 4 {shown} --strategy '{summary.get('final_strategy', STRATEGY)}' "
           f"--checkpoint {checkpoint} --resume --steps {args.steps + 20}")
     if args.mixed_steps > 0:
-        code = show_mixed_length(args.mixed_steps)
+        code = show_mixed_length(args.mixed_steps, args.data)
         if code != 0:
             return code
     return 0

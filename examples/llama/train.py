@@ -368,7 +368,8 @@ def main(argv=None) -> int:
             json.dump({"losses": losses, "start_step": start, "steps": args.steps, "seconds": seconds,
                        "checkpoint": os.path.abspath(args.checkpoint), "schedule": args.schedule,
                        "world_size": backend.world_size, "strategy": args.strategy,
-                       "step_end_times": step_end_times, "step_seconds": step_seconds, **timing}, f, indent=1)
+                       "step_end_times": step_end_times, "step_seconds": step_seconds, **timing,
+                       "data": data.to_json()}, f, indent=1)
     backend.shutdown()
     return 0
 
@@ -519,7 +520,8 @@ def train_elastic(args) -> int:
                        "world_size": membership.world_size, "strategy": args.strategy,
                        "final_strategy": format_strategy(trainer.strategy), "survivors": list(membership.alive),
                        "step_end_times": [step_end_times[k] for k in sorted(step_end_times)],
-                       "failures": [f.as_json() for f in trainer.failures]}, f, indent=1)
+                       "failures": [f.as_json() for f in trainer.failures], "data": trainer.data_state.to_json()},
+                      f, indent=1)
     membership.close()
     return 0
 

@@ -3,7 +3,13 @@ the step's longest sequence; sequences dispatched to the strategy's pipelines by
 packed into rows (Hetu v2 §7.3, Hetu-B); or, with --buckets, length buckets run one after
 another inside each step (Hetu-A / HotSPa).
 
-    hspmd run -n 4 examples/mixed_length/train.py [--steps 8] [--tokens 256] [--buckets]
+    hspmd run -n 4 examples/mixed_length/train.py [--steps 8] [--tokens 256] [--buckets] [--data PREFIX]
+
+The data: the shipped long-tailed documents (documents.txt, one per line), prepared as bytes into
+token files at start (or --data: files from `hspmd data prepare`); each epoch shuffles them, and a
+step takes whole documents (hspmd.runtime.data.loader.DocumentLoader) until --tokens labels. Every
+rank knows each sequence's length from the index and reads only the sequences dispatched to its
+pipeline.
 
 The pool mirrors the paper's Table 11 on 4 ranks. A rank holds the activations of at most UNIT
 (48) tokens per micro-batch (a stand-in for GPU memory; tensor parallelism shares them), so a
@@ -21,18 +27,24 @@ Rank 0 prints each step's strategy, dispatch (pipeline: [packed lengths] per mic
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from longtail import LongTailCorpus  # noqa: E402
 from hspmd.backends.from_env import backend_from_env  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.ops import AdamW  # noqa: E402
 from hspmd.planning.dispatch import PipelineCost, PoolEntry  # noqa: E402
+from hspmd.runtime.data.loader import DocumentLoader  # noqa: E402
+from hspmd.runtime.data.order import DataState  # noqa: E402
+from hspmd.runtime.data.prepare import prepare  # noqa: E402
+from hspmd.runtime.data.tokens import TokenFiles  # noqa: E402
 from hspmd.runtime.policies.mixed import MixedLengthTrainer  # noqa: E402
 from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 
@@ -48,6 +60,20 @@ POOL = (PoolEntry("TP4", 0, 4 * UNIT, (TP4,)), PoolEntry("DP2TP2", 1, 2 * UNIT, 
         PoolEntry("DP4", 2, UNIT, (TP1,) * 4), PoolEntry("TP2+2TP1", 3, 2 * UNIT, (TP2, TP1, TP1)))
 CALIBRATION_LENGTHS = (8, 16, 32, 48, 64, 96, 128, 192)
 CONFIG = dict(layers=2, hidden=64, heads=4, ffn=128)
+DOCUMENTS = Path(__file__).resolve().parent / "documents.txt"
+
+
+def token_files(data: str | None) -> TokenFiles:
+    """--data's token files, or the shipped documents prepared now as bytes in a scratch directory
+    of this rank's, removed at once (the open memory maps keep the files readable)."""
+    if data:
+        return TokenFiles(data)
+    scratch = tempfile.mkdtemp(prefix="hspmd-data-")
+    try:
+        prepare([str(DOCUMENTS)], os.path.join(scratch, "documents"), split="lines")
+        return TokenFiles(os.path.join(scratch, "documents"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def build(vocab: int):
@@ -60,13 +86,16 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--tokens", type=int, default=256, help="tokens per step (whole documents, at least this many)")
     p.add_argument("--buckets", action="store_true", help="Hetu-A: length buckets inside each step")
+    p.add_argument("--data", default=None, metavar="PREFIX", help="prepared token files (default: the shipped documents)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the data order")
     p.add_argument("--calibrate", action="store_true",
                    help="measure the pool's costs and the switch price here first; choose strategies by cost")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     backend = backend_from_env()
-    corpus = LongTailCorpus()
-    model = build(corpus.vocab)
+    files = token_files(args.data)
+    loader, state = DocumentLoader(files, longest=4 * UNIT, seed=args.seed), DataState()
+    model = build(files.vocab)
     trainer = MixedLengthTrainer(model.graph, POOL, backend, symbols={"S": 16, "T": 16}, passes=20,
                                  by_cost=args.calibrate)
     lead = backend.rank == 0
@@ -79,14 +108,14 @@ def main(argv=None) -> int:
                       f"micro-batch, {entry.sync * 1e3:.0f} ms per step")
             print(f"calibrated switch: {trainer.switch_seconds * 1e3:.0f} ms")
     for i in range(args.steps):
-        samples = corpus.step(i, args.tokens)
+        samples, state = loader.step(state, args.tokens)
         began = time.perf_counter()
         loss = (trainer.step_buckets if args.buckets else trainer.step)(samples)
         seconds = time.perf_counter() - began
         if lead:
             report = trainer.history[-1]
             switched = ", ".join(f"{a} -> {b}" for a, b in report.switches) or "none"
-            print(f"step {i + 1}: {len(samples)} sequences, longest {max(len(t) for t, _ in samples)}, "
+            print(f"step {i + 1}: {len(samples)} sequences, longest {max(samples.lengths)}, "
                   f"loss {loss:.4f}, {seconds:.2f}s, switches: {switched}")
             for k, d, lengths in zip(report.entries, report.dispatches, report.lengths):
                 print(f"  {POOL[k].name}:")

@@ -41,6 +41,9 @@ def _files(dataset: TokenFiles | str | os.PathLike) -> TokenFiles:
     return dataset if isinstance(dataset, TokenFiles) else TokenFiles(dataset)
 
 
+_MEMO = 4096  # positions whose document is remembered (a few steps' worth; constant memory)
+
+
 class _Walk:
     """Positions in the epochs' document streams (shared by both loaders)."""
 
@@ -48,13 +51,26 @@ class _Walk:
         self.files, self.seed = _files(dataset), seed
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DataError(f"the data seed must be a non-negative integer, got {seed!r}")
+        self._memo: dict[tuple[int, int], tuple[int, int, int]] = {}
+
+    def locate(self, epoch: int, position: int) -> tuple[int, int, int]:
+        """(document, index of its first token in the .bin, its length) at `position` of `epoch`'s order;
+        the last few thousand positions asked for are remembered (a step walks the same ones again)."""
+        key = (epoch, position)
+        found = self._memo.get(key)
+        if found is None:
+            if len(self._memo) >= _MEMO:
+                self._memo.clear()
+            document = permuted(position, self.files.documents, self.seed, epoch)
+            found = self._memo[key] = (document, *self.files.span(document))
+        return found
 
     def document(self, epoch: int, position: int) -> int:
         """The dataset's document at `position` of `epoch`'s order."""
-        return permuted(position, self.files.documents, self.seed, epoch)
+        return self.locate(epoch, position)[0]
 
     def length(self, epoch: int, position: int) -> int:
-        return self.files.length(self.document(epoch, position))
+        return self.locate(epoch, position)[2]
 
     def check_vocab(self, graph) -> None:
         """The dataset's ids must lie inside the model's vocabulary (the tokens placeholder's range)."""
@@ -123,9 +139,10 @@ class SequenceLoader(_Walk):
             ids.append(self.sample_id(state))
             position, offset, filled = state.document, state.offset, 0
             while filled < self.seq + 1:
-                piece = self.files.document(self.document(state.epoch, position), offset, offset + self.seq + 1 - filled)
-                out[row, filled: filled + len(piece)] = piece
-                filled += len(piece)
+                _, first, length = self.locate(state.epoch, position)
+                take = min(length - offset, self.seq + 1 - filled)
+                out[row, filled: filled + take] = self.files.bin[first + offset: first + offset + take]
+                filled += take
                 position, offset = position + 1, 0
             position, offset = self._walk(state, self.seq)
             state = DataState(state.epoch, state.sample + 1, position, offset)

@@ -14,7 +14,8 @@ between steps; it round-trips through JSON for checkpoints and elastic transacti
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from functools import lru_cache
 
 from hspmd.runtime.data.tokens import DataError
 
@@ -29,6 +30,11 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+@lru_cache(maxsize=64)
+def _round_keys(seed: int, epoch: int) -> tuple[int, ...]:
+    return tuple(_mix((seed & _M64) ^ _mix(epoch * ROUNDS + r + 1)) for r in range(ROUNDS))
+
+
 def permuted(index: int, count: int, seed: int, epoch: int) -> int:
     """The document at position `index` of epoch `epoch`'s order of `count` documents."""
     if not 0 <= index < count:
@@ -38,7 +44,7 @@ def permuted(index: int, count: int, seed: int, epoch: int) -> int:
     bits = (count - 1).bit_length()
     half = (bits + 1) // 2
     mask = (1 << half) - 1
-    keys = [_mix((seed & _M64) ^ _mix(epoch * ROUNDS + r + 1)) for r in range(ROUNDS)]
+    keys = _round_keys(seed, epoch)
     x = index
     while True:
         left, right = x >> half, x & mask
@@ -60,12 +66,13 @@ class DataState:
     offset: int = 0
 
     def __post_init__(self):
-        for name, value in asdict(self).items():
+        for name, value in (("epoch", self.epoch), ("sample", self.sample), ("document", self.document),
+                            ("offset", self.offset)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise DataError(f"data state: {name} must be a non-negative integer, got {value!r}")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps({"document": self.document, "epoch": self.epoch, "offset": self.offset, "sample": self.sample})
 
     @staticmethod
     def from_json(text: str, where: str) -> "DataState":

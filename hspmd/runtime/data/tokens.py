@@ -229,7 +229,7 @@ class TokenFiles:
         if size != m.bin_bytes or size != self.tokens * self.dtype.itemsize:
             raise DataError(f"{self.bin_path}: {size} bytes where the manifest says {m.bin_bytes} "
                             f"({self.tokens} tokens): truncated or damaged (prepare the dataset again)")
-        self._bin = np.memmap(self.bin_path, dtype=self.dtype, mode="r")
+        self.bin = np.memmap(self.bin_path, dtype=self.dtype, mode="r")  # every token, documents back to back
 
     def _check_index(self, m: _Manifest) -> None:
         n = m.documents
@@ -257,12 +257,15 @@ class TokenFiles:
     def length(self, document: int) -> int:
         return int(self.lengths[document])
 
+    def span(self, document: int) -> tuple[int, int]:
+        """(index in `bin` of the document's first token, its length)."""
+        return int(self.pointers[document]) // self.dtype.itemsize, int(self.lengths[document])
+
     def document(self, document: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Tokens [start, stop) of a document: a view of the memory map."""
-        first = int(self.pointers[document]) // self.dtype.itemsize
-        length = int(self.lengths[document])
+        first, length = self.span(document)
         stop = length if stop is None else min(stop, length)
-        return self._bin[first + start: first + stop]
+        return self.bin[first + start: first + stop]
 
     def __repr__(self) -> str:
         return (f"TokenFiles({self.prefix!r}: {self.documents} documents, {self.tokens} tokens, "
