@@ -49,6 +49,7 @@ from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import execute_switch, plan_switch, recover_strategy
 
 HISTORY = 4
+START = DataState()  # the data loader's state before a job's first step
 _VERSION = 1_000_000  # a version (steps, switches) as one integer: steps * _VERSION + switches
 
 
@@ -208,7 +209,7 @@ class _Version:
     trainer: Trainer
     strategy: int
     leaves: dict[str, torch.Tensor] = field(default_factory=dict)
-    data: DataState = DataState()
+    data: DataState = START
 
 
 class ElasticTrainer:
@@ -225,7 +226,7 @@ class ElasticTrainer:
     def __init__(self, build_graph: Callable[[Sequence[Strategy]], Graph], strategy: Strategy,
                  membership: Membership, schedule: str | None = None, symbols: Mapping[str, int] | None = None,
                  seed: int = 0, kills: Sequence[KillPoint] = (), describe: Callable[[Strategy], str] = str,
-                 sharded: bool = False, data: SequenceLoader | None = None, data_state: DataState = DataState()):
+                 sharded: bool = False, data: SequenceLoader | None = None, data_state: DataState = START):
         self._setup(build_graph, strategy, membership, schedule, symbols, seed, kills, describe, sharded, data, data_state)
         self.strategies: list[Strategy] = [strategy]
         self.graph = build_graph(self.strategies)
@@ -235,7 +236,7 @@ class ElasticTrainer:
     def _setup(self, build_graph, strategy: Strategy, membership: Membership, schedule: str | None = None,
                symbols: Mapping[str, int] | None = None, seed: int = 0, kills: Sequence[KillPoint] = (),
                describe: Callable[[Strategy], str] = str, sharded: bool = False, data: SequenceLoader | None = None,
-               data_state: DataState = DataState()) -> None:
+               data_state: DataState = START) -> None:
         self.build_graph, self.membership = build_graph, membership
         self.schedule, self.symbols, self.seed, self.describe = schedule, dict(symbols or {}), seed, describe
         self.kills = tuple(kills)
