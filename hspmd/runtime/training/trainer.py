@@ -44,7 +44,8 @@ from hspmd.runtime.persistence.checkpoint import (
 )
 from hspmd.runtime.execution.executor import ScheduleRun, run_schedule
 from hspmd.runtime.execution.checks import check_bound, check_feeds, check_seed, checked_ranks, checked_symbols
-from hspmd.runtime.persistence.sharded_checkpoint import PendingSave, ShardedReader, open_checkpoint, save_sharded
+from hspmd.runtime.persistence.dcp_checkpoint import DCPCheckpoint, open_any_checkpoint, save_dcp, save_pieces
+from hspmd.runtime.persistence.sharded_checkpoint import PendingSave, ShardedReader, save_sharded
 from hspmd.runtime.execution.trace import Tracer
 from hspmd.specialize import comm_plans
 from hspmd.specialize.schedules import Schedule, pipeline_schedule, schedule_for
@@ -551,14 +552,24 @@ class Trainer:
         return save_sharded(self.exe, dict(self.state.leaves), self.state.step, directory, self.devices, background,
                             job=self.backend.job, data=data)
 
+    def save_dcp(self, directory, names: Mapping[str, tuple[str, bool]] | None = None) -> None:
+        """Collective over the job's default process group (every rank, idle ones too): this rank
+        writes its own pieces as chunks of a torch Distributed Checkpoint under `directory`, which
+        torch.distributed.checkpoint loads into whole tensors or DTensors, and load_checkpoint
+        reads back under any strategy. hspmd.runtime.persistence.dcp_checkpoint."""
+        if self.idle:
+            save_pieces(directory, {}, {}, self.state.step, self.graph.name, self.backend.job)
+            return
+        save_dcp(self.exe, dict(self.state.leaves), self.state.step, directory, self.backend.job, names)
+
     def load_checkpoint(self, source) -> int:
         """Each rank reads only its own pieces from `source`: a checkpoint path (any strategy's
         checkpoint of this model, a single file or a sharded checkpoint directory) or a reader with a
         `step` (e.g. hspmd.runtime.persistence.hf_checkpoint.HFCheckpoint over a Hugging Face directory);
         returns the step count it was saved at. A checkpoint in hspmd's own formats must hold
         exactly this model's leaves (checkpoint.check_leaf_names)."""
-        reader = source if callable(source) else open_checkpoint(source)
-        if isinstance(reader, (CheckpointReader, ShardedReader)):
+        reader = source if callable(source) else open_any_checkpoint(source)
+        if isinstance(reader, (CheckpointReader, ShardedReader)) or (isinstance(reader, DCPCheckpoint) and reader.own):
             check_leaf_names(self.graph, reader.names, reader.path)
         self.state.leaves.update(cut_leaves(self.exe, reader, self.backend.device))
         self.state.accum.clear()
