@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hspmd.backends.local import LocalWorld
 from hspmd.errors import HSPMDError, StrategyError
 from hspmd.ir import initial_value
 from hspmd.models.llama import LlamaConfig, build_llama
@@ -18,8 +19,11 @@ from hspmd.ops.context import head_tail_order, in_token_order
 from hspmd.runtime.execution.batches import MicroBatchLayout
 from hspmd.runtime.execution.packing import counted_tokens, pack_row
 from hspmd.runtime.processes.multiprocess import run_multiprocess
+from hspmd.runtime.programs.compiling import compile_programs
+from hspmd.runtime.programs.runner import ProgramRunner
 from hspmd.runtime.training.inprocess import InProcessJob
 from hspmd.runtime.training.trainer import Trainer
+from hspmd.specialize.program import DeviceProgram
 from hspmd.specialize.strategy_text import parse_strategy
 from hspmd.testing import assert_weights_close
 
@@ -164,3 +168,37 @@ def test_context_parallel_on_gloo_processes(text):
         _compare(losses[0], results[0][0][step][1], *history[step])
     for name, value in final.items():
         assert_weights_close(results[0][1][name], value, LR, name)
+
+
+@pytest.mark.parametrize("text", ["1x2: R0,1 L0-1 cp2", "1x1: R0,1 L0-1 cp2=3,1"], ids=["ring", "uneven"])
+def test_context_parallel_programs_run_like_the_trainer(text):
+    """Per-device programs (through JSON) of a CP strategy: the same losses as the graph-based
+    Trainer, step after step (ring blocks, rotated layouts and uneven shares are plain data)."""
+    strategy, model, layout, feeds, _, _ = _setup(text, SEQ)
+    symbols = {"S": SEQ, "T": layout.global_batch_size * SEQ}
+    programs = compile_programs(model.graph, 0, layout, "1f1b", symbols, world_size=2)
+    world = LocalWorld(range(2))
+    runners = world.run(lambda b: ProgramRunner(DeviceProgram.from_json(programs[b.rank].to_json()), b))
+    trainers = world.run(lambda b: Trainer(model.graph, 0, b, layout, "1f1b", symbols))
+    for batch in feeds:
+        got = world.run(lambda b: runners[b.rank].step(batch))
+        want = world.run(lambda b: trainers[b.rank].step(batch))
+        assert got == want and got[0] is not None
+
+
+def test_cp_in_the_strategy_syntaxes():
+    from hspmd.specialize.strategy import Strategy
+    from hspmd.specialize.strategy_render import describe_strategy, strategy_map_text
+    from hspmd.specialize.strategy_text import StrategySyntaxError, format_strategy
+
+    s = parse_strategy("1x1: R0-3 L0 cp2=3,1 | R4,5 L1 cp2 ; cp_attention=all_gather")
+    first = s.pipelines[0].stages[0]
+    assert (first.cp, first.tp, first.cp_shares, first.cp_groups) == (2, 2, (3, 1), ((0, 1), (2, 3)))
+    assert s.max_cp == 2 and s.cp_attention == "all_gather"
+    assert parse_strategy(format_strategy(s)) == s and Strategy.from_dict(s.to_dict()) == s
+    assert "2 (3:1)" in describe_strategy(s) and "TP2xCP2(3:1)" in strategy_map_text(s)
+    for bad, what in (("1x1: R0-2 L0-1 cp2", "positive divisor"), ("1x1: R0-3 L0-1 cp2=1,2,3", "one per CP position"),
+                      ("1x1: R0-3 L0-1 cp2 ; cp_attention=zigzag", "must be one of"),
+                      ("1x1: R0-3 L0-1 cp2=0,1", "shares must be integers")):
+        with pytest.raises(StrategySyntaxError, match=what):
+            parse_strategy(bad)
