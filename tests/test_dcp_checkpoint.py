@@ -14,6 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hspmd.errors import CheckpointError, HSPMDError, ShapeError
+from hspmd.runtime.data.loader import saved_state
+from hspmd.runtime.data.order import DataState
 from hspmd.runtime.persistence.dcp_checkpoint import DCPCheckpoint, is_dcp_checkpoint, open_any_checkpoint, save_pieces
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -23,13 +25,14 @@ B = torch.arange(5, dtype=torch.float64)
 
 
 def test_hspmd_pieces_are_dcp_chunks_that_torch_loads_whole(tmp_path):
-    save_pieces(tmp_path, {"w": (((0, 7), (0, 6)), W), "b": (((0, 5),), B)}, {"w": (7, 6), "b": (5,)}, step=4, no_dist=True)
+    save_pieces(tmp_path, {"w": (((0, 7), (0, 6)), W), "b": (((0, 5),), B)}, {"w": (7, 6), "b": (5,)}, step=4, no_dist=True,
+                data=DataState().to_json())
     assert is_dcp_checkpoint(tmp_path) and isinstance(open_any_checkpoint(tmp_path), DCPCheckpoint)
     state = {"w": torch.zeros(7, 6), "b": torch.zeros(5, dtype=torch.float64)}
     dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
     assert torch.equal(state["w"], W) and torch.equal(state["b"], B)
     reader = DCPCheckpoint(tmp_path)
-    assert reader.step == 4 and sorted(reader.names) == ["b", "w"]
+    assert reader.step == 4 and sorted(reader.names) == ["b", "w"] and saved_state(tmp_path) == DataState()
     assert torch.equal(reader("w", ((2, 5), (1, 4)), (7, 6)), W[2:5, 1:4])
     reader.verify()
 

@@ -32,7 +32,7 @@ import torch
 from hspmd.runtime.data.order import DataState, permuted
 from hspmd.runtime.data.tokens import DataError, TokenFiles
 from hspmd.runtime.execution.batches import PipelineBatch
-from hspmd.runtime.persistence.sharded_checkpoint import open_checkpoint
+from hspmd.runtime.persistence.dcp_checkpoint import open_any_checkpoint
 
 FIELDS = ("tokens", "labels")
 
@@ -252,9 +252,9 @@ class DocumentLoader(_Walk):
 
 
 def saved_state(source) -> DataState | None:
-    """The data state a checkpoint was saved with (a path of either format, or an open reader);
+    """The data state a checkpoint was saved with (a path of any format, or an open reader);
     None if it was saved without one."""
-    reader = open_checkpoint(source) if isinstance(source, (str, os.PathLike)) else source
+    reader = open_any_checkpoint(source) if isinstance(source, (str, os.PathLike)) else source
     text = getattr(reader, "data", None)
     return None if text is None else DataState.from_json(text, reader.path)
 

@@ -107,15 +107,16 @@ def _save_planner(pieces: Mapping[str, tuple[tuple, torch.Tensor]], shapes: Mapp
 
 def save_pieces(directory, pieces: Mapping[str, tuple[tuple, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]],
                 step: int, graph_name: str = "", job: str = "", no_dist: bool = False,
-                names: Mapping[str, tuple[str, bool]] | None = None) -> str:
+                names: Mapping[str, tuple[str, bool]] | None = None, data: str | None = None) -> str:
     """Write a DCP checkpoint in which this process contributes `pieces` ({name: (box, tensor)}) of
     tensors of `shapes` (every name, on every rank). Collective over the default process group
     unless `no_dist` (one process writing every piece). `names` ({hspmd name: (stored name,
-    transposed)}) goes into the stamp, so that hspmd reads its leaves back by their own names."""
+    transposed)}) goes into the stamp, so that hspmd reads its leaves back by their own names; so
+    does `data`, the data loader's state at this step (JSON text)."""
     from torch.distributed.checkpoint import FileSystemWriter
     directory = os.fspath(directory)
     stamp = {"format": FORMAT, "step": int(step), "graph": str(graph_name), "job": str(job),
-             "names": {k: [stored, bool(transposed)] for k, (stored, transposed) in (names or {}).items()}}
+             "names": {k: [stored, bool(transposed)] for k, (stored, transposed) in (names or {}).items()}, "data": data}
     try:
         _dcp().save({}, storage_writer=FileSystemWriter(directory), planner=_save_planner(pieces, shapes, stamp),
                     no_dist=no_dist)
@@ -125,7 +126,7 @@ def save_pieces(directory, pieces: Mapping[str, tuple[tuple, torch.Tensor]], sha
 
 
 def save_dcp(exe: ExecutableGraph, leaves: Mapping[str, torch.Tensor], step: int, directory, job: str = "",
-             names: Mapping[str, tuple[str, bool]] | None = None) -> str:
+             names: Mapping[str, tuple[str, bool]] | None = None, data: str | None = None) -> str:
     """This device's part of a DCP checkpoint of every leaf (collective over the default process
     group: every rank of the job calls it, those holding no piece too): the boxes hspmd's sharded
     format assigns to this device's file. `names` maps hspmd names to (stored name, transposed),
@@ -144,7 +145,7 @@ def save_dcp(exe: ExecutableGraph, leaves: Mapping[str, torch.Tensor], step: int
                 box = tuple(tuple(b) for b in piece["box"])
                 value = leaves[name]
                 pieces[stored] = (tuple(reversed(box)), value.t()) if transposed else (box, value)
-    return save_pieces(directory, pieces, shapes, step, exe.graph.name, job, names=where)
+    return save_pieces(directory, pieces, shapes, step, exe.graph.name, job, names=where, data=data)
 
 
 def _load_planner(wanted: Iterable, metadata):
@@ -220,6 +221,11 @@ class DCPCheckpoint:
         self.chunks_read: list[tuple[str, int]] = []  # (stored name, chunk index) of every chunk read, in order
         stored = self.metadata.state_dict_metadata
         self.names = list(self.map) if self.map else [n for n in stored if hasattr(stored[n], "chunks")]
+
+    @property
+    def data(self) -> str | None:
+        """The data loader's state saved with the weights (JSON text), if any."""
+        return self.stamp.get("data")
 
     def _where(self, name: str) -> tuple[str, bool] | None:
         if not self.map:

@@ -552,15 +552,16 @@ class Trainer:
         return save_sharded(self.exe, dict(self.state.leaves), self.state.step, directory, self.devices, background,
                             job=self.backend.job, data=data)
 
-    def save_dcp(self, directory, names: Mapping[str, tuple[str, bool]] | None = None) -> None:
+    def save_dcp(self, directory, names: Mapping[str, tuple[str, bool]] | None = None, data: str | None = None) -> None:
         """Collective over the job's default process group (every rank, idle ones too): this rank
         writes its own pieces as chunks of a torch Distributed Checkpoint under `directory`, which
         torch.distributed.checkpoint loads into whole tensors or DTensors, and load_checkpoint
-        reads back under any strategy. hspmd.runtime.persistence.dcp_checkpoint."""
+        reads back under any strategy; `data`: the data loader's state at this step (JSON text).
+        hspmd.runtime.persistence.dcp_checkpoint."""
         if self.idle:
-            save_pieces(directory, {}, {}, self.state.step, self.graph.name, self.backend.job)
+            save_pieces(directory, {}, {}, self.state.step, self.graph.name, self.backend.job, data=data)
             return
-        save_dcp(self.exe, dict(self.state.leaves), self.state.step, directory, self.backend.job, names)
+        save_dcp(self.exe, dict(self.state.leaves), self.state.step, directory, self.backend.job, names, data)
 
     def load_checkpoint(self, source) -> int:
         """Each rank reads only its own pieces from `source`: a checkpoint path (any strategy's
