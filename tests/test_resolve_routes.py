@@ -17,7 +17,7 @@ from hspmd.comm_resolve import Plan
 from hspmd.comm_resolve.bounds import reshard_bound, route_bound
 from hspmd.comm_resolve.compare import alternatives, chosen_route
 from hspmd.comm_resolve.explain import main as explain_main
-from hspmd.comm_resolve.resolver import VIAS, cheaper
+from hspmd.comm_resolve.resolver import VIAS, cheaper, subgroup_by_subgroup
 from hspmd.comm_resolve.slices import box_volume
 from hspmd.comm_resolve.verify import check_plan
 from hspmd.errors import UnsupportedReshard
@@ -176,9 +176,12 @@ def test_the_default_plan_is_the_cheapest_route(case, cluster, seed):
     plan = resolve(src, dst, shape, cluster, dtype="float64")
     alts = alternatives(src, dst, shape, cluster, dtype="float64")
     times = {via: p.estimated_seconds for via, p in alts.items() if isinstance(p, Plan)}
-    assert plan.estimated_seconds == pytest.approx(min(times.values()), rel=1e-8, abs=1e-15)
     via = chosen_route(alts, plan)  # the pick is one of the routes --compare lists
-    assert not any(cheaper(t, times[via]) for v, t in times.items() if VIAS.index(v) < VIAS.index(via))
+    if subgroup_by_subgroup(src, dst, shape):  # the top tier stays: each subgroup on its own, whatever the prices
+        assert plan == alts["hierarchical"]
+    else:
+        assert plan.estimated_seconds == pytest.approx(min(times.values()), rel=1e-8, abs=1e-15)
+        assert not any(cheaper(t, times[via]) for v, t in times.items() if VIAS.index(v) < VIAS.index(via))
     assert resolve(src, dst, shape, cluster, dtype="float64") == plan  # the same on every device
     # the bounds that let resolve skip routes are below what the routes cost
     floor = reshard_bound(src, dst, shape, 8, plan.topology)
@@ -234,3 +237,20 @@ def test_large_tensors_across_the_shared_link_keep_the_direct_plan():
     src, dst, shape = "S0:4,S1:4@[0-15]", "S0:8,S1:2@[16-31]", (16, 8192, 4096)
     plan = resolve(src, dst, shape, "hetauto-a100-2x16", dtype="bfloat16")
     assert plan.primitives == ("BatchedSendRecv",) and _between_sites(plan, 16) == 32
+
+
+def test_a_union_that_keeps_its_top_tier_never_sends_across_subgroups():
+    """The tied head of `1x1: R0,1 L0 | R2-5 L1 ; 1x1: R6 L0 | R7-10 L1`: the table goes from each
+    pipeline's first stage to its own last stage (Hetu v2 §4.1), though the direct BSR, which would
+    feed pipeline 1's last stage from device 1, is priced lower; --compare still lists it."""
+    src, dst, shape = "HD{S0:2@[0,1] | @[6]}", "HD{S0:4@[2-5] | S0:4@[7-10]}", (64, 32)
+    alts = alternatives(src, dst, shape)
+    plan = resolve(src, dst, shape)
+    assert subgroup_by_subgroup(src, dst, shape)
+    assert alts["direct"].estimated_seconds < alts["hierarchical"].estimated_seconds
+    assert chosen_route(alts, plan) == "hierarchical"
+    pipeline = {0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0, 6: 1, 7: 1, 8: 1, 9: 1, 10: 1}
+    moved = [t for s in plan.steps for t in s.transfers if t.src != t.dst]
+    assert moved and all(pipeline[t.src] == pipeline[t.dst] for t in moved)
+    assert any(pipeline[t.src] != pipeline[t.dst] for s in alts["direct"].steps for t in s.transfers)
+    assert not subgroup_by_subgroup("H0(1:2){@[0] | @[1]}", "H0(2:1){@[0] | @[1]}", (3, 2))  # regions change

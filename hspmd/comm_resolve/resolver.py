@@ -41,7 +41,9 @@ to the earlier one:
   dim 0 (S3: bottom-tier gather, top-tier send, bottom-tier split).
 
 `via` forces one route. Lower bounds (bounds.py) keep the choice cheap: routes that cannot win
-are not built.
+are not built. A reshard that keeps its top tier (decision 1 with HSize above 1) is not priced
+against the other routes: it resolves subgroup by subgroup (`subgroup_by_subgroup`), so route
+choice never joins subgroups that a strategy keeps apart, such as pipelines.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from functools import partial
 from typing import Iterable, Sequence
 
 from hspmd.annotations import Annotation, Box, Subgroup, device_piece, device_pieces, parse
-from hspmd.annotations.geometry import check_ratios, device_pieces_of, region_extents
+from hspmd.annotations.geometry import check_ratios, device_pieces_of, kept_regions, region_extents
 from hspmd.comm_resolve.bounds import lacks, reshard_bound, route_bound
 from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, local_copies, plan_transfers
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets
@@ -245,6 +247,8 @@ def _cheapest(ctx: Resolution, dtype: str) -> Plan:
     best = _plan(ctx, dtype, _route(ctx.src, ctx.dst, ctx), ctx.fallbacks)
     if ctx.src.has_partial or best.estimated_seconds == 0.0:  # every other route moves values
         return best
+    if _subgroup_by_subgroup(ctx.src, ctx.dst, ctx.shape):  # the other routes may join what the union keeps apart
+        return best
     floor = reshard_bound(ctx.src, ctx.dst, ctx.shape, ctx.itemsize, ctx.topology)
     tried = set()
     for via in VIAS[1:]:
@@ -267,6 +271,20 @@ def _cheapest(ctx: Resolution, dtype: str) -> Plan:
         if cheaper(plan.estimated_seconds, best.estimated_seconds):
             best = plan
     return best
+
+
+def subgroup_by_subgroup(src: Annotation | str, dst: Annotation | str, shape: Sequence[int]) -> bool:
+    """Whether `src` -> `dst` keeps its top tier (the same HSize above 1, the same HDim, the same
+    subgroup regions), so that each subgroup reshards on its own (Hetu v2 §4.1). Such a reshard
+    takes the hierarchical route only, however the other routes are priced: their messages may go
+    from any subgroup to any other, and a strategy's subgroups are what it keeps apart (pipelines:
+    a tied head sent from one pipeline's first stage into another's last stage would join them)."""
+    src, dst = parse(src), parse(dst)
+    return _subgroup_by_subgroup(src, dst, concrete_shape(shape, src, dst))
+
+
+def _subgroup_by_subgroup(src: Annotation, dst: Annotation, shape: tuple[int, ...]) -> bool:
+    return src.hsize == dst.hsize > 1 and src.hdim == dst.hdim and kept_regions(src, shape) == kept_regions(dst, shape)
 
 
 def _plan(ctx: Resolution, dtype: str, steps: list[Step], fallbacks: Sequence[str] = ()) -> Plan:
@@ -523,4 +541,4 @@ def _transfers(src: Annotation, dst: Annotation, ctx: Resolution, restrict: int 
     return plan_transfers([TensorSlices(0, len(ctx.shape), owners, needs)], ctx.topology, ctx.itemsize)
 
 
-__all__ = ["VIAS", "bind_ratios", "concrete_shape", "resolve"]
+__all__ = ["VIAS", "bind_ratios", "concrete_shape", "resolve", "subgroup_by_subgroup"]
