@@ -19,7 +19,7 @@ from hspmd.runtime.data.order import DataState
 from hspmd.runtime.data.tokens import TokenFiles
 from hspmd.runtime.processes.launcher import launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("data_exact_order")]  # one worker: one reference run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "llama" / "train.py")

@@ -111,9 +111,12 @@ def test_documents_give_every_label_once_per_epoch(tmp_path):
 
 
 def test_bad_loader_input(tmp_path):
+    (tmp_path / "ones").mkdir()
     files = make_dataset(tmp_path, [3, 2])
     with pytest.raises(DataError, match="make no sequence of 8"):
         SequenceLoader(files, 8)
+    with pytest.raises(DataError, match="every document has fewer than 2 tokens"):
+        DocumentLoader(make_dataset(tmp_path / "ones", [1, 1, 1]), longest=4).step(DataState(), 5)
     with pytest.raises(DataError, match="data state is damaged"):
         DataState.from_json('{"epoch": -1, "sample": 0, "document": 0, "offset": 0}', "ckpt")
     with pytest.raises(DataError, match="ckpt: the data state is damaged"):

@@ -223,24 +223,24 @@ class DocumentLoader(_Walk):
         super().__init__(dataset, seed)
         if isinstance(longest, bool) or not isinstance(longest, int) or longest < 1:
             raise DataError(f"the longest sequence must be a positive number of tokens, got {longest!r}")
-        if int(self.files.lengths.max()) < 2:
-            raise DataError(f"{self.files.bin_path}: every document has fewer than 2 tokens: nothing to predict")
         self.longest = longest
 
     def step(self, state: DataState, tokens: int) -> tuple[DocumentStep, DataState]:
         """The sequences of the step starting at `state`, taken until they hold at least `tokens`
         labels, and the state after them."""
-        pieces, total = [], 0
+        pieces, total, barren = [], 0, 0
         epoch, position, offset, sample = state.epoch, state.document, state.offset, state.sample
         n = self.files.documents
         while total < tokens:
             if position >= n:
                 epoch, position, offset, sample = epoch + 1, 0, 0, 0
-            document = self.document(epoch, position)
-            length = self.files.length(document)
+            document, _, length = self.locate(epoch, position)
             if length - offset < 2:
-                position, offset = position + 1, 0
+                position, offset, barren = position + 1, 0, barren + 1
+                if barren > n:
+                    raise DataError(f"{self.files.bin_path}: every document has fewer than 2 tokens: nothing to predict")
                 continue
+            barren = 0
             size = min(self.longest + 1, length - offset)
             pieces.append(_Piece(epoch, position, document, offset, size))
             total += size - 1
