@@ -68,8 +68,11 @@ def test_a_piece_is_one_chunk_and_a_box_reads_only_the_chunks_it_meets(tmp_path)
     assert reader.chunks_read == [("b", 0)]  # w's chunk is not read for a box of b
 
 
-def test_a_flipped_byte_or_damaged_metadata_is_named(tmp_path):
+def test_a_flipped_byte_or_damaged_metadata_is_named(tmp_path, capsys):
+    from hspmd.cli import main as cli_main
     save_pieces(tmp_path, {"w": (((0, 7), (0, 6)), W)}, {"w": (7, 6)}, step=1, no_dist=True)
+    assert cli_main(["checkpoint", "verify", str(tmp_path)]) == 0
+    assert "step 1, 1 tensors, every one matches its checksum" in capsys.readouterr().out
     path = glob.glob(os.path.join(tmp_path, "*.distcp"))[0]
     data = bytearray(open(path, "rb").read())
     at = bytes(data).find(W[5].numpy().tobytes())
@@ -78,6 +81,9 @@ def test_a_flipped_byte_or_damaged_metadata_is_named(tmp_path):
     open(path, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match=rf"tensor w's chunk at offsets \(0, 0\) in .*{os.path.basename(path)} fails its checksum"):
         DCPCheckpoint(tmp_path)("w", ((0, 1), (0, 1)), (7, 6))
+    assert cli_main(["checkpoint", "verify", str(tmp_path)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("hspmd: error: DCP checkpoint") and "fails its checksum" in line and "\n" not in line
     data[len(data) - 30] ^= 0xFF  # the zip directory: the file cannot be read at all
     open(path, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match=rf"cannot be read from .*{os.path.basename(path)}"):

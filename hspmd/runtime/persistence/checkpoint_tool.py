@@ -1,5 +1,6 @@
 """`hspmd checkpoint ...`: tools over checkpoint files (export-hf writes a Hugging Face directory;
-inspect and consolidate read sharded checkpoints; verify checks every tensor of either format).
+inspect and consolidate read sharded checkpoints; verify checks every tensor of any format hspmd
+writes, DCP included).
 Run through `hspmd.cli.main`, which turns an HSPMDError into one `hspmd: error:` line and exit
 status 2."""
 
@@ -9,7 +10,8 @@ import torch
 
 from hspmd.arguments import ArgumentParser
 from hspmd.runtime.persistence.hf_checkpoint import export_checkpoint
-from hspmd.runtime.persistence.sharded_checkpoint import consolidate, inspect, open_checkpoint
+from hspmd.runtime.persistence.dcp_checkpoint import open_any_checkpoint
+from hspmd.runtime.persistence.sharded_checkpoint import consolidate, inspect
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,10 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("path", help="a sharded checkpoint directory (its latest step) or one step directory")
     merge.add_argument("out", help="the .safetensors file to write (an hspmd single-file checkpoint too)")
     sub.add_parser("verify", help="read every tensor (every stored piece) of a checkpoint and check its sha256").add_argument(
-        "path", help="a single-file checkpoint, a sharded checkpoint directory (its latest step) or one step directory")
+        "path", help="a single-file checkpoint, a sharded checkpoint directory (its latest step), one step directory, "
+                     "or a torch Distributed Checkpoint directory hspmd wrote")
     args = parser.parse_args(argv)
     if args.tool == "verify":
-        reader = open_checkpoint(args.path)
+        reader = open_any_checkpoint(args.path)
         reader.verify()
         print(f"{reader.path}: step {reader.step}, {len(reader.names)} tensors, every one matches its checksum")
     elif args.tool == "inspect":
