@@ -169,8 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{failure['recovery_seconds']:.2f}s without a restart and redid that step under {failure['strategy']}")
     if "data" in summary:
         data = json.loads(summary["data"])
-        print(f"  data: each rank read only its pipeline's rows; every sample once, in order, through the switches "
-              f"and the recovery; next: epoch {data['epoch']}, sample {data['sample']}")
+        print(f"  data: each rank read only its pipeline's rows; the loader's position moved with the weights through "
+              f"the switches and the recovery; next: epoch {data['epoch']}, sample {data['sample']}")
     print(f"  training {summary['seconds']:.1f}s, demo total {time.monotonic() - began:.1f}s")
     print(f"  checkpoint: {summary['checkpoint']}")
     shown = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else str(script)

@@ -4,6 +4,8 @@ training on the ranks' shares equals training on the global batch and a single-d
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -234,3 +236,33 @@ def test_mixed_length_ranks_read_only_their_dispatched_sequences(tmp_path, bucke
         assert rec[3] == pytest.approx(ref, abs=1e-5, rel=1e-5)
     for name, value in final.items():
         assert_weights_close(results[0][1][name], value, LR, name)
+
+
+def test_the_data_state_rides_in_both_checkpoint_formats(tmp_path):
+    """save_checkpoint / save_sharded keep the loader's state; saved_state reads it back (None
+    without one); a damaged one is named by its file."""
+    from hspmd.errors import CheckpointError
+    from hspmd.runtime.data.loader import saved_state
+    from hspmd.runtime.persistence.checkpoint import DATA_KEY
+
+    strategy = parse_strategy(HETERO)
+    model = build_llama(LlamaConfig(vocab=64, hidden=16, layers=2, heads=2, ffn=32), [strategy], optimizer=AdamW(lr=1e-3))
+    job = InProcessJob(model.graph, 0, strategy, symbols={"S": 8, "T": 96})
+    state = DataState(epoch=2, sample=37, document=5, offset=11)
+    single, sharded, bare = tmp_path / "c.safetensors", tmp_path / "sharded", tmp_path / "bare.safetensors"
+    job.world.run(lambda b: job.trainers[b.rank].save_checkpoint(single, data=state.to_json()))
+    job.world.run(lambda b: job.trainers[b.rank].save_sharded(sharded, background=False, data=state.to_json()))
+    job.world.run(lambda b: job.trainers[b.rank].save_checkpoint(bare))
+    assert saved_state(str(single)) == state == saved_state(str(sharded))
+    assert saved_state(str(bare)) is None
+    index = sharded / "step-00000000" / "index.json"
+    text = json.loads(index.read_text())
+    text["data"] = 7
+    index.write_text(json.dumps(text))
+    with pytest.raises(CheckpointError, match="index field data: "):
+        saved_state(str(sharded))
+    text["data"] = '{"epoch": 1}'
+    index.write_text(json.dumps(text))
+    with pytest.raises(DataError, match=f"{index.parent}: the data state is damaged"):
+        saved_state(str(sharded))
+    assert DATA_KEY == "hspmd.data"
