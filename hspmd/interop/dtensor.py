@@ -5,7 +5,7 @@ A DTensor's spec gives its placements and shard order (`_StridedShard` placement
 order with torch's own decoder); Shard, Replicate and Partial("sum") cross, other Partial reductions
 and placement kinds are refused by name. The local tensor crosses as it is (a Partial summand stays
 a summand). `to_dtensor` finds the placements (with `_StridedShard` where the shard order is not the
-mesh's) on the mesh given, or on a mesh made from the annotation (`mesh_of`), and checks the local
+mesh's) on the mesh given, or on a mesh made from the annotation (`layout_on_a_mesh_of`), and checks the local
 tensor's shape against this rank's piece.
 """
 
@@ -19,7 +19,7 @@ from hspmd.annotations.geometry import device_pieces
 from hspmd.annotations.syntax import parse
 from hspmd.annotations.union import Annotation
 from hspmd.errors import InteropError
-from hspmd.interop.mesh_layout import MeshLayout, annotation_of, layout_of, mesh_of
+from hspmd.interop.mesh_layout import MeshLayout, annotation_of, layout_of, layout_on_a_mesh_of
 from hspmd.limits import brief
 
 
@@ -107,7 +107,7 @@ def _inferred_shape(annotation: Annotation, local: torch.Tensor, rank: int) -> t
 
 def to_dtensor(local: torch.Tensor, annotation: Annotation | str, mesh=None, shape: Sequence[int] | None = None):
     """The DTensor whose local tensor on this rank is `local`, laid out as `annotation` on `mesh`
-    (default: a DeviceMesh of the annotation's devices, `mesh_of`). `shape` is the global shape
+    (default: a DeviceMesh of the annotation's devices, `layout_on_a_mesh_of`). `shape` is the global shape
     (default: read off this rank's piece, which needs each split of its subgroup to divide).
     InteropError where no DTensor placements on the mesh state the annotation."""
     DTensor = _dtensor_api()[0]
@@ -115,9 +115,6 @@ def to_dtensor(local: torch.Tensor, annotation: Annotation | str, mesh=None, sha
     annotation = parse(annotation)
     if not isinstance(local, torch.Tensor):
         raise InteropError(f"to_dtensor needs a torch.Tensor local, got {brief(local)}")
-    if mesh is None:
-        mesh_shape, ranks = mesh_of(annotation)
-        mesh = DeviceMesh(local.device.type, torch.tensor(ranks).reshape(mesh_shape))
     rank = int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else None
     is_local_tensor_mode = type(local).__name__ == "LocalTensor"
     if shape is None:
@@ -125,7 +122,11 @@ def to_dtensor(local: torch.Tensor, annotation: Annotation | str, mesh=None, sha
             raise InteropError("to_dtensor: pass shape= (the global shape) where no process group names this rank")
         shape = _inferred_shape(annotation, local, rank)
     shape = tuple(int(n) for n in shape)
-    layout = layout_of(annotation, shape, tuple(mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist()))
+    if mesh is None:
+        layout = layout_on_a_mesh_of(annotation, shape)
+        mesh = DeviceMesh(local.device.type, torch.tensor(layout.ranks).reshape(layout.mesh_shape))
+    else:
+        layout = layout_of(annotation, shape, tuple(mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist()))
     if rank is not None and not is_local_tensor_mode and rank in annotation.device_set:
         expected = device_pieces(annotation, shape)[rank].shape
         if tuple(local.shape) != tuple(expected):

@@ -228,6 +228,38 @@ def mesh_of(annotation: Annotation) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (top + sizes) or (1,), annotation.devices
 
 
+def _factorings(n: int, parts: int):
+    """Ordered factorings of n into `parts` factors above 1."""
+    if parts == 1:
+        if n > 1:
+            yield (n,)
+        return
+    for f in range(2, n + 1):
+        if n % f == 0:
+            for rest in _factorings(n // f, parts - 1):
+                yield (f,) + rest
+
+
+def layout_on_a_mesh_of(annotation: Annotation, shape: Sequence[int]) -> MeshLayout:
+    """A DTensor layout of `annotation` on a mesh made from it: `mesh_of`'s, else (a union split
+    in chunk sizes, from nested uneven splits) the subgroups along two or three mesh dims of the
+    union's size, each tried in turn; InteropError naming the first failure if none states it."""
+    mesh_shape, ranks = mesh_of(annotation)
+    try:
+        return layout_of(annotation, shape, mesh_shape, ranks)
+    except InteropError as first:
+        if annotation.hsize == 1:
+            raise
+        inner = mesh_shape[1:]
+        for parts in (2, 3):
+            for top in _factorings(annotation.hsize, parts):
+                try:
+                    return layout_of(annotation, shape, top + inner, ranks)
+                except InteropError:
+                    continue
+        raise first
+
+
 def layout_of(annotation: Annotation, shape: Sequence[int], mesh_shape: Sequence[int], ranks: Sequence[int]) -> MeshLayout:
     """The DTensor layout on the given mesh whose ranks hold exactly what they hold under `annotation`
     for a tensor of `shape`: each mesh dim's placement read off two neighbouring ranks, then the
@@ -270,4 +302,4 @@ def layout_of(annotation: Annotation, shape: Sequence[int], mesh_shape: Sequence
     raise InteropError(f"{annotation} of shape {shape} has no DTensor layout on mesh {mesh_shape}: {first_wrong}")
 
 
-__all__ = ["MeshLayout", "annotation_of", "chunk", "layout_of", "layout_pieces", "mesh_of", "mismatch"]
+__all__ = ["MeshLayout", "annotation_of", "chunk", "layout_of", "layout_on_a_mesh_of", "layout_pieces", "mesh_of", "mismatch"]
