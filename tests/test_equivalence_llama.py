@@ -178,3 +178,12 @@ def test_tied_embeddings_sum_over_pipelines_once_per_step(text):
     assert spec.pipelines == expected_pipelines(parse_strategy(text))
     assert not _crossing_pipelines(spec)
     assert _crossing_pipelines(spec, ("update",)) >= {"embed.grad_sync"}
+
+
+@pytest.mark.parametrize("text", [
+    "layers=4 ; recompute=L1-2 ; 2x1: R0 L0-1 | R1 L2-3 ; 3x1: R2,3 L0-3",  # a range straddling a stage boundary
+    "layers=4 ; 2x1: R0,1 L0-1 recompute=selective | R2 L2-3 recompute=selective:L3",  # selective under TP, one layer
+    "layers=3 ; 1x2: R0 L0 | R1,2 L1-2 recompute=L2 ; 2x1: R3 L0-2 recompute",  # some layers next to a whole stage
+])
+def test_recompute_by_layer_and_selective_equal_one_device(text):
+    _check(text, **GQA_TIED)

@@ -113,10 +113,17 @@ class StageShape:
     last: bool = False
     dp: int = 1
     zero: bool = False
-    recompute: bool = False
+    recompute: bool | str = False  # True / "full": whole layers; "selective": the cheap ops only
     cp: int = 1
     cp_share: float | None = None  # the busiest CP group's part of the sequence (None: 1 / cp)
     cp_attention: str = "ring"
+
+    recompute_layers: int | None = None  # how many of its layers recompute (None: all of them)
+
+    @property
+    def recomputed(self) -> int:
+        """The number of the stage's layers that recompute."""
+        return 0 if not self.recompute else self.layers if self.recompute_layers is None else self.recompute_layers
 
     @property
     def share(self) -> float:
@@ -189,9 +196,14 @@ class CostModel:
         """Kernels plus the framework overhead of one instruction per launch."""
         return sum(self.kernel_time(k, device) + self.overhead * k.count for k in kernels)
 
-    def _fwd_bwd(self, kernels_of, device: DeviceType, recompute: bool) -> tuple[float, float]:
-        forward = self.kernels_time(kernels_of(False), device)
+    def _fwd_bwd(self, kernels_of, device: DeviceType, recompute: bool | str) -> tuple[float, float]:
+        """(forward, backward); recomputation adds the forward (True, "full") or its cheap kernels
+        ("selective": everything but the matmuls and attention) to the backward."""
+        kernels = kernels_of(False)
+        forward = self.kernels_time(kernels, device)
         backward = self.efficiency_of(device).backward_ratio * self.kernels_time(kernels_of(True), device)
+        if recompute == "selective":
+            return forward, backward + self.kernels_time([k for k in kernels if k.cls not in ("gemm", "attn")], device)
         return forward, backward + (forward if recompute else 0.0)
 
     def layer_time(self, device, tp: int = 1, mbs: int = 1, seq: int | None = None, recompute: bool = False,
@@ -202,7 +214,7 @@ class CostModel:
         dev = self.device(device)
         seq = seq or self.model.seq_len
         measured = self.profile.lookup(dev.name, tp, mbs, seq) if self.profile else None
-        if measured is not None:
+        if measured is not None:  # no kernels: selective is priced as a whole forward again (an upper bound)
             f, b = measured
             b = b + (f if recompute else 0.0)
         else:
@@ -258,16 +270,11 @@ class CostModel:
         Under CP a device computes its share of the tokens (the busiest group's, for uneven
         shares)."""
         seq = seq or self.model.seq_len
-        if stage.cp > 1 and self.profile is None:
-            dev = self.device(device)
-            f, b = self._fwd_bwd(lambda bwd: self.model.layer_kernels(mbs, seq, stage.tp, bwd, stage.share), dev,
-                                 stage.recompute)
-            if tp_group is not None and stage.tp > 1:
-                ar = self.collective("all_reduce", mbs * seq * stage.share * self.model.hidden * self.model.itemsize,
-                                     tuple(tp_group)[:stage.tp])
-                f, b = f + 2 * ar, b + 2 * ar
-        else:
-            f, b = self.layer_time(device, stage.tp, mbs, seq, stage.recompute, tp_group)
+        f, b = self._layer_of_stage(device, stage, mbs, seq, tp_group, False)
+        again = stage.recomputed  # layers whose backward recomputes (all, some or none of them)
+        if again:
+            b = ((stage.layers - again) * b + again * self._layer_of_stage(device, stage, mbs, seq, tp_group,
+                                                                           stage.recompute)[1]) / stage.layers
         cf, cb = self.context_time(device, stage, mbs, seq, cp_groups)
         f, b = stage.layers * (f + cf), stage.layers * (b + cb)
         tokens = seq * stage.share
@@ -278,6 +285,18 @@ class CostModel:
             hf, hb = self.head_time(device, stage.tp, mbs, tokens)
             f, b = f + hf, b + hb
         return f, b
+
+    def _layer_of_stage(self, device, stage: StageShape, mbs: int, seq: int, tp_group, recompute) -> tuple[float, float]:
+        """(forward, backward) of one of the stage's layers (its CP share of the tokens)."""
+        if stage.cp > 1 and self.profile is None:
+            f, b = self._fwd_bwd(lambda bwd: self.model.layer_kernels(mbs, seq, stage.tp, bwd, stage.share),
+                                 self.device(device), recompute)
+            if tp_group is not None and stage.tp > 1:
+                ar = self.collective("all_reduce", mbs * seq * stage.share * self.model.hidden * self.model.itemsize,
+                                     tuple(tp_group)[:stage.tp])
+                f, b = f + 2 * ar, b + 2 * ar
+            return f, b
+        return self.layer_time(device, stage.tp, mbs, seq, recompute, tp_group)
 
     def stage_parameters(self, stage: StageShape) -> float:
         """Parameters on one device of the stage (matrices split over TP, norms and row-parallel
@@ -312,8 +331,9 @@ class CostModel:
         if stage.zero and stage.dp > 1:
             optimizer /= stage.dp
         seq = seq or m.seq_len
-        act = stage.layers * m.layer_activation_bytes(mbs, seq, stage.tp, stage.recompute, stage.cp, stage.share,
-                                                      stage.cp_attention)
+        again = stage.recomputed  # layers that keep only what their recomputation needs
+        act = sum(count * m.layer_activation_bytes(mbs, seq, stage.tp, recompute, stage.cp, stage.share, stage.cp_attention)
+                  for count, recompute in ((stage.layers - again, False), (again, stage.recompute)) if count)
         if stage.last:
             act += mbs * seq * stage.share * (m.hidden + 2 * m.vocab / stage.tp) * e
         return Memory(params * e, params * e, optimizer, act * max(0, inflight))

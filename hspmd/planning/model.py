@@ -187,31 +187,38 @@ class ModelSpec:
 
     # ---- memory ---------------------------------------------------------------------------------
 
-    def layer_activation_bytes(self, mbs: int, seq: int, tp: int = 1, recompute: bool = False,
+    def layer_activation_bytes(self, mbs: int, seq: int, tp: int = 1, recompute: bool | str = False,
                                cp: int = 1, share: float | None = None, cp_attention: str = "ring") -> float:
         """Bytes one layer keeps for its backward pass per micro-batch on one TP device; with
-        recompute only the layer input. Under context parallelism (`cp` groups, this device's
+        recompute (True or "full") only the layer input; with "selective" recomputation the layer
+        input, the matmul outputs (q, k, v, the attention output, the MLP's gate and up
+        projections) and what context-parallel attention keeps, the norms, rotations, softmax and
+        activation products being recomputed. Under context parallelism (`cp` groups, this device's
         `share` of the sequence, default 1/cp) everything per token scales by the share, and
         attention keeps what hspmd.ops.context keeps: the ring and all_gather the whole
         sequence's K/V plus each ring step's [o | lse] block and merge, all_to_all the heads-split
         q, k, v and output over the whole sequence."""
         share = 1.0 / cp if share is None else share
         t, h, f, e = mbs * seq * share, self.hidden, self.ffn, self.itemsize
-        if recompute:
+        if recompute and recompute != "selective":
             return t * h * e
         q, kv = self.q_dim / tp, self.kv_dim / tp
+        if cp == 1:
+            attention = mbs * (self.heads / tp) * seq * seq  # softmax probabilities
+        elif cp_attention == "all_to_all":
+            attention = mbs * seq * (2 * q + 2 * kv) / cp  # heads-split q, k, v and output, whole sequence
+        else:
+            steps = cp if cp_attention == "ring" else 1
+            attention = mbs * seq * 2 * kv + 2 * steps * t * (q + self.heads / tp)  # K/V whole; blocks, merges
+        projections = (2 if self.mlp == "swiglu" else 1) * t * f / tp  # gate and up (or the one up projection)
+        if recompute == "selective":
+            return (t * h + t * (q + 2 * kv) + t * q + (attention if cp > 1 else 0.0) + projections) * e
         kept = (2 * t * h                    # norm input and output (attention)
                 + t * (q + 2 * kv)           # q, k, v projections
                 + t * (q + kv)               # rotated q, k
                 + t * q                      # attention output (input of wo)
-                + 2 * t * h)                 # norm input and output (MLP)
-        if cp == 1:
-            kept += mbs * (self.heads / tp) * seq * seq  # softmax probabilities
-        elif cp_attention == "all_to_all":
-            kept += mbs * seq * (2 * q + 2 * kv) / cp  # heads-split q, k, v and output, whole sequence
-        else:
-            steps = cp if cp_attention == "ring" else 1
-            kept += mbs * seq * 2 * kv + 2 * steps * t * (q + self.heads / tp)  # K/V whole; blocks, merges
+                + 2 * t * h                  # norm input and output (MLP)
+                + attention)
         kept += 3 * t * f / tp if self.mlp == "swiglu" else 2 * t * f / tp
         return kept * e
 

@@ -91,7 +91,7 @@ def moved_share(old: Strategy, new: Strategy) -> float:
 def _pipeline(stages: Sequence[StagePlan], ranks: Sequence[tuple[int, ...]], micro: int) -> Pipeline:
     out, first = [], 0
     for s, group in zip(stages, ranks):
-        out.append(Stage(group, range(first, first + s.layers), recompute=s.recompute))
+        out.append(Stage(group, range(first, first + s.layers), **Stage.recompute_fields(s.recompute)))
         first += s.layers
     return Pipeline(tuple(out), micro, 1)
 

@@ -40,7 +40,8 @@ def _shape(strategy: Strategy, p: int, s: int) -> StageShape:
     stage = pipe.stages[s]
     share = None if stage.cp_shares is None else max(stage.cp_shares) / sum(stage.cp_shares)
     return StageShape(len(stage.layers), stage.tp, s == 0, s == len(pipe.stages) - 1,
-                      strategy.num_pipelines, strategy.zero, stage.recompute, stage.cp, share, strategy.cp_attention)
+                      strategy.num_pipelines, strategy.zero, stage.recompute_kind, stage.cp, share, strategy.cp_attention,
+                      len(stage.recomputed_layers))
 
 
 def _sync_groups(strategy: Strategy) -> list[list[tuple[int, int]]]:

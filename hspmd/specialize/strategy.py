@@ -15,7 +15,7 @@ hspmd.models.llama_annotations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from hspmd.errors import StrategyError, closest_hint
@@ -27,18 +27,21 @@ from hspmd.specialize.strategy_fields import (
     StrategyFieldTypeError,
     check_keys,
     field_context,
+    format_layer_list,
     format_layers,
     format_ranks,
     is_int,
     parse_count_list,
     parse_index_list,
+    parse_layer_list,
     parse_layer_range,
     positive_count,
 )
 
 STRATEGY_KEYS = ("name", "num_layers", "zero", "pipelines", "cp_attention")
 PIPELINE_KEYS = ("stages", "micro_batches", "micro_batch_size", "schedule", "warmup")
-STAGE_KEYS = ("ranks", "layers", "tp", "recompute", "cp", "cp_shares")
+STAGE_KEYS = ("ranks", "layers", "tp", "recompute", "cp", "cp_shares", "recompute_layers", "recompute_granularity")
+GRANULARITIES = ("full", "selective")
 CP_ATTENTION = ("ring", "all_gather", "all_to_all")  # hspmd.ops.context.MODES
 
 
@@ -50,7 +53,11 @@ class Stage:
     CP position's share of the sequence (ratios or explicit token counts, e.g. 1024, 340, 341, 343;
     None = equal). `recompute`: keep only the stage's inputs between a micro-batch's forward and
     backward and run the forward again in the backward (activation recomputation: less memory,
-    one more forward)."""
+    one more forward). `recompute_layers` (a sorted tuple of some of the stage's layers; None: the
+    whole stage) recomputes those layers only. `recompute_granularity`: "full" re-runs every op of
+    what recomputes; "selective" re-runs only the cheap ops (norms, activation functions, rotary
+    embeddings, casts and elementwise products and sums) and keeps the matmul and attention
+    outputs and the collectives' results."""
 
     ranks: tuple[int, ...]
     layers: range
@@ -58,6 +65,8 @@ class Stage:
     recompute: bool = False
     cp: int = 1
     cp_shares: tuple[int, ...] | None = None
+    recompute_layers: tuple[int, ...] | None = None
+    recompute_granularity: str = "full"
 
     def __post_init__(self):
         ranks = self.ranks
@@ -96,6 +105,44 @@ class Stage:
         object.__setattr__(self, "tp", tp)
         if not isinstance(self.recompute, bool):
             raise StrategyFieldTypeError(("recompute",), f"must be true or false, got {brief(self.recompute)}")
+        self._check_recompute_choice()
+
+    def _check_recompute_choice(self) -> None:
+        granularity, chosen = self.recompute_granularity, self.recompute_layers
+        if granularity not in GRANULARITIES:
+            raise StrategyFieldError(("recompute_granularity",), f"must be one of {', '.join(GRANULARITIES)}, got "
+                                     f"{brief(granularity)}; {closest_hint(str(granularity), GRANULARITIES)}")
+        if chosen is None:
+            if granularity != "full" and not self.recompute:
+                raise StrategyFieldError(("recompute_granularity",), "is given but the stage does not recompute")
+            return
+        if isinstance(chosen, (str, bytes)) or not isinstance(chosen, (tuple, list, range)) or not all(map(is_int, chosen)):
+            raise StrategyFieldTypeError(("recompute_layers",), f"must be a list of layers, got {brief(chosen)}")
+        chosen = tuple(sorted(set(chosen)))
+        if not self.recompute:
+            raise StrategyFieldError(("recompute_layers",), "are given but the stage does not recompute")
+        outside = [layer for layer in chosen if layer not in self.layers]
+        if not chosen or outside:
+            raise StrategyFieldError(("recompute_layers",), f"{format_layer_list(chosen) or 'none'}: the layers to "
+                                     f"recompute must be some of the stage's layers {format_layers(self.layers)}")
+        object.__setattr__(self, "recompute_layers", None if chosen == tuple(self.layers) else chosen)
+
+    @property
+    def recompute_kind(self) -> bool | str:
+        """The planner's value of the stage's choice: False, True (whole layers) or "selective"."""
+        return "selective" if self.recompute and self.recompute_granularity == "selective" else self.recompute
+
+    @staticmethod
+    def recompute_fields(kind: bool | str) -> dict:
+        """Stage keyword arguments for a planner's choice `kind` (False, True or "selective")."""
+        return {"recompute": bool(kind), "recompute_granularity": "selective" if kind == "selective" else "full"}
+
+    @property
+    def recomputed_layers(self) -> tuple[int, ...]:
+        """The layers whose activations this stage recomputes (none, some or all of its own)."""
+        if not self.recompute:
+            return ()
+        return tuple(self.layers) if self.recompute_layers is None else self.recompute_layers
 
     def _check_cp(self, count: int) -> int:
         cp, shares = self.cp, self.cp_shares
@@ -149,7 +196,7 @@ class Stage:
 
     def __str__(self) -> str:
         cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if self.cp_shares is None else "=" + ",".join(map(str, self.cp_shares)))
-        return f"R{format_ranks(self.ranks)} L{format_layers(self.layers)}{cp}" + (" recompute" if self.recompute else "")
+        return f"R{format_ranks(self.ranks)} L{format_layers(self.layers)}{cp}" + recompute_word(self)
 
 
 @dataclass(frozen=True)
@@ -404,10 +451,49 @@ def _pipeline_to_dict(p: Pipeline) -> dict:
     return out
 
 
+def with_recompute(strategy: Strategy, layers=None, granularity: str = "full") -> Strategy:
+    """`strategy` with `layers` (any layers of the model, None: all) recomputed at `granularity` in
+    every pipeline: each stage recomputes the chosen layers it holds, so a range may straddle
+    stage boundaries and cover some layers of a stage only. A stage that already recomputes is an
+    error (one choice per stage)."""
+    chosen = set(range(strategy.num_layers)) if layers is None else set(layers)
+    outside = sorted(layer for layer in chosen if not 0 <= layer < strategy.num_layers)
+    if not chosen or outside:
+        raise StrategyError(f"recompute: layers {format_layer_list(outside) or 'none'} are not layers of the "
+                            f"{strategy.num_layers}-layer model")
+    pipelines = []
+    for i, p in enumerate(strategy.pipelines):
+        stages = []
+        for j, stage in enumerate(p.stages):
+            mine = tuple(layer for layer in stage.layers if layer in chosen)
+            if mine and stage.recompute:
+                raise StrategyFieldError(("pipelines", i, "stages", j, "recompute"),
+                                         "is given for the stage and for the whole strategy: give one")
+            stages.append(replace(stage, recompute=True, recompute_layers=mine, recompute_granularity=granularity)
+                          if mine else stage)
+        pipelines.append(replace(p, stages=tuple(stages)))
+    return replace(strategy, pipelines=tuple(pipelines))
+
+
+def recompute_word(s: Stage) -> str:
+    """The stage's recompute choice in the text syntax: '', ' recompute', ' recompute=selective',
+    ' recompute=L2-5' or ' recompute=selective:L2-5'."""
+    if not s.recompute:
+        return ""
+    value = [] if s.recompute_granularity == "full" else [s.recompute_granularity]
+    if s.recompute_layers is not None:
+        value.append("L" + format_layer_list(s.recompute_layers))
+    return " recompute" + ("=" + ":".join(value) if value else "")
+
+
 def _stage_to_dict(s: Stage) -> dict:
     out: dict = {"ranks": format_ranks(s.ranks), "layers": format_layers(s.layers), "tp": s.tp}
     if s.recompute:
         out["recompute"] = True
+        if s.recompute_layers is not None:
+            out["recompute_layers"] = format_layer_list(s.recompute_layers)
+        if s.recompute_granularity != "full":
+            out["recompute_granularity"] = s.recompute_granularity
     if s.cp > 1:
         out["cp"] = s.cp
     if s.cp_shares is not None:
@@ -441,7 +527,14 @@ def _stage_from_dict(data: object, path: Path) -> Stage:
         if isinstance(shares, str):
             with field_context(*path, "cp_shares"):
                 shares = parse_count_list(shares)
-        return Stage(ranks, layers, data.get("tp"), data.get("recompute", False), data.get("cp", 1), shares)
+        chosen = data.get("recompute_layers")
+        if isinstance(chosen, str):
+            with field_context(*path, "recompute_layers"):
+                chosen = parse_layer_list(chosen)
+        elif is_int(chosen):
+            chosen = (chosen,)
+        return Stage(ranks, layers, data.get("tp"), data.get("recompute", False), data.get("cp", 1), shares,
+                     recompute_layers=chosen, recompute_granularity=data.get("recompute_granularity", "full"))
 
 
-__all__ = ["CP_ATTENTION", "Pipeline", "Stage", "Strategy"]
+__all__ = ["CP_ATTENTION", "GRANULARITIES", "Pipeline", "Stage", "Strategy", "recompute_word", "with_recompute"]

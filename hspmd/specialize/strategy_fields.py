@@ -116,6 +116,26 @@ def parse_layer_range(text: str) -> range:
     return range(lo, hi + 1)
 
 
+def parse_layer_list(text: str) -> tuple[int, ...]:
+    """'2-5,7' -> (2, 3, 4, 5, 7), sorted and each once; raises StrategyFieldError(()) naming the bad item."""
+    out: set[int] = set()
+    for item in text.split(","):
+        lo, hi = _bounds(item, f"a layer or a range like 2-5 (in {text!r})", MAX_LAYERS)
+        out.update(range(lo, hi + 1))
+    return tuple(sorted(out))
+
+
+def format_layer_list(layers: Sequence[int]) -> str:
+    """(2, 3, 4, 5, 7) -> '2-5,7' (runs of consecutive layers as ranges)."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ",".join(format_layers(range(a, b + 1)) for a, b in runs)
+
+
 def check_keys(data: object, valid: Sequence[str], path: Path, required: Sequence[str]) -> None:
     if not isinstance(data, Mapping):
         raise StrategyFieldTypeError(path, f"must be a mapping with keys {', '.join(valid)}, got {brief(data)}")
@@ -127,6 +147,6 @@ def check_keys(data: object, valid: Sequence[str], path: Path, required: Sequenc
             raise StrategyFieldError(path + (key,), f"missing required key {key!r}")
 
 
-__all__ = ["Path", "StrategyFieldError", "StrategyFieldTypeError", "check_keys", "field_context", "format_layers",
-    "format_path", "format_ranks",
-           "is_int", "parse_count_list", "parse_index_list", "parse_layer_range", "positive_count"]
+__all__ = ["Path", "StrategyFieldError", "StrategyFieldTypeError", "check_keys", "field_context", "format_layer_list",
+           "format_layers", "format_path", "format_ranks", "is_int", "parse_count_list", "parse_index_list",
+           "parse_layer_list", "parse_layer_range", "positive_count"]

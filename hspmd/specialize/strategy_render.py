@@ -9,7 +9,7 @@ from typing import Callable
 from rich.console import Console
 from rich.table import Table
 
-from hspmd.specialize.strategy import Strategy
+from hspmd.specialize.strategy import Strategy, recompute_word
 from hspmd.specialize.strategy_fields import format_layers, format_ranks
 
 
@@ -31,7 +31,7 @@ def describe_strategy(strategy: Strategy) -> str:
             schedule = (p.schedule or "trainer's") if j == 0 else ""
             warmup = "" if p.warmup is None else str(p.warmup[j])
             table.add_row(str(i) if j == 0 else "", batches, schedule, str(j), format_ranks(s.ranks), format_layers(s.layers),
-                          str(s.tp), _cp_text(s), warmup, "yes" if s.recompute else "")
+                          str(s.tp), _cp_text(s), warmup, recompute_word(s).strip().partition("=")[2] or ("yes" if s.recompute else ""))
         if i + 1 < len(strategy.pipelines):
             table.add_section()
     buffer = io.StringIO()
@@ -63,7 +63,7 @@ def strategy_map_text(strategy: Strategy, device_type: Callable[[int], str] | No
     kind = device_type or (lambda rank: "")
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(strategy.pipelines):
-        shape = (tuple((s.tp, s.cp, s.cp_shares, s.layers, s.recompute, kind(s.ranks[0])) for s in p.stages),
+        shape = (tuple((s.tp, s.cp, s.cp_shares, s.layers, recompute_word(s), kind(s.ranks[0])) for s in p.stages),
                  p.micro_batches, p.micro_batch_size, p.schedule_spec)
         groups.setdefault(shape, []).append(i)
     lines = [f"strategy map: {strategy.num_layers} layers across, one row per stage"]
@@ -77,7 +77,7 @@ def strategy_map_text(strategy: Strategy, device_type: Callable[[int], str] | No
         for j, s in enumerate(first.stages):
             cp = "" if s.cp == 1 else f"xCP{_cp_text(s).replace(' ', '')}"
             label = f"TP{s.tp}{cp} {kind(s.ranks[0])}".rstrip()
-            note = " recompute" if s.recompute else ""
+            note = recompute_word(s)
             lines.append(f"  S{j:<3}|{_bar(s.layers, strategy.num_layers, width)}| {label:<10} L{format_layers(s.layers):<8}"
                          f"R{format_ranks(s.ranks)}{note}")
     return "\n".join(lines)

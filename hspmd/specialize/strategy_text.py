@@ -6,19 +6,23 @@
 Grammar (whitespace is free between words, none inside a word):
 
     strategy := clause (';' clause)*
-    clause   := pipeline | 'zero' | 'name=' TEXT | 'layers=' INT
+    clause   := pipeline | 'zero' | 'name=' TEXT | 'layers=' INT | 'recompute=' choice | 'cp_attention=' MODE
     pipeline := batches [schedule] ':' stage ('|' stage)*
     batches  := COUNT 'x' SIZE          micro-batch count x micro-batch size; '?' = bound at run time
     schedule := POLICY ['=' INT (',' INT)*]   gpipe, 1f1b, eager, h1f1b, virtual; '=' its warm-up vector
-    stage    := 'R' ranks 'L' layers ['tp' INT] ['cp' INT ['=' INT (',' INT)*]] ['recompute']
+    stage    := 'R' ranks 'L' layers ['tp' INT] ['cp' INT ['=' INT (',' INT)*]] ['recompute' ['=' choice]]
+    choice   := GRANULARITY | 'L' items | GRANULARITY ':L' items      GRANULARITY: full, selective
     ranks    := item (',' item)*        item := INT | INT '-' INT     (0-3,8 = 0,1,2,3,8; TP order)
     layers   := INT | INT '-' INT       inclusive, as in the paper (L0-14 = layers 0..14)
 
 A stage is `cp` tensor-parallel groups (context parallelism, CP-major ranks), so `tp` may be left
 out (it must equal the rank count / cp); `cp2=3,1` gives the CP positions uneven sequence shares;
 `cp_attention=ring|all_gather|all_to_all` picks how attention crosses the CP groups (default ring);
-`recompute` re-runs the stage's forward in its backward (Stage.recompute). A pipeline without a
-schedule runs the trainer's.
+`recompute` re-runs the stage's forward in its backward (Stage.recompute), `recompute=L2-5` some of
+its layers only, `recompute=selective` only the cheap ops (Stage.recompute_granularity). The
+clause `recompute=selective:L2-9` chooses layers of the whole model (with_recompute): each stage
+recomputes those it holds, so a range may straddle stages. A pipeline without a schedule runs the
+trainer's.
 `layers=` is an optional check of the model depth (inferred from the pipelines otherwise); TEXT of
 `name=` runs to the next ';'. Errors are StrategySyntaxError with the offending part marked.
 """
@@ -29,12 +33,12 @@ import re
 
 from hspmd.errors import StrategyError, StrategyTypeError, closest_hint
 from hspmd.limits import MAX_DIGITS, brief, is_ascii_number
-from hspmd.specialize.strategy import Pipeline, Stage, Strategy
+from hspmd.specialize.strategy import GRANULARITIES, Pipeline, Stage, Strategy, with_recompute
 from hspmd.specialize.strategy_fields import (
-    Path, StrategyFieldError, field_context, parse_count_list, parse_index_list, parse_layer_range,
+    Path, StrategyFieldError, field_context, parse_count_list, parse_index_list, parse_layer_list, parse_layer_range,
 )
 
-OPTIONS = ("zero", "name", "layers", "cp_attention")
+OPTIONS = ("zero", "name", "layers", "cp_attention", "recompute")
 _BATCHES = re.compile(r"\s*([0-9]+|\?)\s*x\s*([0-9]+|\?)([^:|]*):")
 _WORD = re.compile(r"\S+")
 _STAGE_FIELDS = {"R": "ranks", "L": "layers", "tp": "tp", "cp": "cp"}
@@ -85,7 +89,26 @@ class _Parser:
             self.positions[("num_layers" if key == "layers" else key,)] = options[key][0]
         name = options["name"][1] if "name" in options else ""
         attention = options["cp_attention"][1] if "cp_attention" in options else "ring"
-        return self.build(lambda: Strategy(tuple(pipelines), num_layers, "zero" in options, name, attention))
+        strategy = self.build(lambda: Strategy(tuple(pipelines), num_layers, "zero" in options, name, attention))
+        if "recompute" not in options:
+            return strategy
+        at, value = options["recompute"]
+        granularity, layers = self.recompute_choice(value, at + len("recompute="))
+        return self.build(lambda: with_recompute(strategy, layers, granularity))
+
+    def recompute_choice(self, text: str, at: int) -> tuple[str, tuple[int, ...] | None]:
+        """(granularity, layers or None) of 'selective', 'L2-5', 'selective:L2-5' (the choice grammar)."""
+        granularity, _, layers = text.rpartition(":") if ":" in text else (
+            ("", "", text) if text.startswith("L") else (text, "", ""))
+        granularity = granularity or "full"
+        if granularity not in GRANULARITIES:
+            raise self.fail(f"recompute={text}: the granularity is one of {', '.join(GRANULARITIES)}, e.g. "
+                            f"recompute=selective:L2-5", at)
+        if not layers:
+            return granularity, None
+        if not layers.startswith("L"):
+            raise self.fail(f"recompute={text}: layers are written L<layers>, e.g. recompute=L2-5,7", at)
+        return granularity, self.build(lambda: parse_layer_list(layers[1:]))
 
     def build(self, make, prefix: Path = ()):
         """Run a constructor; a field error (its path under `prefix`) is reported at the text of the
@@ -174,18 +197,22 @@ class _Parser:
         self.positions[path] = start + (words[0].start() if words else 0)
         if not words:
             raise self.fail("empty stage: write R<ranks> L<layers>, e.g. R0-3 L0-14", start)
-        recompute = False
+        recompute, chosen, granularity = False, None, "full"
         for word in words:
             text, at = word.group(), start + word.start()
-            if text == RECOMPUTE:
+            if text == RECOMPUTE or text.startswith(RECOMPUTE + "="):
                 if recompute:
                     raise self.fail("recompute given twice in one stage", at)
                 recompute = True
-                self.positions[path + ("recompute",)] = at
+                for key in ("recompute", "recompute_layers", "recompute_granularity"):
+                    self.positions[path + (key,)] = at
+                if text != RECOMPUTE:
+                    granularity, chosen = self.recompute_choice(text[len(RECOMPUTE) + 1:], at + len(RECOMPUTE) + 1)
                 continue
             prefix = text[:2] if text[:2] in ("tp", "cp") else text[0]
             if prefix not in _STAGE_FIELDS:
-                raise self.fail(f"unexpected {text!r}: a stage is R<ranks> L<layers> [tp<n>] [cp<n>[=shares]] [recompute], e.g. R0-3 L0-14", at)
+                raise self.fail(f"unexpected {text!r}: a stage is R<ranks> L<layers> [tp<n>] [cp<n>[=shares]] "
+                                f"[recompute[=...]], e.g. R0-3 L0-14", at)
             field = _STAGE_FIELDS[prefix]
             if field in fields:
                 raise self.fail(f"{prefix} given twice in one stage (ranks are written without spaces: R0-3,8)", at)
@@ -211,7 +238,7 @@ class _Parser:
             with field_context(*path, "layers"):
                 layers = parse_layer_range(fields["layers"])
             with field_context(*path):
-                return Stage(ranks, layers, tp, recompute, cp, shares)
+                return Stage(ranks, layers, tp, recompute, cp, shares, chosen, granularity)
 
         return self.build(make)
 

@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str
     p.add_argument("--seed", type=int, default=0, help="MCTS seed")
     p.add_argument("--max-tp", type=int, default=None, help="largest TP degree to consider (default: a node)")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    p.add_argument("--selective-recompute", action="store_true",
+                   help="stages may also recompute only the cheap ops (norms, activations), keeping matmul outputs")
     args = p.parse_args(argv)
     try:
         if args.png and draw is None:
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str
         cost = CostModel(parse_cluster(args.cluster), model_named(args.model))
         if args.global_batch < 1:
             raise HSPMDError(f"--global-batch must be positive, got {args.global_batch}")
-        problem = cluster_problem(cost, args.global_batch, recompute=not args.no_recompute, max_tp=args.max_tp)
+        recompute = False if args.no_recompute else "selective" if args.selective_recompute else True
+        problem = cluster_problem(cost, args.global_batch, recompute=recompute, max_tp=args.max_tp)
         names = SEARCH_NAMES if args.search == "all" else (args.search,)
         start = time.perf_counter()
         results = run_searches(problem, names, args.iterations, args.seed)

@@ -119,7 +119,7 @@ def cluster_pools(cluster: ClusterSpec, failed=()) -> tuple[DevicePool, ...]:
     return tuple(pools)
 
 
-def cluster_problem(cost: CostModel, global_batch: int, failed=(), recompute: bool = True, max_tp: int | None = None,
+def cluster_problem(cost: CostModel, global_batch: int, failed=(), recompute: bool | str = True, max_tp: int | None = None,
                     evaluator=None) -> Problem:
     """The search problem of planning `cost.model` on `cost.cluster` for `global_batch` samples."""
     pools = cluster_pools(cost.cluster, failed)

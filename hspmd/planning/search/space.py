@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import Mapping, Protocol, Sequence
 
 from hspmd.errors import HSPMDError
+from hspmd.limits import brief
 from hspmd.planning.ranks import DevicePool, RankAssignmentError, assign_ranks
 from hspmd.planning.search.schedule_choice import choose_schedule
 from hspmd.planning.simulator import pipeline_time
@@ -143,16 +144,19 @@ class Problem:
     """Plan `num_layers` layers and `global_batch` samples on `pools` (device types in the order
     their stages run: memory descending, H2 Obs. 4 / HAPT's A-first). `tp_degrees[type]`: the TP
     degrees profiled for it (default: powers of two up to a node). `recompute`: whether stages may
-    recompute activations."""
+    recompute activations (True: whole layers or not at all; "selective": also only the cheap
+    ops, which the CostModelEvaluator prices from the kernels; False: never)."""
 
     pools: tuple[DevicePool, ...]
     num_layers: int
     global_batch: int
     evaluator: Evaluator
     tp_degrees: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    recompute: bool = True
+    recompute: bool | str = True
 
     def __post_init__(self):
+        if self.recompute not in (False, True, "selective"):
+            raise PlanningError(f"Problem: recompute is True, False or 'selective', got {brief(self.recompute)}")
         pools = tuple(self.pools)
         if not pools:
             raise PlanningError("a planning problem needs at least one device pool")
@@ -182,7 +186,9 @@ class Problem:
         g = math.gcd(self.global_batch, *self.counts().values())
         return tuple(d for d in range(1, g + 1) if g % d == 0)
 
-    def recompute_options(self) -> tuple[bool, ...]:
+    def recompute_options(self) -> tuple[bool | str, ...]:
+        if self.recompute == "selective":
+            return (False, "selective", True)
         return (False, True) if self.recompute else (False,)
 
 
@@ -238,7 +244,7 @@ def strategy_stages(problem: Problem, strategy: Strategy) -> list[tuple[StagePla
             kinds = {type_of.get(r) for r in s.ranks}
             if None in kinds or len(kinds) != 1:
                 raise PlanningError(f"pipelines[{i}].stages[{j}] (ranks {list(s.ranks)}) is not on one device type of the cluster")
-            stages.append(StagePlan(kinds.pop(), s.tp, len(s.layers), s.recompute))
+            stages.append(StagePlan(kinds.pop(), s.tp, len(s.layers), s.recompute_kind))
         out.append(tuple(stages))
     return out
 
@@ -316,7 +322,7 @@ def layout_strategy(problem: Problem, layout: Layout, name: str = "") -> Strateg
     for groups in ranks:
         stages, first = [], 0
         for s, group in zip(layout.stages, groups):
-            stages.append(Stage(group, range(first, first + s.layers), recompute=s.recompute))
+            stages.append(Stage(group, range(first, first + s.layers), **Stage.recompute_fields(s.recompute)))
             first += s.layers
         pipelines.append(Pipeline(tuple(stages), layout.micro_batches, 1))
     return Strategy(tuple(pipelines), problem.num_layers, False, name)

@@ -11,11 +11,14 @@ between neighbouring stages (the simplest: all forwards, then all backwards, the
 Activation recomputation: run_forward(..., recompute=stage_devices) keeps only the stage's inputs
 (its placeholders' pieces and what it received from other stages) and run_backward runs the
 forward again before the backward, re-running the collectives inside the stage (every rank of a
-stage recomputes, so they stay matched) but never a transfer to or from another stage.
+stage recomputes, so they stay matched) but never a transfer to or from another stage. A
+`Recompute` narrows that to some layers (the ops named `layers.<l>.`) and, selectively, to the
+cheap ops (SELECTIVE_KINDS): whatever is not re-run is kept, so the re-run ops find their inputs.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from time import perf_counter, thread_time
 from typing import Mapping, Sequence
@@ -62,6 +65,37 @@ class MicroBatch:
     binding: Binding
     env: dict[int, torch.Tensor]
     rerun: tuple[Instruction, ...] = ()
+
+
+# The ops selective recomputation re-runs: norms, activation functions, rotary embeddings, casts and
+# elementwise arithmetic (cheap to redo, and their outputs are as large as a matmul's); matmuls,
+# attention (whose fused backward recomputes its softmax itself), collectives and transfers are kept.
+SELECTIVE_KINDS = frozenset({"rms_normalize", "layer_normalize", "softmax", "silu", "relu", "rotary", "packed_rotary",
+                             "cast", "add", "sub", "mul", "div", "neg", "exp", "scale", "add_scalar"})
+_LAYER = re.compile(r"layers\.([0-9]+)\.")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What one stage recomputes: `stage` (the devices that recompute together), `layers` (None:
+    the whole stage's forward; else the ops of those layers), `selective` (only SELECTIVE_KINDS)."""
+
+    stage: frozenset[int]
+    layers: frozenset[int] | None = None
+    selective: bool = False
+
+    @staticmethod
+    def of(stage, layers=None, granularity: str = "full") -> "Recompute":
+        return Recompute(frozenset(stage), None if layers is None else frozenset(layers), granularity == "selective")
+
+    def chooses(self, node: Node) -> bool:
+        """Whether this choice re-runs `node` (given that it may run again at all: recomputable)."""
+        if self.selective and node.kind not in SELECTIVE_KINDS:
+            return False
+        if self.layers is None:
+            return True
+        layer = _LAYER.match(node.name)
+        return layer is not None and int(layer.group(1)) in self.layers
 
 
 def recomputable(exe: ExecutableGraph, ins: Instruction, binding: Binding, stage: frozenset[int]) -> bool:
@@ -186,10 +220,11 @@ def device_feeds(exe: ExecutableGraph, feeds: Mapping[str, torch.Tensor], bindin
 
 def run_forward(exe: ExecutableGraph, backend: Backend, state: DeviceState, feeds: Mapping[str, torch.Tensor],
                 binding: Binding | None = None, fetch: Sequence[Tensor] = (),
-                recompute: frozenset[int] | None = None) -> MicroBatch:
+                recompute: frozenset[int] | Recompute | None = None) -> MicroBatch:
     """One micro-batch's forward pass on this device; fetched tensors (and losses) held here are
     summed into state.fetched. `recompute`: the devices of this device's stage, to keep only the
-    stage's inputs and run the forward again in run_backward (module docstring)."""
+    stage's inputs and run the forward again in run_backward (module docstring), or a Recompute
+    that names some layers or the cheap ops only."""
     binding = exe.binding if binding is None else binding
     mb = MicroBatch(binding, {})
     _execute(exe, exe.forward, backend, state, mb.env, binding, feeds)
@@ -197,7 +232,9 @@ def run_forward(exe: ExecutableGraph, backend: Backend, state: DeviceState, feed
         if t.id in mb.env:
             state.fetched[t.name] = state.fetched.get(t.name, 0) + mb.env[t.id]
     if recompute is not None:
-        rerun = tuple(ins for ins in exe.forward if recomputable(exe, ins, binding, frozenset(recompute)))
+        choice = recompute if isinstance(recompute, Recompute) else Recompute(frozenset(recompute))
+        rerun = tuple(ins for ins in exe.forward
+                      if choice.chooses(ins.node) and recomputable(exe, ins, binding, choice.stage))
         again = {t.id for ins in rerun for t in ins.node.outputs}
         mb.env = {k: v for k, v in mb.env.items() if k not in again}
         mb.rerun = rerun
@@ -284,6 +321,6 @@ def synced_gradients(exe: ExecutableGraph, backend: Backend, state: DeviceState,
 
 
 __all__ = [
-    "DeviceState", "MicroBatch", "device_feeds", "recomputable", "run_backward", "run_forward", "run_update",
-    "synced_gradients",
+    "DeviceState", "MicroBatch", "Recompute", "SELECTIVE_KINDS", "device_feeds", "recomputable", "run_backward",
+    "run_forward", "run_update", "synced_gradients",
 ]

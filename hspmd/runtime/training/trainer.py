@@ -52,7 +52,7 @@ from hspmd.specialize.schedules import Schedule, pipeline_schedule, schedule_for
 from hspmd.specialize.deduce import Deduced, check_strategy_index
 from hspmd.specialize.bucket_plan import plan_buckets
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
-from hspmd.runtime.execution.run import DeviceState, run_update, synced_gradients
+from hspmd.runtime.execution.run import DeviceState, Recompute, run_update, synced_gradients
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
 from hspmd.specialize.strategy import Pipeline, Strategy
 from hspmd.switching import (
@@ -146,7 +146,7 @@ class Trainer:
 
     layout: how a step's global batch splits across pipelines (a MicroBatchLayout, or a Strategy
     whose micro-batch counts and sizes are bound; a Strategy also gives each pipeline's schedule
-    and each stage's recompute flag). schedule: "gpipe", "1f1b", "eager" or a 1F1B warm-up
+    and each stage's recompute choice: layers, granularity). schedule: "gpipe", "1f1b", "eager" or a 1F1B warm-up
     vector such as "h1f1b:5,2,1" (specialize.schedules); None: the pipeline's own schedule in the
     Strategy, else "1f1b". recompute: whether this rank's stage recomputes its forward in the
     backward (keeping only its inputs in between); None: the Strategy's flag for the stage, else
@@ -210,8 +210,9 @@ class Trainer:
             self.pipeline = self._batch_subgroup(self.stages.devices)
             self.micro_batches = self.layout.counts[self.pipeline]
             self.schedule, recomputes = options[discovered][0], options[discovered][1][self.stage]
-            # the devices that recompute this stage's forward together (None: no recomputation)
-            self.recompute: frozenset[int] | None = frozenset(self.stages.stages[self.stage]) if recomputes else None
+            # what this stage recomputes, its devices together (None: no recomputation)
+            self.recompute: Recompute | None = None if recomputes is None else Recompute.of(
+                self.stages.stages[self.stage], *recomputes)
             self.order: Schedule = schedule_for(self.schedule, len(self.stages.stages), self.stage, self.micro_batches)
         self.state = DeviceState.initial(self.exe, seed, backend.device) if state is None else state
         self.buckets = None if cap is None or self.idle else BucketSync(plan_buckets(self.exe, cap), backend.device)
@@ -223,8 +224,9 @@ class Trainer:
         self._sums_loss: bool | None = None  # whether this rank's loss is a summand of the step loss
         backend.prepare_groups(self._groups())
 
-    def _pipeline_options(self) -> list[tuple[str, tuple[bool, ...]]]:
-        """Per discovered pipeline: its schedule and each stage's recompute flag (the arguments,
+    def _pipeline_options(self) -> list[tuple[str, tuple[tuple | None, ...]]]:
+        """Per discovered pipeline: its schedule and each stage's recompute choice, (layers or None,
+        granularity) or None (the arguments,
         else the Strategy's, else 1f1b and none). Checked on every rank (idle ones too), so that a
         schedule that does not suit a pipeline fails everywhere alike, not on that pipeline's ranks."""
         out, checked = [], set()
@@ -236,9 +238,10 @@ class Trainer:
                 checked.add((schedule, len(pipeline.stages), count))
                 pipeline_schedule(schedule, len(pipeline.stages), count)
             if self.recompute_requested is not None:
-                flags = (self.recompute_requested,) * len(pipeline.stages)
+                flags = ((None, "full") if self.recompute_requested else None,) * len(pipeline.stages)
             else:
-                flags = tuple(s.recompute for s in declared.stages) if declared else (False,) * len(pipeline.stages)
+                flags = tuple((s.recompute_layers, s.recompute_granularity) if s.recompute else None
+                              for s in declared.stages) if declared else (None,) * len(pipeline.stages)
             out.append((schedule, flags))
         return out
 
