@@ -82,19 +82,22 @@ def global_order(steps: dict[int, dict[int, dict]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, dataset):
-    """The uninterrupted run: 4 ranks, the default heterogeneous strategy, no switch."""
-    summary, steps, _ = run(tmp_path_factory.mktemp("ref"), "ref", dataset, 4, "--steps", str(STEPS))
+    """The uninterrupted run: 4 ranks, the default heterogeneous strategy, no switch; it saves a
+    sharded checkpoint every 3 steps (the resume below starts from its step 3)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    summary, steps, _ = run(tmp, "ref", dataset, 4, "--steps", str(STEPS), "--sharded", "--save-every", "3",
+                            "--checkpoint", str(tmp / "checkpoint"))
     order = global_order(steps)
     per_epoch = SequenceLoader(TokenFiles(dataset), 8).samples_per_epoch
     assert ROWS * (STEPS - 2) < per_epoch < ROWS * (STEPS - 1)
     flat = [i for batch in order for i in batch]
     assert flat == list(range(STEPS * ROWS))  # sample ids: epoch * per_epoch + index in the epoch
     assert [i for i in flat if i < per_epoch] == list(range(per_epoch))  # the epoch once, in order
-    return summary["losses"], order
+    return summary["losses"], order, steps, tmp / "checkpoint" / "step-00000003"
 
 
 def check_same(summary: dict, steps: dict, reference) -> None:
-    losses, order = reference
+    losses, order = reference[:2]
     assert sorted(steps) == list(range(1, STEPS + 1))
     assert global_order(steps) == order
     assert summary["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
@@ -116,13 +119,15 @@ def test_a_killed_rank_redoes_its_step_with_the_same_samples(tmp_path, dataset, 
 
 
 def test_a_resume_under_another_strategy_and_world_size(tmp_path, dataset, reference):
-    checkpoint = str(tmp_path / "ckpt.safetensors")
-    first, before, _ = run(tmp_path, "before", dataset, 4, "--steps", "3", "--checkpoint", checkpoint)
-    second, after, log = run(tmp_path, "after", dataset, 2, "--steps", str(STEPS), "--checkpoint", checkpoint,
-                             "--resume", "--strategy", PP2)
-    assert f"resumed from {checkpoint} at step 3; data at epoch 0, sample {3 * ROWS}" in log
+    """The reference's sharded checkpoint of step 3 (4 ranks, heterogeneous DP), resumed on 2 ranks
+    under a 2-stage pipeline."""
+    losses, _, steps, saved = reference
+    resumed, after, log = run(tmp_path, "after", dataset, 2, "--steps", str(STEPS), "--checkpoint", str(saved),
+                              "--resume", "--strategy", PP2, "--sharded")
+    assert f"resumed from {saved} at step 3; data at epoch 0, sample {3 * ROWS}" in log
     assert set(after) == set(range(4, STEPS + 1)) and all(set(r) == {0, 1} for r in after.values())
-    check_same({"losses": first["losses"] + second["losses"]}, {**before, **after}, reference)
+    before = {k: v for k, v in steps.items() if k <= 3}
+    check_same({"losses": losses[:3] + resumed["losses"]}, {**before, **after}, reference)
 
 
 def mixed_rank(backend, dataset: str, steps: int):
