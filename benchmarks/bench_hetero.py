@@ -88,17 +88,29 @@ def batch(step: int, rows: int) -> dict[str, torch.Tensor]:
             "labels": torch.randint(0, CONFIG["vocab"], (rows, SEQ), generator=gen)}
 
 
-def interleaved(backend, sides: dict, rounds: int, warmup: int, data) -> dict[str, list[float]]:
-    """Each side's step seconds on this rank, sides run round-robin (reversed every other round)."""
+def interleaved(backend, sides: dict, rounds: int, warmup: int, data, warm_on_rounds: bool = False) -> dict[str, list[float]]:
+    """Each side's step seconds on this rank, sides run round-robin (reversed every other round);
+    with an emulated backend, also each side's per-step means of what the rank waited and the
+    CPU time of its ops (under the key (name, "parts")). `warm_on_rounds`: warm up on the rounds'
+    own data (mixed lengths: what each step's bindings resolve is then cached on both sides)."""
     names = list(sides)
-    for i in range(warmup):
+    for i in range(rounds if warm_on_rounds else warmup):
         for name in names:
-            sides[name](data(10_000 + i))
-    times = {name: [] for name in names}
+            sides[name](data(i if warm_on_rounds else 10_000 + i))
+    times: dict = {name: [] for name in names}
+    emulator = getattr(backend, "emulator", None)
+    parts = {name: [0.0, 0.0, 0.0] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
+            before = emulator.stats() if emulator is not None else None
             seconds, _ = timed_on_world(backend, lambda: sides[name](data(r)))
             times[name].append(seconds)
+            if emulator is not None:
+                after = emulator.stats()
+                for k, field in enumerate(("compute_wait_s", "link_wait_s", "op_cpu_s")):
+                    parts[name][k] += (getattr(after, field) - getattr(before, field)) / rounds
+    for name in names:
+        times[(name, "parts")] = parts[name]
     return times
 
 
@@ -122,6 +134,24 @@ def slowest(results, name: str) -> list[float]:
     return [max(per_rank[name][k] for per_rank in results) for k in range(len(results[0][name]))]
 
 
+def breakdown(results, texts, cluster) -> str:
+    """Where a step's time went on each rank of the slowest type (per-step means): emulated
+    compute waits, emulated link waits, the ops' own CPU time and the slowdown times it (what the
+    emulated device's compute should take, which the calibration prices), and the rest of the
+    measured step (real op wall time, the framework outside ops, gloo, waiting for peers)."""
+    slowest_type = max(range(cluster.n_devices), key=cluster.slowdown)
+    ranks = [r for r in range(cluster.n_devices) if cluster.slowdown(r) == cluster.slowdown(slowest_type)]
+    rows = []
+    for name in texts:
+        for r in ranks:
+            wait, link, cpu = results[r][(name, "parts")]
+            step = statistics.mean(results[r][name])
+            rows.append([name, r, f"{step:.3f}", f"{wait:.3f}", f"{link:.3f}", f"{cpu:.4f}",
+                         f"{cpu * cluster.slowdown(r):.3f}", f"{step - wait - link:.3f}"])
+    return table(["strategy", "rank", "step s (mean)", "compute waits", "link waits", "op CPU s", "x slowdown",
+                  "rest"], rows)
+
+
 def report(results, simulated: dict[str, float], baseline: str) -> list[list[str]]:
     rows = []
     base = slowest(results, baseline)
@@ -141,17 +171,12 @@ def _unnamed(text: str) -> dict:
 
 def hand_strategy(cluster, global_batch: int) -> tuple[str, str]:
     """The paper-style hand strategy: every device a data-parallel pipeline of the whole model, the
-    batch split in proportion to the devices' speeds (largest remainders), as Hetu's heterogeneous
-    data parallelism would set it by hand. (name, text)"""
-    speed = [1 / cluster.slowdown(d) for d in range(cluster.n_devices)]
-    exact = [global_batch * s / sum(speed) for s in speed]
-    rows = [max(1, int(x)) for x in exact]
-    for d in sorted(range(len(rows)), key=lambda d: int(exact[d]) - exact[d]):
-        if sum(rows) >= global_batch:
-            break
+    batch split by speed as one would by hand: one sequence each, then each next one to the device
+    that would finish its share soonest (its sequences x its slowdown). (name, text)"""
+    rows = [1] * cluster.n_devices
+    for _ in range(global_batch - cluster.n_devices):
+        d = min(range(cluster.n_devices), key=lambda d: ((rows[d] + 1) * cluster.slowdown(d), d))
         rows[d] += 1
-    while sum(rows) > global_batch:
-        rows[max(range(len(rows)), key=lambda d: rows[d])] -= 1
     layers = CONFIG["layers"] - 1
     split = ":".join(map(str, rows))
     return (f"hand (HetDP {split})",
@@ -186,6 +211,7 @@ def part_plan(cluster, cal: Calibration, rounds: int, warmup: int, iterations: i
     print("  searches: " + ", ".join(f"{k} -> {v}" for k, v in picked.items()))
     print(table(["strategy", "measured step s, median (min-max)", "simulated s", "measured speedup vs uniform",
                  "simulated speedup"], report(results, simulated, baseline)))
+    print(breakdown(results, texts, cluster))
     base = slowest(results, baseline)
     for name in sorted(set(picked.values())):
         sim_gain = simulated[baseline] / simulated[name] - 1
@@ -223,7 +249,8 @@ def dispatch_rank(backend, cluster, rounds: int, warmup: int):
     fast = calibrated[0].pipelines[0]
     blind = MixedLengthTrainer(model.graph, (PoolEntry("DP4", 0, MAX_TOKENS, (fast,) * 4, calibrated[0].sync),),
                                backend, symbols={"S": 16, "T": 16}, passes=20)
-    times = interleaved(backend, {"speed-aware": aware.step, "speeds ignored": blind.step}, rounds, warmup, long_tailed)
+    times = interleaved(backend, {"speed-aware": aware.step, "speeds ignored": blind.step}, rounds, warmup, long_tailed,
+                        warm_on_rounds=True)
     shares = []
     for trainer in (aware, blind):
         d = trainer.history[-1].dispatches[0]
@@ -250,7 +277,7 @@ def part_dispatch(cluster, rounds: int, warmup: int) -> None:
         aware_d = plan_dispatch((entry,), lengths, passes=20)
         predicted.append((max(real) + entry.sync) / aware_d.makespan)
     print(f"\n2. mixed-length dispatch over 4 data-parallel pipelines (2 fast, 2 slow), steps of >= {DISPATCH_TOKENS} "
-          f"long-tailed tokens ({rounds} rounds + {warmup} warm-up)")
+          f"long-tailed tokens ({rounds} rounds, after a warm-up pass over the same steps)")
     print("  calibrated per-pipeline costs (a s^2 + b s + c): " + "; ".join(f"{a:.2g} {b:.2g} {c:.2g}" for a, b, c in costs))
     print(f"  tokens per pipeline in the last step: speed-aware {shares[0]}, speeds ignored {shares[1]}")
     print(table(["dispatch", "measured step s, median (min-max)"], [["speed-aware", spread(aware)],

@@ -75,6 +75,7 @@ class EmulationStats:
     ops: int
     peak_bytes: int
     capacity: float | None
+    op_cpu_s: float = 0.0  # CPU seconds of the ops themselves (what the slowdown multiplied)
 
     def as_json(self) -> dict:
         return dict(self.__dict__)
@@ -91,6 +92,7 @@ class RankEmulator:
         self.compute_wait_s = 0.0
         self.link_wait_s = 0.0
         self.ops = 0
+        self.op_cpu_s = 0.0
         self._storages: dict[StorageWeakRef, int] = {}
         self._counted = 0
         self._since_sweep = 0
@@ -107,6 +109,7 @@ class RankEmulator:
             self.hold(outputs, where)
         if self.slowdown > 1.0:
             self.ops += 1
+            self.op_cpu_s += cpu_seconds
             self._debt += self.slowdown * cpu_seconds - seconds
             if self._debt >= WAIT_CHUNK_S:
                 self.settle()
@@ -183,7 +186,7 @@ class RankEmulator:
         if self.capacity is not None:
             self._sweep()
         return EmulationStats(self.rank, self.device_type, self.slowdown, self.compute_wait_s, self.link_wait_s,
-                              self.ops, self.peak_bytes, self.capacity)
+                              self.ops, self.peak_bytes, self.capacity, self.op_cpu_s)
 
 
 class StampBoard:
