@@ -6,8 +6,11 @@ one (2.5x slower compute, hspmd.runtime.execution.emulation), the two nodes join
 link. Time is dilated (--dilation D, default 12: the fast type is this host D times slowed, the
 others at their ratio to it), so that ranks compute a small share of the time and the emulated
 devices, not the host's scheduler, set the pace: D must exceed the host's load per core, which
-the bench prints (8 lanes on 2 cores made it ~10 while this was written). The cost model is this host's calibration with the other type at the file's ratio
-(Calibration.cost_model_for). Within a part every side is built once and the steps run
+the bench prints (2 cores shared by 8 jobs run 8-16 processes per core). The cost model is
+this host's calibration on CPU time, made in the same run, with the other types at the file's
+ratios (Calibration.cost_model_for). A part's table of where the time went shows, for the
+slowest type's ranks, the emulated compute and link waits, the ops' CPU time x slowdown (what
+the calibration prices) and the rest of the step. Within a part every side is built once and the steps run
 round-robin (ABC, then CBA, ...), so load drifts hit all sides alike; a step's time is its slowest
 rank's, every rank starting together. Reported: per side the median step (min-max), and per
 comparison the measured ratio (median over rounds of the per-round ratio, min-max) beside the
@@ -54,6 +57,7 @@ from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.ops import AdamW  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
 from hspmd.planning.dispatch import PipelineCost, PoolEntry  # noqa: E402
+from hspmd.planning.dispatch import dispatch as plan_dispatch  # noqa: E402
 from hspmd.planning.search.command import run_searches, uniform_baseline  # noqa: E402
 from hspmd.planning.search.costed import cluster_problem  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
@@ -265,8 +269,6 @@ def part_dispatch(cluster, rounds: int, warmup: int) -> None:
     costs, shares, entry, fast = results[0][1:]
     aware, blind = slowest(times, "speed-aware"), slowest(times, "speeds ignored")
     ratios = [b / a for a, b in zip(aware, blind)]
-    from hspmd.planning.dispatch import dispatch as plan_dispatch
-
     predicted = []
     for r in range(rounds):
         lengths = [len(t) for t, _ in long_tailed(r)]

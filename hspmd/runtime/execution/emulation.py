@@ -77,9 +77,6 @@ class EmulationStats:
     capacity: float | None
     op_cpu_s: float = 0.0  # CPU seconds of the ops themselves (what the slowdown multiplied)
 
-    def as_json(self) -> dict:
-        return dict(self.__dict__)
-
 
 class RankEmulator:
     """One rank's emulated device: compute debt, memory table, and the tracer its waits go to."""
