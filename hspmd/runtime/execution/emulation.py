@@ -6,9 +6,10 @@ rank's backend in an `EmulatedBackend` carrying that rank's `RankEmulator`; with
 returns the backend unchanged, so emulation is off unless a cluster file asks for it.
 
     compute   after each compute op (run.py's op loop calls `RankEmulator.computed`), a rank whose
-              type is s times slower than the reference owes s x the op's CPU time (this thread's:
-              what the op costs a core of its own, so other processes sharing the host do not
-              stretch it) less the wall time the op already took. The debt is waited off with
+              type is s times slower than the reference owes s x the CPU time since the last op
+              or communication (this thread's: what the op and the loop's work for it cost a core
+              of its own, so other processes sharing the host do not stretch it) less the wall
+              time that took. The debt is waited off with
               time.sleep (not a busy loop: the host's cores stay free for the other ranks) once it
               reaches WAIT_CHUNK_S, and always before the rank communicates, so what it sends
               leaves when it would have on the slower device; oversleeping, or an op the busy host

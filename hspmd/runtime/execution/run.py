@@ -155,10 +155,12 @@ def _execute(exe: ExecutableGraph, program: Sequence[Instruction], backend: Back
 
 def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> None:
     emulator = emulation_of(backend)  # an emulated device type (runtime.execution.emulation), or None
+    # an emulated op's time runs from the end of the last op or communication: the loop's own work
+    # for the leaves, placeholders and inputs it needed counts as the device's, waits for peers do not
+    started, cpu = (perf_counter(), thread_time()) if emulator is not None else (0.0, 0.0)
     for ins in program:
         node = ins.node
         kind = node.kind
-        started, cpu = (perf_counter(), thread_time()) if emulator is not None else (0.0, 0.0)
         if kind == "placeholder":
             if feeds is None or node.name not in feeds:
                 raise HSPMDError(f"device {exe.device}: no value fed for placeholder {node.name}")
@@ -181,8 +183,10 @@ def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> 
                 out = local
             else:
                 out = execute_plan(exe.plan(node, binding), backend, local, node.attrs.get("reduce", "sum"))
-                if emulator is not None and emulator.capacity is not None and out is not None:
-                    emulator.hold((out,), node.name)
+                if emulator is not None:
+                    if emulator.capacity is not None and out is not None:
+                        emulator.hold((out,), node.name)
+                    started, cpu = perf_counter(), thread_time()
             if out is not None:
                 env[node.output.id] = out
         else:
@@ -194,12 +198,14 @@ def _run_program(exe, program, backend, state, env, binding, feeds, buckets) -> 
                                state.accum.pop(t.id, None))
                 if emulator is not None:
                     emulator.computed(perf_counter() - started, thread_time() - cpu, (target,), node.name)
+                    started, cpu = perf_counter(), thread_time()
                 env[t.id] = target
                 buckets.written(t.id, backend)
                 continue
             outs = node.opdef.compute(node, _OpContext(exe, node, binding, state.step), inputs)
             if emulator is not None:  # waits the slower type's extra time; refuses what its memory cannot hold
                 emulator.computed(perf_counter() - started, thread_time() - cpu, outs, node.name)
+                started, cpu = perf_counter(), thread_time()
             for t, v in zip(node.outputs, outs):
                 env[t.id] = v
 
