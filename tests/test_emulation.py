@@ -297,3 +297,18 @@ def test_cpu_time_probes_do_not_count_what_the_host_does_elsewhere():
     wall = median_seconds(lambda: time.sleep(0.01), 3)
     cpu = median_seconds(lambda: time.sleep(0.01), 3, clock=time.thread_time)
     assert wall >= 0.009 and cpu < 0.005
+
+
+@pytest.mark.multiprocess
+def test_a_cluster_the_simulator_cannot_price_still_trains_and_says_why(tmp_path, capsys):
+    """A cluster file without the model's dtype (no float32 peak), not emulated: the job trains as
+    before and the summary says why no simulated time stands beside the measured one."""
+    plain = tmp_path / "bf16-only.yaml"
+    plain.write_text(CLUSTER_YAML.replace("{float32: 10.0e9}", "{bfloat16: 10.0e9}").replace("{float32: 4.0e9}",
+                                                                                               "{bfloat16: 4.0e9}"))
+    code = cli_main(["run", "-n", "2", "--cluster", str(plain), str(SCRIPT), "--steps", "2", "--hidden", "16",
+                     "--heads", "2", "--ffn", "32", "--seq", "8", "--strategy", "layers=2 ; 2x2: R0 L0-1 ; 2x2: R1 L0-1",
+                     "--checkpoint", str(tmp_path / "c.safetensors")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "step time: measured" in out and "not simulated" in out and "float32" in out

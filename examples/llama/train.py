@@ -386,9 +386,13 @@ def step_report(args, strategy, config, cluster, step_seconds, backend, say) -> 
         if cluster is not None:
             calibration = Calibration.load(args.calibration) if args.calibration else None
             model = from_llama_config(config, seq_len=args.seq)
-            simulated, source = simulated_step(strategy, cluster, model, calibration, args.schedule or "1f1b")
-            out["simulated_step_s"] = simulated
-            line += f", simulated {simulated:.4f}s ({source}): measured/simulated {median / simulated:.2f}"
+            try:
+                simulated, source = simulated_step(strategy, cluster, model, calibration, args.schedule or "1f1b")
+            except HSPMDError as exc:  # e.g. a cluster file without the model dtype's peak: the run still reports
+                line += f"; not simulated ({exc})"
+            else:
+                out["simulated_step_s"] = simulated
+                line += f", simulated {simulated:.4f}s ({source}): measured/simulated {median / simulated:.2f}"
         say(line)
     if isinstance(backend, EmulatedBackend):
         stats = backend.emulator.stats()
