@@ -19,7 +19,8 @@ from hspmd.backends.local import run_on_devices
 from hspmd.errors import AnnotationError, DeductionError, HSPMDError, ShapeError
 from hspmd.ir import Binding, Graph, placeholder
 from hspmd.ops.context import token_layout
-from hspmd.runtime.execution.run import DeviceState, _execute, device_feeds, run_forward
+from hspmd.runtime.execution.interpreter import run_ops
+from hspmd.runtime.execution.run import DeviceState, device_feeds, run_forward
 from hspmd.runtime.training.trainer import step_groups
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
@@ -73,7 +74,7 @@ def run_attention(seq, layout, mode, steps, devices, packed=False, seed=0, pos_l
         backend.prepare_groups(step_groups(exe, tuple(devices), binding))
         state = DeviceState.initial(exe)
         mb = run_forward(exe, backend, state, device_feeds(exe, vals, binding), binding)
-        _execute(exe, exe.backward, backend, state, mb.env, binding)
+        run_ops(mb.passes.backward, backend, state, mb.env)
         return {t.name: (mb.env.get(t.id), exe.deduced[t]) for t in fetch}
 
     per = run_on_devices(body, list(devices))

@@ -147,6 +147,73 @@ def test_programs_from_json_in_separate_processes_equal_the_graph_run_and_one_de
         assert_weights_close(state[k], v, LR, k)
 
 
+# ---- a planned strategy: per-pipeline schedules and warm-up vectors, recompute by stage -------------
+
+# pipeline 0: H-1F1B with warm-up (3, 1), its TP2 first stage recomputes (collectives inside the
+# stage run again); pipeline 1: GPipe, its last stage recomputes
+PLANNED = "layers=4 ; 4x1 h1f1b=3,1: R0,1 L0-1 recompute | R2 L2-3 ; 3x1 gpipe: R3 L0-1 | R4 L2-3 recompute"
+
+
+def planned_rank(backend: Backend, directory: str | None, programs=None):
+    """This rank's program (from its file, or given) and the Trainer on the same strategy: losses,
+    gradients and pieces of both, and what each ran (place, order, recomputation, measured peaks)."""
+    torch.set_num_threads(1)
+    model, layout, symbols = _model(PLANNED)
+    program = read_program(directory, backend.rank) if directory else programs[backend.rank]
+    runner = ProgramRunner(program, backend)
+    runner.measure = True
+    trainer = Trainer(model.graph, 0, backend, parse_strategy(PLANNED), symbols=symbols)
+    out = []
+    for run in (runner, trainer):
+        losses, grads, peaks = [], [], []
+        for batch in _batches(layout):
+            losses.append(run.step(batch))
+            grads.append(run.gradient_pieces() if run is runner else run.gradients())
+            last = run.last_run
+            peaks.append(None if last is None else (last.peak_in_flight, last.peak_held_bytes))
+        out.append((losses, grads, runner.pieces() if run is runner else trainer.state_dict(), peaks))
+    place = None if program.idle else (program.place.schedule, program.place.order, bool(program.place.recomputed))
+    ran = None if trainer.idle else (trainer.schedule, trainer.order, trainer.recompute is not None)
+    return out, place, ran
+
+
+def _check_planned(results):
+    ((losses, _, _, _), (graph_losses, graph_grads, graph_state, _)), _, _ = results[0]
+    assert losses == graph_losses and all(r[0][0][0] == losses for r in results.values())
+    for step in range(STEPS):
+        grads = _assemble(r[0][0][1][step] for r in results.values())
+        assert grads.keys() == graph_grads[step].keys()
+        for k, v in grads.items():
+            assert torch.equal(v, graph_grads[step][k]), k
+    state = _assemble(r[0][0][2] for r in results.values())
+    assert state.keys() == graph_state.keys()
+    for k, v in state.items():
+        assert torch.equal(v, graph_state[k]), k
+    schedules = set()
+    for (program, trainer), place, ran in results.values():
+        assert place[:2] == ran[:2] and place[2] == ran[2]  # the program runs the Trainer's schedule and order
+        assert program[3] == trainer[3]  # the same micro-batches in flight, the same activation bytes held
+        schedules.add((place[0], place[2]))
+    # every pipeline's own schedule and every stage's recompute flag were taken
+    assert schedules == {("h1f1b:3,1", True), ("h1f1b:3,1", False), ("gpipe", False), ("gpipe", True)}
+
+
+def test_a_planned_strategys_programs_run_what_the_trainer_runs_in_process():
+    model, layout, symbols = _model(PLANNED)
+    programs = compile_programs(model.graph, 0, parse_strategy(PLANNED), symbols=symbols)
+    results = LocalWorld(range(5), 120).run(lambda b: planned_rank(b, None, programs))
+    _check_planned(results)
+
+
+@pytest.mark.multiprocess
+def test_a_planned_strategys_programs_from_json_run_what_the_trainer_runs_on_gloo():
+    model, layout, symbols = _model(PLANNED)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_programs(compile_programs(model.graph, 0, parse_strategy(PLANNED), symbols=symbols), tmp)
+        results = run_multiprocess(planned_rank, 5, tmp, timeout=180)
+    _check_planned(dict(enumerate(results)))
+
+
 # ---- in-process: programs round trip and run like the Trainer --------------------------------------
 
 def test_a_program_prints_its_place_ops_plans_and_pieces():

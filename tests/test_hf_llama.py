@@ -87,7 +87,7 @@ def hspmd_one_device(directory, z):
     def body(backend):
         mb = run_forward(exe, backend, state, {"tokens": z[:, :S], "labels": z[:, 1:]}, binding, fetch=[model.logits])
         run_backward(exe, backend, state, mb)
-        run_update(exe, backend, state, fetch=list(model.graph.gradients.values()))
+        run_update(exe, backend, state)
         return dict(state.fetched)
 
     fetched = run_on_devices(body, [0])[0]

@@ -18,7 +18,7 @@ from hspmd.models.llama_reference import reference_training
 from hspmd.ops import AdamW
 from hspmd.backends.backend import Backend
 from hspmd.runtime.execution.batches import MicroBatchLayout
-from hspmd.runtime.execution.executor import NonBlockingSends
+from hspmd.runtime.execution.interpreter import NonBlockingSends
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy

@@ -11,6 +11,7 @@ from hspmd.ops.nn import RopeScaling, rope_inverse_frequencies
 from hspmd.backends.local import run_on_devices
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
+from hspmd.runtime.execution.interpreter import run_ops
 from hspmd.runtime.execution.run import DeviceState, run_forward
 
 
@@ -21,9 +22,7 @@ def _run_single(graph, feeds, fetch, binding=Binding()):
     def body(backend):
         mb = run_forward(exe, backend, state, feeds, binding)
         env = mb.env
-        from hspmd.runtime.execution.run import _execute
-
-        _execute(exe, exe.backward, backend, state, env, binding)
+        run_ops(mb.passes.backward, backend, state, env)
         return {t.name: env[t.id] for t in fetch}
 
     return run_on_devices(body, [0])[0]

@@ -16,7 +16,8 @@ from hspmd.ops import AdamW, Graph, causal_attention, rotary
 from hspmd.runtime.execution.batches import MicroBatchLayout
 from hspmd.runtime.training.inprocess import InProcessJob
 from hspmd.runtime.execution.packing import counted_tokens, pack_row, pad_rows
-from hspmd.runtime.execution.run import DeviceState, _execute, run_forward
+from hspmd.runtime.execution.interpreter import run_ops
+from hspmd.runtime.execution.run import DeviceState, run_forward
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
 from hspmd.specialize.strategy_text import parse_strategy
@@ -114,7 +115,7 @@ def _forward_backward(graph, feeds, fetch):
 
     def body(backend):
         mb = run_forward(exe, backend, state, feeds, Binding())
-        _execute(exe, exe.backward, backend, state, mb.env, Binding())
+        run_ops(mb.passes.backward, backend, state, mb.env)
         return [mb.env[t.id] for t in fetch]
 
     return run_on_devices(body, [0])[0]

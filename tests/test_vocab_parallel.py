@@ -21,7 +21,8 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops.nn import IGNORE_INDEX
 from hspmd.runtime.training.inprocess import InProcessJob
 from hspmd.runtime.processes.multiprocess import run_multiprocess
-from hspmd.runtime.execution.run import DeviceState, _execute, device_feeds, run_forward
+from hspmd.runtime.execution.interpreter import run_ops
+from hspmd.runtime.execution.run import DeviceState, device_feeds, run_forward
 from hspmd.runtime.training.trainer import step_groups
 from hspmd.specialize.deduce import deduce
 from hspmd.specialize.executable import instantiate
@@ -61,7 +62,7 @@ def _device_run(backend: Backend, graph, fetch, values):
     backend.prepare_groups(step_groups(exe, tuple(range(backend.world_size)), binding))
     state = DeviceState.initial(exe)
     mb = run_forward(exe, backend, state, device_feeds(exe, values, binding), binding)
-    _execute(exe, exe.backward, backend, state, mb.env, binding)
+    run_ops(mb.passes.backward, backend, state, mb.env)
     return {t.name: (mb.env.get(t.id), exe.deduced[t]) for t in fetch}
 
 

@@ -118,13 +118,17 @@ class Feed:
 @dataclass(frozen=True)
 class PipelinePlace:
     """Where the device runs: its pipeline's stages, its stage, the batch subgroup (pipeline index
-    of the micro-batch layout), the schedule's name and this stage's order of F/B actions."""
+    of the micro-batch layout), the schedule's name and this stage's order of F/B actions;
+    `recomputed`: the indices of the forward ops that run again before each backward (activation
+    recomputation: only the others' values are kept between the two), empty when the stage keeps
+    its activations."""
 
     stages: tuple[tuple[int, ...], ...]
     stage: int
     pipeline: int
     schedule: str
     order: tuple[Action, ...]
+    recomputed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,8 @@ class DeviceProgram:
             return "\n".join(lines)
         p = self.place
         lines.append(f"  stage {p.stage + 1} of {len(p.stages)} {list(map(list, p.stages))}, pipeline {p.pipeline}, "
-                     f"{p.schedule}: {' '.join(map(str, p.order))}")
+                     f"{p.schedule}: {' '.join(map(str, p.order))}"
+                     f"{f', recomputes {len(p.recomputed)} forward ops' if p.recomputed else ''}")
         lines.append(f"  tensors ({len(self.tensors)})")
         for t in self.tensors:
             lines.append(f"    t{t.id} {t.name} {list(t.shape)} {t.dtype} box {t.box and [list(r) for r in t.box]} "
@@ -211,6 +216,7 @@ class DeviceProgram:
         place = None if self.place is None else {
             "stages": [list(s) for s in self.place.stages], "stage": self.place.stage, "pipeline": self.place.pipeline,
             "schedule": self.place.schedule, "order": [str(a) for a in self.place.order],
+            "recomputed": list(self.place.recomputed),
         }
         return {
             "schema": SCHEMA, "device": self.device, "graph": self.graph, "strategy": self.strategy,
@@ -476,7 +482,10 @@ def _read_program(f: _Field) -> DeviceProgram:
             check_order(order, len({a.micro_batch for a in order}))
         except HSPMDError as exc:
             raise place_f["order"].error(str(exc)) from None
-        place = PipelinePlace(stages, stage, place_f["pipeline"].int(), place_f["schedule"].str(), order)
+        recomputed = () if place_f.get("recomputed").value is None else place_f["recomputed"].ints()
+        if any(i >= len(ops["forward"]) for i in recomputed) or len(set(recomputed)) != len(recomputed):
+            raise place_f["recomputed"].fail(f"expected distinct indices of the {len(ops['forward'])} forward ops")
+        place = PipelinePlace(stages, stage, place_f["pipeline"].int(), place_f["schedule"].str(), order, recomputed)
     feeds = tuple(tuple(Feed(x["name"].str(), tensor_id(x["tensor"]), x["box"].box()) for x in mb.items())
                   for mb in f["feeds"].items())
     if place is not None and len(feeds) != len({a.micro_batch for a in place.order}):

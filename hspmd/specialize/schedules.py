@@ -2,8 +2,8 @@
 backward passes.
 
 A schedule is a pure function (stages, stage, micro_batches) -> tuple of Actions, printable and
-testable without any device. The executor (hspmd.runtime.execution.executor) runs such an order on a
-Backend. Every pipeline follows its own schedule: its own stage count and micro-batch count.
+testable without any device. The interpreter (hspmd.runtime.execution.interpreter) runs such an
+order on a Backend. Every pipeline follows its own schedule: its own stage count and micro-batch count.
 
     gpipe   every forward, then every backward: simple, but a stage keeps all M micro-batches'
             activations alive at once.

@@ -5,7 +5,7 @@ there, this host standing for the block's reference type. `emulated(backend, clu
 rank's backend in an `EmulatedBackend` carrying that rank's `RankEmulator`; without a block it
 returns the backend unchanged, so emulation is off unless a cluster file asks for it.
 
-    compute   after each compute op (run.py's op loop calls `RankEmulator.computed`), a rank whose
+    compute   after each compute op (the interpreter's op loop calls `RankEmulator.computed`), a rank whose
               type is s times slower than the reference owes s x the CPU time since the last op
               or communication (this thread's: what the op and the loop's work for it cost a core
               of its own, so other processes sharing the host do not stretch it) less the wall
@@ -398,7 +398,7 @@ def emulated(backend: Backend, cluster: ClusterSpec | None, board: torch.Tensor 
 
 
 def emulation_of(backend: Backend) -> RankEmulator | None:
-    """The backend's emulated device, or None (what run.py's op loop asks)."""
+    """The backend's emulated device, or None (what the interpreter's op loop asks)."""
     return getattr(backend, "emulator", None)
 
 

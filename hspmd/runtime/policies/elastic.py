@@ -43,10 +43,12 @@ from hspmd.runtime.data.order import DataState
 from hspmd.runtime.execution.batches import PipelineBatch
 from hspmd.runtime.processes.membership import Membership, killed_at, killed_key
 from hspmd.runtime.persistence.sharded_checkpoint import ShardedReader, step_dir
-from hspmd.runtime.training.trainer import Trainer
+from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB
+from hspmd.runtime.execution.interpreter import DeviceState
+from hspmd.runtime.training.trainer import Trainer, switched
 from hspmd.specialize.strategy import Strategy
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
-from hspmd.switching import execute_switch, plan_switch, recover_strategy
+from hspmd.switching import recover_strategy
 
 HISTORY = 4
 START = DataState()  # the data loader's state before a job's first step
@@ -226,8 +228,10 @@ class ElasticTrainer:
     def __init__(self, build_graph: Callable[[Sequence[Strategy]], Graph], strategy: Strategy,
                  membership: Membership, schedule: str | None = None, symbols: Mapping[str, int] | None = None,
                  seed: int = 0, kills: Sequence[KillPoint] = (), describe: Callable[[Strategy], str] = str,
-                 sharded: bool = False, data: SequenceLoader | None = None, data_state: DataState = START):
-        self._setup(build_graph, strategy, membership, schedule, symbols, seed, kills, describe, sharded, data, data_state)
+                 sharded: bool = False, data: SequenceLoader | None = None, data_state: DataState = START,
+                 topology=None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB):
+        self._setup(build_graph, strategy, membership, schedule, symbols, seed, kills, describe, sharded, data, data_state,
+                    topology, bucket_cap_mb)
         self.strategies: list[Strategy] = [strategy]
         self.graph = build_graph(self.strategies)
         self.trainer = self._trainer(0)
@@ -236,9 +240,11 @@ class ElasticTrainer:
     def _setup(self, build_graph, strategy: Strategy, membership: Membership, schedule: str | None = None,
                symbols: Mapping[str, int] | None = None, seed: int = 0, kills: Sequence[KillPoint] = (),
                describe: Callable[[Strategy], str] = str, sharded: bool = False, data: SequenceLoader | None = None,
-               data_state: DataState = START) -> None:
+               data_state: DataState = START, topology=None,
+               bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB) -> None:
         self.build_graph, self.membership = build_graph, membership
         self.schedule, self.symbols, self.seed, self.describe = schedule, dict(symbols or {}), seed, describe
+        self.topology, self.bucket_cap_mb = topology, bucket_cap_mb
         self.kills = tuple(kills)
         outside = [str(k) for k in self.kills if k.rank >= membership.world_size]
         if outside:
@@ -264,10 +270,11 @@ class ElasticTrainer:
             self._injector = FaultInjector(inner, self.kills, self.membership.store)
         return self._injector
 
-    def _trainer(self, index: int) -> Trainer:
-        strategy = self.strategies[index]
-        return Trainer(self.graph, index, self._backend(), strategy, self.schedule,
-                                  self.symbols, self.seed)
+    def _trainer(self, index: int, state: DeviceState | None = None) -> Trainer:
+        """The trainer of strategy `index` on the current generation (`state`: its pieces and step,
+        default the initial values)."""
+        return Trainer(self.graph, index, self._backend(), self.strategies[index], self.schedule, self.symbols,
+                       self.seed, self.topology, bucket_cap_mb=self.bucket_cap_mb, state=state)
 
     def _begin(self, phase: str) -> None:
         backend = self._backend()
@@ -342,21 +349,17 @@ class ElasticTrainer:
         return len(self.strategies) - 1
 
     def _move_to(self, target: Strategy, failed: Sequence[int], leaves: Mapping[str, torch.Tensor] | None = None,
-                 source: int | None = None) -> None:
+                 source: int | None = None, steps: int | None = None) -> None:
+        """Move this rank's `leaves` (default the trainer's) of strategy `source` to `target`,
+        appended to the graph's strategies, on the current generation (the one switch routine,
+        hspmd.runtime.training.trainer.switched)."""
         source = self.trainer.spec.deduced.strategy if source is None else source
         leaves = self.trainer.state.leaves if leaves is None else leaves
-        steps = self.trainer.steps_done
+        steps = self.trainer.steps_done if steps is None else steps
         index = self._adopt(target)
-        plan = plan_switch(self.graph, source, index, failed=failed)
-        moved = execute_switch(plan, self._backend(), leaves)
-        nxt = self._trainer(index)
-        missing = set(nxt.state.leaves) - set(moved)
-        if missing:
-            raise HSPMDError(f"rank {self.rank}: the move to {self.describe(target)} delivered no piece of {sorted(missing)[:3]}")
-        nxt.state.leaves = {name: moved[name] for name in nxt.state.leaves}
-        nxt.state.step = steps
-        nxt.last_switch = plan
-        self.trainer = nxt
+        self.trainer = switched(self.graph, source, index, self._backend(), target, leaves, steps, failed=failed,
+                                schedule=self.schedule, symbols=self.symbols, seed=self.seed, topology=self.topology,
+                                bucket_cap_mb=self.bucket_cap_mb)
 
     def _restore(self, target: Strategy, lost: WeightLost) -> None:
         """No living replica holds some piece: load every rank's pieces under `target` from the
@@ -372,7 +375,7 @@ class ElasticTrainer:
             seen = ShardedReader.open(path).step
             path = step_dir(path, min(self.membership.agree("restore", seen)))
         index = self.strategies.index(target) if target in self.strategies else self._adopt(target)
-        nxt = self._trainer(index)
+        nxt = self._trainer(index, DeviceState({}))  # every piece comes from the checkpoint
         nxt.load_checkpoint(path)
         if self.data is not None:
             self.data_state = saved_state(path) or DataState()
@@ -489,15 +492,8 @@ class ElasticTrainer:
         self.switches_done, self.checkpoint_path = plan["switches"], plan["checkpoint"]
         self.data_state = DataState.from_json(plan["data"], "the survivors' join plan")
         self.trainer = None
-        index = self._adopt(target)
         try:
-            switch = plan_switch(self.graph, 0, index, failed=plan["failed"])
-            moved = execute_switch(switch, self._backend(), {})
-            nxt = self._trainer(index)
-            nxt.state.leaves = {name: moved[name] for name in nxt.state.leaves}
-            nxt.state.step = plan["steps"]
-            nxt.last_switch = switch
-            self.trainer = nxt
+            self._move_to(target, failed=plan["failed"], leaves={}, source=0, steps=plan["steps"])
         except WeightLost as lost:
             self._restore(target, lost)
         self._commit()

@@ -25,8 +25,10 @@ from hspmd.ir.shapes import Binding
 from hspmd.runtime.execution.batches import MicroBatchLayout
 from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB, cap_bytes_of
 from hspmd.runtime.persistence.integrity import atomic_write
+from hspmd.runtime.execution.run import Recompute, rerun_instructions
 from hspmd.runtime.training.trainer import (
-    as_layout, batch_hsize, batch_subgroup, pipeline_region, step_groups, summing_devices, trainer_binding,
+    as_layout, batch_hsize, batch_subgroup, pipeline_options, pipeline_region, step_groups, summing_devices,
+    trainer_binding,
 )
 from hspmd.specialize.bucket_plan import plan_buckets
 from hspmd.specialize.deduce import deduce
@@ -65,29 +67,33 @@ def _feeds(spec: Specialized, exe: ExecutableGraph, layout: MicroBatchLayout, pi
     return out
 
 
-def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
+def compile_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
                      symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
                      world_size: int | None = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
-                     ranks: Iterable[int] | None = None) -> dict[int, DeviceProgram]:
+                     ranks: Iterable[int] | None = None, recompute: bool | None = None) -> dict[int, DeviceProgram]:
     """Every rank's program (ranks 0..world_size-1; by default up to the strategy's highest device;
     a rank the strategy leaves out gets an idle program). The programs run as Trainers over the
-    same arguments would: same losses, gradients and updated weights. `bucket_cap_mb` as the
-    Trainer's (None: every gradient synchronises in the update). `ranks`: only these ranks'
-    programs (e.g. one node's), each the same as in the whole job's; only their executable graphs
-    are made, the deduction, plans and pipelines are the job's."""
+    same arguments would: same losses, gradients and updated weights. `schedule` and `recompute`
+    as the Trainer's (None: each pipeline's own schedule and warm-up vector and each stage's
+    recompute flag where `layout` is a Strategy that gives them, else 1f1b and no recomputation).
+    `bucket_cap_mb` as the Trainer's (None: every gradient synchronises in the update). `ranks`:
+    only these ranks' programs (e.g. one node's), each the same as in the whole job's; only their
+    executable graphs are made, the deduction, plans and pipelines are the job's."""
     return dict(iter_programs(graph, strategy, layout, schedule, symbols, seed, topology, world_size, bucket_cap_mb,
-                              ranks))
+                              ranks, recompute))
 
 
-def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str = "1f1b",
+def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strategy, schedule: str | None = None,
                   symbols: Mapping[str, int] | None = None, seed: int = 0, topology=None,
                   world_size: int | None = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
-                  ranks: Iterable[int] | None = None) -> Iterator[tuple[int, DeviceProgram]]:
+                  ranks: Iterable[int] | None = None, recompute: bool | None = None
+                  ) -> Iterator[tuple[int, DeviceProgram]]:
     """compile_programs one rank at a time, in rank order: (rank, program) pairs. Deduction and the
     pipelines are worked out once before the first; executable graphs are made RANKS_AT_ONCE ranks
     at a time and each let go once its program is made, so a consumer that writes and drops each
     program holds one program and a batch of executable graphs at a time."""
     cap = None if bucket_cap_mb is None else cap_bytes_of(bucket_cap_mb)
+    declared = layout if isinstance(layout, Strategy) else None
     layout = as_layout(layout)
     binding: Binding = trainer_binding(graph, layout, symbols)
     with collector_paused():
@@ -106,6 +112,7 @@ def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strate
     chosen = sorted(set(chosen))
     in_strategy = set(devices)
     spec = specialize_graph(graph, strategy, binding, devices=(), topology=topology, deduced=deduced)
+    options = pipeline_options(spec, layout, declared, schedule, recompute)
     loss = graph.losses[0] if graph.losses else None
     summands: tuple[int, ...] = ()
     if loss is not None:
@@ -129,8 +136,12 @@ def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strate
                     discovered, stage = spec.locate(rank)
                     stages = spec.pipelines[discovered]
                     pipeline = batch_subgroup(spec.deduced, stages.devices)
-                    order = schedule_for(schedule, len(stages.stages), stage, layout.counts[pipeline])
-                    place = PipelinePlace(stages.stages, stage, pipeline, schedule, tuple(order))
+                    schedule_name, flags = options[discovered]
+                    order = schedule_for(schedule_name, len(stages.stages), stage, layout.counts[pipeline])
+                    rerun = () if flags[stage] is None else {id(ins) for ins in rerun_instructions(
+                        exe, binding, Recompute.of(stages.stages[stage], *flags[stage]))}
+                    recomputed = tuple(i for i, ins in enumerate(exe.forward) if id(ins) in rerun)
+                    place = PipelinePlace(stages.stages, stage, pipeline, schedule_name, tuple(order), recomputed)
                     yield rank, device_program(
                         exe, seed=seed, place=place, feeds=_feeds(spec, exe, layout, pipeline), devices=devices,
                         global_batch=layout.global_batch_size, groups=step_groups(exe, devices, binding),

@@ -40,7 +40,8 @@ def compile_main(argv: Sequence[str]) -> int:
     p = ArgumentParser(prog="hspmd compile", description="write one program (JSON) per rank of the tiny Llama")
     p.add_argument("strategy", help="strategy text, a strategy file, or a paper strategy name")
     p.add_argument("--out", required=True, help="directory for rank<N>.json and job.json")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, eager or h1f1b:N1,N2,...")
+    p.add_argument("--schedule", default=None,
+                   help="gpipe, 1f1b, eager or h1f1b:N1,N2,... (default: each pipeline's own in the strategy, else 1f1b)")
     p.add_argument("--seq", type=positive_int, default=8, help="sequence length")
     p.add_argument("--vocab", type=positive_int, default=32)
     p.add_argument("--hidden", type=positive_int, default=16)
@@ -59,7 +60,7 @@ def compile_main(argv: Sequence[str]) -> int:
     layout = MicroBatchLayout.of(strategy)
     symbols = {model.seq.name: args.seq, model.tokens_per_step.name: layout.global_batch_size * args.seq}
     shown, world = None, max(strategy.all_ranks) + 1
-    programs = iter_programs(model.graph, 0, layout, args.schedule, symbols, seed=args.seed, world_size=world,
+    programs = iter_programs(model.graph, 0, strategy, args.schedule, symbols, seed=args.seed, world_size=world,
                              ranks=args.ranks)
     for rank, prog in programs:
         (path,) = write_programs([(rank, prog)], args.out)  # one program in memory at a time

@@ -25,8 +25,7 @@ link, which is what keeps the order deadlock-free.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import sympy
 import torch
@@ -38,12 +37,13 @@ from hspmd.ir.graph import Graph, Node
 from hspmd.ir.shapes import Binding
 from hspmd.backends.backend import Backend
 from hspmd.runtime.execution.batches import MicroBatchLayout, PipelineBatch
-from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, SyncedGradients, cap_bytes_of
+from hspmd.runtime.execution.buckets import DEFAULT_BUCKET_CAP_MB, BucketSync, cap_bytes_of
 from hspmd.runtime.persistence.checkpoint import (
     DATA_KEY, CheckpointReader, check_leaf_names, cut_from_tensors, cut_leaves, gather_leaves, gather_whole, save_checkpoint,
 )
-from hspmd.runtime.execution.executor import ScheduleRun, run_schedule
 from hspmd.runtime.execution.checks import check_bound, check_feeds, check_seed, checked_ranks, checked_symbols
+from hspmd.runtime.execution.interpreter import DeviceState, Passes, ScheduleRun, run_step, step_loss
+from hspmd.runtime.execution.run import Recompute, lower_executable
 from hspmd.runtime.persistence.dcp_checkpoint import DCPCheckpoint, open_any_checkpoint, save_dcp, save_pieces
 from hspmd.runtime.persistence.sharded_checkpoint import PendingSave, ShardedReader, save_sharded
 from hspmd.runtime.execution.trace import Tracer
@@ -52,7 +52,6 @@ from hspmd.specialize.schedules import Schedule, pipeline_schedule, schedule_for
 from hspmd.specialize.deduce import Deduced, check_strategy_index
 from hspmd.specialize.bucket_plan import plan_buckets
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
-from hspmd.runtime.execution.run import DeviceState, Recompute, run_update, synced_gradients
 from hspmd.specialize.specialized import Specialized, all_devices, specialize_graph
 from hspmd.specialize.strategy import Pipeline, Strategy
 from hspmd.switching import (
@@ -141,6 +140,46 @@ def trainer_binding(graph: Graph, layout: MicroBatchLayout, symbols: Mapping[str
     return Binding.of({**dict(symbols or {}), batch_symbol(graph).name: sum(layout.sizes)}, ratios=layout.sizes)
 
 
+def pipeline_options(spec: Specialized, layout: MicroBatchLayout, strategy: Strategy | None, schedule: str | None,
+                     recompute: bool | None) -> list[tuple[str, tuple[tuple | None, ...]]]:
+    """Per discovered pipeline of `spec`: its schedule and each stage's recompute choice, (layers
+    or None, granularity) or None (the arguments, else the Strategy's pipeline, else 1f1b and none). What a Trainer and a compiled
+    program run alike. Every schedule is checked (a schedule that does not suit a pipeline fails
+    on every rank alike, not on that pipeline's ranks)."""
+    out, checked = [], set()
+    for pipeline in spec.pipelines:
+        count = layout.counts[batch_subgroup(spec.deduced, pipeline.devices)]
+        declared = declared_pipeline(strategy, pipeline)
+        chosen = schedule or (declared.schedule_spec if declared else None) or "1f1b"
+        if (chosen, len(pipeline.stages), count) not in checked:  # thousands of equal pipelines at scale
+            checked.add((chosen, len(pipeline.stages), count))
+            pipeline_schedule(chosen, len(pipeline.stages), count)
+        if recompute is not None:
+            flags = ((None, "full") if recompute else None,) * len(pipeline.stages)
+        else:
+            flags = tuple((s.recompute_layers, s.recompute_granularity) if s.recompute else None
+                          for s in declared.stages) if declared else (None,) * len(pipeline.stages)
+        out.append((chosen, flags))
+    return out
+
+
+def declared_pipeline(strategy: Strategy | None, pipeline) -> Pipeline | None:
+    """The Strategy's pipeline that runs on the discovered `pipeline`, where it gives a schedule
+    or recompute flags (its stages must then be the ones the graph runs)."""
+    if strategy is None or pipeline.devices[0] not in strategy.all_ranks:
+        return None
+    p, _ = strategy.locate(pipeline.devices[0])
+    declared = strategy.pipelines[p]
+    if declared.schedule_spec is None and not any(s.recompute for s in declared.stages):
+        return None
+    stages = tuple(tuple(sorted(s.ranks)) for s in declared.stages)
+    if stages != pipeline.stages:
+        raise HSPMDError(f"pipelines[{p}] of strategy {strategy.name or '(unnamed)'} declares stages {list(stages)} "
+                         f"but the graph runs stages {list(pipeline.stages)}: its schedule and recompute flags cannot "
+                         f"be applied; pass the strategy the graph was built with")
+    return declared
+
+
 class Trainer:
     """One rank's part of training `graph` under strategy index `strategy`, over `backend`.
 
@@ -217,6 +256,8 @@ class Trainer:
         self.state = DeviceState.initial(self.exe, seed, backend.device) if state is None else state
         self.buckets = None if cap is None or self.idle else BucketSync(plan_buckets(self.exe, cap), backend.device)
         self.last_run: ScheduleRun | None = None
+        self.measure = True  # count the activation bytes held after each action (ScheduleRun.peak_held_bytes)
+        self._lowered: dict[Binding, Passes] = {}
         self.tracer: Tracer | None = None  # set one to record this rank's F/B/update events (runtime.trace)
         self.last_switch = None
         self.carried: dict[str, torch.Tensor] = {}
@@ -225,43 +266,8 @@ class Trainer:
         backend.prepare_groups(self._groups())
 
     def _pipeline_options(self) -> list[tuple[str, tuple[tuple | None, ...]]]:
-        """Per discovered pipeline: its schedule and each stage's recompute choice, (layers or None,
-        granularity) or None (the arguments,
-        else the Strategy's, else 1f1b and none). Checked on every rank (idle ones too), so that a
-        schedule that does not suit a pipeline fails everywhere alike, not on that pipeline's ranks."""
-        out, checked = [], set()
-        for pipeline in self.spec.pipelines:
-            count = self.layout.counts[self._batch_subgroup(pipeline.devices)]
-            declared = self._declared(pipeline)
-            schedule = self.schedule_name or (declared.schedule_spec if declared else None) or "1f1b"
-            if (schedule, len(pipeline.stages), count) not in checked:  # thousands of equal pipelines at scale
-                checked.add((schedule, len(pipeline.stages), count))
-                pipeline_schedule(schedule, len(pipeline.stages), count)
-            if self.recompute_requested is not None:
-                flags = ((None, "full") if self.recompute_requested else None,) * len(pipeline.stages)
-            else:
-                flags = tuple((s.recompute_layers, s.recompute_granularity) if s.recompute else None
-                              for s in declared.stages) if declared else (None,) * len(pipeline.stages)
-            out.append((schedule, flags))
-        return out
-
-    def _declared(self, pipeline) -> Pipeline | None:
-        """The Strategy's pipeline that runs on the discovered `pipeline`, where the layout is a
-        Strategy that gives it a schedule or recompute flags (whose stages must then be the ones
-        the graph runs)."""
-        strategy = self.strategy_value
-        if strategy is None or pipeline.devices[0] not in strategy.all_ranks:
-            return None
-        p, _ = strategy.locate(pipeline.devices[0])
-        declared = strategy.pipelines[p]
-        if declared.schedule_spec is None and not any(s.recompute for s in declared.stages):
-            return None
-        stages = tuple(tuple(sorted(s.ranks)) for s in declared.stages)
-        if stages != pipeline.stages:
-            raise HSPMDError(f"pipelines[{p}] of strategy {strategy.name or '(unnamed)'} declares stages {list(stages)} "
-                             f"but the graph runs stages {list(pipeline.stages)}: its schedule and recompute flags cannot "
-                             f"be applied; pass the strategy the graph was built with")
-        return declared
+        return pipeline_options(self.spec, self.layout, self.strategy_value, self.schedule_name,
+                                self.recompute_requested)
 
     def _batch_hsize(self) -> int:
         return batch_hsize(self.spec.deduced)
@@ -313,38 +319,24 @@ class Trainer:
         if self.idle:
             self.state.step += 1  # counts the job's steps: a later switch that brings it back agrees on them
             return None
-        placeholders = {node.name: node for node in self.exe.placeholders}
+        placeholders = self.exe.placeholders
         first, rows = (self.layout.pipeline_rows(self.pipeline)[0], share.rows) if share is not None else (0, batch)
 
         def feeds(m: int) -> dict[str, torch.Tensor]:
             start, stop = self.layout.rows(self.pipeline, m)
-            return {name: self._piece(node, rows[name][start - first:stop - first]) for name, node in placeholders.items()}
+            return {node.name: self._piece(node, rows[node.name][start - first:stop - first]) for node in placeholders}
 
-        self.state.fetched.clear()
-        buckets = self._begin_buckets()
-        self.last_run = run_schedule(self.exe, self.backend, self.state, self.order, feeds, self.binding, self.tracer,
-                                     buckets, self.recompute)
-        with self.tracer.span("update", "update") if self.tracer else nullcontext(), self._synced(buckets) as synced:
-            run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), synced=synced)
+        passes = self._passes(self.binding)
+        self.last_run, _ = run_step(self.order, self.backend, self.state, lambda m: passes, feeds, passes,
+                                    self.buckets, self.tracer, measure=self.measure)
         return self._reduce_loss()
 
-    def _begin_buckets(self) -> BucketSync | None:
-        if self.buckets is not None:
-            self.buckets.begin()
-            self.buckets.tracer = self.tracer
-        return self.buckets
-
-    @contextmanager
-    def _synced(self, buckets: BucketSync | None) -> Iterator[SyncedGradients | None]:
-        """The bucketed gradients for the update to read (each waited for when read), and every
-        bucket settled once it is done; on an error the all-reduces under way are dropped with
-        the step."""
-        if buckets is None:
-            yield None
-            return
-        synced = buckets.finish(self.backend)
-        yield synced
-        synced.settle()
+    def _passes(self, binding: Binding) -> Passes:
+        """This rank's work lowered for the interpreter under `binding` (once per binding)."""
+        passes = self._lowered.get(binding)
+        if passes is None:
+            passes = self._lowered[binding] = lower_executable(self.exe, binding, self.recompute)
+        return passes
 
     def step_rows(self, micro_batches: Sequence[Sequence[Mapping[str, torch.Tensor]]],
                   symbols: Mapping[str, int] | None = None, carried: Mapping[str, torch.Tensor] | None = None
@@ -356,13 +348,9 @@ class Trainer:
         (e.g. T, the step's token count) or the trainer's. Every rank passes the same lists. Comm
         plans are resolved once per binding and kept (the specialization's plan cache).
         `carried`: synchronised gradients of earlier buckets of this step (see bucket_rows)."""
-        buckets = self._begin_buckets()
-        if not self._run_rows(micro_batches, symbols, buckets):
+        if not self._run_rows(micro_batches, symbols, carried=carried):
             self.state.step += 1  # an idle rank counts the job's steps too (see step)
             return None
-        with self._synced(buckets) as synced:
-            run_update(self.exe, self.backend, self.state, fetch=list(self.graph.gradients.values()), carried=carried,
-                       synced=synced)
         return self._reduce_loss()
 
     def bucket_rows(self, micro_batches: Sequence[Sequence[Mapping[str, torch.Tensor]]],
@@ -371,16 +359,15 @@ class Trainer:
         """One bucket of a step that runs under several strategies in turn (Hetu-A): step_rows
         without the update. Returns the bucket's loss and this rank's synchronised gradient pieces
         (plus `carried`), which switch(carry=...) moves with the weights to the next strategy."""
-        buckets = self._begin_buckets()
-        if not self._run_rows(micro_batches, symbols, buckets):
+        synced = self._run_rows(micro_batches, symbols, sync_only=True)
+        if synced is None:
             return None, {}
-        with self._synced(buckets) as bucketed:
-            synced = synced_gradients(self.exe, self.backend, self.state, bucketed)
         loss = self._reduce_loss()
         return loss, {k: v + carried[k] if carried and k in carried else v for k, v in synced.items()}
 
-    def _run_rows(self, micro_batches, symbols, buckets: BucketSync | None = None) -> bool:
-        """This rank's schedule over its pipeline's rows; False on an idle rank."""
+    def _run_rows(self, micro_batches, symbols, carried=None, sync_only: bool = False):
+        """This rank's step over its pipeline's rows: None on an idle rank, else the synchronised
+        gradients (sync_only) or True."""
         if len(micro_batches) != self.layout.pipelines:
             raise HSPMDError(f"step_rows(): {len(micro_batches)} pipeline lists for the {self.layout.pipelines} "
                              f"pipelines of strategy {self.spec.deduced.strategy}")
@@ -391,16 +378,15 @@ class Trainer:
         bindings = [[self._row_binding(p, m, row, symbols) for m, row in enumerate(rows)]
                     for p, rows in enumerate(micro_batches)]
         if self.idle:
-            return False
+            return None
         rows, mine = micro_batches[self.pipeline], bindings[self.pipeline]
-        placeholders = {node.name: node for node in self.exe.placeholders}
-        self.state.fetched.clear()
         order = schedule_for(self.schedule, len(self.stages.stages), self.stage, len(rows))
-        self.last_run = run_schedule(
-            self.exe, self.backend, self.state, order,
-            lambda m: {name: self._piece(node, rows[m][name], mine[m]) for name, node in placeholders.items()},
-            lambda m: mine[m], buckets=buckets, recompute=self.recompute)
-        return True
+        placeholders = self.exe.placeholders
+        self.last_run, synced = run_step(
+            order, self.backend, self.state, lambda m: self._passes(mine[m]),
+            lambda m: {node.name: self._piece(node, rows[m][node.name], mine[m]) for node in placeholders},
+            self._passes(self.binding), self.buckets, self.tracer, carried, sync_only, self.measure)
+        return synced if sync_only else True
 
     def _row_binding(self, pipeline: int, m: int, row: Mapping[str, torch.Tensor], symbols) -> Binding:
         values = {**self.binding.mapping, **dict(symbols or {})}
@@ -432,13 +418,7 @@ class Trainer:
             ann = self.spec.deduced[loss]
             shape = self.binding.shape(loss.shape, loss.name)
             self._sums_loss = self.backend.rank in summing_devices(ann, shape, run_time_ratios(ann, self.binding))
-        mine = self._sums_loss
-        local = self.state.fetched.get(loss.name)
-        device = self.backend.device
-        value = local.detach().reshape(()).to(device, torch.float64) if mine and local is not None else \
-            torch.zeros((), dtype=torch.float64, device=device)
-        total = self.backend.all_reduce(value, self.devices)
-        return float("nan") if total.is_meta else float(total)  # a stand-in device holds no values
+        return step_loss(self.backend, self.state.fetched.get(loss.name), self._sums_loss, self.devices)
 
     @property
     def steps_done(self) -> int:
@@ -476,32 +456,13 @@ class Trainer:
                                  or (plan.src_strategy, plan.dst_strategy) != (here, strategy)):
             raise HSPMDError(f"switch(): the plan given is not a switch plan from strategy {here} to {strategy}")
         made = [s.deduced for s in (self.spec, specialized, reuse.spec if reuse else None) if s is not None]
-        if carry is None:
-            plan = plan or plan_switch(self.graph, here, strategy, failed=failed, topology=self.topology, deduced=made)
-            moving = {} if self.backend.rank in failed else self.state.leaves
-        else:
-            plan = plan or plan_switch_with_gradients(self.graph, here, strategy, failed=failed, topology=self.topology,
-                                                      deduced=made)
-            moving = {} if self.backend.rank in failed else {**self.state.leaves, **gradient_leaves(carry)}
-        if reuse is None:
-            nxt = Trainer(self.graph, strategy, self.backend, layout, schedule or self.schedule_name,
-                          self.symbols, self.seed, self.topology, specialized, self.bucket_cap_mb,
-                          state=DeviceState({}, step=self.state.step),
-                          recompute=self.recompute_requested if recompute is None else recompute)
-        else:
+        if reuse is not None:
             self._check_reusable(reuse, strategy, layout, schedule, recompute)
-            nxt, nxt.state, nxt.last_run = reuse, DeviceState({}, step=self.state.step), None
-        leaves = execute_switch(plan, self.backend, moving)
-        carried = {name[len(GRADIENT_PREFIX):]: v for name, v in leaves.items() if name.startswith(GRADIENT_PREFIX)}
-        leaves = {name: v for name, v in leaves.items() if not name.startswith(GRADIENT_PREFIX)}
-        missing = {node.name for node in nxt.exe.held_leaves} - set(leaves)
-        if missing:
-            raise HSPMDError(f"rank {self.backend.rank}: the switch to strategy {strategy} delivered no piece of "
-                             f"{sorted(missing)[:3]}; the strategies disagree on the graph's leaves")
-        nxt.state.leaves = {node.name: leaves[node.name] for node in nxt.exe.held_leaves}
-        nxt.last_switch = plan
-        nxt.carried = carried
-        return nxt
+        return switched(self.graph, here, strategy, self.backend, layout, self.state.leaves, self.state.step,
+                        failed=failed, carry=carry, plan=plan, deduced=made,
+                        reuse=reuse, schedule=schedule or self.schedule_name, symbols=self.symbols, seed=self.seed,
+                        topology=self.topology, specialized=specialized, bucket_cap_mb=self.bucket_cap_mb,
+                        recompute=self.recompute_requested if recompute is None else recompute)
 
     def release(self) -> None:
         """Drop this trainer's weights, optimizer states and accumulators (a switch moved them to
@@ -591,7 +552,47 @@ class Trainer:
                 f"{self.schedule}{', recompute' if self.recompute else ''}: {' '.join(map(str, self.order))}")
 
 
+def switched(graph: Graph, source: int, target: int, backend: Backend, layout: MicroBatchLayout | Strategy,
+             leaves: Mapping[str, torch.Tensor], step: int, *, failed: Sequence[int] = (),
+             carry: Mapping[str, torch.Tensor] | None = None, plan: SwitchPlan | None = None, deduced=(),
+             reuse: Trainer | None = None, schedule: str | None = None, symbols: Mapping[str, int] | None = None,
+             seed: int = 0, topology=None, specialized: Specialized | None = None,
+             bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, recompute: bool | None = None) -> Trainer:
+    """Collective, the one switch routine: the trainer of strategy `target` of `graph` on
+    `backend` (the other arguments as the Trainer's), holding this rank's `leaves` of strategy
+    `source` moved there by one fused batched send-receive (paper section 6), at step `step`.
+    The new trainer initialises no weight: it holds exactly the pieces the switch delivers (a rank
+    with nothing to send, e.g. a restarted one, passes no leaves). `failed`: ranks whose pieces
+    are taken from replicas elsewhere. `carry`: synchronised gradient pieces of a step under way,
+    moved in the same plan into the new trainer's `carried`. `plan`: the plan of an earlier
+    switch between the same strategies (planning is pure); `deduced`: deductions of the graph
+    already made (the planner reuses them). `reuse`: a trainer of `target` made earlier on this
+    rank, which takes the moved state instead of a new one being built."""
+    if carry is None:
+        plan = plan or plan_switch(graph, source, target, failed=failed, topology=topology, deduced=deduced)
+        moving = {} if backend.rank in failed else dict(leaves)
+    else:
+        plan = plan or plan_switch_with_gradients(graph, source, target, failed=failed, topology=topology,
+                                                  deduced=deduced)
+        moving = {} if backend.rank in failed else {**leaves, **gradient_leaves(carry)}
+    if reuse is None:
+        nxt = Trainer(graph, target, backend, layout, schedule, symbols, seed, topology, specialized, bucket_cap_mb,
+                      state=DeviceState({}, step=step), recompute=recompute)
+    else:
+        nxt, nxt.state, nxt.last_run = reuse, DeviceState({}, step=step), None
+    moved = execute_switch(plan, backend, moving)
+    carried = {name[len(GRADIENT_PREFIX):]: v for name, v in moved.items() if name.startswith(GRADIENT_PREFIX)}
+    missing = {node.name for node in nxt.exe.held_leaves} - set(moved)
+    if missing:
+        raise HSPMDError(f"rank {backend.rank}: the switch to strategy {target} delivered no piece of "
+                         f"{sorted(missing)[:3]}; the strategies disagree on the graph's leaves")
+    nxt.state.leaves = {node.name: moved[node.name] for node in nxt.exe.held_leaves}
+    nxt.last_switch = plan
+    nxt.carried = carried
+    return nxt
+
+
 __all__ = [
-    "Trainer", "as_layout", "batch_hsize", "batch_subgroup", "batch_symbol", "pipeline_region", "step_groups", "summing_devices",
-    "trainer_binding",
+    "Trainer", "as_layout", "batch_hsize", "batch_subgroup", "batch_symbol", "declared_pipeline", "pipeline_options",
+    "pipeline_region", "step_groups", "summing_devices", "switched", "trainer_binding",
 ]
