@@ -216,6 +216,6 @@ def synced_gradients(exe: ExecutableGraph, backend: Backend, state: DeviceState)
 
 
 __all__ = [
-    "DeviceState", "MicroBatch", "Recompute", "SELECTIVE_KINDS", "device_feeds", "rerun_instructions", "lower_executable", "recomputable", "run_backward",
-    "run_forward", "run_update", "synced_gradients",
+    "DeviceState", "MicroBatch", "Recompute", "SELECTIVE_KINDS", "device_feeds", "lower_executable", "recomputable",
+    "rerun_instructions", "run_backward", "run_forward", "run_update", "synced_gradients",
 ]
