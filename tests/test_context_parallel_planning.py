@@ -43,8 +43,9 @@ def test_each_mode_prices_its_own_traffic():
     assert across.forward_comm > _stage("1x1: R0,1 L0-3 cp2").forward_comm
     hidden = _stage("1x1: R0-3 L0-3 cp4", cost=_cost(cp_overlap=1.0))
     assert hidden.forward_comm < ring.forward_comm
-    # memory: the ring keeps K/V and every step's block; all_to_all a heads-split copy
-    assert a2a.activation_memory < gather.activation_memory < ring.activation_memory
+    # memory: the ring keeps its merged output only, all_to_all a heads-split copy, all_gather K/V whole
+    assert ring.activation_memory < a2a.activation_memory < gather.activation_memory
+    assert ring.backward_comm > ring.forward_comm  # the backward sends K/V around again, and dK/dV back
 
 
 def test_cp_gradient_all_reduce_joins_the_stage_sync():

@@ -17,20 +17,23 @@ out, one per `mode` of `context_attention`:
 - ring: K/V (and their positions, segments) pass around the ring of sequence chunks
   (`annotations.sequence.ring_shift`): step j is a CommOp to the layout in which each device holds
   the chunk j places back, one message per device, and each step's block merges into the running
-  output. The block reads K/V on differently ordered devices than Q (`OpDef.unaligned`); its
-  gradient sends dK/dV back the same way (the CommOp's gradient). A graph built for R steps runs
-  under any strategy with a ring of at most R chunks: step j >= the ring size of a strategy is a
-  block of no keys (an identity CommOp, no traffic).
+  output. The block reads K/V on differently ordered devices than Q (`OpDef.unaligned`). The
+  result (`ring_result`) has its own gradient: backward CommOps send K/V around again and
+  `ring_attention_grad` gives each step's dq, dk, dv from the final output and lse (the
+  flash-attention backward), dK/dV going home by CommOps; so the forward keeps no received chunk,
+  block or merge (the executor drops forward values nothing later reads) and activation memory
+  per rank is 1/CP. A graph built for R steps runs under any strategy with a ring of at most R
+  chunks: step j >= the ring size of a strategy is a block of no keys (an identity CommOp, no
+  traffic).
 - all_gather: K/V are gathered whole along the sequence (one CommOp), each device attends its own
   query rows to all keys; dK/dV come back as partial sums over the sequence split (a
   reduce-scatter).
 - all_to_all (Ulysses): Q, K, V move their sequence split to the heads (an all-to-all), attention
   runs over the whole sequence on a share of the heads, and the output moves back.
 
-Approximate: the ring keeps every step's received K/V chunk until the backward (autodiff keeps
-the forward's tensors), so K/V activation memory is the whole sequence's per rank, as with
-all_gather; Q, the output and everything outside attention are 1/CP. Recomputing the ring in the
-backward (what ring-attention kernels do) would need the CommOps replayed in the backward pass.
+all_gather keeps the gathered K/V (whole sequence) for its backward; all_to_all a heads-split copy
+of q, k, v and the output. hspmd's executor runs a ring's CommOps and blocks in turn: the transfer
+is not overlapped with the previous block's compute as ring kernels do.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from hspmd.ir import Derived, comm
 from hspmd.ir.graph import Node, OpDef, Tensor
 from hspmd.ir.shapes import format_shape, same_dim
 from hspmd.ops.base import make
+from hspmd.ops.elementwise import add
 from hspmd.ops.nn import Fused
 from hspmd.ops.rules import Mismatch
 from hspmd.ops.unary import cast
@@ -192,6 +196,122 @@ class AttentionBlockGrad(OpDef):
         return ATTENTION_BLOCK.describe(node)
 
 
+def ring_block_gradients(q, qpos, qseg, out, lse, dout, k, v, kpos, kseg):
+    """dq (this block's part), dk, dv of one ring step from the final output and its lse (the
+    flash-attention backward: P = exp(scores - lse), dS = P (dP - rowsum(dO O))), float32."""
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qf, kf, vf = q.float(), k.float(), v.float()
+    visible = kpos[..., 0].unsqueeze(-2) <= qpos[..., 0].unsqueeze(-1)
+    if qseg is not None:
+        visible = visible & (kseg[..., 0].unsqueeze(-2) == qseg[..., 0].unsqueeze(-1))
+    p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * scale - lse) * visible
+    dp = torch.matmul(dout, vf.transpose(-1, -2))
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-1, -2), qf) * scale, \
+        torch.matmul(p.transpose(-1, -2), dout)
+
+
+def _ring_inputs(node, inputs):
+    """(q, qpos, qseg, acc, dout, [(k, v, kpos, kseg) per step]) of a ring_attention_grad node."""
+    segmented, steps = node.attrs["segmented"], node.attrs["steps"]
+    per = 4 if segmented else 3
+    head = 5 if segmented else 4
+    q, qpos = inputs[0], inputs[1]
+    qseg = inputs[2] if segmented else None
+    acc, dout = inputs[head - 2], inputs[head - 1]
+    blocks = []
+    for j in range(steps):
+        k, v, kpos, *rest = inputs[head + per * j: head + per * (j + 1)]
+        blocks.append((k, v, kpos, rest[0] if rest else None))
+    return q, qpos, qseg, acc, dout, blocks
+
+
+class RingResult(OpDef):
+    """The ring's output (the merged blocks' o), whose gradient runs the ring again in the
+    backward: K/V and their token maps are sent around once more by backward CommOps and each
+    step's dq, dk, dv come from the final output and lse (ring_attention_grad), so the forward
+    keeps no received chunk, block or merge (inputs: acc, q, k, v, positions[, segments])."""
+
+    kind = "ring_result"
+
+    def deduce(self, node, anns):
+        return [anns[0]]
+
+    def compute(self, node, ctx, inputs):
+        return [inputs[0][..., :-1]]
+
+    def gradient(self, node, grads):
+        (g,) = grads
+        acc, q, k, v, positions = node.inputs[:5]
+        segs = tuple(node.inputs[5:6])
+        steps = node.attrs["steps"]
+        inputs = [q, positions, *segs, acc, g]
+        for step in range(steps):
+            if step == 0:
+                inputs += [k, v, positions, *segs]
+            else:
+                inputs += [_moved(t, lambda a, step=step: ring_step_layout(a, step), f"ring{step}.again")
+                           for t in (k, v, positions, *segs)]
+        shapes = [(q.shape, q.dtype)] + [(k.shape, k.dtype)] * steps + [(v.shape, v.dtype)] * steps
+        outs = make(RING_ATTENTION_GRAD, inputs, shapes, attrs={"steps": steps, "segmented": bool(segs)}).outputs
+        dq, dks, dvs = outs[0], outs[1:1 + steps], outs[1 + steps:]
+
+        def back(parts, like):
+            total = parts[0]
+            for step, part in enumerate(parts[1:], 1):
+                home = comm(part, Derived((like,), lambda own, refs: refs[0], f"layout of {like.name}"),
+                            name=like.graph.unique_name(f"{like.node.name}.ring{step}.grad"))
+                total = add(total, home)
+            return total
+
+        return [None, dq, back(dks, k), back(dvs, v), None] + [None] * len(segs)
+
+
+class RingAttentionGrad(OpDef):
+    """dq, and dk, dv at every ring step (on that step's layout), of ring attention."""
+
+    kind = "ring_attention_grad"
+    unaligned = True
+
+    def deduce(self, node, anns):
+        steps, segmented = node.attrs["steps"], node.attrs["segmented"]
+        head, per = (5, 4) if segmented else (4, 3)
+        q, qpos = anns[0], anns[1]
+        if token_layout(q) != qpos:
+            raise Mismatch(f"positions {qpos} do not lie like the queries' tokens {token_layout(q)}")
+        ks, vs = [], []
+        for step in range(steps):
+            k, v, kpos, *segs = anns[head + per * step: head + per * (step + 1)]
+            want, want_pos = ring_step_layout(q, step), ring_step_layout(qpos, step)
+            if k != want or v != want or kpos != want_pos or any(s != want_pos for s in segs):
+                raise Mismatch(f"ring step {step}: k/v must lie as {want} and their tokens as {want_pos}, got {k}, {kpos}")
+            ks.append(k)
+            vs.append(v)
+        return [q] + ks + vs
+
+    def compute(self, node, ctx, inputs):
+        q, qpos, qseg, acc, dout, blocks = _ring_inputs(node, inputs)
+        ring = ring_size(ctx.in_ann(0), SEQ_DIM)
+        out, lse, dout = acc[..., :-1], acc[..., -1:], dout.float()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dks, dvs = [], []
+        for step, (k, v, kpos, kseg) in enumerate(blocks):
+            if step >= ring:  # past this strategy's ring: the step saw no keys
+                dks.append(torch.zeros_like(k))
+                dvs.append(torch.zeros_like(v))
+                continue
+            gq, gk, gv = ring_block_gradients(q, qpos, qseg, out, lse, dout, k, v, kpos, kseg)
+            dq += gq.to(dq.device)
+            dks.append(gk.to(k.dtype))
+            dvs.append(gv.to(v.dtype))
+        return [dq.to(q.dtype)] + dks + dvs
+
+    def describe(self, node):
+        return f"{node.attrs['steps']} ring steps"
+
+
 def _merge(inputs, attrs, ctx):
     return merge_blocks(inputs[0], inputs[1])
 
@@ -201,6 +321,7 @@ def _output(inputs, attrs, ctx):
 
 
 ATTENTION_BLOCK, ATTENTION_BLOCK_GRAD = AttentionBlock(), AttentionBlockGrad()
+RING_RESULT, RING_ATTENTION_GRAD = RingResult(), RingAttentionGrad()
 ATTENTION_MERGE = Fused("attention_merge", _merge, whole_dims=(-1,), diff_inputs=(0, 1))
 ATTENTION_OUTPUT = Fused("attention_output", _output, whole_dims=(-1,), linear=True)
 
@@ -304,7 +425,8 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, segmen
             kj, vj, pj, sj = shifted(k), shifted(v), shifted(positions), tuple(shifted(s) for s in segs)
         block = _block(q, kj, vj, positions, pj, segs + sj, step, False)
         acc = block if acc is None else make(ATTENTION_MERGE, [acc, block], [(block.shape, torch.float32)]).output
-    return _finish(acc, q.dtype)
+    out = make(RING_RESULT, [acc, q, k, v, positions, *segs], [(q.shape, torch.float32)], attrs={"steps": ring_steps}).output
+    return cast(out, q.dtype) if q.dtype != torch.float32 else out
 
 
 __all__ = ["MODES", "block_attention", "context_attention", "head_tail_order", "in_token_order", "merge_blocks",

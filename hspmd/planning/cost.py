@@ -237,8 +237,9 @@ class CostModel:
                      cp_groups: Sequence[Sequence[int]]) -> tuple[float, float]:
         """(forward, backward) seconds one layer's attention spends crossing the stage's CP groups
         (`cp_groups`: the TP groups in CP order), per micro-batch, as hspmd.ops.context moves it:
-        ring: cp - 1 K/V blocks passed to the next group forward and as many dK/dV blocks back,
-        each step at the ring's slowest edge, less `cp_overlap` of that step's attention; all_gather:
+        ring: cp - 1 K/V blocks passed to the next group forward, and in the backward the K/V
+        again and as many dK/dV blocks back, each step at the ring's slowest edge, less
+        `cp_overlap` of that step's attention; all_gather:
         K/V gathered forward, their gradients reduce-scattered back; all_to_all: q, k, v and the
         output moved between sequence and heads, forward and backward (an all-to-all of a
         device's piece priced as a ring all-gather of it: (cp - 1) / cp of it crosses each link).
@@ -255,7 +256,7 @@ class CostModel:
             per_block = mbs * (m.heads / stage.tp) * local * (seq / cp) * m.head_dim * 4.0
             attn = self.kernel_time(Kernel("attn", per_block, kv_block), device)
             exposed = max(0.0, step - self.cp_overlap * attn)
-            return (cp - 1) * exposed, (cp - 1) * exposed
+            return (cp - 1) * exposed, 2 * (cp - 1) * exposed
         if stage.cp_attention == "all_gather":
             whole = 2 * mbs * seq * m.kv_dim / stage.tp * e
             return self.collective("all_gather", whole, ring), self.collective("reduce_scatter", whole, ring)

@@ -195,9 +195,9 @@ class ModelSpec:
         projections) and what context-parallel attention keeps, the norms, rotations, softmax and
         activation products being recomputed. Under context parallelism (`cp` groups, this device's
         `share` of the sequence, default 1/cp) everything per token scales by the share, and
-        attention keeps what hspmd.ops.context keeps: the ring and all_gather the whole
-        sequence's K/V plus each ring step's [o | lse] block and merge, all_to_all the heads-split
-        q, k, v and output over the whole sequence."""
+        attention keeps what hspmd.ops.context keeps: the ring its final [o | lse] (it sends K/V
+        around again in the backward), all_gather the whole sequence's K/V and its block,
+        all_to_all the heads-split q, k, v and output over the whole sequence."""
         share = 1.0 / cp if share is None else share
         t, h, f, e = mbs * seq * share, self.hidden, self.ffn, self.itemsize
         if recompute and recompute != "selective":
@@ -207,9 +207,10 @@ class ModelSpec:
             attention = mbs * (self.heads / tp) * seq * seq  # softmax probabilities
         elif cp_attention == "all_to_all":
             attention = mbs * seq * (2 * q + 2 * kv) / cp  # heads-split q, k, v and output, whole sequence
+        elif cp_attention == "ring":
+            attention = t * (q + self.heads / tp)  # the merged [o | lse]
         else:
-            steps = cp if cp_attention == "ring" else 1
-            attention = mbs * seq * 2 * kv + 2 * steps * t * (q + self.heads / tp)  # K/V whole; blocks, merges
+            attention = mbs * seq * 2 * kv + t * (q + self.heads / tp)  # K/V whole, the block
         projections = (2 if self.mlp == "swiglu" else 1) * t * f / tp  # gate and up (or the one up projection)
         if recompute == "selective":
             return (t * h + t * (q + 2 * kv) + t * q + (attention if cp > 1 else 0.0) + projections) * e

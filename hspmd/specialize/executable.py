@@ -130,6 +130,7 @@ class ExecutableGraph:
     binding: Binding = field(default_factory=Binding)
     plans: dict = field(default_factory=dict, repr=False)
     focus: frozenset[int] | None = None  # the devices its plans are resolved for (None: every device)
+    fetched: frozenset[int] = frozenset()  # ids of the tensors it was made to fetch (kept after the forward)
     _boxes: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -220,6 +221,7 @@ def instantiate_many(deduced: Deduced, devices: Iterable[int], binding: Binding 
     a rank of a large job plans its own subgroups, not every data-parallel replica's; otherwise
     whole plans, which every device can share (and any later batch of devices reuses)."""
     graph = deduced.graph
+    fetches = tuple(fetches)
     live = live_nodes(graph, fetches) if live is None else live
     plans = {} if plans is None else plans
     chosen = tuple(dict.fromkeys(devices))
@@ -247,8 +249,9 @@ def instantiate_many(deduced: Deduced, devices: Iterable[int], binding: Binding 
             role = "leaf" if node.opdef.is_leaf else "compute"
         for d in on:
             programs[d][node.phase].append(Instruction(node, role if roles is None else roles.get(d, "local")))
+    fetched = frozenset(t.id for t in fetches)
     return {d: ExecutableGraph(d, deduced, *(tuple(programs[d][p]) for p in ("forward", "backward", "update")),
-                               topology, binding, plans, focus) for d in chosen}
+                               topology, binding, plans, focus, fetched) for d in chosen}
 
 
 __all__ = [

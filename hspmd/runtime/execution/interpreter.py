@@ -37,6 +37,7 @@ import time
 from contextlib import nullcontext
 from time import perf_counter, thread_time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -120,10 +121,19 @@ class Passes:
     gradients: tuple[tuple[str, int, str], ...]
     clock: Clock
     rerun: tuple[Lowered, ...] = ()
+    keep: frozenset[int] = frozenset()  # forward values kept for the caller besides what later passes read
 
     def recomputing(self, rerun: Sequence[Lowered]) -> "Passes":
         return Passes(self.device, self.forward, self.backward, self.update, self.accumulated, self.fetch,
-                      self.gradients, self.clock, tuple(rerun))
+                      self.gradients, self.clock, tuple(rerun), self.keep)
+
+    @cached_property
+    def kept_after_forward(self) -> frozenset[int]:
+        """The forward values a micro-batch keeps for later: what the backward and update ops read,
+        the accumulated and fetched tensors and `keep`; the rest (values only the forward reads,
+        e.g. ring attention's received K/V) is dropped when the forward ends."""
+        ids = {t for op in self.backward + self.update for t, _ in op.inputs}
+        return frozenset(ids | set(self.accumulated) | {t for _, t in self.fetch} | self.keep)
 
 
 @dataclass
@@ -224,6 +234,9 @@ def forward(passes: Passes, backend: Backend, state: DeviceState, feeds: Mapping
         for op in passes.rerun:
             for t in op.outputs:
                 mb.env.pop(t, None)
+    elif passes.backward:
+        kept = passes.kept_after_forward
+        mb.env = {t: v for t, v in mb.env.items() if t in kept}
     return mb
 
 

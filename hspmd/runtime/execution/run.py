@@ -159,7 +159,7 @@ def lower_executable(exe: ExecutableGraph, binding: Binding | None = None,
     fwd, bwd, upd = (tuple(lowered[id(ins)] for ins in prog) for prog in (exe.forward, exe.backward, exe.update))
     passes = Passes(exe.device, fwd, bwd, upd, tuple(t.id for t in exe.accumulated),
                     tuple((t.name, t.id) for t in exe.graph.losses),
-                    tuple((name, t.id, t.name) for name, t in exe.graph.gradients.items()), clock)
+                    tuple((name, t.id, t.name) for name, t in exe.graph.gradients.items()), clock, keep=exe.fetched)
     if recompute is None:
         return passes
     return passes.recomputing([lowered[id(ins)] for ins in rerun_instructions(exe, binding, recompute)])
@@ -189,7 +189,7 @@ def run_forward(exe: ExecutableGraph, backend: Backend, state: DeviceState, feed
     if fetch:
         passes = Passes(passes.device, passes.forward, passes.backward, passes.update, passes.accumulated,
                         passes.fetch + tuple((t.name, t.id) for t in fetch), passes.gradients, passes.clock,
-                        passes.rerun)
+                        passes.rerun, passes.keep)
     return forward(passes, backend, state, feeds)
 
 
