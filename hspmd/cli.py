@@ -20,6 +20,7 @@ commands:
   explain SRC DST --shape 8,6 [--topology 2x4] [--json]   the communication plan between two annotations
   run -n N [--backend gloo|nccl|cupy] script.py [args]  launch N local processes (rendezvous on 127.0.0.1)
   run --nnodes M --node-rank K --master-addr HOST -n N script.py   the same on each node of a multi-node job
+  authority --addr HOST --port P                        an elastic multi-node job's store and membership authority
   demo                                                  the main job (heterogeneous multi-process training)
   checkpoint export-hf CHECKPOINT DIR [--config PATH]   a Llama checkpoint as a Hugging Face directory
   checkpoint inspect DIR | consolidate DIR OUT           sharded checkpoints: contents, or one plain file
@@ -48,6 +49,12 @@ def _run(rest: list[str]) -> int:
     from hspmd.runtime.processes.launcher import main as run_main
 
     return run_main(rest)
+
+
+def _authority(rest: list[str]) -> int:
+    from hspmd.runtime.processes.authority import main as authority_main
+
+    return authority_main(rest)
 
 
 def _checkpoint(rest: list[str]) -> int:
@@ -100,6 +107,7 @@ def _show_command(name: str):
 COMMANDS = {
     "explain": _explain,
     "run": _run,
+    "authority": _authority,
     "checkpoint": _checkpoint,
     "data": _data,
     "demo": _demo,

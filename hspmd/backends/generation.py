@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.backends.heartbeat import PROGRESS
 from hspmd.backends.torch_dist import _checked_self_message, _padded_flat, node_gloo
 from hspmd.errors import CommunicationError
 
@@ -105,6 +106,7 @@ class GenerationBackend(Backend):
         done, failure = threading.Event(), []
         self._waiter.put((works, done, failure))
         deadline = time.monotonic() + self.timeout.total_seconds()
+        PROGRESS.enter()  # the rank's beats say it waits inside a communication (hspmd.backends.heartbeat)
         while not done.wait(0.05):
             if self.aborted:
                 raise PeerLost(f"{op} on group {list(group)} abandoned on rank {self.rank}: generation "
@@ -112,6 +114,7 @@ class GenerationBackend(Backend):
             if time.monotonic() > deadline:
                 raise PeerLost(f"{op} on group {list(group)} timed out on rank {self.rank} after "
                                f"{self.timeout.total_seconds():g}s (generation {self.generation})")
+        PROGRESS.leave()
         if failure:
             exc = failure[0]
             raise PeerLost(f"{op} on group {list(group)} failed on rank {self.rank} (generation {self.generation}): "

@@ -18,17 +18,52 @@ DEFAULT_INTERVAL_S = 30.0
 HEARTBEAT_ENV = "HSPMD_HEARTBEAT_S"
 
 
+BEAT_PREFIX = "hspmd/heartbeat/"
+
+
 def beat_key(rank: int) -> str:
-    return f"hspmd/heartbeat/{rank}"
+    return f"{BEAT_PREFIX}{rank}"
 
 
-def start_beating(store, rank: int, interval: float) -> threading.Thread:
-    """Increment this rank's heartbeat every interval/4 s until the store goes away."""
+def progress_key(rank: int) -> str:
+    return f"hspmd/progress/{rank}"
+
+
+class Progress:
+    """A rank's communication progress, which its beats carry: how many communications it has
+    completed, and whether it is waiting inside one now. Liveness alone cannot tell a rank stuck
+    with a beating heartbeat thread; progress compared across ranks can (HeartbeatMonitor.stuck)."""
+
+    def __init__(self):
+        self.completed = 0
+        self.waiting = False
+
+    def enter(self) -> None:
+        self.waiting = True
+
+    def leave(self) -> None:
+        self.completed += 1
+        self.waiting = False
+
+    def text(self) -> str:
+        return f"{self.completed} {int(self.waiting)}"
+
+
+PROGRESS = Progress()  # this process's (one rank per process)
+
+
+def start_beating(store, rank: int, interval: float, progress: Progress | None = PROGRESS) -> threading.Thread:
+    """Increment this rank's heartbeat every interval/4 s until the store goes away; each beat also
+    publishes the rank's `progress` when it changed."""
 
     def beat() -> None:
+        sent = None
         while True:
             try:
                 store.add(beat_key(rank), 1)
+                if progress is not None and progress.text() != sent:
+                    sent = progress.text()
+                    store.set(progress_key(rank), sent)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 return
             time.sleep(interval / 4)
@@ -48,11 +83,39 @@ class HeartbeatMonitor:
         self._seen: dict[int, float] = {}
         self._checked = 0.0
         self._before: dict[int, int] = {}  # a restarted slot: its predecessor's count, not yet a beat
+        self._progress: dict[int, tuple[int, ...]] = {}
+        self._moved = time.monotonic()
 
     def restarted(self, rank: int) -> None:
         """A new process took `rank`'s slot: watch it from its own first beat (it keeps the key's count)."""
         self._before[rank] = int(self.store.add(beat_key(rank), 0))
         self._count.pop(rank, None)
+
+    def stuck(self, after: float, now: float | None = None) -> list[int]:
+        """Ranks that hold the job up although they beat: when no rank's progress (hspmd.backends.
+        heartbeat.Progress) has moved for `after` seconds, the ranks not waiting inside a
+        communication while others do (stuck elsewhere, e.g. computing or deadlocked), else those
+        that completed the fewest communications (stuck inside one the others are past). [] while
+        anything moves, or before every rank has published progress."""
+        now = time.monotonic() if now is None else now
+        seen = {}
+        for rank in self.ranks:
+            key = progress_key(rank)
+            if not self.store.check([key]):
+                return []
+            seen[rank] = tuple(int(v) for v in self.store.get(key).split())
+        if seen != self._progress:
+            self._progress, self._moved = seen, now
+            return []
+        if now - self._moved < after:
+            return []
+        if not any(waiting for _, waiting in seen.values()):
+            return []  # nobody waits on anybody: the job is between steps (or finished), not stuck
+        idle = [r for r, (_, waiting) in seen.items() if not waiting]
+        if idle:
+            return idle
+        fewest = min(done for done, _ in seen.values())
+        return [r for r, (done, _) in seen.items() if done == fewest]
 
     def stopped(self, now: float | None = None) -> list[tuple[int, float]]:
         """[(rank, seconds since its last beat)] of the ranks that stopped beating."""
@@ -72,4 +135,5 @@ class HeartbeatMonitor:
         return out
 
 
-__all__ = ["DEFAULT_INTERVAL_S", "HEARTBEAT_ENV", "HeartbeatMonitor", "beat_key", "start_beating"]
+__all__ = ["BEAT_PREFIX", "DEFAULT_INTERVAL_S", "HEARTBEAT_ENV", "PROGRESS", "HeartbeatMonitor", "Progress", "beat_key",
+           "progress_key", "start_beating"]

@@ -161,6 +161,10 @@ class StoreServer:
         self._data: dict[str, bytes] = {}
         self._changed = threading.Condition()
         self.refused = 0  # connections that failed the challenge
+        # keys under `track_prefix` a connection added to, reported once that connection closes
+        # (a heartbeat connection's close is its process's death, known before any beat is missed)
+        self.track_prefix: str | None = None
+        self._closed_keys: list[str] = []
         self.tampered = 0  # connections closed on a message whose MAC did not match
         self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -209,15 +213,31 @@ class StoreServer:
                 if channel is None:
                     self.refused += 1
                     return
-                while True:
-                    try:
-                        request = channel.receive(conn)
-                    except TamperedMessage:
-                        self.tampered += 1
-                        return
-                    channel.send(conn, self._handle(request))
+                tracked: set[str] = set()
+                try:
+                    while True:
+                        try:
+                            request = channel.receive(conn)
+                        except TamperedMessage:
+                            self.tampered += 1
+                            return
+                        if self.track_prefix and len(request) > 1 and request[0] == b"add":
+                            key = request[1].decode("utf-8", "replace")
+                            if key.startswith(self.track_prefix):
+                                tracked.add(key)
+                        channel.send(conn, self._handle(request))
+                finally:
+                    if tracked:
+                        with self._changed:
+                            self._closed_keys.extend(sorted(tracked))
             except (ConnectionError, OSError, struct.error, ValueError):
                 return
+
+    def take_closed_keys(self) -> list[str]:
+        """Tracked keys (`track_prefix`) whose connections closed since the last call."""
+        with self._changed:
+            keys, self._closed_keys = self._closed_keys, []
+        return keys
 
     def _handle(self, request: list[bytes]) -> list[bytes]:
         if not request or request[0] not in _OPS:

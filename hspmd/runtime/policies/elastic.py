@@ -195,11 +195,13 @@ class Failure:
     restored_from: str | None = None
     killed_at: float | None = None  # time.time() of an injected kill, for measuring kill-to-step
     joined: tuple[int, ...] = ()  # restarted ranks taken back (a join, not a death, when ranks is empty)
+    lost_nodes: tuple[int, ...] = ()  # nodes of a multi-node job that lost all their ranks
+    detected_at: float | None = None  # time.time() the authority announced it (multi-node jobs)
 
     def as_json(self) -> dict:
         return {"ranks": list(self.ranks), "step": self.step, "recovery_seconds": self.recovery_seconds,
                 "strategy": self.strategy, "restored_from": self.restored_from, "killed_at": self.killed_at,
-                "joined": list(self.joined)}
+                "joined": list(self.joined), "lost_nodes": list(self.lost_nodes), "detected_at": self.detected_at}
 
 
 @dataclass
@@ -435,6 +437,7 @@ class ElasticTrainer:
         return the Failure record. Retries if another rank dies meanwhile."""
         noticed = time.monotonic() if noticed is None else noticed
         before, joined_before = set(self.membership.dead), set(self.membership.rejoined)
+        generations = range(self.membership.generation + 1, 1 << 62)
         while True:
             try:
                 self.membership.next_generation()
@@ -471,9 +474,10 @@ class ElasticTrainer:
                 continue
         ranks = tuple(sorted(set(self.membership.dead) - before))
         kills = [t for t in (killed_at(self.membership.store, r) for r in ranks) if t is not None]
+        lost, detected = self.membership.announcements(generations)
         failure = Failure(ranks, self.trainer.steps_done + 1, time.monotonic() - noticed, self.describe(self.strategy),
                           self.restored_from, min(kills) if kills else None,
-                          tuple(sorted(set(self.membership.rejoined) - joined_before)))
+                          tuple(sorted(set(self.membership.rejoined) - joined_before)), lost, detected)
         self.failures.append(failure)
         return failure
 

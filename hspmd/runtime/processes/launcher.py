@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -40,6 +41,7 @@ from hspmd.cluster import parse_cluster
 from hspmd.cluster.emulation import CLUSTER_ENV
 from hspmd.errors import LaunchError
 from hspmd.limits import MAX_LOCAL_RANKS
+from hspmd.runtime.processes.authority import done_key, exit_key
 from hspmd.runtime.processes.affinity import CPUS_ENV, available_cpus, cpu_slices
 from hspmd.runtime.processes.nodes import (
     DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_S, DEVICE_TYPE_ENV, NNODES_ENV, NODE_ADDR_ENV, NODE_ENV, NodeRole,
@@ -205,7 +207,8 @@ def launch(
     if spec is not None and multi:
         check_cluster(spec, role, cluster)
     secret = secret or (secret_from_env().decode() if multi else new_secret())
-    store = _job_store(role if multi else None, port, secret, rendezvous_timeout)
+    # an elastic multi-node job's store is hosted by its authority (`hspmd authority`), which outlives any node
+    store = _job_store(role if multi else None, port, secret, rendezvous_timeout, host=not (multi and elastic))
     try:
         if multi:
             node_rendezvous(store, role, cluster_digest(cluster), rendezvous_timeout, server=store.server)
@@ -215,7 +218,7 @@ def launch(
     role = role or NodeRole(1, 0, nprocs, LOOPBACK, store.port, LOOPBACK)
     types = tuple(spec.device_type(r).name if r < spec.n_devices else "" for r in role.ranks) if spec else ()
     place = _Place(role, store.port, secret, backend, elastic, heartbeat, types, env or {})
-    monitor = HeartbeatMonitor(store, role.ranks, heartbeat) if heartbeat > 0 else None
+    monitor = HeartbeatMonitor(store, role.ranks, heartbeat) if heartbeat > 0 and not (multi and elastic) else None
     stop = _StopRequest()
     previous_handlers = _install_stop_handlers(stop)
     ranks: list[_Rank] = []
@@ -230,7 +233,9 @@ def launch(
         # Pumps (threads) start only after every Popen: preexec_fn is not safe once threads run.
         pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
         if not stop.signal:
-            if elastic:
+            if elastic and multi:
+                failed = _wait_elastic_node(ranks, stop, store, err, role)
+            elif elastic:
                 restart = _Restarter(place, command, max_restarts, out, err, ranks, pumps, cpus)
                 failed = _wait_elastic(ranks, stop, store, err, restart, monitor)
             else:
@@ -272,9 +277,10 @@ class _Place:
         self.elastic, self.heartbeat, self.device_types, self.extra = elastic, heartbeat, device_types, extra
 
 
-def _job_store(role: NodeRole | None, port: int | None, secret: str, timeout: float):
+def _job_store(role: NodeRole | None, port: int | None, secret: str, timeout: float, host: bool = True):
     """The job's store: hosted here on loopback for a one-node job; for a multi-node job hosted by
-    node 0 at the master address (bound to it only) and joined by every node's launcher."""
+    node 0 at the master address (bound to it only; by the authority instead when not `host`) and
+    joined by every node's launcher."""
     from hspmd.backends.store import JobStore, open_store
     from hspmd.errors import CommunicationError
 
@@ -282,7 +288,7 @@ def _job_store(role: NodeRole | None, port: int | None, secret: str, timeout: fl
         return _host_store(port, secret)
     where = f"{role.master_addr}:{role.master_port}"
     try:
-        if role.node_rank == 0:
+        if role.node_rank == 0 and host:
             return open_store(role.master_addr, role.master_port, is_master=True, secret=secret.encode(), timeout=timeout)
         return JobStore(role.master_addr, role.master_port, secret.encode(), timeout)
     except CommunicationError as exc:
@@ -301,10 +307,6 @@ def _close(store) -> None:
 FAILED_KEY = "nodes/failed"
 
 
-def _done_key(node: int) -> str:
-    return f"nodes/done/{node}"
-
-
 def _end_node(store, role: NodeRole, interrupted: str | None, failed: list, wait: float) -> None:
     """Tell the other nodes how this one ended (a failure stops them too); node 0, which hosts the
     store, waits (bounded) until every node has ended before the store goes away."""
@@ -313,10 +315,10 @@ def _end_node(store, role: NodeRole, interrupted: str | None, failed: list, wait
             what = f"interrupted ({interrupted})" if interrupted else \
                 f"rank {failed[0].rank} {_describe(failed[0].process.returncode)}"
             store.set(FAILED_KEY, f"node {role.node_rank}: {what}")
-        store.set(_done_key(role.node_rank), "1")
-        if role.node_rank == 0:
+        store.set(done_key(role.node_rank), "1")
+        if store.server is not None:
             end = time.monotonic() + wait
-            keys = [_done_key(k) for k in range(role.nnodes)]
+            keys = [done_key(k) for k in range(role.nnodes)]
             while not store.check(keys) and time.monotonic() < end:
                 time.sleep(_POLL_S * 4)
     except Exception:  # noqa: BLE001 - the store is gone: node 0 ended, nobody is left to tell
@@ -441,6 +443,42 @@ class _Restarter:
         self.ranks.append(fresh)
         self.pumps.extend(_start_pumps(fresh, self.out, self.err))
         return fresh
+
+
+def _wait_elastic_node(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str], role: NodeRole) -> list[_Rank]:
+    """This node's part of an elastic multi-node job: report each local rank that exits non-zero to
+    the authority (hspmd.runtime.processes.authority), SIGKILL a local rank the authority declared
+    dead while it still runs (frozen, stuck), and return once every local rank has ended: [] when
+    each finished or was declared dead, else the others (the last to fail first)."""
+    from hspmd.runtime.processes.membership import GENERATION_KEY, dead_key
+
+    reported: set[int] = set()
+    dead: set[int] = set()
+    generation = 0
+    while not stop.signal:
+        codes = [r.process.poll() for r in ranks]
+        try:
+            for r, code in zip(ranks, codes):
+                if code not in (None, 0) and r.rank not in reported:
+                    reported.add(r.rank)
+                    store.set(exit_key(r.rank), f"its process exited with {_describe(code)}")
+            announced = int(store.add(GENERATION_KEY, 0))
+            if announced > generation:
+                generation, dead = announced, set(json.loads(store.get(dead_key(announced))))
+                for r in ranks:
+                    if r.rank in dead and r.process.poll() is None:
+                        err.write(f"hspmd run: node {role.node_rank}: rank {r.rank} was declared dead (generation "
+                                  f"{generation}) but still runs; killed it\n")
+                        err.flush()
+                        _signal_group(r.process.pid, signal.SIGKILL)
+                        r.process.wait()
+        except Exception as exc:  # noqa: BLE001 - the authority is gone: nobody coordinates the job any more
+            err.write(f"hspmd run: node {role.node_rank}: lost the job's authority ({exc}); stopping\n")
+            return [r for r in ranks if r.process.poll() is None] or ranks
+        if all(code is not None for code in codes):
+            return [r for r, code in zip(ranks, codes) if code != 0 and r.rank not in dead][::-1]
+        time.sleep(_POLL_S)
+    return []
 
 
 def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str], restart: _Restarter,

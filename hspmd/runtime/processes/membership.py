@@ -21,6 +21,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from hspmd.backends.generation import GenerationBackend, PeerLost
+from hspmd.backends.heartbeat import HEARTBEAT_ENV, start_beating
 from hspmd.backends.store import JobStore, secret_from_env
 from hspmd.errors import HSPMDError
 
@@ -37,6 +38,11 @@ def dead_key(generation: int) -> str:
 
 def joined_key(generation: int) -> str:
     return f"elastic/joined/{generation}"
+
+
+def why_key(generation: int) -> str:
+    """What a multi-node job's authority records about a generation (hspmd.runtime.processes.authority)."""
+    return f"elastic/why/{generation}"
 
 
 def ready_key(rank: int) -> str:
@@ -82,6 +88,9 @@ class Membership:
         secret = secret_from_env()
         self.store = JobStore(host, port, secret, rendezvous_timeout)
         self._watch_store = JobStore(host, port, secret, rendezvous_timeout)  # the watcher's own connection
+        interval = float(os.environ.get(HEARTBEAT_ENV, "0") or 0)
+        if interval > 0:  # beats (with this rank's progress) on a connection of their own, whose close is its death
+            start_beating(JobStore(host, port, secret, rendezvous_timeout), rank, interval)
         self.generation, self.dead, self.joined, self.rejoined = 0, frozenset(), frozenset(), frozenset()
         self.joining = joining
         if joining:
@@ -150,6 +159,19 @@ class Membership:
         if self.rank in self.dead:
             raise HSPMDError(f"rank {self.rank} was declared dead by the launcher (generation {announced})")
 
+    def announcements(self, generations: range) -> tuple[tuple[int, ...], float | None]:
+        """What the authority of a multi-node job (hspmd.runtime.processes.authority) recorded for the
+        generations in `generations` up to the current one: the nodes lost whole and when the
+        first was announced (time.time()); ((), None) on one host."""
+        lost, first = set(), None
+        for g in range(generations.start, self.generation + 1):
+            key = why_key(g)
+            if self.store.check([key]):
+                record = json.loads(self.store.get(key))
+                lost |= set(record["lost_nodes"])
+                first = record["time"] if first is None else min(first, record["time"])
+        return tuple(sorted(lost)), first
+
     def agree(self, name: str, value: int) -> list[int]:
         """Every living rank's `value` of `name` in this generation (a store round, no collective,
         so it works before any group exists); raises PeerLost if a newer generation starts."""
@@ -168,4 +190,4 @@ class Membership:
 
 
 __all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "JOIN_ENV", "dead_key", "is_elastic", "joined_key",
-    "ready_key", "killed_at", "killed_key", "killed_note"]
+    "ready_key", "killed_at", "killed_key", "killed_note", "why_key"]
