@@ -85,11 +85,13 @@ def reference(tmp: Path, boundary: int, strategy: str) -> dict:
 
 
 def run_losing_a_node(tmp: Path, how: str, after_step: int) -> tuple[dict, str, float]:
+    """Train on three nodes and, once node 0 reports `after_step`, kill node 1 whole, freeze it, or
+    (`stall`) have rank 4 hang for good in the next step (alive, beating) until the authority names it."""
     port, job_secret, heartbeat = free_port(), os.urandom(32).hex(), 2.0
-    authority = start_authority(port, job_secret, heartbeat)
+    authority = start_authority(port, job_secret, heartbeat, stuck=3.0 if how == "stall" else 0.0)
     summary = tmp / "elastic.json"
     args = ["--steps", str(STEPS), *SMALL, "--strategy", STRATEGY, "--summary", str(summary), "--checkpoint",
-            str(tmp / "elastic.safetensors")]
+            str(tmp / "elastic.safetensors")] + (["--stall", f"{after_step + 1}=4:1"] if how == "stall" else [])
     nodes = [start_node(k, port, job_secret, args, heartbeat) for k in range(3)]
     lines: list[str] = []
     seen = threading.Condition()
@@ -98,7 +100,9 @@ def run_losing_a_node(tmp: Path, how: str, after_step: int) -> tuple[dict, str, 
         assert seen.wait_for(lambda: any(f"step {after_step:>4}/" in line for line in lines), timeout=300), "".join(lines)
     victims = node_processes(nodes[1].pid)
     struck = time.time()
-    if how == "kill":  # the node's ranks and its launcher, all at once
+    if how == "stall":
+        pass
+    elif how == "kill":  # the node's ranks and its launcher, all at once
         for guard in victims:
             os.killpg(guard, signal.SIGKILL)
         nodes[1].send_signal(signal.SIGKILL)
@@ -106,14 +110,26 @@ def run_losing_a_node(tmp: Path, how: str, after_step: int) -> tuple[dict, str, 
         for guard in victims:
             os.killpg(guard, signal.SIGSTOP)
         nodes[1].send_signal(signal.SIGSTOP)
+    survivors = nodes if how == "stall" else [nodes[0], nodes[2]]
     try:
-        outputs = [p.communicate(timeout=400) for p in (nodes[0], nodes[2])]
+        outputs = []
+        for p in survivors:
+            outputs.append(p.communicate(timeout=400))
+            print(f"TIMING node ended {time.time() - struck:.1f}s after the strike", flush=True)
     finally:
+        for guard in victims:  # a stopped process cannot act on its launcher's death: kill, then let it run to die
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.killpg(guard, sig)
+                except ProcessLookupError:
+                    pass
         for p in nodes:
             p.kill()
+            p.send_signal(signal.SIGCONT)
+            p.wait()
     authority["thread"].join(60)
     log = "".join(lines) + "\n".join(o + e for o, e in outputs) + authority["err"].getvalue()
-    assert nodes[0].returncode == 0 and nodes[2].returncode == 0, log
+    assert all(p.returncode == 0 for p in survivors), log
     return json.loads(summary.read_text()), log, struck
 
 
@@ -131,4 +147,19 @@ def test_a_lost_node_is_named_and_the_others_finish_equal_to_a_reference_that_sw
     assert detected > 0
     redone = failure["step"]
     ref = reference(tmp_path, redone - 1, result["final_strategy"])
+    assert result["losses"] == pytest.approx(ref["losses"], rel=0, abs=1e-6)
+
+
+def test_a_rank_stuck_while_its_heartbeat_beats_is_named_by_its_progress_and_handled_as_a_death(tmp_path):
+    """Rank 4 hangs in step 3 (or 4), alive, its heartbeat thread beating: nobody's communication
+    progresses, every other rank waits inside one, rank 4 does not; the authority names it after
+    its --stuck 3 s (not the 300 s collective timeout), node 2's launcher kills it, the others
+    recover and match the reference."""
+    after = random.Random("stall-37").choice([2, 3])
+    result, log, _ = run_losing_a_node(tmp_path, "stall", after)
+    assert [f["ranks"] for f in result["failures"]] == [[4]], log
+    assert "rank 4 on node 2: alive but no communication progress anywhere for 3s" in log, log
+    assert "rank 4 was declared dead" in log and "killed it" in log, log
+    assert result["survivors"] == [0, 1, 2, 3, 5] and len(result["losses"]) == STEPS
+    ref = reference(tmp_path, result["failures"][0]["step"] - 1, result["final_strategy"])
     assert result["losses"] == pytest.approx(ref["losses"], rel=0, abs=1e-6)

@@ -78,7 +78,7 @@ from hspmd.runtime.execution.trace import Tracer, write_trace
 from hspmd.runtime.policies.calibrate import Calibration, simulated_step
 from hspmd.runtime.persistence.hf_checkpoint import HFCheckpoint
 from hspmd.backends.from_env import backend_from_env
-from hspmd.runtime.policies.elastic import ElasticTrainer, KillPoint
+from hspmd.runtime.policies.elastic import ElasticTrainer, KillPoint, cluster_recovery
 from hspmd.runtime.data.loader import SequenceLoader, saved_state
 from hspmd.runtime.data.order import DataState
 from hspmd.runtime.data.prepare import prepare
@@ -109,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kill", action="append", default=[], metavar="STEP=RANK[:CALL]",
                    help="under `hspmd run --elastic`: that rank SIGKILLs itself inside step STEP (at its CALL-th "
                         "communication of the step, default 1); the others recover and finish; may repeat")
+    p.add_argument("--stall", action="append", default=[], metavar="STEP=RANK[:CALL]",
+                   help="under --elastic: that rank hangs for good at that point, alive and beating (the authority of "
+                        "a multi-node job names it by its stalled progress); may repeat")
     p.add_argument("--seq", type=int, default=32, help="sequence length in tokens (bytes of the shipped corpus)")
     p.add_argument("--data", default=None, metavar="PREFIX",
                    help="train on these prepared token files (`hspmd data prepare`); default: the shipped documents")
@@ -468,8 +471,15 @@ def train_elastic(args) -> int:
     def build(strategies):
         return build_llama(config, list(strategies), optimizer=AdamW(lr=args.lr), compute_dtype=dtype).graph
 
+    cluster = cluster_from_env()
+    recovery = None
+    if cluster is not None:  # recover on the real hardware: planning.replan with the job's cluster and model
+        calibration = Calibration.load(args.calibration) if args.calibration else None
+        recovery = cluster_recovery(cluster, from_llama_config(config, seq_len=args.seq), calibration)
     options = dict(schedule=args.schedule, symbols={"S": args.seq, "T": rows * args.seq}, seed=args.seed,
-                   kills=[KillPoint.parse(k) for k in args.kill], describe=format_strategy, sharded=args.sharded,
+                   plan_recovery=recovery,
+                   kills=[KillPoint.parse(k) for k in args.kill] + [KillPoint.parse(k, stall=True) for k in args.stall],
+                   describe=format_strategy, sharded=args.sharded,
                    data=SequenceLoader(files, args.seq, args.seed))
     record = SampleRecord(args.record_samples, membership.rank)
     if membership.joining:  # a restarted rank (--max-restarts): take its pieces from the survivors

@@ -59,6 +59,8 @@ class GenerationBackend(Backend):
         self._lock = threading.Lock()
         self.aborted = False
         self._waiter: queue.SimpleQueue = queue.SimpleQueue()
+        # kept here: torch holds only the C++ side of a Python store, which must outlive every group
+        self._rendezvous_store = _AbortableStore(store, self)
         threading.Thread(target=_wait_forever, args=(self._waiter,), daemon=True,
                          name=f"hspmd-gen{generation}-waiter").start()
         self._group(self.members, "start")
@@ -68,7 +70,8 @@ class GenerationBackend(Backend):
     def _create(self, key: tuple[int, ...]):
         prefix = f"g{self.generation}/{'-'.join(map(str, key))}/"
         try:
-            return node_gloo(dist.PrefixStore(prefix, self.store), key.index(self.rank), len(key), self.timeout)
+            store = dist.PrefixStore(prefix, self._rendezvous_store)
+            return node_gloo(store, key.index(self.rank), len(key), self.timeout)
         except Exception as exc:  # noqa: BLE001 - re-raised typed
             raise PeerLost(f"rank {self.rank}: could not form group {list(key)} of generation {self.generation}: "
                            f"{type(exc).__name__}: {exc}") from exc
@@ -226,6 +229,56 @@ class GenerationBackend(Backend):
     def post_sends(self, sends: Mapping[int, torch.Tensor]) -> "_PendingSends":
         works, kept = self._post(sends, "post_sends")
         return _PendingSends(self, works, kept, sorted(sends))
+
+
+class _AbortableStore(dist.Store):
+    """The job's store as a group's rendezvous sees it, its waits cut into short slices so that
+    `abort()` frees a rank waiting for a peer that will never come (a member frozen or stuck
+    while the group forms), rather than the store's whole timeout later."""
+
+    _SLICE = timedelta(seconds=0.1)
+
+    def __init__(self, store: dist.Store, backend: "GenerationBackend"):
+        super().__init__()
+        self._store, self._backend = store, backend
+        self.set_timeout(store.timeout)
+
+    def wait(self, keys, timeout: timedelta | None = None) -> None:
+        end = time.monotonic() + (timeout or self.timeout).total_seconds()
+        while True:
+            if self._backend.aborted:
+                raise PeerLost(f"rank {self._backend.rank}: generation {self._backend.generation} was aborted while "
+                               f"its groups formed")
+            if self._store.check(list(keys)):
+                return
+            if time.monotonic() > end:
+                raise CommunicationError(f"timed out waiting for store key(s) {list(keys)[:4]}")
+            try:
+                self._store.wait(list(keys), self._SLICE)
+            except CommunicationError:
+                pass
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._store.get(key)
+
+    def set(self, key: str, value) -> None:
+        self._store.set(key, value)
+
+    def add(self, key: str, value: int) -> int:
+        return self._store.add(key, value)
+
+    def check(self, keys) -> bool:
+        return self._store.check(list(keys))
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._store.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
 
 
 def _wait_forever(jobs: queue.SimpleQueue) -> None:

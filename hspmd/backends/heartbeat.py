@@ -15,6 +15,7 @@ import threading
 import time
 
 DEFAULT_INTERVAL_S = 30.0
+TIE_S = 0.005  # last completions this close count as one moment (HeartbeatMonitor.stuck)
 HEARTBEAT_ENV = "HSPMD_HEARTBEAT_S"
 
 
@@ -37,6 +38,7 @@ class Progress:
     def __init__(self):
         self.completed = 0
         self.waiting = False
+        self.last = time.time()  # wall-clock time of the last completed communication
 
     def enter(self) -> None:
         self.waiting = True
@@ -44,9 +46,10 @@ class Progress:
     def leave(self) -> None:
         self.completed += 1
         self.waiting = False
+        self.last = time.time()
 
     def text(self) -> str:
-        return f"{self.completed} {int(self.waiting)}"
+        return f"{self.completed} {int(self.waiting)} {self.last:.6f}"
 
 
 PROGRESS = Progress()  # this process's (one rank per process)
@@ -83,7 +86,7 @@ class HeartbeatMonitor:
         self._seen: dict[int, float] = {}
         self._checked = 0.0
         self._before: dict[int, int] = {}  # a restarted slot: its predecessor's count, not yet a beat
-        self._progress: dict[int, tuple[int, ...]] = {}
+        self._progress: dict[int, tuple] = {}
         self._moved = time.monotonic()
 
     def restarted(self, rank: int) -> None:
@@ -93,29 +96,32 @@ class HeartbeatMonitor:
 
     def stuck(self, after: float, now: float | None = None) -> list[int]:
         """Ranks that hold the job up although they beat: when no rank's progress (hspmd.backends.
-        heartbeat.Progress) has moved for `after` seconds, the ranks not waiting inside a
-        communication while others do (stuck elsewhere, e.g. computing or deadlocked), else those
-        that completed the fewest communications (stuck inside one the others are past). [] while
-        anything moves, or before every rank has published progress."""
+        heartbeat.Progress) has moved for `after` seconds while some rank waits inside a
+        communication, the ranks not waiting inside one (stuck elsewhere: a hung kernel, a
+        deadlock, a loop), else those whose last completed communication is the oldest (within
+        `TIE_S`: the others went on until they needed it). [] while anything moves, or before every
+        rank has published progress. Approximate: ranks' clocks are compared (NTP-close across
+        hosts), and a rank computing alone for `after` seconds while the others wait is named too."""
         now = time.monotonic() if now is None else now
         seen = {}
         for rank in self.ranks:
             key = progress_key(rank)
             if not self.store.check([key]):
                 return []
-            seen[rank] = tuple(int(v) for v in self.store.get(key).split())
+            done, waiting, last = self.store.get(key).split()
+            seen[rank] = (int(done), int(waiting), float(last))
         if seen != self._progress:
             self._progress, self._moved = seen, now
             return []
         if now - self._moved < after:
             return []
-        if not any(waiting for _, waiting in seen.values()):
+        if not any(waiting for _, waiting, _ in seen.values()):
             return []  # nobody waits on anybody: the job is between steps (or finished), not stuck
-        idle = [r for r, (_, waiting) in seen.items() if not waiting]
+        idle = [r for r, (_, waiting, _) in seen.items() if not waiting]
         if idle:
             return idle
-        fewest = min(done for done, _ in seen.values())
-        return [r for r, (done, _) in seen.items() if done == fewest]
+        oldest = min(last for _, _, last in seen.values())
+        return [r for r, (_, _, last) in seen.items() if last - oldest <= TIE_S]
 
     def stopped(self, now: float | None = None) -> list[tuple[int, float]]:
         """[(rank, seconds since its last beat)] of the ranks that stopped beating."""

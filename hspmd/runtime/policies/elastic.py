@@ -8,7 +8,8 @@ PeerLost on every survivor, which then
   2. agrees through the store on the newest version every survivor has committed (the minimum of
      the survivors' versions: a rank that finished the step's update while another did not rolls
      back, so survivors never mix old and new weights),
-  3. derives the new strategy (`recover_strategy`; a cost-model replan can take its place) and moves
+  3. derives the new strategy (`recover_strategy`: every device equal, unless the job gave a
+     `plan_recovery`, e.g. planning.replan on the job's cluster and model) and moves
      every lost piece from surviving replicas in one fused BSR (`plan_switch(..., failed=dead)`);
      when no living device holds some piece (no replica, e.g. a pure pipeline), every rank loads
      its pieces under the new strategy from the last checkpoint the job saved, in place (no
@@ -71,14 +72,15 @@ class KillPoint:
     rank: int
     call: int = 1
     phase: str = "step"
+    stall: bool = False  # hang there for good instead (alive, heartbeat beating): `--stall`
 
     def __post_init__(self):
         if self.step < 1 or self.rank < 0 or self.call < 0:
             raise HSPMDError(f"--kill {self}: steps count from 1, ranks and calls from 0")
 
     @staticmethod
-    def parse(text: str) -> "KillPoint":
-        """STEP=RANK[:CALL][@PHASE], as `--kill` takes it (e.g. 20=3, 20=3:7, 20=3:0@save)."""
+    def parse(text: str, stall: bool = False) -> "KillPoint":
+        """STEP=RANK[:CALL][@PHASE], as `--kill` (and `--stall`, with `stall`) takes it (e.g. 20=3, 20=3:7, 20=3:0@save)."""
         step, _, rest = text.partition("=")
         rest, _, phase = rest.partition("@")
         rank, _, call = rest.partition(":")
@@ -87,7 +89,7 @@ class KillPoint:
         except ValueError:
             point = None
         else:
-            point = KillPoint(step, rank, call, phase or "step")
+            point = KillPoint(step, rank, call, phase or "step", stall)
         if point is None or point.phase not in PHASES:
             raise HSPMDError(f"--kill {text!r}: write STEP=RANK[:CALL][@PHASE] with PHASE one of {', '.join(PHASES)}, "
                              f"e.g. --kill 20=3")
@@ -120,6 +122,11 @@ class FaultInjector(Backend):
 
     def _tick(self, op: str) -> None:
         for k in self.kills:
+            if (k.step, k.phase, k.call) == (self.step, self.phase, self.calls) and k.stall:
+                if self.store is not None:
+                    self.store.set(killed_key(self.rank), f"stalled at step {self.step} {self.phase} call {self.calls}: {op}")
+                while True:  # stuck for good: alive, its heartbeat thread beating, its peers waiting on it
+                    time.sleep(3600)
             if (k.step, k.phase, k.call) == (self.step, self.phase, self.calls):
                 if self.store is not None:
                     self.store.set(killed_key(self.rank) + "/time", repr(time.time()))
@@ -225,15 +232,18 @@ class ElasticTrainer:
     files written in the background (hspmd.runtime.persistence.sharded_checkpoint), else single files.
     `data`: a SequenceLoader; a step given no batch then trains this rank's share of the loader's
     next global batch, and the loader's state (`data_state`, from `data_state=`) is part of every
-    transaction and checkpoint, so a redone step trains the same samples."""
+    transaction and checkpoint, so a redone step trains the same samples.
+    `plan_recovery(strategy, failed)`: the strategy without the failed ranks (default
+    switching.recover_strategy, every device equal; `cluster_recovery` plans on the real hardware)."""
 
     def __init__(self, build_graph: Callable[[Sequence[Strategy]], Graph], strategy: Strategy,
                  membership: Membership, schedule: str | None = None, symbols: Mapping[str, int] | None = None,
                  seed: int = 0, kills: Sequence[KillPoint] = (), describe: Callable[[Strategy], str] = str,
                  sharded: bool = False, data: SequenceLoader | None = None, data_state: DataState = START,
-                 topology=None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB):
+                 topology=None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+                 plan_recovery: Callable[[Strategy, set[int]], Strategy] | None = None):
         self._setup(build_graph, strategy, membership, schedule, symbols, seed, kills, describe, sharded, data, data_state,
-                    topology, bucket_cap_mb)
+                    topology, bucket_cap_mb, plan_recovery)
         self.strategies: list[Strategy] = [strategy]
         self.graph = build_graph(self.strategies)
         self.trainer = self._trainer(0)
@@ -243,7 +253,9 @@ class ElasticTrainer:
                symbols: Mapping[str, int] | None = None, seed: int = 0, kills: Sequence[KillPoint] = (),
                describe: Callable[[Strategy], str] = str, sharded: bool = False, data: SequenceLoader | None = None,
                data_state: DataState = START, topology=None,
-               bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB) -> None:
+               bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+               plan_recovery: Callable[[Strategy, set[int]], Strategy] | None = None) -> None:
+        self.plan_recovery = plan_recovery or recover_strategy
         self.build_graph, self.membership = build_graph, membership
         self.schedule, self.symbols, self.seed, self.describe = schedule, dict(symbols or {}), seed, describe
         self.topology, self.bucket_cap_mb = topology, bucket_cap_mb
@@ -322,7 +334,7 @@ class ElasticTrainer:
         """A planned switch at a step boundary (collective). Targets naming dead ranks are first
         recovered without them."""
         lost = set(strategy.all_ranks) & self.membership.dead
-        target = recover_strategy(strategy, lost) if lost else strategy
+        target = self.plan_recovery(strategy, lost) if lost else strategy
         self._begin("switch")
         self._move_to(target, failed=())
         self.switches_done += 1
@@ -428,7 +440,7 @@ class ElasticTrainer:
         the ranks that are still dead."""
         original = self.strategies[0]
         lost = dead & set(original.all_ranks)
-        return recover_strategy(original, lost) if lost else original
+        return self.plan_recovery(original, lost) if lost else original
 
     def recover(self, noticed: float | None = None) -> Failure:
         """After PeerLost: join the next generation, roll back to the newest version every survivor
@@ -456,7 +468,7 @@ class ElasticTrainer:
                 if self.membership.joined:
                     target = self._grow_target(dead)
                 else:
-                    target = recover_strategy(old, set(failed)) if failed else old
+                    target = self.plan_recovery(old, set(failed)) if failed else old
                 if self.membership.joined and self.rank == min(self.membership.original):
                     self.membership.store.set(_plan_key(self.membership.generation), json.dumps({
                         "source": format_strategy(old), "target": format_strategy(target), "failed": failed,
@@ -504,8 +516,24 @@ class ElasticTrainer:
         return self
 
 
+def cluster_recovery(cluster, model, calibration=None) -> Callable[[Strategy, set[int]], Strategy]:
+    """Recovery planned on the job's hardware: planning.replan (through recover_strategy) with the
+    job's cluster and model, priced by `calibration`'s fit of this host when given and the cluster
+    is emulated here (Calibration.cost_model_for), else by the cluster file's nominal figures."""
+    options = {}
+    if calibration is not None and cluster.emulation is not None:
+        from hspmd.planning.search.costed import CostModelEvaluator
+
+        options["evaluator"] = CostModelEvaluator(calibration.cost_model_for(cluster, model))
+
+    def plan(strategy: Strategy, failed: set[int]) -> Strategy:
+        return recover_strategy(strategy, failed, cluster=cluster, model=model, **options)
+
+    return plan
+
+
 def _plan_key(generation: int) -> str:
     return f"g{generation}/join-plan"
 
 
-__all__ = ["ElasticTrainer", "Failure", "FaultInjector", "KillPoint"]
+__all__ = ["ElasticTrainer", "Failure", "FaultInjector", "KillPoint", "cluster_recovery"]

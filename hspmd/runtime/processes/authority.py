@@ -34,7 +34,7 @@ from typing import IO, Sequence
 from hspmd.arguments import ArgumentParser, non_negative_float, positive_int
 from hspmd.errors import LaunchError
 from hspmd.backends.heartbeat import BEAT_PREFIX, HeartbeatMonitor
-from hspmd.runtime.processes.membership import GENERATION_KEY, announce_death, ready_key, why_key
+from hspmd.runtime.processes.membership import GENERATION_KEY, announce_death, finished_key, ready_key, why_key
 from hspmd.runtime.processes.nodes import DEFAULT_RENDEZVOUS_S, JOB_KEY, node_key
 
 _POLL_S = 0.02
@@ -70,13 +70,13 @@ class Authority:
         found: dict[int, str] = {}
         for key in self.store.server.take_closed_keys():
             rank = int(key[len(self.prefix):])
-            if rank not in self.dead:
+            if rank not in self.dead and not self.store.check([finished_key(rank)]):
                 found.setdefault(rank, "its process ended (its connection to the store closed)")
         for rank in self.alive:
-            if rank not in found and self.store.check([exit_key(rank)]):
+            if rank not in found and self.store.check([exit_key(rank)]) and not self.store.check([finished_key(rank)]):
                 found[rank] = self.store.get(exit_key(rank)).decode()
         if self.monitor is not None:
-            self.monitor.ranks = self.alive
+            self.monitor.ranks = [r for r in self.alive if not self.store.check([finished_key(r)])]
             for rank, silent in self.monitor.stopped():
                 found.setdefault(rank, f"no heartbeat for {silent:.1f}s (frozen, or its node cut off)")
             if self.stuck > 0 and not found:

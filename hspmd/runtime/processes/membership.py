@@ -40,6 +40,10 @@ def joined_key(generation: int) -> str:
     return f"elastic/joined/{generation}"
 
 
+def finished_key(rank: int) -> str:
+    return f"elastic/finished/{rank}"
+
+
 def why_key(generation: int) -> str:
     """What a multi-node job's authority records about a generation (hspmd.runtime.processes.authority)."""
     return f"elastic/why/{generation}"
@@ -186,8 +190,13 @@ class Membership:
             time.sleep(_POLL_S)
 
     def close(self) -> None:
+        """This rank is done: say so (its connections closing is then an exit, not a death) and stop watching."""
         self._closed = True
+        try:
+            self.store.set(finished_key(self.rank), "1")
+        except Exception:  # noqa: BLE001 - the store is gone: the job is over anyway
+            pass
 
 
 __all__ = ["ELASTIC_ENV", "GENERATION_KEY", "Membership", "announce_death", "JOIN_ENV", "dead_key", "is_elastic", "joined_key",
-    "ready_key", "killed_at", "killed_key", "killed_note", "why_key"]
+    "ready_key", "killed_at", "killed_key", "killed_note", "finished_key", "why_key"]
