@@ -173,7 +173,7 @@ class StoreServer:
         except OSError as exc:
             self._listener.close()
             raise CommunicationError(f"the job's store cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        self._listener.listen(128)
+        self._listener.listen(4096)  # a whole job may connect at once (1,024 ranks in bench_store)
         self.host, self.port = host, self._listener.getsockname()[1]
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="hspmd-store").start()

@@ -1,0 +1,95 @@
+"""The job's store under a rendezvous of many clients, against torch's TCPStore in the same run.
+
+N clients (threads of this process; default 1,024) each connect to a store served by this process,
+then rendezvous: every client sets its own key and adds to a counter, the client that brings the
+counter to N sets `go`, and every client waits for `go`. Seconds from the first connect to the
+last client's return. hspmd's store authenticates each connection (HMAC challenge both ways) and
+every message after it (a MAC per message); TCPStore does neither. Runs interleave (hspmd, torch,
+hspmd, torch, ...); the table gives medians, the ratio of medians and the spread of per-pair ratios.
+
+    python benchmarks/bench_store.py [--clients 1024] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from _common import table
+from hspmd.backends.store import JobStore, new_secret, open_store
+
+
+def rendezvous(connect, clients: int) -> float:
+    """Seconds for `clients` threads to connect (connect(i) -> store) and meet."""
+    failures: list[BaseException] = []
+    stores = []
+
+    def client(i: int) -> None:
+        try:
+            store = connect(i)
+            stores.append(store)
+            store.set(f"rank/{i}", str(i))
+            if int(store.add("arrived", 1)) == clients:
+                store.set("go", "1")
+            store.wait(["go"])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    if failures:
+        raise SystemExit(f"bench_store: {len(failures)} client(s) failed, e.g. {failures[0]!r}")
+    return seconds
+
+
+def hspmd_once(clients: int) -> float:
+    secret = new_secret().encode()
+    server = open_store("127.0.0.1", 0, is_master=True, secret=secret, timeout=120)
+    try:
+        return rendezvous(lambda i: JobStore("127.0.0.1", server.port, secret, 120), clients)
+    finally:
+        server.server.close()
+
+
+def torch_once(clients: int) -> float:
+    master = dist.TCPStore("127.0.0.1", 0, clients + 1, True, timeout=timedelta(seconds=120), wait_for_workers=False)
+    try:
+        return rendezvous(lambda i: dist.TCPStore("127.0.0.1", master.port, clients + 1, False,
+                                                  timeout=timedelta(seconds=120)), clients)
+    finally:
+        del master
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args(argv)
+    ours, theirs = [], []
+    hspmd_once(8), torch_once(8)  # warm-up, not counted: torch's first client resolves this host's name (seconds)
+    for _ in range(args.reps):
+        ours.append(hspmd_once(args.clients))
+        theirs.append(torch_once(args.clients))
+    ratios = sorted(a / b for a, b in zip(ours, theirs))
+    print(table(["store", "clients", "median s", "min-max s"], [
+        ["hspmd JobStore (authenticated)", args.clients, f"{statistics.median(ours):.3f}", f"{min(ours):.3f}-{max(ours):.3f}"],
+        ["torch TCPStore", args.clients, f"{statistics.median(theirs):.3f}", f"{min(theirs):.3f}-{max(theirs):.3f}"],
+    ]))
+    print(f"hspmd / TCPStore: {statistics.median(ours) / statistics.median(theirs):.2f}x "
+          f"(per-pair ratios {ratios[0]:.2f}-{ratios[-1]:.2f}, {args.reps} interleaved pairs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
