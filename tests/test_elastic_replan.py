@@ -4,6 +4,7 @@ the model, not to recover_strategy's every-device-equal fallback."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import sys
@@ -43,13 +44,13 @@ inter: ib
 
 def test_an_h800_death_recovers_to_the_strategy_replan_gives_for_the_cluster(tmp_path):
     sys.path.insert(0, str(REPO / "examples" / "llama"))
-    from chardata import CharCorpus
+    from train import token_files  # the example's own data: its vocabulary sizes the model replan prices
 
     cluster_file = tmp_path / "cluster.yaml"
     cluster_file.write_text(CLUSTER)
     cluster = parse_cluster(str(cluster_file))
     assert cluster.device_type(0).name == "H800"
-    model = from_llama_config(LlamaConfig(vocab=CharCorpus().vocab, hidden=16, layers=4, heads=2, ffn=32), seq_len=8)
+    model = from_llama_config(LlamaConfig(vocab=token_files(argparse.Namespace(data=None)).vocab, hidden=16, layers=4, heads=2, ffn=32), seq_len=8)
     strategy = parse_strategy(STRATEGY)
     on_cluster = format_strategy(recover_strategy(strategy, {0}, cluster=cluster, model=model))
     all_equal = format_strategy(recover_strategy(strategy, {0}))
