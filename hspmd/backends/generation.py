@@ -48,7 +48,7 @@ class GenerationBackend(Backend):
     (collective over `members` only)."""
 
     def __init__(self, store: dist.Store, generation: int, members: Sequence[int], rank: int, world_size: int,
-                 timeout: float = 300.0):
+                 timeout: float = 300.0, superseded=None):
         if rank not in members:
             raise CommunicationError(f"rank {rank} is not a member of generation {generation} ({list(members)})")
         self.store, self.generation = store, generation
@@ -58,6 +58,9 @@ class GenerationBackend(Backend):
         self._groups: dict[tuple[int, ...], object] = {}
         self._lock = threading.Lock()
         self.aborted = False
+        # superseded(): whether a newer generation was announced (checked while groups form, before
+        # anyone else knows this backend to abort it)
+        self._superseded = superseded or (lambda: False)
         self._waiter: queue.SimpleQueue = queue.SimpleQueue()
         # kept here: torch holds only the C++ side of a Python store, which must outlive every group
         self._rendezvous_store = _AbortableStore(store, self)
@@ -246,7 +249,7 @@ class _AbortableStore(dist.Store):
     def wait(self, keys, timeout: timedelta | None = None) -> None:
         end = time.monotonic() + (timeout or self.timeout).total_seconds()
         while True:
-            if self._backend.aborted:
+            if self._backend.aborted or self._backend._superseded():
                 raise PeerLost(f"rank {self._backend.rank}: generation {self._backend.generation} was aborted while "
                                f"its groups formed")
             if self._store.check(list(keys)):

@@ -102,11 +102,18 @@ class Membership:
             start = int(self.store.add(GENERATION_KEY, 0))
             self.store.set(ready_key(rank), "1")
             self._await_generation(start, 300.0, "the launcher never took this restarted rank back")
-            self.backend = GenerationBackend(self.store, self.generation, self.alive, rank, world_size, timeout)
+            self.backend = GenerationBackend(self.store, self.generation, self.alive, rank, world_size, timeout,
+                                             self._superseded_after(self.generation))
         else:
-            self.backend = GenerationBackend(self.store, 0, range(world_size), rank, world_size, timeout)
+            self.backend = GenerationBackend(self.store, 0, range(world_size), rank, world_size, timeout,
+                                             self._superseded_after(0))
         self._closed = False
         threading.Thread(target=self._watch, daemon=True, name="hspmd-membership").start()
+
+    def _superseded_after(self, generation: int):
+        """Whether a generation newer than `generation` was announced (a backend still forming its
+        groups gives up on members that died meanwhile instead of waiting out its timeout)."""
+        return lambda: int(self.store.add(GENERATION_KEY, 0)) > generation
 
     @property
     def original(self) -> tuple[int, ...]:
@@ -144,7 +151,8 @@ class Membership:
         self.backend.abort()
         self._await_generation(self.generation, deadline_s, "a collective failed but no rank death was announced; "
                                                             "is the job running under `hspmd run --elastic`?")
-        self.backend = GenerationBackend(self.store, self.generation, self.alive, self.rank, self.world_size, self.timeout)
+        self.backend = GenerationBackend(self.store, self.generation, self.alive, self.rank, self.world_size, self.timeout,
+                                         self._superseded_after(self.generation))
         return self.backend
 
     def _await_generation(self, after: int, deadline_s: float, why: str) -> None:
