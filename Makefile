@@ -35,7 +35,7 @@ multiprocess: $(STAMP)
 	$(PY) -m pytest -q -m multiprocess
 
 elastic: $(STAMP)
-	$(PY) -m pytest -q -m elastic_full tests/test_elastic.py
+	$(PY) -m pytest -q -m elastic_full tests/test_elastic.py tests/test_multinode_elastic.py
 
 # Run first on a lent GPU machine (no venv needed there: its python3 holds torch, CuPy, pytest).
 # Without a CUDA GPU it says it skipped and exits 0. One summary line at the end, under 8 minutes.
