@@ -64,11 +64,11 @@ def hspmd_once(clients: int) -> float:
 
 def torch_once(clients: int) -> float:
     master = dist.TCPStore("127.0.0.1", 0, clients + 1, True, timeout=timedelta(seconds=120), wait_for_workers=False)
-    try:
-        return rendezvous(lambda i: dist.TCPStore("127.0.0.1", master.port, clients + 1, False,
-                                                  timeout=timedelta(seconds=120)), clients)
-    finally:
-        del master
+    port = master.port
+    seconds = rendezvous(lambda i: dist.TCPStore("127.0.0.1", port, clients + 1, False, timeout=timedelta(seconds=120)),
+                         clients)
+    del master
+    return seconds
 
 
 def main(argv=None) -> int:

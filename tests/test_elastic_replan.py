@@ -50,7 +50,8 @@ def test_an_h800_death_recovers_to_the_strategy_replan_gives_for_the_cluster(tmp
     cluster_file.write_text(CLUSTER)
     cluster = parse_cluster(str(cluster_file))
     assert cluster.device_type(0).name == "H800"
-    model = from_llama_config(LlamaConfig(vocab=token_files(argparse.Namespace(data=None)).vocab, hidden=16, layers=4, heads=2, ffn=32), seq_len=8)
+    vocab = token_files(argparse.Namespace(data=None)).vocab
+    model = from_llama_config(LlamaConfig(vocab=vocab, hidden=16, layers=4, heads=2, ffn=32), seq_len=8)
     strategy = parse_strategy(STRATEGY)
     on_cluster = format_strategy(recover_strategy(strategy, {0}, cluster=cluster, model=model))
     all_equal = format_strategy(recover_strategy(strategy, {0}))
