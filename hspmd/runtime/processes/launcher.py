@@ -191,8 +191,9 @@ def launch(
     `env`: more environment variables for every rank (e.g. HSPMD_CLUSTER from --cluster). `role`: this
     node of a multi-node job (hspmd.runtime.processes.nodes): node 0 hosts the store at the master
     address, every node takes part in the node rendezvous (bounded by `rendezvous_timeout`), its
-    ranks are numbered node by node, and a failure on any node stops every node. `cluster`: the job's cluster (a YAML file or a preset): each rank is told its device's
-    type (HSPMD_DEVICE_TYPE); a multi-node job's cluster must have its nodes and their sizes.
+    ranks are numbered node by node, and a failure on any node stops every node.
+    `cluster`: the job's cluster (a YAML file or a preset): each rank is told its device's type
+    (HSPMD_DEVICE_TYPE); a multi-node job's cluster must have its nodes and their sizes.
     `secret`: the job's secret (default: HSPMD_JOB_SECRET for a multi-node job, a fresh one otherwise)."""
     from hspmd.backends.heartbeat import HeartbeatMonitor
     from hspmd.backends.store import new_secret, secret_from_env  # imports torch: only once a job is launched
