@@ -11,7 +11,11 @@ alternating which goes first). The plan is resolved and its groups created once,
 Part 2: layouts DTensor cannot express (heterogeneous unions, uneven HSize, moves between device
 sets): hspmd's time only.
 
-Part 3: peak memory per process during one reshard, for every layout: the peak of bytes allocated
+Part 3: multi-hop cases, layouts DTensor can express where hspmd's cost model prices a route through
+an intermediate layout (comm_resolve/multihop.py) below every direct route: hspmd's default plan,
+the best direct plan (resolve(..., multi_hop=False)) and DTensor, interleaved the same way.
+
+Part 4: peak memory per process during one reshard, for every layout: the peak of bytes allocated
 minus bytes freed by torch's CPU allocator while the reshard runs (torch.profiler memory events),
 i.e. the largest extra tensor memory the reshard ever holds on top of its input. Gloo's internal
 buffers are not torch tensors and are not counted. It is checked against the destination piece:
@@ -67,6 +71,14 @@ HSPMD_ONLY = [
     ("S0 on 3 devices -> S1 on 4", "S0:3@[0,1,2]", "S1:4@[0-3]"),
 ]
 
+# (label, hspmd src, hspmd dst, mesh shape, DTensor src placements, DTensor dst placements): pairs whose
+# default plan passes an intermediate layout at 1 MiB, 16 MiB or both (the table says which plan ran).
+MULTI_HOP = [
+    ("2x2 [S0,S0] -> [S1,S1]", "S0:2,S0:2@[0-3]", "S1:2,S1:2@[0-3]", (2, 2), "S0,S0", "S1,S1"),
+    ("2x2 [S0,S0] -> [R,S1]", "S0:2,S0:2@[0-3]", "D:2,S1:2@[0-3]", (2, 2), "S0,S0", "R,S1"),
+    ("2x2 [S0,S0] -> [S1,R]", "S0:2,S0:2@[0-3]", "S1:2,D:2@[0-3]", (2, 2), "S0,S0", "S1,R"),
+]
+
 MEMORY_HEADER = ["peak MB", "buffer MB", "piece MB", "no whole"]
 SIZES = {"1MB": (512, 512), "16MB": (2048, 2048)}
 
@@ -96,10 +108,10 @@ def memory_profile(fn) -> tuple[int, int, object]:
 class HspmdReshard:
     """One layout change on this rank: plan resolved and groups prepared once, then run."""
 
-    def __init__(self, backend: Backend, src: str, dst: str, shape, x: torch.Tensor):
+    def __init__(self, backend: Backend, src: str, dst: str, shape, x: torch.Tensor, multi_hop: bool = True):
         self.backend = backend
         start = time.perf_counter()
-        self.plan = resolve(src, dst, shape)
+        self.plan = resolve(src, dst, shape, multi_hop=multi_hop)
         self.resolve_s = time.perf_counter() - start
         backend.prepare_groups([g for g in self.plan.collective_groups() if backend.rank in g])
         self.local = shard(x, self.plan.src, seed=1).get(backend.rank)
@@ -160,9 +172,35 @@ def measure_hspmd_only(backend: Backend, reps: dict[str, int], warmup: int) -> l
     return out
 
 
-def rank_main(backend: Backend, reps: dict[str, int], warmup: int) -> tuple[list[dict], list[dict]]:
+def measure_multi_hop(backend: Backend, reps: dict[str, int], warmup: int) -> list[dict]:
+    mesh = init_device_mesh("cpu", (2, 2))
+    out = []
+    for size, shape in SIZES.items():
+        x = whole(shape)
+        for label, src, dst, _, src_p, dst_p in MULTI_HOP:
+            ours, direct = HspmdReshard(backend, src, dst, shape, x), HspmdReshard(backend, src, dst, shape, x, False)
+            theirs = DTensor.from_local(ours.local, mesh, placements(src_p), run_check=False, shape=shape,
+                                        stride=x.stride())
+            target = placements(dst_p)
+            runs = [("hspmd", ours), ("direct", direct), ("dtensor", lambda: theirs.redistribute(mesh, target).to_local())]
+            times = {name: [] for name, _ in runs}
+            for i in range(warmup + reps[size]):
+                for name, run in runs[i % 3:] + runs[: i % 3]:
+                    seconds, _ = timed_on_world(backend, run)
+                    if i >= warmup:
+                        times[name].append(seconds)
+            expected = theirs.redistribute(mesh, target).to_local()
+            same = all(torch.allclose(r(), expected, rtol=1e-5, atol=1e-5) for r in (ours, direct))
+            out.append({"size": size, "label": label, "times": times, "same": same,
+                        "plans": ("+".join(ours.plan.primitives), "+".join(direct.plan.primitives)),
+                        "estimates": (ours.plan.estimated_seconds, direct.plan.estimated_seconds)})
+    return out
+
+
+def rank_main(backend: Backend, reps: dict[str, int], warmup: int) -> tuple[list[dict], list[dict], list[dict]]:
     torch.set_num_threads(1)
-    return measure_comparable(backend, reps, warmup), measure_hspmd_only(backend, reps, warmup)
+    return (measure_comparable(backend, reps, warmup), measure_hspmd_only(backend, reps, warmup),
+            measure_multi_hop(backend, reps, warmup))
 
 
 def memory_cells(per_rank: list[dict]) -> tuple[list[str], bool]:
@@ -184,6 +222,7 @@ def main(argv=None) -> int:
     per_rank = run_multiprocess(rank_main, WORLD, reps, args.warmup, timeout=900, comm_timeout=300)
     comparable = list(zip(*[r[0] for r in per_rank]))
     only = list(zip(*[r[1] for r in per_rank]))
+    multi = list(zip(*[r[2] for r in per_rank]))
 
     rows, ok, memory_ok = [], True, True
     for cases in comparable:
@@ -210,6 +249,19 @@ def main(argv=None) -> int:
         rows.append([c["size"], c["label"], c["primitives"], ms(h), *memory_columns, "yes" if fits else "NO"])
     print("Layouts DTensor cannot express (heterogeneous / uneven HSize / other device sets): hspmd only")
     print(table(["size", "layout", "plan", "hspmd ms", *MEMORY_HEADER], rows))
+    rows = []
+    for cases in multi:
+        c = cases[0]
+        h, direct, d = (slowest_rank_median([r["times"][k] for r in cases]) for k in ("hspmd", "direct", "dtensor"))
+        same = all(r["same"] for r in cases)
+        ok &= same
+        rows.append([c["size"], c["label"], c["plans"][0], c["plans"][1],
+                     f"{c['estimates'][0] * 1e6:.1f} / {c['estimates'][1] * 1e6:.1f}", ms(h), ms(direct), ms(d),
+                     f"{h / direct:.2f}", f"{h / d:.2f}", "yes" if same else "NO"])
+    print("Multi-hop: hspmd's default plan (through an intermediate where it is priced lower) against the best direct "
+          "plan and DTensor")
+    print(table(["size", "layout", "hspmd plan", "direct plan", "est. us (plan / direct)", "hspmd ms", "direct ms",
+                 "DTensor ms", "vs direct", "vs DTensor", "same"], rows))
     print("\nhspmd memory per process during one reshard (max over the 4 processes; whole tensor = 1 or 16 MiB):\n"
           "  peak MiB: peak of torch bytes allocated minus freed (on top of the input)\n"
           "  buffer MiB: the largest single allocation; piece MiB: the process's larger of source/destination piece\n"

@@ -26,7 +26,7 @@ the plan lists them subgroup by subgroup so that each step's src is the previous
 
 Several correct plans exist for most reshards; by default the resolver returns the one of least
 estimated time (cost.py, the same alpha-beta pricing for all) among these routes (VIAS), ties going
-to the earlier one:
+to the plan with fewer messages and collective calls, then to the earlier route:
 
 * "hierarchical": the decision order above;
 * "merged-allgather": a source whose pieces tile the tensor once, gathered whole onto the same
@@ -40,10 +40,12 @@ to the earlier one:
   batch index 0, those exchange with the destination's batch-index-0 devices, which scatter along
   dim 0 (S3: bottom-tier gather, top-tier send, bottom-tier split).
 
-`via` forces one route. Lower bounds (bounds.py) keep the choice cheap: routes that cannot win
-are not built. A reshard that keeps its top tier (decision 1 with HSize above 1) is not priced
-against the other routes: it resolves subgroup by subgroup (`subgroup_by_subgroup`), so route
-choice never joins subgroups that a strategy keeps apart, such as pipelines.
+Between two SPMD value layouts it also prices two-hop routes through generated intermediate
+layouts (multihop.py) and takes one where it beats them all. `via` forces one route. Lower bounds
+(bounds.py) keep the choice cheap: routes that cannot win are not built. A reshard that keeps its
+top tier (decision 1 with HSize above 1) is not priced against the other routes: it resolves
+subgroup by subgroup (`subgroup_by_subgroup`), so route choice never joins subgroups that a
+strategy keeps apart, such as pipelines.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from hspmd.comm_resolve.bsr import TensorSlices, destination_needs, local_copies
 from hspmd.comm_resolve.collectives import collective_steps, reduction_targets
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.comm_resolve.gathered import gathered_within, representatives, root
-from hspmd.comm_resolve import relabel, scaling
+from hspmd.comm_resolve import multihop, relabel, scaling
 from hspmd.comm_resolve.plan import Collective, Plan, Step, Transfer
 from hspmd.comm_resolve.reshard import Reshard, Resolution, identity, in_sequence, next_round, regions, shifted
 from hspmd.comm_resolve.slices import box_volume
@@ -119,6 +121,7 @@ def resolve(
     reduce_partial: bool = True,
     via: str | None = None,
     for_devices: Iterable[int] | None = None,
+    multi_hop: bool = True,
 ) -> Plan:
     """The communication plan turning a tensor of `shape` laid out as `src` into `dst`.
 
@@ -130,7 +133,9 @@ def resolve(
     reduction (Partial.reduce: sum, max, min, avg, prod), one per plan. `via` (one of VIAS) forces one route, None picks
     the cheapest (module docstring). Where a tier of the decision order cannot give its primitive
     and a later one serves, the plan's `fallbacks` say which and why, and a FallbackWarning is
-    issued. `for_devices` resolves the plan for those devices only: a
+    issued. Between two SPMD value layouts the cheapest plan may pass an intermediate layout
+    (multihop.py): with `multi_hop` (the default) it is chosen when it beats every direct route.
+    `for_devices` resolves the plan for those devices only: a
     subgroup holding none of them whose steps repeat an earlier subgroup's (relabel.py) is left
     out, named in Step.repeats instead (a rank specializing alone then plans its own subgroups,
     not every data-parallel replica's); their parts, the plan's cost and choice of route, and
@@ -152,7 +157,12 @@ def resolve(
         )
     ctx = Resolution(Reshard(src, dst, shape, topology, DTYPE_SIZES[name], reduce_partial, focus))
     with collector_paused():  # a large plan is many long-lived objects and no cycles (hspmd.gc_pause)
-        plan = _plan(ctx, name, _via(via, src, dst, ctx), ctx.fallbacks) if via is not None else _cheapest(ctx, name)
+        if via is not None:
+            plan = _plan(ctx, name, _via(via, src, dst, ctx), ctx.fallbacks)
+        else:
+            plan = _cheapest(ctx, name)
+            if multi_hop:
+                plan = _through_intermediate(ctx, name, plan)
     if plan.fallbacks:
         warnings.warn(FallbackWarning(f"resolve {src} -> {dst} (shape {shape}): " + "; ".join(plan.fallbacks)),
                       stacklevel=2)
@@ -234,16 +244,41 @@ def cheaper(a: float, b: float) -> bool:
     return a < b * (1.0 - TIE)
 
 
+def operations(plan: Plan) -> int:
+    """The plan's messages and collective calls, those of the subgroups it leaves out (Step.repeats)
+    counted as their templates': equal for a plan resolved for some devices and the whole plan."""
+    total = 0
+    for step in plan.steps:
+        total += step.messages + len(step.collectives)
+        for template, _ in step.repeats:
+            mine = set(template)
+            total += sum(1 for t in step.transfers if t.src != t.dst and t.src in mine)
+            total += sum(1 for c in step.collectives if c.devices[0] in mine)
+    return total
+
+
+def better(plan: Plan, best: Plan) -> bool:
+    """`plan` beats `best`: cheaper by more than float noise (TIE), or as cheap with fewer messages
+    and collective calls (one AllGather rather than a BatchedSendRecv of dozens of messages at the
+    same estimate)."""
+    if cheaper(plan.estimated_seconds, best.estimated_seconds):
+        return True
+    return not cheaper(best.estimated_seconds, plan.estimated_seconds) and operations(plan) < operations(best)
+
+
 def _cheapest(ctx: Resolution, dtype: str) -> Plan:
-    """The plan of least estimated time among every route that applies (VIAS). Ties go to the
-    earlier route, so the hierarchical plan stays unless another is strictly cheaper, and every
-    device, resolving the same arguments, picks the same plan.
+    """The plan of least estimated time among every route that applies (VIAS). Ties go to the plan
+    with fewer messages and collective calls, then to the earlier route, so the hierarchical plan
+    stays unless another is better (`better`), and every device, resolving the same arguments,
+    picks the same plan.
 
     Kept cheap (resolve runs for every CommOp): a source holding partial sums has no other route
     (the hierarchical plan is not even priced then), nothing more is tried once the best plan meets the
-    bound no plan undercuts (bounds.py), a HetAuto route is built only when its own bound is below
-    the best so far, and a route whose messages are the best plan's (the direct BSR when the
-    hierarchical plan is that BSR) is not priced again."""
+    bound no plan undercuts (bounds.py) but the one AllGather (where the best takes more operations:
+    HetAuto's routes are BatchedSendRecvs, building them to count messages costs more than it
+    saves), a HetAuto route is built only when its own
+    bound is below the best so far, and a route whose messages are the best plan's (the direct
+    BSR when the hierarchical plan is that BSR) is not priced again."""
     best = _plan(ctx, dtype, _route(ctx.src, ctx.dst, ctx), ctx.fallbacks)
     if ctx.src.has_partial or best.estimated_seconds == 0.0:  # every other route moves values
         return best
@@ -251,9 +286,10 @@ def _cheapest(ctx: Resolution, dtype: str) -> Plan:
         return best
     floor = reshard_bound(ctx.src, ctx.dst, ctx.shape, ctx.itemsize, ctx.topology)
     tried = set()
+    best_operations = operations(best)
     for via in VIAS[1:]:
-        if not cheaper(floor, best.estimated_seconds):
-            break
+        if not cheaper(floor, best.estimated_seconds) and (best_operations <= 1 or via != "merged-allgather"):
+            break  # nothing is cheaper; only the one AllGather can tie with fewer operations
         if via == "merged-allgather":
             steps = _alternative(via, ctx)
         else:
@@ -268,8 +304,8 @@ def _cheapest(ctx: Resolution, dtype: str) -> Plan:
         if steps is None or _same_messages(steps, best.steps):
             continue
         plan = _plan(ctx, dtype, steps)
-        if cheaper(plan.estimated_seconds, best.estimated_seconds):
-            best = plan
+        if better(plan, best):
+            best, best_operations = plan, operations(plan)
     return best
 
 
@@ -285,6 +321,59 @@ def subgroup_by_subgroup(src: Annotation | str, dst: Annotation | str, shape: Se
 
 def _subgroup_by_subgroup(src: Annotation, dst: Annotation, shape: tuple[int, ...]) -> bool:
     return src.hsize == dst.hsize > 1 and src.hdim == dst.hdim and kept_regions(src, shape) == kept_regions(dst, shape)
+
+
+def _through_intermediate(ctx: Resolution, dtype: str, best: Plan) -> Plan:
+    """`best`, or the two-hop plan through the intermediate layout (multihop.py) that beats it
+    (`better`), chosen once per reshard (_INTERMEDIATES) and resolved again for each call's devices."""
+    if not multihop.applies(ctx.src, ctx.dst) or best.estimated_seconds == 0.0:
+        return best
+    key = replace(ctx.reshard, focus=None)
+    if key not in _INTERMEDIATES:
+        if len(_INTERMEDIATES) >= 1024:
+            _INTERMEDIATES.clear()
+        _INTERMEDIATES[key] = _best_intermediate(ctx, dtype, best)
+    mid = _INTERMEDIATES[key]
+    return best if mid is None else _two_hops(ctx, dtype, mid)[0]
+
+
+_INTERMEDIATES: dict[Reshard, Annotation | None] = {}  # reshard (all devices) -> the intermediate its plan passes
+
+
+def _best_intermediate(ctx: Resolution, dtype: str, best: Plan) -> Annotation | None:
+    """The intermediate whose two-hop plan beats `best` and every other candidate's, or None. A
+    candidate is priced only where the bounds of its hops (bounds.reshard_bound: no plan of a hop
+    undercuts it) allow it to tie the best so far, its second hop only where the first allows it."""
+    src, dst, shape, itemsize, topology = ctx.src, ctx.dst, ctx.shape, ctx.itemsize, ctx.topology
+    floor = reshard_bound(src, dst, shape, itemsize, topology)
+    if not cheaper(floor, best.estimated_seconds) and operations(best) <= 1:
+        return None
+    chosen = None
+    for mid in multihop.intermediates(src, dst):
+        after = reshard_bound(mid, dst, shape, itemsize, topology)
+        if cheaper(best.estimated_seconds, reshard_bound(src, mid, shape, itemsize, topology) + after):
+            continue
+        plan, _ = _two_hops(ctx, dtype, mid, after, best.estimated_seconds)
+        if plan is not None and better(plan, best):
+            chosen, best = mid, plan
+    return chosen
+
+
+def _two_hops(ctx: Resolution, dtype: str, mid: Annotation, after: float = 0.0,
+              enough: float = float("inf")) -> tuple[Plan | None, Plan]:
+    """(the plan src -> mid -> dst, each hop the cheapest direct plan, or None where the first hop
+    with `after` (a bound of the second) already exceeds `enough`; the first hop's plan)."""
+    first = _hop(ctx, dtype, ctx.src, mid)
+    if cheaper(enough, first.estimated_seconds + after):
+        return None, first
+    second = _hop(ctx, dtype, mid, ctx.dst)
+    steps = list(first.steps) + shifted(list(second.steps), next_round(list(first.steps)))
+    return _plan(ctx, dtype, steps, first.fallbacks + second.fallbacks), first
+
+
+def _hop(ctx: Resolution, dtype: str, a: Annotation, b: Annotation) -> Plan:
+    """The cheapest direct plan from `a` to `b` under the call's options (no further hops)."""
+    return _cheapest(Resolution(replace(ctx.reshard, src=a, dst=b)), dtype)
 
 
 def _plan(ctx: Resolution, dtype: str, steps: list[Step], fallbacks: Sequence[str] = ()) -> Plan:
