@@ -2,7 +2,8 @@
 
 `alternatives` resolves the reshard by each route of resolver.VIAS (a route that does not apply
 carries the reason instead of a plan), and the two-hop plan through an intermediate layout where
-`resolve` picks one (TWO_HOP), and `chosen_route` names the one `resolve` returns by default. `hspmd explain --compare` prints them with bytes per link class and estimated time.
+`resolve` picks one (TWO_HOP), and `chosen_route` names the one `resolve` returns by default.
+`hspmd explain --compare` prints them with bytes per link class and estimated time.
 """
 
 from __future__ import annotations
