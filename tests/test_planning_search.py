@@ -148,3 +148,15 @@ def test_searches_place_tp_groups_inside_nodes_that_are_not_powers_of_two(search
     for stage in (s for p in found.strategy.pipelines for s in p.stages):
         assert len({node_of[r] for r in stage.ranks}) == 1
     assert sum(s.tp for s in found.layout.stages) * found.layout.pipelines <= 6
+
+
+def test_mcts_never_returns_worse_than_the_layout_it_was_handed():
+    """Warm-started from DFS's answer (as `hspmd plan` runs it), MCTS with almost no budget keeps
+    that answer, and with a full budget returns nothing worse."""
+    problem = random_problem(3)
+    guided = dfs(problem)[0]
+    starved = mcts(problem, iterations=1, seed=0, warm_start=guided.layout)[0]
+    assert starved.predicted_time == pytest.approx(guided.predicted_time) and starved.provenance["warm_start_kept"]
+    assert mcts(problem, iterations=1, seed=0)[0].predicted_time >= guided.predicted_time - 1e-12
+    full = mcts(problem, iterations=3000, seed=0, warm_start=guided.layout)[0]
+    assert full.predicted_time <= guided.predicted_time + 1e-12

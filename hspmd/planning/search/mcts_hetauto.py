@@ -9,7 +9,10 @@ A stage whose memory overflows ends the rollout with reward 0 (HetAuto's OOM che
 
 Each iteration SELECTs children by UCB(s, a) = Q/N(s, a) + lambda * sqrt(ln N(s) / N(s, a)),
 EXPANDs one untried action at random, SIMULATEs a random rollout to a leaf, and BACKPROPAGATEs the
-reward r = 1 / (1 + latency in s) (0 if infeasible). The best leaf seen is the answer. Prices are
+reward r = 1 / (1 + latency in s) (0 if infeasible). The best leaf seen is the answer, or the
+`warm_start` layout (another search's answer) where no leaf beats it: with a budget far below
+the tree's size a random search can miss what a guided one finds, and a planner should never
+return worse than what it was handed. Prices are
 memoised; a subtree all of whose leaves were visited is marked exhausted and no longer selected
 (so a budget as large as the tree enumerates it). Deterministic for a given seed and budget.
 """
@@ -105,8 +108,10 @@ class _Tree:
         return Layout(d, stages, self.problem.global_batch // d)
 
 
-def mcts(problem: Problem, iterations: int = 3000, seed: int = 0, exploration: float = 10.0) -> list[PlannedStrategy]:
-    """HetAuto's MCTS (module docstring); returns the best leaf found."""
+def mcts(problem: Problem, iterations: int = 3000, seed: int = 0, exploration: float = 10.0,
+         warm_start: Layout | None = None) -> list[PlannedStrategy]:
+    """HetAuto's MCTS (module docstring); returns the best leaf found, or `warm_start` where it is
+    feasible and no leaf found beats it."""
     start = time.perf_counter()
     rng = random.Random(seed)
     tree = _Tree(problem)
@@ -118,6 +123,8 @@ def mcts(problem: Problem, iterations: int = 3000, seed: int = 0, exploration: f
         return nodes[path]
 
     best: tuple[float, tuple, Layout] | None = None
+    if warm_start is not None and (handed := tree.price(warm_start)).feasible:
+        best = (handed.time, warm_start.key(), warm_start)
 
     def evaluate(path) -> float:
         nonlocal best
@@ -172,7 +179,8 @@ def mcts(problem: Problem, iterations: int = 3000, seed: int = 0, exploration: f
     if best is None:
         raise PlanningError(f"mcts: no feasible layout in {iterations} iterations (seed {seed})")
     provenance = {"search": "mcts", "space": PERMUTED.name, "seconds": time.perf_counter() - start,
-                  "candidates": tree.price.calls, "iterations": iterations, "seed": seed, "lambda": exploration}
+                  "candidates": tree.price.calls, "iterations": iterations, "seed": seed, "lambda": exploration,
+                  "warm_start_kept": warm_start is not None and best[2] is warm_start}
     return [planned(problem, best[2], provenance)]
 
 
