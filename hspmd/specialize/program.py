@@ -131,7 +131,7 @@ class PipelinePlace:
     recomputed: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceProgram:
     """One device's whole training step under one strategy, as data (module docstring). An idle
     device (one the strategy leaves out) has no ops and no place. `loss`: the loss tensor if this
@@ -348,11 +348,13 @@ def device_program(exe: ExecutableGraph, *, seed: int, place: PipelinePlace | No
         leaves.append(LeafPiece(node.name, node.kind, note(node.output), key, name_seed(node.name, seed)))
     gradients = tuple((name, t.id) for name, t in exe.graph.gradients.items() if t.id in tensors)
     return DeviceProgram(
-        exe.device, exe.graph.name, exe.strategy, binding, tuple(devices), tuple(tuple(g) for g in groups),
-        tuple(tensors[i] for i in sorted(tensors)), forward, backward, update, tuple(plans), tuple(leaves),
-        tuple(t.id for t in exe.accumulated if t.id in tensors), gradients,
-        loss.id if loss is not None and loss.id in tensors else None, loss_summand, loss is not None, place,
-        tuple(tuple(mb) for mb in feeds), global_batch, buckets,
+        device=exe.device, graph=exe.graph.name, strategy=exe.strategy, binding=binding, devices=tuple(devices),
+        groups=tuple(tuple(g) for g in groups), tensors=tuple(tensors[i] for i in sorted(tensors)),
+        forward=forward, backward=backward, update=update, plans=tuple(plans), leaves=tuple(leaves),
+        accumulated=tuple(t.id for t in exe.accumulated if t.id in tensors), gradients=gradients,
+        loss=loss.id if loss is not None and loss.id in tensors else None, loss_summand=loss_summand,
+        step_loss=loss is not None, place=place, feeds=tuple(tuple(mb) for mb in feeds), global_batch=global_batch,
+        buckets=buckets,
     )
 
 
@@ -491,11 +493,12 @@ def _read_program(f: _Field) -> DeviceProgram:
     if place is not None and len(feeds) != len({a.micro_batch for a in place.order}):
         raise f["feeds"].fail(f"expected one list of feeds per micro-batch of the order ({len(place.order) // 2})")
     return DeviceProgram(
-        f["device"].int(), f["graph"].str(), f["strategy"].int(), binding, f["devices"].ints(),
-        tuple(g.ints() for g in f["groups"].items()), tensors, ops["forward"], ops["backward"], ops["update"],
-        tuple(plans), tuple(leaves), tuple(tensor_id(a) for a in f["accumulated"].items()), tuple(gradients), loss,
-        f["loss_summand"].bool(), f["step_loss"].bool(), place, feeds, f["global_batch"].int(),
-        _read_buckets(f["buckets"], known),
+        device=f["device"].int(), graph=f["graph"].str(), strategy=f["strategy"].int(), binding=binding,
+        devices=f["devices"].ints(), groups=tuple(g.ints() for g in f["groups"].items()), tensors=tensors,
+        forward=ops["forward"], backward=ops["backward"], update=ops["update"], plans=tuple(plans), leaves=tuple(leaves),
+        accumulated=tuple(tensor_id(a) for a in f["accumulated"].items()), gradients=tuple(gradients), loss=loss,
+        loss_summand=f["loss_summand"].bool(), step_loss=f["step_loss"].bool(), place=place, feeds=feeds,
+        global_batch=f["global_batch"].int(), buckets=_read_buckets(f["buckets"], known),
     )
 
 

@@ -127,9 +127,11 @@ def iter_programs(graph: Graph, strategy: int, layout: MicroBatchLayout | Strate
                 executables = spec.instantiate([r for r in batch if r in in_strategy])
                 for rank in batch:
                     if rank not in executables:
-                        yield rank, DeviceProgram(rank, graph.name, strategy, binding, devices, (devices,), (), (),
-                                                  (), (), (), (), (), (), None, False, loss is not None, None, (),
-                                                  layout.global_batch_size)
+                        yield rank, DeviceProgram(
+                            device=rank, graph=graph.name, strategy=strategy, binding=binding, devices=devices,
+                            groups=(devices,), tensors=(), forward=(), backward=(), update=(), plans=(), leaves=(),
+                            accumulated=(), gradients=(), loss=None, loss_summand=False, step_loss=loss is not None,
+                            place=None, feeds=(), global_batch=layout.global_batch_size)
                         continue
                     exe = executables.pop(rank)
                     facts = facts or GraphFacts(exe)
