@@ -46,11 +46,12 @@ def start_authority(port: int, job_secret: str, heartbeat: float, stuck: float =
     return result
 
 
-def start_node(node: int, port: int, job_secret: str, args: list[str], heartbeat: float) -> subprocess.Popen:
+def start_node(node: int, port: int, job_secret: str, args: list[str], heartbeat: float,
+               join: bool = False) -> subprocess.Popen:
     env = {**os.environ, "HSPMD_JOB_SECRET": job_secret, "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "hspmd.cli", "run", "--elastic", "--heartbeat", f"{heartbeat:g}", "--nnodes", "3",
                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "--node-addr",
-               f"127.0.0.{node + 1}", "--rendezvous-timeout", "120", "-n", "2", SCRIPT, *args]
+               f"127.0.0.{node + 1}", "--rendezvous-timeout", "120", "-n", "2", *(["--join"] if join else []), SCRIPT, *args]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -161,3 +162,43 @@ def test_a_rank_stuck_while_its_heartbeat_beats_is_named_by_its_progress_and_han
     assert result["survivors"] == [0, 1, 2, 3, 5] and len(result["losses"]) == STEPS
     ref = reference(tmp_path, result["failures"][0]["step"] - 1, result["final_strategy"])
     assert result["losses"] == pytest.approx(ref["losses"], rel=0, abs=1e-6)
+
+
+def test_a_fresh_node_joins_and_the_job_grows_back_to_a_strategy_that_uses_it(tmp_path):
+    """Node 1 is lost whole after step 2; a fresh launcher started with --join takes its place: the
+    authority takes its ranks back, the survivors fill them through their fused BSR and the job
+    grows back to its first strategy (which uses them) and finishes every step."""
+    steps = 60  # enough for a fresh launcher to start (seconds of imports) before the job ends
+    port, job_secret, heartbeat = free_port(), os.urandom(32).hex(), 2.0
+    authority = start_authority(port, job_secret, heartbeat)
+    summary = tmp_path / "join.json"
+    args = ["--steps", str(steps), *SMALL, "--strategy", STRATEGY, "--summary", str(summary), "--checkpoint",
+            str(tmp_path / "join.safetensors")]
+    nodes = [start_node(k, port, job_secret, args, heartbeat) for k in range(3)]
+    lines: list[str] = []
+    seen = threading.Condition()
+    threading.Thread(target=watch, args=(nodes[0], lines, seen), daemon=True).start()
+    with seen:
+        assert seen.wait_for(lambda: any("step    2/" in line for line in lines), timeout=300), "".join(lines)
+    for guard in node_processes(nodes[1].pid):
+        os.killpg(guard, signal.SIGKILL)
+    nodes[1].send_signal(signal.SIGKILL)
+    nodes[1].wait()
+    with seen:
+        assert seen.wait_for(lambda: any("died in step" in line for line in lines), timeout=300), "".join(lines)
+    fresh = start_node(1, port, job_secret, args, heartbeat, join=True)
+    try:
+        outputs = [p.communicate(timeout=400) for p in (nodes[0], nodes[2], fresh)]
+    finally:
+        for p in (*nodes, fresh):
+            p.kill()
+    authority["thread"].join(60)
+    log = "".join(lines) + "\n".join(o + e for o, e in outputs) + authority["err"].getvalue()
+    assert all(p.returncode == 0 for p in (nodes[0], nodes[2], fresh)), log
+    result = json.loads(summary.read_text())
+    assert len(result["failures"]) == 2, log
+    death, join = result["failures"]
+    assert death["ranks"] == [2, 3] and death["lost_nodes"] == [1], log
+    assert join["ranks"] == [] and join["joined"] == [2, 3], log
+    assert result["survivors"] == [0, 1, 2, 3, 4, 5] and len(result["losses"]) == steps
+    assert join["strategy"] == result["final_strategy"] and "R2,3" in result["final_strategy"], log

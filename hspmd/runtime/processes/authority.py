@@ -83,9 +83,16 @@ class Authority:
                 for rank in self.monitor.stuck(self.stuck):
                     found.setdefault(rank, f"alive but no communication progress anywhere for {self.stuck:g}s while "
                                            f"its peers wait (stuck)")
-        joined = [r for r in sorted(self.dead) if self.store.check([ready_key(r)])]
+        ready = {r for r in self.dead if self.store.check([ready_key(r)])}
+        # a fresh node's ranks are taken back together, once all of them are ready (one generation,
+        # one fused BSR fills them), not one by one as each finishes importing
+        joined = sorted(r for r in ready
+                        if all(q in ready for q in self._node_ranks(r // self.nproc) if q in self.dead))
         if found or joined:
             self._announce(found, joined)
+
+    def _node_ranks(self, node: int) -> range:
+        return range(node * self.nproc, (node + 1) * self.nproc)
 
     def _announce(self, found: dict[int, str], joined: list[int]) -> None:
         for rank in joined:
@@ -95,7 +102,7 @@ class Authority:
                 self.monitor.restarted(rank)
         self.dead = (self.dead | set(found)) - set(joined)
         nodes = sorted({r // self.nproc for r in found})
-        lost = [k for k in nodes if all(r in self.dead for r in range(k * self.nproc, (k + 1) * self.nproc))]
+        lost = [k for k in nodes if all(r in self.dead for r in self._node_ranks(k))]
         why = "; ".join(f"rank {r} on node {r // self.nproc}: {text}" for r, text in sorted(found.items()))
         record = {"ranks": sorted(found), "lost_nodes": lost, "joined": joined, "why": why, "time": time.time()}
         generation = int(self.store.add(GENERATION_KEY, 0)) + 1

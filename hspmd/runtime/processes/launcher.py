@@ -45,7 +45,7 @@ from hspmd.runtime.processes.authority import done_key, exit_key
 from hspmd.runtime.processes.affinity import CPUS_ENV, available_cpus, cpu_slices
 from hspmd.runtime.processes.nodes import (
     DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_S, DEVICE_TYPE_ENV, NNODES_ENV, NODE_ADDR_ENV, NODE_ENV, NodeRole,
-    address_towards, check_bindable, check_cluster, cluster_digest, interface_of, node_rendezvous,
+    address_towards, check_bindable, check_cluster, cluster_digest, interface_of, join_running_job, node_rendezvous,
 )
 from hspmd.runtime.processes.ports import LOOPBACK
 
@@ -94,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help=f"the store's port on --master-addr (default {DEFAULT_MASTER_PORT})")
     nodes.add_argument("--node-addr", default=None,
                        help="the address this node's ranks bind and advertise (default: the one that reaches --master-addr)")
+    nodes.add_argument("--join", action="store_true",
+                       help="with --elastic: this fresh node takes the place of lost node --node-rank in the running job, "
+                            "which grows back to a strategy that uses it")
     nodes.add_argument("--rendezvous-timeout", type=non_negative_float, default=DEFAULT_RENDEZVOUS_S,
                        help=f"seconds to wait for every node (default {DEFAULT_RENDEZVOUS_S:g})")
     parser.add_argument("script", nargs="?", help="the Python script every rank runs")
@@ -127,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     role = node_role(parser, args)
     return launch(command, args.nproc, backend=args.backend, port=args.port, grace=args.grace, elastic=args.elastic,
                   max_restarts=args.max_restarts, heartbeat=args.heartbeat, pin_cpus=args.pin_cpus, env=cluster_env,
-                  role=role, cluster=args.cluster, rendezvous_timeout=args.rendezvous_timeout)
+                  role=role, cluster=args.cluster, rendezvous_timeout=args.rendezvous_timeout, join=args.join)
 
 
 def node_role(parser: ArgumentParser, args: argparse.Namespace) -> NodeRole | None:
@@ -145,6 +148,8 @@ def node_role(parser: ArgumentParser, args: argparse.Namespace) -> NodeRole | No
         parser.error("--nnodes needs --master-addr HOST (node 0's address, where the job's store listens)")
     if args.port is not None and args.nnodes > 1:
         parser.error("--port is for one-node jobs; give --master-port")
+    if args.join and not (args.elastic and args.nnodes > 1):
+        parser.error("--join is for a node of an elastic multi-node job (--elastic --nnodes N)")
     if args.elastic and args.max_restarts and args.nnodes > 1:
         parser.error("--max-restarts restarts ranks of one node; across nodes start a fresh node with --join")
     master = args.master_addr or LOOPBACK
@@ -174,6 +179,7 @@ def launch(
     cluster: str | None = None,
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_S,
     secret: str | None = None,
+    join: bool = False,
 ) -> int:
     """Run `command` as `nprocs` ranks of this node and return the job's exit code (0 when all succeed).
 
@@ -194,7 +200,9 @@ def launch(
     ranks are numbered node by node, and a failure on any node stops every node.
     `cluster`: the job's cluster (a YAML file or a preset): each rank is told its device's type
     (HSPMD_DEVICE_TYPE); a multi-node job's cluster must have its nodes and their sizes.
-    `secret`: the job's secret (default: HSPMD_JOB_SECRET for a multi-node job, a fresh one otherwise)."""
+    `secret`: the job's secret (default: HSPMD_JOB_SECRET for a multi-node job, a fresh one otherwise).
+    `join`: this node is fresh and takes the place of lost node `role.node_rank` in a running elastic job
+    (its ranks start as restarted ranks: the authority takes them back, the survivors fill them)."""
     from hspmd.backends.heartbeat import HeartbeatMonitor
     from hspmd.backends.store import new_secret, secret_from_env  # imports torch: only once a job is launched
 
@@ -211,7 +219,9 @@ def launch(
     # an elastic multi-node job's store is hosted by its authority (`hspmd authority`), which outlives any node
     store = _job_store(role if multi else None, port, secret, rendezvous_timeout, host=not (multi and elastic))
     try:
-        if multi:
+        if multi and join:
+            join_running_job(store, role, cluster_digest(cluster), _current_dead(store))
+        elif multi:
             node_rendezvous(store, role, cluster_digest(cluster), rendezvous_timeout, server=store.server)
     except BaseException:
         _close(store)
@@ -230,12 +240,12 @@ def launch(
         for local in range(nprocs):
             if stop.signal:
                 break
-            ranks.append(_start_rank(place, local, command, cpus=cpus[local]))
+            ranks.append(_start_rank(place, local, command, joining=join, cpus=cpus[local]))
         # Pumps (threads) start only after every Popen: preexec_fn is not safe once threads run.
         pumps = [pump for r in ranks for pump in _start_pumps(r, out, err)]
         if not stop.signal:
             if elastic and multi:
-                failed = _wait_elastic_node(ranks, stop, store, err, role)
+                failed = _wait_elastic_node(ranks, stop, store, err, role, joining=join)
             elif elastic:
                 restart = _Restarter(place, command, max_restarts, out, err, ranks, pumps, cpus)
                 failed = _wait_elastic(ranks, stop, store, err, restart, monitor)
@@ -446,7 +456,16 @@ class _Restarter:
         return fresh
 
 
-def _wait_elastic_node(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str], role: NodeRole) -> list[_Rank]:
+def _current_dead(store) -> set[int]:
+    """The ranks the job's current generation counts as dead."""
+    from hspmd.runtime.processes.membership import GENERATION_KEY, dead_key
+
+    generation = int(store.add(GENERATION_KEY, 0))
+    return set(json.loads(store.get(dead_key(generation)))) if generation else set()
+
+
+def _wait_elastic_node(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str], role: NodeRole,
+                       joining: bool = False) -> list[_Rank]:
     """This node's part of an elastic multi-node job: report each local rank that exits non-zero to
     the authority (hspmd.runtime.processes.authority), SIGKILL a local rank the authority declared
     dead while it still runs (frozen, stuck), and return once every local rank has ended: [] when
@@ -456,6 +475,9 @@ def _wait_elastic_node(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[
     reported: set[int] = set()
     dead: set[int] = set()
     generation = 0
+    # a rank is killed for being declared dead only once it was alive in the job (a joining node's
+    # ranks count as dead until the authority takes them back)
+    members: set[int] = set() if joining else {r.rank for r in ranks}
     while not stop.signal:
         codes = [r.process.poll() for r in ranks]
         try:
@@ -466,8 +488,9 @@ def _wait_elastic_node(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[
             announced = int(store.add(GENERATION_KEY, 0))
             if announced > generation:
                 generation, dead = announced, set(json.loads(store.get(dead_key(announced))))
+                members |= {r.rank for r in ranks if r.rank not in dead}
                 for r in ranks:
-                    if r.rank in dead and r.process.poll() is None:
+                    if r.rank in dead and r.rank in members and r.process.poll() is None:
                         err.write(f"hspmd run: node {role.node_rank}: rank {r.rank} was declared dead (generation "
                                   f"{generation}) but still runs; killed it\n")
                         err.flush()

@@ -148,6 +148,23 @@ def cluster_digest(cluster: str | None) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+def join_running_job(store, role: NodeRole, cluster_digest: str, dead: set[int]) -> None:
+    """A fresh node (`--join`) takes node `role.node_rank`'s place in a running elastic job: its
+    shape must be the job's and every rank of that node must have been declared dead (`dead`)."""
+    if not store.check([JOB_KEY]):
+        raise LaunchError(f"node {role.node_rank} --join: no job runs at {role.master_addr}:{role.master_port}")
+    job = json.loads(store.get(JOB_KEY).decode())
+    shape = {"nnodes": role.nnodes, "nproc": role.nproc, "cluster": cluster_digest}
+    different = [name for name in shape if job[name] != shape[name]]
+    if different:
+        raise LaunchError(f"node {role.node_rank} --join: its {different[0]} is {shape[different[0]] or 'none'} but the "
+                          f"running job's is {job[different[0]] or 'none'}")
+    alive = [r for r in role.ranks if r not in dead]
+    if alive:
+        raise LaunchError(f"node {role.node_rank} --join: ranks {alive} of that node are still alive in the job; a fresh "
+                          f"node takes the place of a lost one")
+
+
 def node_rendezvous(store, role: NodeRole, cluster_digest: str, timeout: float, server=None) -> dict[int, str]:
     """Steps 1-3 of the module docstring over the job's store; {node: address} of every node.
     Raises LaunchError naming the node and the argument that differs, or the nodes that never
@@ -211,4 +228,4 @@ def _wait_key(store, key: str, end: float, role: NodeRole, why: str) -> str:
 
 __all__ = ["DEFAULT_MASTER_PORT", "DEFAULT_RENDEZVOUS_S", "DEVICE_TYPE_ENV", "NODE_ADDR_ENV", "NODE_ENV",
            "NNODES_ENV", "NodeRole", "RankPlace", "address_towards", "check_bindable", "check_cluster", "cluster_digest", "interface_of",
-           "node_rendezvous"]
+           "join_running_job", "node_rendezvous"]
