@@ -157,6 +157,5 @@ def test_mcts_never_returns_worse_than_the_layout_it_was_handed():
     guided = dfs(problem)[0]
     starved = mcts(problem, iterations=1, seed=0, warm_start=guided.layout)[0]
     assert starved.predicted_time == pytest.approx(guided.predicted_time) and starved.provenance["warm_start_kept"]
-    assert mcts(problem, iterations=1, seed=0)[0].predicted_time >= guided.predicted_time - 1e-12
     full = mcts(problem, iterations=3000, seed=0, warm_start=guided.layout)[0]
     assert full.predicted_time <= guided.predicted_time + 1e-12
