@@ -19,6 +19,7 @@ from hspmd.planning.model import from_llama_config
 from hspmd.runtime.processes.launcher import launch
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import recover_strategy
+from tests.cluster_files import H800_H20_TYPES_AND_LINKS
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,15 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "examples" / "llama" / "train.py")
 SMALL = ["--hidden", "16", "--heads", "2", "--ffn", "32", "--seq", "8", "--log-every", "1"]
 STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
-CLUSTER = """
-name: h800-h20
-device_types:
-  H800: {flops: {bfloat16: 9.9e14, float32: 6.7e13}, hbm_bandwidth: 3.35e12, hbm_capacity: 8.0e10}
-  H20: {flops: {bfloat16: 1.48e14, float32: 4.4e13}, hbm_bandwidth: 4.0e12, hbm_capacity: 9.6e10}
-links:
-  nvlink: {bandwidth: 2.0e11, latency: 1.0e-6}
-  ib: {bandwidth: 2.5e10, latency: 5.0e-6}
-nodes:
+CLUSTER = "name: h800-h20" + H800_H20_TYPES_AND_LINKS + """nodes:
   - {type: H800, devices: 2}
   - {type: H20, devices: 2}
 intra: {H800: nvlink, H20: nvlink}

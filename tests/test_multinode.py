@@ -25,6 +25,7 @@ from hspmd.errors import HSPMDError
 from hspmd.runtime.processes.launcher import launch
 from hspmd.runtime.processes.nodes import NodeRole
 from hspmd.runtime.processes.ports import free_port
+from tests.cluster_files import H800_H20_TYPES_AND_LINKS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("multinode")]
 
@@ -35,15 +36,7 @@ STEPS = 2
 # pipeline 0: a TP2 stage on node 0 hands off to node 2; pipeline 1: node 1 hands off to a TP2 stage
 # over nodes 1 and 2; gradients are synchronised across all three nodes
 SPANNING = "layers=4 ; 2x4: R0,1 L0-1 | R4 L2-3 ; 2x2: R2 L0-1 | R3,5 L2-3"
-TWO_TYPES = """
-name: two-types
-device_types:
-  H800: {flops: {bfloat16: 9.9e14, float32: 6.7e13}, hbm_bandwidth: 3.35e12, hbm_capacity: 8.0e10}
-  H20: {flops: {bfloat16: 1.48e14, float32: 4.4e13}, hbm_bandwidth: 4.0e12, hbm_capacity: 9.6e10}
-links:
-  nvlink: {bandwidth: 2.0e11, latency: 1.0e-6}
-  ib: {bandwidth: 2.5e10, latency: 5.0e-6}
-nodes:
+TWO_TYPES = "name: two-types" + H800_H20_TYPES_AND_LINKS + """nodes:
   - {type: H800, devices: 2, count: %d}
   - {type: H20, devices: 2, count: %d}
 intra: {H800: nvlink, H20: nvlink}

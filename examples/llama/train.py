@@ -55,9 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -81,7 +79,7 @@ from hspmd.backends.from_env import backend_from_env
 from hspmd.runtime.policies.elastic import ElasticTrainer, KillPoint, cluster_recovery
 from hspmd.runtime.data.loader import SequenceLoader, saved_state
 from hspmd.runtime.data.order import DataState
-from hspmd.runtime.data.prepare import prepare
+from hspmd.runtime.data.prepare import prepared_now
 from hspmd.runtime.data.tokens import TokenFiles
 from hspmd.runtime.processes.membership import Membership, is_elastic
 from hspmd.runtime.processes.nodes import RankPlace
@@ -155,14 +153,7 @@ def parse_switches(switches):
 def token_files(args) -> TokenFiles:
     """--data's token files, or the shipped documents prepared now as bytes, in a scratch directory
     of this rank's that is removed at once (the open memory maps keep the files readable)."""
-    if args.data:
-        return TokenFiles(args.data)
-    scratch = tempfile.mkdtemp(prefix="hspmd-data-")
-    try:
-        prepare([str(DOCUMENTS)], os.path.join(scratch, "documents"), split="lines")
-        return TokenFiles(os.path.join(scratch, "documents"))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    return TokenFiles(args.data) if args.data else prepared_now([DOCUMENTS])
 
 
 class SampleRecord:

@@ -27,10 +27,7 @@ Rank 0 prints each step's strategy, dispatch (pipeline: [packed lengths] per mic
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,7 +40,7 @@ from hspmd.ops import AdamW  # noqa: E402
 from hspmd.planning.dispatch import PipelineCost, PoolEntry  # noqa: E402
 from hspmd.runtime.data.loader import DocumentLoader  # noqa: E402
 from hspmd.runtime.data.order import DataState  # noqa: E402
-from hspmd.runtime.data.prepare import prepare  # noqa: E402
+from hspmd.runtime.data.prepare import prepared_now  # noqa: E402
 from hspmd.runtime.data.tokens import TokenFiles  # noqa: E402
 from hspmd.runtime.policies.mixed import MixedLengthTrainer  # noqa: E402
 from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
@@ -66,14 +63,7 @@ DOCUMENTS = Path(__file__).resolve().parent / "documents.txt"
 def token_files(data: str | None) -> TokenFiles:
     """--data's token files, or the shipped documents prepared now as bytes in a scratch directory
     of this rank's, removed at once (the open memory maps keep the files readable)."""
-    if data:
-        return TokenFiles(data)
-    scratch = tempfile.mkdtemp(prefix="hspmd-data-")
-    try:
-        prepare([str(DOCUMENTS)], os.path.join(scratch, "documents"), split="lines")
-        return TokenFiles(os.path.join(scratch, "documents"))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    return TokenFiles(data) if data else prepared_now([DOCUMENTS])
 
 
 def build(vocab: int):

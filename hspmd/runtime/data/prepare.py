@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from hspmd.runtime.data.tokens import DataError, TokenWriter
+from hspmd.runtime.data.tokens import DataError, TokenFiles, TokenWriter
 
 BYTES = "bytes"
 BYTES_VOCAB = 256
@@ -141,4 +143,16 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = BYTES, vocab: int 
         raise
 
 
-__all__ = ["BYTES", "BYTES_VOCAB", "SPLITS", "Tokenizer", "documents", "load_tokenizer", "prepare"]
+def prepared_now(inputs: Sequence[str], split: str = "lines") -> TokenFiles:
+    """`inputs` prepared as bytes into a scratch directory that is removed at once, memory-mapped
+    (the open maps keep the files readable): how an example trains on shipped text without a
+    prepared dataset."""
+    scratch = tempfile.mkdtemp(prefix="hspmd-data-")
+    try:
+        prepare([str(p) for p in inputs], os.path.join(scratch, "documents"), split=split)
+        return TokenFiles(os.path.join(scratch, "documents"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+__all__ = ["BYTES", "BYTES_VOCAB", "SPLITS", "Tokenizer", "documents", "load_tokenizer", "prepare", "prepared_now"]
