@@ -53,7 +53,6 @@ from hspmd.switching import recover_strategy
 
 HISTORY = 4
 START = DataState()  # the data loader's state before a job's first step
-_VERSION = 1_000_000  # a version (steps, switches) as one integer: steps * _VERSION + switches
 
 
 # ---- fault injection --------------------------------------------------------------------------------
@@ -387,7 +386,7 @@ class ElasticTrainer:
             # a background save may commit a newer step while the survivors open the checkpoint:
             # all of them load the oldest step any of them saw as the latest (complete on disk)
             seen = ShardedReader.open(path).step
-            path = step_dir(path, min(self.membership.agree("restore", seen)))
+            path = step_dir(path, min(self.membership.agree("restore", (seen,)))[0])
         index = self.strategies.index(target) if target in self.strategies else self._adopt(target)
         nxt = self._trainer(index, DeviceState({}))  # every piece comes from the checkpoint
         nxt.load_checkpoint(path)
@@ -453,11 +452,10 @@ class ElasticTrainer:
         while True:
             try:
                 self.membership.next_generation()
-                mine = self._history[-1].key[0] * _VERSION + self._history[-1].key[1]
-                agreed = min(v for v in self.membership.agree("version", mine) if v >= 0)
-                version = next((v for v in self._history if v.key[0] * _VERSION + v.key[1] == agreed), None)
+                agreed = min(v for v in self.membership.agree("version", self._history[-1].key) if v[0] >= 0)
+                version = next((v for v in self._history if v.key == agreed), None)
                 if version is None:
-                    raise HSPMDError(f"rank {self.rank}: survivors agreed on version {divmod(agreed, _VERSION)} but this "
+                    raise HSPMDError(f"rank {self.rank}: survivors agreed on version {agreed} but this "
                                      f"rank only kept {[v.key for v in self._history]}")
                 self.trainer, self.switches_done, self.data_state = version.trainer, version.key[1], version.data
                 self.trainer.state.step = version.key[0]
@@ -498,7 +496,7 @@ class ElasticTrainer:
         """A restarted rank (Membership(joining=True)) joins the running job: it learns from the
         survivors which strategy they leave and which one takes it back, and receives its pieces
         through their fused BSR (it has none to send)."""
-        membership.agree("version", -1)
+        membership.agree("version", (-1, -1))  # a joining rank holds no version
         plan = json.loads(membership.store.get(_plan_key(membership.generation)))
         source, target = parse_strategy(plan["source"]), parse_strategy(plan["target"])
         self = cls.__new__(cls)

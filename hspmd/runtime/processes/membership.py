@@ -184,17 +184,18 @@ class Membership:
                 first = record["time"] if first is None else min(first, record["time"])
         return tuple(sorted(lost)), first
 
-    def agree(self, name: str, value: int) -> list[int]:
+    def agree(self, name: str, value: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Every living rank's `value` of `name` in this generation (a store round, no collective,
-        so it works before any group exists); raises PeerLost if a newer generation starts."""
+        so it works before any group exists); raises PeerLost if a newer generation starts. Values
+        are tuples of ints, compared as tuples (a version is (steps, switches))."""
         prefix = f"g{self.generation}/agree/{name}/"
-        self.store.set(prefix + str(self.rank), str(value))
+        self.store.set(prefix + str(self.rank), ",".join(str(int(v)) for v in value))
         keys = [prefix + str(r) for r in self.alive]
         while True:
             if int(self.store.add(GENERATION_KEY, 0)) > self.generation:
                 raise PeerLost(f"rank {self.rank}: another rank failed while agreeing on {name}")
             if self.store.check(keys):
-                return [int(self.store.get(k)) for k in keys]
+                return [tuple(int(v) for v in self.store.get(k).decode().split(",")) for k in keys]
             time.sleep(_POLL_S)
 
     def close(self) -> None:
