@@ -35,7 +35,7 @@ def _check(text, sequence_parallel=False, expect=None, **options):
     layout = MicroBatchLayout.of(strategy)
     rows = layout.global_batch_size
     job = InProcessJob(model.graph, 0, layout, symbols={"S": SEQ, "T": rows * SEQ})
-    spec = job.spec
+    spec = job.specialized
 
     gen = torch.Generator().manual_seed(7)
     batches = [(torch.randint(0, config.vocab, (rows, SEQ), generator=gen),

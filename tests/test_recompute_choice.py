@@ -87,7 +87,7 @@ def test_each_choice_re_runs_what_it_names_keeps_less_and_trains_bit_identically
         assert all(torch.equal(params[n], base[n]) for n in base), name
     assert held["whole stage"] < held["layers 1-2"] < held["selective"] < held["none"], held
     # what each re-runs: the named layers' ops only; selective re-runs no matmul and no attention
-    exe = runs["none"][0].spec.executables[0]
+    exe = runs["none"][0].specialized.executables[0]
     from hspmd.runtime.execution.run import Recompute, recomputable  # noqa: PLC0415 (what the trainer uses)
 
     def rerun(choice):

@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     say(f"data: {files.documents} documents, {files.tokens} tokens ({files.tokenizer}), {loader.samples_per_epoch} "
         f"sequences per epoch; model {config}")
     say("pipelines discovered from the specialized graphs:")
-    for i, p in enumerate(trainer.spec.pipelines):
+    for i, p in enumerate(trainer.specialized.pipelines):
         say(f"  {i}: {p}")
     print(trainer.describe(), flush=True)
 

@@ -296,12 +296,12 @@ class ElasticTrainer:
 
     def _commit(self) -> None:
         version = _Version((self.trainer.steps_done, self.switches_done), self.trainer,
-                           self.trainer.spec.deduced.strategy, dict(self.trainer.state.leaves), self.data_state)
+                           self.trainer.specialized.deduced.strategy, dict(self.trainer.state.leaves), self.data_state)
         self._history = (self._history + [version])[-HISTORY:]
 
     @property
     def strategy(self) -> Strategy:
-        return self.strategies[self.trainer.spec.deduced.strategy]
+        return self.strategies[self.trainer.specialized.deduced.strategy]
 
     @property
     def steps_done(self) -> int:
@@ -366,7 +366,7 @@ class ElasticTrainer:
         """Move this rank's `leaves` (default the trainer's) of strategy `source` to `target`,
         appended to the graph's strategies, on the current generation (the one switch routine,
         hspmd.runtime.training.trainer.switched)."""
-        source = self.trainer.spec.deduced.strategy if source is None else source
+        source = self.trainer.specialized.deduced.strategy if source is None else source
         leaves = self.trainer.state.leaves if leaves is None else leaves
         steps = self.trainer.steps_done if steps is None else steps
         index = self._adopt(target)

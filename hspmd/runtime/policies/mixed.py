@@ -94,14 +94,14 @@ class MixedLengthTrainer:
         elif self.current == k:
             return None
         else:
-            key = (self.trainer.spec.deduced.strategy, entry.strategy, carry is not None)
+            key = (self.trainer.specialized.deduced.strategy, entry.strategy, carry is not None)
             previous = self.trainer
             self.trainer = self.trainer.switch(entry.strategy, self._layout(k), specialized=self._specs.get(entry.strategy),
                                                carry=carry, plan=self._switch_plans.get(key),
                                                reuse=self._trainers.get(k))
             self._switch_plans[key] = self.trainer.last_switch
             previous.release()
-        self._specs[entry.strategy] = self.trainer.spec
+        self._specs[entry.strategy] = self.trainer.specialized
         self._trainers[k] = self.trainer
         before, self.current = self.current, k
         return None if before is None else (self.pool[before].name, entry.name)

@@ -55,9 +55,9 @@ class InProcessJob:
         return specialize_graph(self.graph, strategy, binding, all_devices(deduced), self.topology, deduced=deduced)
 
     @property
-    def spec(self) -> Specialized:
+    def specialized(self) -> Specialized:
         """The specialization every rank of the current strategy runs (one value, shared)."""
-        return self._lead().spec
+        return self._lead().specialized
 
     @property
     def ranks(self) -> tuple[int, ...]:

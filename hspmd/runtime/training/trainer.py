@@ -226,14 +226,14 @@ class Trainer:
               or specialized.binding != self.binding or rank not in specialized.executables):
             raise HSPMDError(f"rank {rank}: the given specialization is not of graph {graph.name} under strategy "
                              f"{strategy} and binding {self.binding} with this rank's program")
-        self.spec = specialized
-        self.devices = all_devices(self.spec.deduced)
+        self.specialized = specialized
+        self.devices = all_devices(self.specialized.deduced)
         if not set(self.devices) <= set(range(backend.world_size)):
             raise HSPMDError(
                 f"strategy {strategy} uses devices {list(self.devices)} but the job has ranks 0-{backend.world_size - 1}: "
                 f"start one rank per device (e.g. `hspmd run -n {max(self.devices) + 1}`)"
             )
-        self.exe = self.spec.executables[rank]
+        self.exe = self.specialized.executables[rank]
         if self.layout.pipelines != self._batch_hsize():
             raise HSPMDError(
                 f"the micro-batch layout has {self.layout.pipelines} pipeline(s) but the batch of strategy {strategy} "
@@ -244,8 +244,8 @@ class Trainer:
         self.stages, self.stage, self.pipeline, self.micro_batches, self.order = None, 0, None, 0, ()
         self.schedule, self.recompute = None, None
         if not self.idle:
-            discovered, self.stage = self.spec.locate(rank)
-            self.stages = self.spec.pipelines[discovered]
+            discovered, self.stage = self.specialized.locate(rank)
+            self.stages = self.specialized.pipelines[discovered]
             self.pipeline = self._batch_subgroup(self.stages.devices)
             self.micro_batches = self.layout.counts[self.pipeline]
             self.schedule, recomputes = options[discovered][0], options[discovered][1][self.stage]
@@ -266,14 +266,14 @@ class Trainer:
         backend.prepare_groups(self._groups())
 
     def _pipeline_options(self) -> list[tuple[str, tuple[tuple | None, ...]]]:
-        return pipeline_options(self.spec, self.layout, self.strategy_value, self.schedule_name,
+        return pipeline_options(self.specialized, self.layout, self.strategy_value, self.schedule_name,
                                 self.recompute_requested)
 
     def _batch_hsize(self) -> int:
-        return batch_hsize(self.spec.deduced)
+        return batch_hsize(self.specialized.deduced)
 
     def _batch_subgroup(self, devices) -> int:
-        return batch_subgroup(self.spec.deduced, devices)
+        return batch_subgroup(self.specialized.deduced, devices)
 
     def _groups(self) -> list[tuple[int, ...]]:
         return step_groups(self.exe, self.devices, self.binding)
@@ -290,7 +290,7 @@ class Trainer:
         cut = self._cuts.get(node.name) if binding == self.binding else None
         if cut is None:
             t = node.output
-            ann = self.spec.deduced[t]
+            ann = self.specialized.deduced[t]
             shape = binding.shape(t.shape, node.name)
             region = pipeline_region(ann, shape, self.backend.rank, run_time_ratios(ann, binding))
             cut = (tuple(box_shape(region)), box_relative(self.exe.box(t, binding), region), str(ann))
@@ -370,7 +370,7 @@ class Trainer:
         gradients (sync_only) or True."""
         if len(micro_batches) != self.layout.pipelines:
             raise HSPMDError(f"step_rows(): {len(micro_batches)} pipeline lists for the {self.layout.pipelines} "
-                             f"pipelines of strategy {self.spec.deduced.strategy}")
+                             f"pipelines of strategy {self.specialized.deduced.strategy}")
         empty = [p for p, rows in enumerate(micro_batches) if not rows]
         if empty:
             raise HSPMDError(f"step_rows(): pipeline(s) {empty} have no micro-batch; give each at least one (a row "
@@ -415,7 +415,7 @@ class Trainer:
             return None
         loss = self.graph.losses[0]
         if self._sums_loss is None:
-            ann = self.spec.deduced[loss]
+            ann = self.specialized.deduced[loss]
             shape = self.binding.shape(loss.shape, loss.name)
             self._sums_loss = self.backend.rank in summing_devices(ann, shape, run_time_ratios(ann, self.binding))
         return step_loss(self.backend, self.state.fetched.get(loss.name), self._sums_loss, self.devices)
@@ -451,11 +451,11 @@ class Trainer:
         failed = checked_ranks(failed, self.backend.world_size, "failed ranks", "switch()")
         if schedule is not None and not isinstance(schedule, str):
             raise HSPMDTypeError(f"switch(): the schedule is a name such as '1f1b', got {brief(schedule)}")
-        here = self.spec.deduced.strategy
+        here = self.specialized.deduced.strategy
         if plan is not None and (not isinstance(plan, SwitchPlan)
                                  or (plan.src_strategy, plan.dst_strategy) != (here, strategy)):
             raise HSPMDError(f"switch(): the plan given is not a switch plan from strategy {here} to {strategy}")
-        made = [s.deduced for s in (self.spec, specialized, reuse.spec if reuse else None) if s is not None]
+        made = [s.deduced for s in (self.specialized, specialized, reuse.specialized if reuse else None) if s is not None]
         if reuse is not None:
             self._check_reusable(reuse, strategy, layout, schedule, recompute)
         return switched(self.graph, here, strategy, self.backend, layout, self.state.leaves, self.state.step,
@@ -472,7 +472,7 @@ class Trainer:
 
     def _check_reusable(self, other: "Trainer", strategy: int, layout, schedule, recompute) -> None:
         same = (isinstance(other, Trainer) and other.graph is self.graph and other.backend is self.backend
-                and other.spec.deduced.strategy == strategy and other.layout == as_layout(layout)
+                and other.specialized.deduced.strategy == strategy and other.layout == as_layout(layout)
                 and other.schedule_name == (schedule or self.schedule_name)
                 and other.recompute_requested == (self.recompute_requested if recompute is None else recompute)
                 and (other.symbols, other.seed, other.topology, other.bucket_cap_mb)
@@ -546,7 +546,7 @@ class Trainer:
     def describe(self) -> str:
         """This rank's place in the strategy and its schedule, e.g. for a log line."""
         if self.idle:
-            return f"rank {self.backend.rank}: idle (strategy {self.spec.deduced.strategy} leaves it out)"
+            return f"rank {self.backend.rank}: idle (strategy {self.specialized.deduced.strategy} leaves it out)"
         return (f"rank {self.backend.rank}: pipeline {self.pipeline} ({self.stages}), stage {self.stage + 1} of "
                 f"{len(self.stages.stages)}, {self.micro_batches} micro-batch(es) of {self.layout.sizes[self.pipeline]}, "
                 f"{self.schedule}{', recompute' if self.recompute else ''}: {' '.join(map(str, self.order))}")
