@@ -30,7 +30,9 @@ from typing import BinaryIO
 import numpy as np
 
 from hspmd.errors import HSPMDError
-from hspmd.runtime.persistence.integrity import atomic_write, fsync_path, remove_stale_temporaries, temporary_path
+from hspmd.runtime.persistence.integrity import (
+    atomic_write, fsync_path, read_format_document, remove_stale_temporaries, temporary_path,
+)
 
 FORMAT = "hspmd.tokens/1"
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
@@ -183,14 +185,7 @@ def _read_manifest(path: str) -> _Manifest:
     if not os.path.isfile(path):
         raise DataError(f"{path}: no manifest; the dataset is not prepared or its preparation did not finish "
                         f"(run `hspmd data prepare` again)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: the manifest cannot be read ({exc}); prepare the dataset again") from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
-        raise DataError(f"{path}: unknown format {found!r}; this hspmd reads {FORMAT!r}")
+    raw = read_format_document(path, FORMAT, DataError, "the manifest cannot be read; prepare the dataset again")
     try:
         fields = {k: raw[k] for k in ("vocab", "documents", "tokens", "bin_bytes")}
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in fields.values()):

@@ -15,6 +15,7 @@ the next atomic_write of that name removes such files whose process is gone.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from typing import Callable
@@ -72,6 +73,21 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
             except FileNotFoundError:
                 pass
     return removed
+
+
+def read_format_document(path: str, expected: str, error: type[Exception], unreadable: str) -> dict:
+    """The JSON object in `path` whose "format" field is `expected` (a dataset's manifest, a
+    sharded checkpoint's index). `error` names the file: `{path}: {unreadable} ({why})` when it
+    cannot be read or parsed, `unknown format` when it holds something else."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise error(f"{path}: {unreadable} ({exc})") from None
+    if not isinstance(document, dict) or document.get("format") != expected:
+        found = document.get("format") if isinstance(document, dict) else type(document).__name__
+        raise error(f"{path}: unknown format {found!r} (expected {expected!r})")
+    return document
 
 
 def fsync_path(path: str, directory: bool = False) -> None:

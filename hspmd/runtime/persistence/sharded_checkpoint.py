@@ -50,7 +50,7 @@ from hspmd.comm_resolve.slices import box_volume
 from hspmd.errors import CheckpointError, HSPMDError, ShapeError
 from hspmd.json_fields import JsonField
 from hspmd.runtime.persistence.checkpoint import STEP_KEY, CheckpointReader, checkpoint_leaves, save_checkpoint
-from hspmd.runtime.persistence.integrity import atomic_write
+from hspmd.runtime.persistence.integrity import atomic_write, read_format_document
 from hspmd.specialize.executable import ExecutableGraph, run_time_ratios
 
 INDEX = "index.json"
@@ -284,14 +284,7 @@ class ShardedReader:
             except (OSError, ValueError) as exc:
                 raise CheckpointError(f"{latest}: cannot read the pointer to the latest step: {exc}") from exc
         where = os.path.join(folder, INDEX)
-        try:
-            with open(where, encoding="utf-8") as f:
-                index = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{where}: cannot read the sharded checkpoint's index: {exc}") from exc
-        if not isinstance(index, dict) or index.get("format") != FORMAT:
-            found = index.get("format") if isinstance(index, dict) else type(index).__name__
-            raise CheckpointError(f"{where}: unknown format {found!r} (expected {FORMAT})")
+        index = read_format_document(where, FORMAT, CheckpointError, "cannot read the sharded checkpoint's index")
         _check_index(index, where)
         return ShardedReader(folder, index)
 
