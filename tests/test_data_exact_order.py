@@ -18,6 +18,7 @@ from hspmd.runtime.data.loader import DocumentLoader, SequenceLoader
 from hspmd.runtime.data.order import DataState
 from hspmd.runtime.data.tokens import TokenFiles
 from hspmd.runtime.processes.launcher import launch
+from tests.example_modules import example_module
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("data_exact_order")]  # one worker: one reference run
 
@@ -133,8 +134,8 @@ def test_a_resume_under_another_strategy_and_world_size(tmp_path, dataset, refer
 def mixed_rank(backend, dataset: str, steps: int):
     """One rank of the mixed-length example's pool on DocumentLoader steps: per step the ids of
     the step, the sequences this rank read (indices), its pipeline, the strategy, the loss."""
-    sys.path.insert(0, str(ROOT / "examples" / "mixed_length"))
-    from train import POOL, build
+    example = example_module("mixed_length")
+    POOL, build = example.POOL, example.build
 
     import torch
 
@@ -159,8 +160,8 @@ def test_mixed_length_steps_with_strategy_changes(tmp_path, dataset):
     from hspmd.models.llama_reference import reference_training
     from hspmd.runtime.processes.multiprocess import run_multiprocess
 
-    sys.path.insert(0, str(ROOT / "examples" / "mixed_length"))
-    from train import CONFIG, build
+    example = example_module("mixed_length")
+    CONFIG, build = example.CONFIG, example.build
 
     files = TokenFiles(dataset)
     steps = 6

@@ -20,6 +20,7 @@ from hspmd.runtime.processes.launcher import launch
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import recover_strategy
 from tests.cluster_files import H800_H20_TYPES_AND_LINKS
+from tests.example_modules import example_module
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,8 +37,7 @@ inter: ib
 
 
 def test_an_h800_death_recovers_to_the_strategy_replan_gives_for_the_cluster(tmp_path):
-    sys.path.insert(0, str(REPO / "examples" / "llama"))
-    from train import token_files  # the example's own data: its vocabulary sizes the model replan prices
+    token_files = example_module("llama").token_files  # the example's own data: its vocabulary sizes the model replan prices
 
     cluster_file = tmp_path / "cluster.yaml"
     cluster_file.write_text(CLUSTER)
