@@ -1,11 +1,12 @@
 """The shipped long-tailed corpus of examples/mixed_length is what its generator makes, long-tailed."""
 
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "examples" / "mixed_length"))
-from longtail import CORPUS, DOCUMENTS, LONGEST, LongTailCorpus, make_documents  # noqa: E402
+from tests.example_modules import example_module
+
+longtail = example_module("mixed_length", "longtail")
+CORPUS, DOCUMENTS, LONGEST = longtail.CORPUS, longtail.DOCUMENTS, longtail.LONGEST
+LongTailCorpus, make_documents = longtail.LongTailCorpus, longtail.make_documents
 
 
 def test_shipped_documents_regenerate_identically_and_are_long_tailed():
