@@ -32,6 +32,7 @@ commands:
   compile STRATEGY --out DIR [--print RANK]             one program (JSON) per rank of the tiny Llama
   run-programs DIR [--steps N]                          run them, one gloo process per rank, from the files alone
   plan --cluster C --model M --global-batch N [--search dp|dfs|mcts|all] [--out plan.yaml] [--png plan.png]
+       [--calibration calibration.json]                 (emulated clusters: price ops with this host's measured costs)
                                                         search a strategy; compare with the uniform baseline
 """
 
@@ -92,7 +93,12 @@ def _plan(rest: list[str]) -> int:
 
         draw_plan(strategy, cost, path)
 
-    return plan_main(rest, draw=draw)
+    def calibrated(path, cluster, model):  # the calibration is a runtime value: read above the planning layer
+        from hspmd.runtime.policies.calibrate import Calibration
+
+        return Calibration.load(path).cost_model_for(cluster, model)
+
+    return plan_main(rest, draw=draw, calibrated=calibrated)
 
 
 def _show_command(name: str):

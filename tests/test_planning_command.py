@@ -36,3 +36,52 @@ def test_plan_reports_bad_input(capsys):
     assert "unknown cluster" in capsys.readouterr().err
     assert plan_main(["--cluster", "hetu-h800-h20", "--model", "llama-tiny", "--global-batch", "8", "--png", "x.png"]) == 2
     assert "--png needs a drawing function" in capsys.readouterr().err
+
+
+EMULATED = "examples/clusters/emulated-two-types.yaml"
+
+
+def _uniform_predicted(printed: str) -> float:
+    row = next(line for line in printed.splitlines() if "uniform (" in line)
+    return float(row.split("│")[2])
+
+
+def test_plan_prices_with_a_calibration(tmp_path, capsys):
+    """--calibration makes the planner price ops with the file's measured costs: the uniform split's
+    predicted time is the calibrated cost model's, and a file with a costlier executor raises it."""
+    from hspmd.planning.search.command import uniform_baseline
+    from hspmd.planning.search.costed import cluster_problem
+    from hspmd.runtime.policies.calibrate import Calibration
+
+    cluster, model = parse_cluster(EMULATED), model_named("llama-tiny")
+    predicted = {}
+    for name, overhead in (("cheap", 1e-5), ("costly", 1e-3)):
+        cal = Calibration(peak_flops=2e9, bandwidth=4e9, overhead=overhead, link_latency=2e-5, link_bandwidth=1e9,
+                          step_overhead=1e-3, gamma=1.5)
+        path = tmp_path / f"{name}.json"
+        cal.save(path)
+        code = main(["plan", "--cluster", EMULATED, "--model", "llama-tiny", "--global-batch", "8", "--search", "dp",
+                     "--calibration", str(path)])
+        assert code == 0
+        predicted[name] = _uniform_predicted(capsys.readouterr().out)
+        expected = uniform_baseline(cluster_problem(cal.cost_model_for(cluster, model), 8, recompute=True))[1].time
+        assert abs(predicted[name] - expected) <= 1e-3 * expected
+    assert main(["plan", "--cluster", EMULATED, "--model", "llama-tiny", "--global-batch", "8", "--search", "dp"]) == 0
+    nominal = _uniform_predicted(capsys.readouterr().out)
+    assert predicted["costly"] > 2 * predicted["cheap"] and nominal != predicted["cheap"]
+
+
+def test_plan_calibration_bad_input(tmp_path, capsys):
+    args = ["plan", "--cluster", EMULATED, "--model", "llama-tiny", "--global-batch", "8", "--search", "dp", "--calibration"]
+    corrupt, negative = tmp_path / "corrupt.json", tmp_path / "negative.json"
+    corrupt.write_text("{not json")
+    negative.write_text('{"peak_flops": -1, "bandwidth": 1e9, "overhead": 0, "link_latency": 0, "link_bandwidth": 1e9}')
+    for path, words in ((tmp_path / "missing.json", "missing.json"), (corrupt, "JSONDecodeError"),
+                        (negative, "peak_flops=-1.0")):
+        assert main(args + [str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hspmd: error: ") and words in err and err.count("\n") == 1
+    assert main(["plan", "--cluster", "hetu-h800-h20", "--model", "llama-tiny", "--global-batch", "8",
+                 "--calibration", str(negative)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hspmd: error: ") and "no emulate block" in err

@@ -3,6 +3,13 @@ Megatron-style baseline a user would otherwise write, print the chosen strategy 
 
     hspmd plan --cluster hetu-h800-h20 --model llama-32b-hetu --global-batch 64 [--search all]
                [--out plan.yaml] [--png plan.png] [--iterations 3000] [--seed 0] [--max-tp 8] [--no-recompute]
+               [--calibration calibration.json]
+
+With --calibration (the file `hspmd calibrate` writes) on a cluster file with an `emulate` block,
+ops are priced with this host's measured costs (rates, kernel efficiency, per-instruction and
+per-step overheads, the gloo link), the other device types at the file's ratios: the plan is made
+for the run `hspmd run --cluster` will measure. The calibration is read through a
+`calibrated(path, cluster, model)` the caller passes (the runtime's Calibration, above this layer).
 
 The file written by --out is a strategy file (hspmd.specialize.strategy_files) that
 `examples/llama/train.py --strategy-file plan.yaml` trains; it carries the plan's recompute flags
@@ -22,10 +29,10 @@ from typing import Callable
 from rich.console import Console
 from rich.table import Table
 
-from hspmd.cluster import parse_cluster
-from hspmd.errors import HSPMDError
+from hspmd.cluster import ClusterSpec, parse_cluster
+from hspmd.errors import HSPMDError, error_line
 from hspmd.planning.cost import CostModel
-from hspmd.planning.model import model_named
+from hspmd.planning.model import ModelSpec, model_named
 from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.planning.search.costed import cluster_problem
 from hspmd.planning.search.dfs_h2 import dfs
@@ -137,7 +144,25 @@ def best_result(results) -> PlannedStrategy:
     return min(found, key=lambda r: r.predicted_time)
 
 
-def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str], None] | None = None) -> int:
+Calibrated = Callable[[str, ClusterSpec, ModelSpec], CostModel]
+
+
+def plan_cost(cluster: ClusterSpec, model: ModelSpec, calibration: str | None = None,
+              calibrated: Calibrated | None = None) -> CostModel:
+    """What `hspmd plan` prices with: the cluster file's own figures, or, given a calibration file,
+    this host's measured costs for a cluster emulated on it (`calibrated` reads the file)."""
+    if calibration is None:
+        return CostModel(cluster, model)
+    if calibrated is None:
+        raise HSPMDError("--calibration needs a calibration reader: run it as `hspmd plan` (hspmd.cli)")
+    if cluster.emulation is None:
+        raise HSPMDError(f"--calibration {calibration}: it measured this host, but cluster {cluster.describe()} has no "
+                         f"emulate block (it is not run on this host); plan on the file's own figures instead")
+    return calibrated(calibration, cluster, model)
+
+
+def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str], None] | None = None,
+         calibrated: Calibrated | None = None) -> int:
     p = argparse.ArgumentParser(prog="hspmd plan", description="Search a parallel strategy for a model on a cluster.")
     p.add_argument("--cluster", required=True, help="a preset (hetu-h800-h20, ...), a shape (h800-h20:2+4) or a .yaml file")
     p.add_argument("--model", required=True, help="a model preset (llama-32b-hetu, llama-30b, gpt-13b, h2-100b, llama-tiny)")
@@ -149,13 +174,15 @@ def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str
     p.add_argument("--seed", type=int, default=0, help="MCTS seed")
     p.add_argument("--max-tp", type=int, default=None, help="largest TP degree to consider (default: a node)")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    p.add_argument("--calibration", default=None,
+                   help="price ops with this host's measured costs (`hspmd calibrate`'s file; an emulated cluster only)")
     p.add_argument("--selective-recompute", action="store_true",
                    help="stages may also recompute only the cheap ops (norms, activations), keeping matmul outputs")
     args = p.parse_args(argv)
     try:
         if args.png and draw is None:
             raise HSPMDError("--png needs a drawing function: run it as `hspmd plan` (hspmd.cli)")
-        cost = CostModel(parse_cluster(args.cluster), model_named(args.model))
+        cost = plan_cost(parse_cluster(args.cluster), model_named(args.model), args.calibration, calibrated)
         if args.global_batch < 1:
             raise HSPMDError(f"--global-batch must be positive, got {args.global_batch}")
         recompute = False if args.no_recompute else "selective" if args.selective_recompute else True
@@ -181,9 +208,9 @@ def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str
             draw(chosen.strategy, cost, args.png)
             print(f"wrote {args.png}")
     except HSPMDError as exc:
-        print(f"hspmd plan: {exc}", file=sys.stderr)
+        print(f"hspmd: error: {error_line(exc)}", file=sys.stderr)
         return 2
     return 0
 
 
-__all__ = ["best_result", "comparison_table", "main", "run_searches", "uniform_baseline"]
+__all__ = ["Calibrated", "best_result", "comparison_table", "main", "plan_cost", "run_searches", "uniform_baseline"]

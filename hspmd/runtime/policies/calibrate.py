@@ -29,6 +29,7 @@ process, like the trainers. Measurements are medians of repeats; they move with 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -121,10 +122,18 @@ class Calibration:
         missing step overhead and gamma take the values of an unfitted model."""
         try:
             d = json.loads(Path(path).read_text())
-            return cls(float(d["peak_flops"]), float(d["bandwidth"]), float(d["overhead"]), float(d["link_latency"]),
-                       float(d["link_bandwidth"]), float(d.get("step_overhead", 0.0)), float(d.get("gamma", 1.0)))
+            cal = cls(float(d["peak_flops"]), float(d["bandwidth"]), float(d["overhead"]), float(d["link_latency"]),
+                      float(d["link_bandwidth"]), float(d.get("step_overhead", 0.0)), float(d.get("gamma", 1.0)))
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise HSPMDError(f"cannot read calibration file {path}: {e}") from None
+            raise HSPMDError(f"cannot read calibration file {path}: {type(e).__name__}: {e}") from None
+        rates = {"peak_flops": cal.peak_flops, "bandwidth": cal.bandwidth, "link_bandwidth": cal.link_bandwidth,
+                 "gamma": cal.gamma}
+        costs = {"overhead": cal.overhead, "step_overhead": cal.step_overhead, "link_latency": cal.link_latency}
+        bad = [f"{k}={v}" for k, v in rates.items() if not math.isfinite(v) or v <= 0]
+        bad += [f"{k}={v}" for k, v in costs.items() if not math.isfinite(v) or v < 0]
+        if bad:
+            raise HSPMDError(f"calibration file {path}: {', '.join(bad)} (rates must be positive, times non-negative)")
+        return cal
 
     def describe(self) -> str:
         return (f"cpu: matmul {self.peak_flops / 1e9:.2f} GFLOP/s, elementwise {self.bandwidth / 1e9:.2f} GB/s, "
