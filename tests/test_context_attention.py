@@ -114,9 +114,6 @@ def test_split_sequence_attention_equals_one_device(case, packed):
     _assert_matches(*run_attention(seq, layout, mode, steps, devices, packed))
 
 
-ACCEPTED = {"count": 0, "empty_rank": 0, "uneven": 0}
-
-
 @st.composite
 def _setups(draw):
     cp = draw(st.integers(1, 4))
@@ -134,22 +131,24 @@ def _setups(draw):
     return seq, layout, mode, steps, devices, draw(st.booleans()), draw(st.integers(0, 99)), ratios
 
 
-@settings(max_examples=40, deadline=None)
-@given(_setups())
-def test_property_random_cp_layouts_match_one_device(setup):
-    seq, layout, mode, steps, devices, packed, seed, ratios = setup
-    _assert_matches(*run_attention(seq, layout, mode, steps, devices, packed, seed))
-    cuts = [seq * sum(ratios[:i + 1]) // sum(ratios) for i in range(len(ratios))]
-    ACCEPTED["count"] += 1
-    ACCEPTED["empty_rank"] += any(b == a for a, b in zip([0] + cuts, cuts))
-    ACCEPTED["uneven"] += len(set(ratios)) > 1
+def test_property_random_cp_layouts_match_one_device():
+    """Random CP degrees, shares, lengths and attention kinds equal the single-device attention;
+    counted here: at least 30 cases, some uneven and one with a rank holding no tokens."""
+    accepted = {"count": 0, "empty_rank": 0, "uneven": 0}
 
+    @settings(max_examples=40, deadline=None)
+    @given(_setups())
+    def case(setup):
+        seq, layout, mode, steps, devices, packed, seed, ratios = setup
+        _assert_matches(*run_attention(seq, layout, mode, steps, devices, packed, seed))
+        cuts = [seq * sum(ratios[:i + 1]) // sum(ratios) for i in range(len(ratios))]
+        accepted["count"] += 1
+        accepted["empty_rank"] += any(b == a for a, b in zip([0] + cuts, cuts))
+        accepted["uneven"] += len(set(ratios)) > 1
 
-def test_property_was_not_vacuous():
-    if ACCEPTED["count"] == 0:
-        test_property_random_cp_layouts_match_one_device()
-    assert ACCEPTED["count"] >= 30
-    assert ACCEPTED["empty_rank"] >= 1 and ACCEPTED["uneven"] >= 2, ACCEPTED
+    case()
+    assert accepted["count"] >= 30
+    assert accepted["empty_rank"] >= 1 and accepted["uneven"] >= 2, accepted
 
 
 def test_ring_layouts():
