@@ -4,7 +4,9 @@ N clients (threads of this process; default 1,024) each connect to a store serve
 then rendezvous: every client sets its own key and adds to a counter, the client that brings the
 counter to N sets `go`, and every client waits for `go`. Seconds from the first connect to the
 last client's return. hspmd's store authenticates each connection (HMAC challenge both ways) and
-every message after it (a MAC per message); TCPStore does neither. Runs interleave (hspmd, torch,
+every message after it (a MAC per message); TCPStore does neither. Both servers run on one thread
+(hspmd's a `selectors` loop in Python, TCPStore's a libuv loop in C++); both sides' clients are
+Python threads, whose start-up is a large share of either time. Runs interleave (hspmd, torch,
 hspmd, torch, ...); the table gives medians, the ratio of medians and the spread of per-pair ratios.
 
     python benchmarks/bench_store.py [--clients 1024] [--reps 3]
@@ -13,16 +15,18 @@ hspmd, torch, ...); the table gives medians, the ratio of medians and the spread
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
 import time
 from datetime import timedelta
 
-import torch.distributed as dist
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # TCPStore warns per client when this host's reverse lookup fails
+import torch.distributed as dist  # noqa: E402
 
-from _common import table
-from hspmd.backends.store import JobStore, new_secret, open_store
+from _common import table  # noqa: E402
+from hspmd.backends.store import JobStore, new_secret, open_store  # noqa: E402
 
 
 def rendezvous(connect, clients: int) -> float:
