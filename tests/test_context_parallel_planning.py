@@ -2,7 +2,8 @@
 activations follow the device's share of the sequence, the ring / all-gather / all-to-all traffic
 is priced per layer (the ring's partly hidden behind attention with cp_overlap), the weight
 gradients' all-reduce over the CP groups joins the stage's sync, and each CP group is priced on
-its own device type with its own share (unequal devices get tokens by speed)."""
+its own device type with its own share (unequal devices get tokens by speed); the searches choose
+CP where the sequence is long enough for it to pay."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from hspmd.cluster import h800_h20
 from hspmd.cluster.presets import parse_cluster
 from hspmd.planning.cost import CostModel, StageShape
 from hspmd.planning.model import MODELS
+from hspmd.planning.search import GENERAL, SEARCHES, PlanningError, exhaustive
+from hspmd.planning.search.command import main as plan_main
+from hspmd.planning.search.costed import cluster_problem, context_degrees
+from hspmd.planning.search.space import price_strategy
 from hspmd.planning.strategy_sim import balanced_cp_shares, plan_run, simulate_strategy
 from hspmd.specialize.strategy_text import parse_strategy
 
@@ -73,3 +78,61 @@ def test_unequal_devices_in_a_cp_group_get_tokens_by_speed():
     assert fast < 0.8 * slow
     flipped = parse_strategy(f"1x1: R0,1 L0-3 cp2={shares[1]},{shares[0]}")  # the H20 given the larger share
     assert simulate_strategy(flipped, cost, seq=16384).iteration > slow
+
+
+def _searched(seq, batch, layers=8, cluster="nvlink-ib:2x4", **options):
+    """The model at `seq` tokens on `cluster`, its problem (CP degrees as cluster_problem offers
+    them, or per `options`) and every search's best plan."""
+    cost = CostModel(parse_cluster(cluster), MODELS["llama-32b-hetu"].with_(layers=layers, dtype="bfloat16", seq_len=seq))
+    problem = cluster_problem(cost, batch, **options)
+    return cost, problem, {name: search(problem)[0] for name, search in SEARCHES.items()}
+
+
+def test_the_searches_choose_cp_for_a_long_sequence():
+    """32K tokens, 4 sequences on 8 devices (HetAuto §7.7's setting in small): without CP every
+    layout must recompute to fit; with CP offered, each search picks stages that split the
+    sequence, priced faster, and the level-1 simulator of the strategies agrees."""
+    assert context_degrees(32768, 4) == (1, 2, 4) and context_degrees(8192, 8) == (1, 2) and context_degrees(2048, 8) == (1,)
+    cost, problem, plans = _searched(32768, 4)
+    _, _, without = _searched(32768, 4, max_cp=1)
+    assert problem.cp_degrees["gpu"] == (1, 2, 4)
+    for name, plan in plans.items():
+        assert plan.strategy.max_cp > 1, name
+        assert all(s.recompute for p in without[name].strategy.pipelines for s in p.stages)  # CP1 fits only so
+        assert plan.predicted_time < 0.9 * without[name].predicted_time, name
+        fast, slow = (simulate_strategy(p.strategy, cost).iteration for p in (plan, without[name]))
+        assert fast < 0.9 * slow, name
+    assert plans["dp"].predicted_time == pytest.approx(exhaustive(problem, GENERAL)[0].predicted_time)
+
+
+def test_the_searches_keep_cp1_for_a_short_sequence():
+    """8K tokens (CP2 offered by length) and 4K tokens (CP up to 4 offered by hand): splitting the
+    sequence does not pay for its K/V traffic, so no search takes it (HetAuto §7.7: CP=1 at 8K)."""
+    for seq, batch, options in ((8192, 4, {}), (4096, 8, {"max_cp": 4})):
+        _, problem, plans = _searched(seq, batch, **options)
+        assert max(problem.cp_degrees["gpu"]) > 1
+        for name, plan in plans.items():
+            assert plan.strategy.max_cp == 1, (seq, name)
+
+
+def test_cp_stages_in_the_search_space_are_priced_like_the_strategy():
+    """A planned CP layout's strategy keeps its CP groups inside a node, CP-major, and prices the
+    same through price_strategy (the searches' objective over any Strategy)."""
+    _, problem, plans = _searched(32768, 4)
+    plan = plans["dp"]
+    for p in plan.strategy.pipelines:
+        for s in p.stages:
+            assert len({r // 4 for r in s.ranks}) == 1 and s.cp * s.tp == len(s.ranks)
+    assert price_strategy(problem, plan.strategy).time == pytest.approx(plan.predicted_time)
+    with pytest.raises(PlanningError, match="max_cp must be a positive integer"):
+        cluster_problem(CostModel(parse_cluster("2x4"), MODELS["llama-tiny"]), 4, max_cp=0)
+
+
+def test_plan_command_takes_a_sequence_length_and_a_cp_limit(capsys):
+    assert plan_main(["--cluster", "nvlink-ib:1x4", "--model", "llama-tiny", "--global-batch", "4", "--seq", "0"]) == 2
+    assert "--seq must be positive" in capsys.readouterr().err
+    assert plan_main(["--cluster", "nvlink-ib:1x4", "--model", "llama-tiny", "--global-batch", "4", "--max-cp", "0"]) == 2
+    assert "max_cp must be a positive integer" in capsys.readouterr().err
+    assert plan_main(["--cluster", "nvlink-ib:1x4", "--model", "llama-tiny", "--global-batch", "4", "--seq", "64",
+                      "--max-cp", "4", "--search", "dfs"]) == 0
+    assert "seq 64" in capsys.readouterr().out

@@ -19,7 +19,7 @@ less what it held before), times the layer's bytes (approximate: TP shard positi
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from hspmd.annotations import split_bounds
@@ -91,7 +91,7 @@ def moved_share(old: Strategy, new: Strategy) -> float:
 def _pipeline(stages: Sequence[StagePlan], ranks: Sequence[tuple[int, ...]], micro: int) -> Pipeline:
     out, first = [], 0
     for s, group in zip(stages, ranks):
-        out.append(Stage(group, range(first, first + s.layers), **Stage.recompute_fields(s.recompute)))
+        out.append(Stage(group, range(first, first + s.layers), cp=s.cp, **Stage.recompute_fields(s.recompute)))
         first += s.layers
     return Pipeline(tuple(out), micro, 1)
 
@@ -181,7 +181,7 @@ class _Replanner:
         sort key of the repair (ties on time and data go to larger TP groups first, as the paper
         writes them); None if it cannot be placed or does not fit."""
         try:
-            ranks = assign_ranks([[(s.device_type, s.tp) for s in stages]], pools)[0]
+            ranks = assign_ranks([[(s.device_type, s.devices) for s in stages]], pools)[0]
         except HSPMDError:
             return None
         priced = price_pipeline(self.ev, stages, share, len(self.old.pipelines))
@@ -203,8 +203,8 @@ class _Replanner:
                     if a < 1 or b < 1:
                         continue
                     trial = list(stages)
-                    trial[i] = StagePlan(stages[i].device_type, stages[i].tp, a, stages[i].recompute)
-                    trial[i + 1] = StagePlan(stages[i + 1].device_type, stages[i + 1].tp, b, stages[i + 1].recompute)
+                    trial[i] = replace(stages[i], layers=a)
+                    trial[i + 1] = replace(stages[i + 1], layers=b)
                     found = self.score(tuple(trial), pools, share)
                     if found and found[0] <= best[0] and found[1] < best[1] - 1e-12:
                         best, improved = found, True

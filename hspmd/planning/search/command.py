@@ -2,8 +2,8 @@
 Megatron-style baseline a user would otherwise write, print the chosen strategy and save it.
 
     hspmd plan --cluster hetu-h800-h20 --model llama-32b-hetu --global-batch 64 [--search all]
-               [--out plan.yaml] [--png plan.png] [--iterations 3000] [--seed 0] [--max-tp 8] [--no-recompute]
-               [--calibration calibration.json]
+               [--out plan.yaml] [--png plan.png] [--iterations 3000] [--seed 0] [--max-tp 8] [--max-cp 4] [--no-recompute]
+               [--seq 32768] [--calibration calibration.json]
 
 With --calibration (the file `hspmd calibrate` writes) on a cluster file with an `emulate` block,
 ops are priced with this host's measured costs (rates, kernel efficiency, per-instruction and
@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str
     p.add_argument("--iterations", type=int, default=3000, help="MCTS iteration budget")
     p.add_argument("--seed", type=int, default=0, help="MCTS seed")
     p.add_argument("--max-tp", type=int, default=None, help="largest TP degree to consider (default: a node)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length in tokens (default: the model's)")
+    p.add_argument("--max-cp", type=int, default=None,
+                   help="largest context-parallel degree to consider (default: by sequence length, "
+                        "at least 4096 tokens per CP position; 1: none)")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
     p.add_argument("--calibration", default=None,
                    help="price ops with this host's measured costs (`hspmd calibrate`'s file; an emulated cluster only)")
@@ -182,11 +186,16 @@ def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str
     try:
         if args.png and draw is None:
             raise HSPMDError("--png needs a drawing function: run it as `hspmd plan` (hspmd.cli)")
-        cost = plan_cost(parse_cluster(args.cluster), model_named(args.model), args.calibration, calibrated)
+        model = model_named(args.model)
+        if args.seq is not None:
+            if args.seq < 1:
+                raise HSPMDError(f"--seq must be positive, got {args.seq}")
+            model = model.with_(seq_len=args.seq)
+        cost = plan_cost(parse_cluster(args.cluster), model, args.calibration, calibrated)
         if args.global_batch < 1:
             raise HSPMDError(f"--global-batch must be positive, got {args.global_batch}")
         recompute = False if args.no_recompute else "selective" if args.selective_recompute else True
-        problem = cluster_problem(cost, args.global_batch, recompute=recompute, max_tp=args.max_tp)
+        problem = cluster_problem(cost, args.global_batch, recompute=recompute, max_tp=args.max_tp, max_cp=args.max_cp)
         names = SEARCH_NAMES if args.search == "all" else (args.search,)
         start = time.perf_counter()
         results = run_searches(problem, names, args.iterations, args.seed)

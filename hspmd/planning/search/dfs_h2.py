@@ -1,9 +1,10 @@
 """H2's HeteroAuto (H2 §4.3.3): depth-first search over one pipeline count for all device types and
-per type a TP degree and a recompute flag, with layer sharding and two-stage refinement.
+per type a TP degree (and a CP degree, HetAuto's (c, t), where the problem offers CP) and a
+recompute flag, with layer sharding and two-stage refinement.
 
     for d in pipeline counts:
-      DFS over blocks (device types in memory-descending order): tp with devices % tp == 0,
-          stages = devices / tp, recompute in {0, 1}
+      DFS over blocks (device types in memory-descending order): (tp, cp) with devices % (tp cp) == 0,
+          stages = devices / (tp cp), recompute in {0, 1}
       leaf: shard_layers(); keep the best feasible layout
 
 shard_layers: a block's speed is stages / per-layer time; layers go in proportion to speed
@@ -14,7 +15,7 @@ refinement of the proportional split, so small instances reach the exhaustive op
 
 Two-stage refinement: stage 1 fixes d; stage 2 splits device types of more than `group_size`
 devices per pipeline into groups handled as separate blocks (earlier groups of a type at least the
-TP degree of later ones) and keeps whichever stage found the faster layout.
+group size, TP x CP, of later ones) and keeps whichever stage found the faster layout.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import time
 from dataclasses import dataclass
 
 from hspmd.planning.search.oracle import UNIFORM, even_split
-from hspmd.planning.search.space import Layout, PlannedStrategy, PlanningError, PriceCache, Problem, StagePlan, planned
+from hspmd.planning.search.space import (
+    Layout, PlannedStrategy, PlanningError, PriceCache, Problem, StagePlan, planned, sync_time_of,
+)
 
 
 @dataclass(frozen=True)
 class Block:
-    """Devices of one type that form consecutive stages of a pipeline, all of one TP degree."""
+    """Devices of one type that form consecutive stages of a pipeline, all of one TP and CP degree."""
 
     device_type: str
     devices: int
@@ -39,10 +42,14 @@ class BlockChoice:
     block: Block
     tp: int
     recompute: bool
+    cp: int = 1
 
     @property
     def stages(self) -> int:
-        return self.block.devices // self.tp
+        return self.block.devices // (self.tp * self.cp)
+
+    def plan(self, layers: int) -> StagePlan:
+        return StagePlan(self.block.device_type, self.tp, layers, self.recompute, self.cp)
 
 
 class _Search:
@@ -54,7 +61,7 @@ class _Search:
 
     def layout(self, d: int, choices: list[BlockChoice], layers: list[int]) -> Layout:
         stages = tuple(
-            StagePlan(c.block.device_type, c.tp, n, c.recompute)
+            c.plan(n)
             for c, lt in zip(choices, layers) for n in even_split(lt, c.stages)
         )
         return Layout(d, stages, self.problem.global_batch // d)
@@ -75,7 +82,7 @@ class _Search:
         mins = [c.stages for c in choices]
         if sum(mins) > L:
             return None
-        speed = [c.stages / ev.stage_time(c.block.device_type, c.tp, 1, c.recompute, False, False) for c in choices]
+        speed = [c.stages / c.plan(1).time(ev, False, False) for c in choices]
         raw = [L * s / sum(speed) for s in speed]
         layers = [max(m, int(r)) for m, r in zip(mins, raw)]
         order = sorted(range(len(raw)), key=lambda i: -(raw[i] - int(raw[i])))
@@ -121,11 +128,8 @@ class _Search:
         the layers cost at least L min t_k in all, the bottleneck stage at least L / sum S_k/t_k
         (a continuous layer split), links are >= 0 and the sync is known exactly."""
         L, ev = self.problem.num_layers, self.problem.evaluator
-        per_layer = [ev.stage_time(c.block.device_type, c.tp, 1, c.recompute, False, False) for c in choices]
-        devices: dict[str, int] = {}
-        for c in choices:
-            devices[c.block.device_type] = devices.get(c.block.device_type, 0) + c.tp * c.stages
-        bound = L * min(per_layer) + ev.sync_time(d, devices)
+        per_layer = [c.plan(1).time(ev, False, False) for c in choices]
+        bound = L * min(per_layer) + sync_time_of(ev, [c.plan(1) for c in choices for _ in range(c.stages)], d)
         if min(per_layer) > 0:
             micro_batches = self.problem.global_batch // d
             bound += (micro_batches - 1) * L / sum(c.stages / t for c, t in zip(choices, per_layer))
@@ -165,14 +169,14 @@ class _Search:
                             best = cand
                     return
                 block = per_pipeline[i]
-                for tp in self.problem.tp_degrees[block.device_type]:
-                    if block.devices % tp:
+                for tp, cp in self.problem.groups(block.device_type):
+                    if block.devices % (tp * cp):
                         continue
                     previous = next((c for c in reversed(chosen) if c.block.device_type == block.device_type), None)
-                    if previous is not None and previous.tp < tp:
-                        continue  # earlier groups of a type keep at least the TP of later ones
+                    if previous is not None and previous.tp * previous.cp < tp * cp:
+                        continue  # earlier groups of a type keep at least the group size of later ones
                     for r in self.problem.recompute_options():
-                        rec(i + 1, chosen + [BlockChoice(block, tp, r)])
+                        rec(i + 1, chosen + [BlockChoice(block, tp, r, cp)])
 
             rec(0, [])
         return None if best is None else best[2]

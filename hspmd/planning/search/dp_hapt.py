@@ -17,6 +17,11 @@ Pruning (HAPT's t_S / t_E): candidates are visited in increasing order from the 
 one (found by bisection); once (M - 1) t_max + sync(d) passes the best T found, no larger t_max can
 win, since sum(t + 2c) >= 0. Run once per pipeline count d on one pipeline's device budget;
 d identical pipelines are emitted (HAPT §5.2, "Emission").
+
+Context parallelism (HetAuto's c of (d, c, t)): the DP runs once per (d, c), its stages splitting
+the sequence c ways on the types that offer c (Problem.groups(t, c)) and not at all on the others;
+the sync is then fixed by (d, c) (the parameter shards are the type's devices / its CP degree), so
+T* is exact over the GENERAL space with one CP degree per pipeline (as exhaustive enumerates it).
 """
 
 from __future__ import annotations
@@ -34,50 +39,62 @@ INF = math.inf
 
 
 class _Dp:
-    """The recursion for one pipeline count d."""
+    """The recursion for one pipeline count d and CP degree c."""
 
-    def __init__(self, problem: Problem, d: int):
-        self.problem, self.d = problem, d
+    def __init__(self, problem: Problem, d: int, c: int = 1):
+        self.problem, self.d, self.c = problem, d, c
         self.micro = problem.global_batch // d
         self.types = problem.types
         self.budget = tuple(problem.counts()[t] // d for t in self.types)
         self.ev = problem.evaluator
         self.stage_cache: dict = {}
-        self.times: dict[tuple, list[float]] = {}  # (type, tp, first, last) -> time by layer count, no recompute
+        self.times: dict[tuple, list[float]] = {}  # (type, tp, cp, first, last) -> time by layer count, no recompute
 
-    def time_table(self, t: str, tp: int, first: bool, last: bool) -> list[float]:
+    def time_table(self, t: str, tp: int, cp: int, first: bool, last: bool) -> list[float]:
         """Stage times for 0..L layers (the recursion reads them millions of times at scale)."""
-        key = (t, tp, first, last)
+        key = (t, tp, cp, first, last)
         table = self.times.get(key)
         if table is None:
-            table = self.times[key] = [self.ev.stage_time(t, tp, n, False, first, last)
+            table = self.times[key] = [StagePlan(t, tp, n, False, cp).time(self.ev, first, last)
                                        for n in range(self.problem.num_layers + 1)]
         return table
 
-    def stage(self, t: str, tp: int, layers: int, rec: bool, first: bool, last: bool, q: int) -> float:
+    def stage(self, plan: StagePlan, first: bool, last: bool, q: int) -> float:
         """A stage's time, or INF when it does not fit in memory."""
-        key = (t, tp, layers, rec, first, last, q)
+        key = (plan, first, last, q)
         hit = self.stage_cache.get(key)
         if hit is None:
             inflight = min(q, self.micro)
-            mem = self.ev.stage_memory(t, tp, layers, rec, first, last, inflight, self.d)
-            hit = self.ev.stage_time(t, tp, layers, rec, first, last) if mem <= self.ev.capacity(t) else INF
+            mem = plan.memory(self.ev, first, last, inflight, self.d)
+            hit = plan.time(self.ev, first, last) if mem <= self.ev.capacity(plan.device_type) else INF
             self.stage_cache[key] = hit
         return hit
+
+    def cp_of(self, t: str) -> int:
+        return self.c if self.c in self.problem.cp_degrees[t] else 1
+
+    def possible(self) -> bool:
+        """Whether every type's devices per pipeline split into groups of its CP degree."""
+        return all(n % self.cp_of(t) == 0 for t, n in zip(self.types, self.budget))
+
+    def sync(self) -> float:
+        """The gradient sync of every layout of this (d, c) (module docstring)."""
+        shards = {t: n // self.cp_of(t) for t, n in zip(self.types, self.budget)}
+        return self.ev.sync_time(self.d, shards, **({"cp": self.c} if self.c > 1 else {}))
 
     def candidates(self) -> list[float]:
         """Every stage time and link time a layout could have: the t_max values to try."""
         L = self.problem.num_layers
         values = set()
         for t, n in zip(self.types, self.budget):
-            for tp in self.problem.tp_degrees[t]:
-                if tp > n:
+            for tp, cp in self.problem.groups(t, self.c):
+                if tp * cp > n:
                     continue
                 for rec in self.problem.recompute_options():
                     for layers in range(1, L + 1):
                         for first in (False, True):
                             for last in (False, True):
-                                values.add(self.ev.stage_time(t, tp, layers, rec, first, last))
+                                values.add(StagePlan(t, tp, layers, rec, cp).time(self.ev, first, last))
         for a in self.types:
             for b in self.types:
                 values.add(self.ev.link_time(a, b))
@@ -86,7 +103,8 @@ class _Dp:
     def solve(self, t_max: float):
         """(F, layout stages) minimising sum(t + 2c) with every t, c <= t_max; (INF, None) if none."""
         L, M = self.problem.num_layers, self.micro
-        types, degrees = self.types, self.problem.tp_degrees
+        types, c = self.types, self.c
+        groups = {t: self.problem.groups(t, c) for t in types}
         recompute = self.problem.recompute_options()
         ev = self.ev
 
@@ -103,15 +121,15 @@ class _Dp:
                 return ()
             t = types[ti]
             best: dict[int, tuple[float, tuple]] = {}
-            for tp in degrees[t]:
-                if tp > rem[ti]:
+            for tp, cp in groups[t]:
+                if tp * cp > rem[ti]:
                     continue
-                after = rem[:ti] + (rem[ti] - tp,) + rem[ti + 1:]
+                after = rem[:ti] + (rem[ti] - tp * cp,) + rem[ti + 1:]
                 nxt = next((i for i, n in enumerate(after) if n), None)
                 c = 0.0 if nxt is None else ev.link_time(t, types[nxt])
                 if c > t_max:
                     continue
-                inner, final = self.time_table(t, tp, k == 0, False), self.time_table(t, tp, k == 0, True)
+                inner, final = self.time_table(t, tp, cp, k == 0, False), self.time_table(t, tp, cp, k == 0, True)
                 for layers in range(1, L - k + 1):
                     last = k + layers == L
                     if (final if last else inner)[layers] > t_max:
@@ -122,14 +140,15 @@ class _Dp:
                     if not sub:
                         continue
                     for rec in recompute:
+                        plan = StagePlan(t, tp, layers, rec, cp)
                         for n, value, rest in sub:
                             q = min(n + 1, M)
-                            st = self.stage(t, tp, layers, rec, k == 0, last, q)
+                            st = self.stage(plan, k == 0, last, q)
                             if st > t_max:
                                 continue
                             total = st + 2 * c + value
                             if q not in best or total < best[q][0]:
-                                best[q] = (total, (StagePlan(t, tp, layers, rec),) + rest)
+                                best[q] = (total, (plan,) + rest)
             front, lowest = [], INF
             for q in sorted(best):
                 value, stages = best[q]
@@ -162,9 +181,11 @@ def dp(problem: Problem, prune: bool = True, top: int = 1) -> list[PlannedStrate
         except PlanningError:
             best = INF
     try:
-        for d in problem.dp_degrees():
-            run = _Dp(problem, d)
-            sync = problem.evaluator.sync_time(d, dict(zip(run.types, run.budget)))
+        for d, c in ((d, c) for d in problem.dp_degrees() for c in problem.pipeline_cps()):
+            run = _Dp(problem, d, c)
+            if not run.possible():
+                continue
+            sync = run.sync()
             cands = run.candidates()
             if prune and best < INF and run.micro > 1:
                 bound = (best - sync) / (run.micro - 1)

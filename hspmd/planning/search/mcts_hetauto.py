@@ -2,9 +2,10 @@
 
 The tree (HetAuto Fig. 3, principles P1-P4 of its Table 5): root -> pipeline count d (the
 micro-batches follow: global batch / d, size 1) -> order of the device types -> per type, in that
-order, (TP degree, recompute flag), which fixes its stage count -> per stage, its layer count
+order, (TP degree, CP degree, recompute flag) (HetAuto's intra-stage (c, t); CP only where the
+problem offers it), which fixes its stage count -> per stage, its layer count
 (non-uniform splits allowed; each stage keeps at least one layer). Constraint-aware pruning: only
-actions that leave every later stage at least one layer, TP degrees that divide the type's devices.
+actions that leave every later stage at least one layer, groups (TP x CP) that divide the type's devices.
 A stage whose memory overflows ends the rollout with reward 0 (HetAuto's OOM check per cluster).
 
 Each iteration SELECTs children by UCB(s, a) = Q/N(s, a) + lambda * sqrt(ln N(s) / N(s, a)),
@@ -23,6 +24,7 @@ import itertools
 import math
 import random
 import time
+from dataclasses import replace
 
 from hspmd.planning.search.oracle import PERMUTED
 from hspmd.planning.search.space import Layout, PlannedStrategy, PlanningError, PriceCache, Problem, StagePlan, planned
@@ -66,7 +68,7 @@ class _Tree:
         if k < len(order):
             t = order[k]
             per = self.counts[t] // d
-            return [(tp, r) for tp in p.tp_degrees[t] if per % tp == 0 for r in p.recompute_options()]
+            return [(tp, cp, r) for tp, cp in p.groups(t) if per % (tp * cp) == 0 for r in p.recompute_options()]
         stages = self.stage_types(path)
         done = path[2 + len(order):]
         if len(done) == len(stages):
@@ -77,11 +79,12 @@ class _Tree:
             return [left]
         return list(range(1, left - after + 1))
 
-    def stage_types(self, path: tuple) -> list[tuple[str, int, bool]]:
+    def stage_types(self, path: tuple) -> list[StagePlan]:
+        """Each stage's plan with no layers yet."""
         d, order = path[0], self.orders[path[1]]
         out = []
-        for t, (tp, r) in zip(order, path[2:2 + len(order)]):
-            out += [(t, tp, r)] * (self.counts[t] // d // tp)
+        for t, (tp, cp, r) in zip(order, path[2:2 + len(order)]):
+            out += [StagePlan(t, tp, 0, r, cp)] * (self.counts[t] // d // (tp * cp))
         return out
 
     def valid_prefix(self, path: tuple) -> bool:
@@ -96,15 +99,15 @@ class _Tree:
         stages = self.stage_types(path)
         done = path[2 + len(order):]
         i = len(done) - 1
-        t, tp, r = stages[i]
+        stage = replace(stages[i], layers=done[i])
         ev = self.problem.evaluator
         micro = self.problem.global_batch // path[0]
-        mem = ev.stage_memory(t, tp, done[i], r, i == 0, i == len(stages) - 1, min(len(stages) - i, micro), path[0])
-        return mem <= ev.capacity(t)
+        mem = stage.memory(ev, i == 0, i == len(stages) - 1, min(len(stages) - i, micro), path[0])
+        return mem <= ev.capacity(stage.device_type)
 
     def layout(self, path: tuple) -> Layout:
         d, order = path[0], self.orders[path[1]]
-        stages = tuple(StagePlan(t, tp, n, r) for (t, tp, r), n in zip(self.stage_types(path), path[2 + len(order):]))
+        stages = tuple(replace(s, layers=n) for s, n in zip(self.stage_types(path), path[2 + len(order):]))
         return Layout(d, stages, self.problem.global_batch // d)
 
 

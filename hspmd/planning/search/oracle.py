@@ -3,11 +3,14 @@
 A `Space` says which layouts a search visits, so each search is checked against the exhaustive
 optimum of its own space:
 
-    GENERAL  per-stage TP degree, free layer split, per-stage recompute, fixed type order (HAPT)
-    UNIFORM  one TP degree and recompute flag per device type, the type's layers spread evenly
+    GENERAL  per-stage TP degree, free layer split, per-stage recompute, fixed type order (HAPT);
+             one CP degree per pipeline (on the types that offer it; dp_hapt.py says why)
+    UNIFORM  one (TP, CP) group and recompute flag per device type, the type's layers spread evenly
              over its stages (earlier stages take the smaller share), fixed type order (H2)
-    PERMUTED one TP degree and recompute flag per device type, free layer split, any order of the
-             device types (HetAuto's principles P1-P4)
+    PERMUTED one (TP, CP) group and recompute flag per device type, free layer split, any order of
+             the device types (HetAuto's principles P1-P4)
+
+CP degrees come only from `Problem.cp_degrees` (none by default).
 """
 
 from __future__ import annotations
@@ -46,22 +49,23 @@ def compositions(total: int, parts: int, low: int = 1) -> Iterator[tuple[int, ..
             yield (first,) + rest
 
 
-def tp_sequences(degrees: Sequence[int], devices: int, per_stage: bool) -> Iterator[tuple[int, ...]]:
-    """The TP degrees of one device type's stages using exactly `devices` devices."""
+def group_sequences(groups: Sequence[tuple[int, int]], devices: int, per_stage: bool
+                    ) -> Iterator[tuple[tuple[int, int], ...]]:
+    """The (tp, cp) groups of one device type's stages using exactly `devices` devices."""
     if not per_stage:
-        for tp in degrees:
-            if devices % tp == 0:
-                yield (tp,) * (devices // tp)
+        for tp, cp in groups:
+            if devices % (tp * cp) == 0:
+                yield ((tp, cp),) * (devices // (tp * cp))
         return
 
-    def rec(left: int) -> Iterator[tuple[int, ...]]:
+    def rec(left: int) -> Iterator[tuple[tuple[int, int], ...]]:
         if left == 0:
             yield ()
             return
-        for tp in degrees:
-            if tp <= left:
-                for rest in rec(left - tp):
-                    yield (tp,) + rest
+        for tp, cp in groups:
+            if tp * cp <= left:
+                for rest in rec(left - tp * cp):
+                    yield ((tp, cp),) + rest
 
     yield from rec(devices)
 
@@ -81,13 +85,14 @@ def layouts(problem: Problem, space: Space) -> Iterator[Layout]:
     """Every layout of `space` (module docstring) on `problem`."""
     L = problem.num_layers
     counts = problem.counts()
-    for d in problem.dp_degrees():
+    pipeline_cps: tuple[int | None, ...] = problem.pipeline_cps() if space.per_stage_tp else (None,)
+    for d, c in itertools.product(problem.dp_degrees(), pipeline_cps):
         micro = problem.global_batch // d
         for order in type_orders(problem, space):
-            per_type = [list(tp_sequences(problem.tp_degrees[t], counts[t] // d, space.per_stage_tp)) for t in order]
+            per_type = [list(group_sequences(problem.groups(t, c), counts[t] // d, space.per_stage_tp)) for t in order]
             for tps in itertools.product(*per_type):
                 types = [t for t, seq in zip(order, tps) for _ in seq]
-                flat = [tp for seq in tps for tp in seq]
+                flat = [group for seq in tps for group in seq]
                 if len(flat) > L:
                     continue
                 if space.even_layers:
@@ -106,7 +111,7 @@ def layouts(problem: Problem, space: Space) -> Iterator[Layout]:
                             for per in itertools.product(problem.recompute_options(), repeat=len(tps))
                         )
                     for rec in flags:
-                        stages = tuple(StagePlan(t, tp, n, r) for t, tp, n, r in zip(types, flat, split, rec))
+                        stages = tuple(StagePlan(t, tp, n, r, cp) for t, (tp, cp), n, r in zip(types, flat, split, rec))
                         yield Layout(d, stages, micro)
 
 
@@ -138,4 +143,4 @@ def exhaustive(problem: Problem, space: Space = GENERAL, top: int = 1, limit: in
     return [planned(problem, layout, provenance) for _, _, layout in found[:top]]
 
 
-__all__ = ["GENERAL", "PERMUTED", "SPACES", "Space", "UNIFORM", "compositions", "even_split", "exhaustive", "layouts", "tp_sequences"]
+__all__ = ["GENERAL", "PERMUTED", "SPACES", "Space", "UNIFORM", "compositions", "even_split", "exhaustive", "layouts", "group_sequences"]

@@ -42,13 +42,12 @@ def _simulated(stage_times: Sequence[float], links: Sequence[float], micro_batch
 def choose_schedule(evaluator, stages: Sequence, micro_batches: int, dp: int) -> ScheduleChoice:
     """The schedule of one pipeline of StagePlans (module docstring)."""
     n = len(stages)
-    times = [evaluator.stage_time(s.device_type, s.tp, s.layers, s.recompute, i == 0, i == n - 1)
-             for i, s in enumerate(stages)]
+    times = [s.time(evaluator, i == 0, i == n - 1) for i, s in enumerate(stages)]
     links = [evaluator.link_time(a.device_type, b.device_type) for a, b in zip(stages, stages[1:])]
 
     def memory(vector):
-        return tuple(evaluator.stage_memory(s.device_type, s.tp, s.layers, s.recompute, i == 0, i == n - 1,
-                                            min(vector[i], micro_batches), dp) for i, s in enumerate(stages))
+        return tuple(s.memory(evaluator, i == 0, i == n - 1, min(vector[i], micro_batches), dp)
+                     for i, s in enumerate(stages))
 
     classic = warmup_vector("1f1b", times, links)
     base = _simulated(times, links, micro_batches, "1f1b")

@@ -2,7 +2,10 @@
 layout becomes a trainable `Strategy` (a `PlannedStrategy`).
 
 A *layout* is `d` identical pipelines, each a chain of stages (device type, TP degree, layer count,
-recompute flag), with `global_batch / d` micro-batches of one sample per pipeline. The searches
+recompute flag, CP degree), with `global_batch / d` micro-batches of one sample per pipeline. A
+stage is HetAuto's intra-stage (c, t) (HetAuto §2.2.1, §4.1): `cp` context-parallel groups of `tp`
+devices of one type (its principle P2: CP and TP never cross device types), all inside one node;
+each device computes 1/cp of the sequence and passes K/V around (the cost model's `context_time`). The searches
 (exhaustive, dp, dfs, mcts) differ in which layouts they visit, never in how one is priced:
 
     T = sum_i (t_i + 2 c_i) + (M - 1) * max(max_i t_i, max_i c_i) + sync(d)
@@ -10,13 +13,17 @@ recompute flag), with `global_batch / d` micro-batches of one sample per pipelin
 t_i: stage i's forward + backward per micro-batch, c_i: the activation transfer to stage i + 1,
 M micro-batches: the pipeline formula (`planning.simulator.pipeline_time`, HAPT eq. 13, H2's
 alpha = 1 cost; what it bounds is said there). sync(d) is the gradient all-reduce
-across the d pipelines plus the optimizer update, priced from the *average* per-device parameter
-share (approximate: it ignores which stage holds more, so it does not depend on the layer split).
+across the d pipelines (and the CP groups, which hold the same parameters) plus the optimizer
+update, priced from the *average* per-device parameter share (approximate: it ignores which stage
+holds more, so it does not depend on the layer split, and takes the pipeline's largest CP degree
+for every stage).
 Memory: stage i holds its parameters and optimizer states plus min(S - i, M) micro-batches of
 activations (1F1B's in-flight count), which must fit the device.
 
 Costs come from an `Evaluator` (per-stage time, memory, link and sync costs): `TableEvaluator`
-reads profile tables (per device type and TP degree), as HAPT and H2 plan from profiles.
+reads profile tables (per device type and TP degree), as HAPT and H2 plan from profiles. A problem
+offers CP degrees only where its evaluator prices them (`Problem.cp_degrees`; default none:
+`CostModelEvaluator` prices them, `costed.context_degrees` says which pay their search).
 """
 
 from __future__ import annotations
@@ -42,18 +49,37 @@ class PlanningError(HSPMDError):
 class Evaluator(Protocol):
     """Costs of one micro-batch (one sample) for the searches; every method is pure. A stage's
     time is affine in its layers (layers x one layer's time + non-negative first/last extras): the
-    searches' lower bounds rely on it."""
+    searches' lower bounds rely on it. `cp`: the stage's context-parallel degree (the searches pass
+    it only above 1, through `StagePlan.time` / `.memory`, so an evaluator that prices no CP
+    needs no such argument). The sync's `pipeline_devices`: per device type, the devices of one CP
+    group of each stage of a pipeline (its parameter shards), each shard held by `dp` pipelines
+    times `cp` CP groups."""
 
-    def stage_time(self, device_type: str, tp: int, layers: int, recompute: bool, first: bool, last: bool) -> float: ...
+    def stage_time(self, device_type: str, tp: int, layers: int, recompute: bool, first: bool, last: bool,
+                   cp: int = 1) -> float: ...
 
     def stage_memory(self, device_type: str, tp: int, layers: int, recompute: bool, first: bool, last: bool,
-                     inflight: int, dp: int) -> float: ...
+                     inflight: int, dp: int, cp: int = 1) -> float: ...
 
     def capacity(self, device_type: str) -> float: ...
 
     def link_time(self, src_type: str, dst_type: str) -> float: ...
 
-    def sync_time(self, dp: int, pipeline_devices: Mapping[str, int]) -> float: ...
+    def sync_time(self, dp: int, pipeline_devices: Mapping[str, int], cp: int = 1) -> float: ...
+
+
+def _cp(cp: int) -> dict[str, int]:
+    return {"cp": cp} if cp > 1 else {}
+
+
+def sync_time_of(evaluator: Evaluator, stages: Sequence["StagePlan"], dp: int, per_pipeline: float = 1.0) -> float:
+    """The gradient sync of `dp` pipelines of `stages` (one CP group of each stage holds the
+    pipeline's parameter shards; `per_pipeline` scales the device counts, for strategies whose
+    pipelines differ)."""
+    devices: dict[str, float] = {}
+    for s in stages:
+        devices[s.device_type] = devices.get(s.device_type, 0) + s.tp * per_pipeline
+    return evaluator.sync_time(dp, devices, **_cp(max((s.cp for s in stages), default=1)))
 
 
 @dataclass(frozen=True)
@@ -79,7 +105,8 @@ class TableEvaluator:
     sync_bytes: float = 0.0
     sync_bandwidth: float = math.inf
 
-    def stage_time(self, device_type, tp, layers, recompute, first, last):
+    def stage_time(self, device_type, tp, layers, recompute, first, last, cp=1):
+        _no_cp(cp)
         key = (device_type, tp)
         if key not in self.layer_time:
             raise PlanningError(f"profile table has no layer time for {device_type} at TP {tp}")
@@ -87,7 +114,8 @@ class TableEvaluator:
         extra = (self.first_extra[0] if first else 0.0) + (self.last_extra[0] if last else 0.0)
         return layers * per_layer + extra / tp
 
-    def stage_memory(self, device_type, tp, layers, recompute, first, last, inflight, dp):
+    def stage_memory(self, device_type, tp, layers, recompute, first, last, inflight, dp, cp=1):
+        _no_cp(cp)
         act = self.layer_activation_bytes * (self.recompute_activation_share if recompute else 1.0)
         extra = (self.first_extra[1] if first else 0.0) + (self.last_extra[1] if last else 0.0)
         return (layers * (self.layer_state_bytes + inflight * act) + extra) / tp
@@ -98,7 +126,8 @@ class TableEvaluator:
     def link_time(self, src_type, dst_type):
         return self.links.get((src_type, dst_type), self.default_link)
 
-    def sync_time(self, dp, pipeline_devices):
+    def sync_time(self, dp, pipeline_devices, cp=1):
+        _no_cp(cp)
         if dp == 1 or not self.sync_bytes:
             return 0.0
         share = self.sync_bytes / sum(pipeline_devices.values())
@@ -106,6 +135,11 @@ class TableEvaluator:
 
     def tp_degrees(self, device_type: str) -> tuple[int, ...]:
         return tuple(sorted(tp for t, tp in self.layer_time if t == device_type))
+
+
+def _no_cp(cp: int) -> None:
+    if cp != 1:
+        raise PlanningError(f"profile tables have no context-parallel times (CP {cp}); plan CP with the cost model")
 
 
 @dataclass(frozen=True, order=True)
@@ -116,6 +150,21 @@ class StagePlan:
     tp: int
     layers: int
     recompute: bool = False
+    cp: int = 1
+
+    @property
+    def devices(self) -> int:
+        """Devices of the stage: `cp` groups of `tp`."""
+        return self.tp * self.cp
+
+    def time(self, evaluator: Evaluator, first: bool, last: bool) -> float:
+        """The stage's forward + backward seconds for one micro-batch."""
+        return evaluator.stage_time(self.device_type, self.tp, self.layers, self.recompute, first, last, **_cp(self.cp))
+
+    def memory(self, evaluator: Evaluator, first: bool, last: bool, inflight: int, dp: int) -> float:
+        """The stage's peak bytes per device with `inflight` micro-batches alive."""
+        return evaluator.stage_memory(self.device_type, self.tp, self.layers, self.recompute, first, last, inflight, dp,
+                                      **_cp(self.cp))
 
 
 @dataclass(frozen=True)
@@ -131,11 +180,12 @@ class Layout:
 
     @property
     def groups(self) -> tuple[tuple[str, int], ...]:
-        """(device type, TP) of each stage: what rank assignment places inside nodes."""
-        return tuple((s.device_type, s.tp) for s in self.stages)
+        """(device type, devices) of each stage: what rank assignment places inside nodes."""
+        return tuple((s.device_type, s.devices) for s in self.stages)
 
     def describe(self) -> str:
-        stages = ", ".join(f"{s.device_type} TP{s.tp} {s.layers} layer(s)" for s in self.stages)
+        stages = ", ".join(f"{s.device_type} TP{s.tp}{f' CP{s.cp}' if s.cp > 1 else ''} {s.layers} layer(s)"
+                           for s in self.stages)
         return f"{self.pipelines} pipeline(s) of [{stages}]"
 
 
@@ -145,7 +195,9 @@ class Problem:
     their stages run: memory descending, H2 Obs. 4 / HAPT's A-first). `tp_degrees[type]`: the TP
     degrees profiled for it (default: powers of two up to a node). `recompute`: whether stages may
     recompute activations (True: whole layers or not at all; "selective": also only the cheap
-    ops, which the CostModelEvaluator prices from the kernels; False: never)."""
+    ops, which the CostModelEvaluator prices from the kernels; False: never). `cp_degrees[type]`:
+    the context-parallel degrees its stages may take (default: 1 only); a CP stage's cp x tp
+    devices must fit one node."""
 
     pools: tuple[DevicePool, ...]
     num_layers: int
@@ -153,6 +205,7 @@ class Problem:
     evaluator: Evaluator
     tp_degrees: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     recompute: bool | str = True
+    cp_degrees: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.recompute not in (False, True, "selective"):
@@ -173,6 +226,33 @@ class Problem:
                 given = tuple(1 << k for k in range(p.node_size.bit_length()) if (1 << k) <= p.node_size)
             degrees[p.device_type] = tuple(sorted(set(given)))
         object.__setattr__(self, "tp_degrees", degrees)
+        unknown = set(dict(self.cp_degrees)) - {p.device_type for p in pools}
+        if unknown:
+            raise PlanningError(f"Problem: cp_degrees names device type(s) {sorted(unknown)} that no pool has")
+        contexts = {}
+        for p in pools:
+            given = tuple(dict(self.cp_degrees).get(p.device_type, (1,)))
+            if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in given) or 1 not in given:
+                raise PlanningError(f"Problem: the CP degrees of {p.device_type} must be positive integers including 1, "
+                                    f"got {brief(given)}")
+            contexts[p.device_type] = tuple(sorted(set(given)))
+        object.__setattr__(self, "cp_degrees", contexts)
+
+    def groups(self, device_type: str, cp: int | None = None) -> tuple[tuple[int, int], ...]:
+        """The (tp, cp) a stage of `device_type` may take: every TP degree without CP, then each
+        CP degree above 1 with the TP degrees that keep cp x tp devices inside a node. With `cp`:
+        only the groups of that CP degree (CP 1 where the type does not offer it)."""
+        node = next(p.node_size for p in self.pools if p.device_type == device_type)
+        tps, cps = self.tp_degrees[device_type], self.cp_degrees[device_type]
+        every = tuple((tp, 1) for tp in tps) + tuple((tp, c) for c in cps if c > 1 for tp in tps if tp * c <= node)
+        if cp is None:
+            return every
+        own = cp if cp in cps else 1
+        return tuple(g for g in every if g[1] == own)
+
+    def pipeline_cps(self) -> tuple[int, ...]:
+        """The CP degrees some device type offers (1 first)."""
+        return tuple(sorted(set().union(*self.cp_degrees.values())))
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -208,8 +288,8 @@ def price_pipeline(evaluator: Evaluator, stages: Sequence[StagePlan], micro_batc
     times, memory, feasible = [], [], True
     for i, s in enumerate(stages):
         first, last = i == 0, i == n - 1
-        times.append(evaluator.stage_time(s.device_type, s.tp, s.layers, s.recompute, first, last))
-        mem = evaluator.stage_memory(s.device_type, s.tp, s.layers, s.recompute, first, last, min(n - i, micro_batches), dp)
+        times.append(s.time(evaluator, first, last))
+        mem = s.memory(evaluator, first, last, min(n - i, micro_batches), dp)
         memory.append(mem)
         feasible = feasible and mem <= evaluator.capacity(s.device_type)
     links = [evaluator.link_time(a.device_type, b.device_type) for a, b in zip(stages, stages[1:])]
@@ -222,10 +302,7 @@ def price(problem: Problem, layout: Layout) -> Priced:
     enough where nodes are not powers of two, e.g. after failures): in its own order, or in the
     order `placeable` gives, whose memory must fit too."""
     priced = price_pipeline(problem.evaluator, layout.stages, layout.micro_batches, layout.pipelines)
-    devices: dict[str, int] = {}
-    for s in layout.stages:
-        devices[s.device_type] = devices.get(s.device_type, 0) + s.tp
-    sync = problem.evaluator.sync_time(layout.pipelines, devices)
+    sync = sync_time_of(problem.evaluator, layout.stages, layout.pipelines)
     feasible = priced.feasible
     if feasible:
         placed = placeable(problem, layout)
@@ -244,21 +321,22 @@ def strategy_stages(problem: Problem, strategy: Strategy) -> list[tuple[StagePla
             kinds = {type_of.get(r) for r in s.ranks}
             if None in kinds or len(kinds) != 1:
                 raise PlanningError(f"pipelines[{i}].stages[{j}] (ranks {list(s.ranks)}) is not on one device type of the cluster")
-            stages.append(StagePlan(kinds.pop(), s.tp, len(s.layers), s.recompute_kind))
+            stages.append(StagePlan(kinds.pop(), s.tp, len(s.layers), s.recompute_kind, s.cp))
         out.append(tuple(stages))
     return out
 
 
 def price_strategy(problem: Problem, strategy: Strategy, recompute: Sequence[Sequence[bool]] | None = None) -> Priced:
     """Any strategy (pipelines may differ) under the objective: the slowest pipeline plus the sync.
-    A pipeline of M micro-batches of size s is priced as M*s samples (size-1 micro-batches).
+    A pipeline of M micro-batches of size s is priced as M*s samples (size-1 micro-batches); a CP
+    stage as even shares (approximate for uneven `cp_shares`).
     `recompute[k][j]` overrides the strategy's own recompute flag of stage j of pipeline k."""
     total, times, memory, feasible = 0.0, [], [], True
     pipelines = strategy_stages(problem, strategy)
-    devices: dict[str, int] = {}
+    every: list[StagePlan] = []
     for k, stages in enumerate(pipelines):
         if recompute is not None:
-            stages = tuple(StagePlan(s.device_type, s.tp, s.layers, r) for s, r in zip(stages, recompute[k]))
+            stages = tuple(replace(s, recompute=r) for s, r in zip(stages, recompute[k]))
         p = strategy.pipelines[k]
         if p.samples_per_step is None:
             raise PlanningError(f"pipelines[{k}] binds its micro-batches at run time; give counts to price it")
@@ -267,10 +345,8 @@ def price_strategy(problem: Problem, strategy: Strategy, recompute: Sequence[Seq
         times += priced.stage_times
         memory += priced.stage_memory
         feasible = feasible and priced.feasible
-        for s in stages:
-            devices[s.device_type] = devices.get(s.device_type, 0) + s.tp
-    per_pipeline = {t: n / len(pipelines) for t, n in devices.items()}
-    total += problem.evaluator.sync_time(len(pipelines), per_pipeline)
+        every += stages
+    total += sync_time_of(problem.evaluator, every, len(pipelines), 1 / len(pipelines))
     return Priced(total, tuple(times), tuple(memory), feasible)
 
 
@@ -322,15 +398,15 @@ def layout_strategy(problem: Problem, layout: Layout, name: str = "") -> Strateg
     for groups in ranks:
         stages, first = [], 0
         for s, group in zip(layout.stages, groups):
-            stages.append(Stage(group, range(first, first + s.layers), **Stage.recompute_fields(s.recompute)))
+            stages.append(Stage(group, range(first, first + s.layers), cp=s.cp, **Stage.recompute_fields(s.recompute)))
             first += s.layers
         pipelines.append(Pipeline(tuple(stages), layout.micro_batches, 1))
     return Strategy(tuple(pipelines), problem.num_layers, False, name)
 
 
 def placeable(problem: Problem, layout: Layout) -> Layout | None:
-    """`layout`, or, when its TP groups cannot all be placed inside nodes in this order, the same
-    stages with each device type's stages in descending TP order (power-of-two groups taken
+    """`layout`, or, when its stages' groups cannot all be placed inside nodes in this order, the same
+    stages with each device type's stages in descending group size (power-of-two groups taken
     largest first always pack into power-of-two nodes); None when neither order places them.
     Re-priced by the caller: the order can change memory (in-flight counts) and the first/last
     stage costs."""
@@ -340,7 +416,7 @@ def placeable(problem: Problem, layout: Layout) -> Layout | None:
     start = 0
     for k in range(1, len(stages) + 1):
         if k == len(stages) or stages[k].device_type != stages[start].device_type:
-            stages[start:k] = sorted(stages[start:k], key=lambda s: -s.tp)
+            stages[start:k] = sorted(stages[start:k], key=lambda s: -s.devices)
             start = k
     ordered = Layout(layout.pipelines, tuple(stages), layout.micro_batches)
     if ordered.stages != layout.stages and _places(problem.pools, ordered.pipelines, ordered.groups):
@@ -409,5 +485,5 @@ def best_of(priced: Mapping[tuple, tuple[float, Layout]]) -> Layout:
 __all__ = [
     "Evaluator", "Layout", "PlannedStrategy", "PlanningError", "PriceCache", "Priced", "Problem", "StagePlan",
     "TableEvaluator", "layout_strategy", "price_strategy", "strategy_stages", "one_f_one_b_warmup", "planned", "price", "price_pipeline",
-    "scheduled",
+    "scheduled", "sync_time_of",
 ]
