@@ -9,3 +9,11 @@ links:
   nvlink: {bandwidth: 2.0e11, latency: 1.0e-6}
   ib: {bandwidth: 2.5e10, latency: 5.0e-6}
 """
+
+# one node of two H800s and one of two H20s (Hetu v2's two types)
+H800_H20_TWO_NODES = "name: h800-h20" + H800_H20_TYPES_AND_LINKS + """nodes:
+  - {type: H800, devices: 2}
+  - {type: H20, devices: 2}
+intra: {H800: nvlink, H20: nvlink}
+inter: ib
+"""

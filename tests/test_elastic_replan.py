@@ -19,7 +19,7 @@ from hspmd.planning.model import from_llama_config
 from hspmd.runtime.processes.launcher import launch
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy
 from hspmd.switching import recover_strategy
-from tests.cluster_files import H800_H20_TYPES_AND_LINKS
+from tests.cluster_files import H800_H20_TWO_NODES
 from tests.example_modules import example_module
 
 pytestmark = pytest.mark.multiprocess
@@ -28,19 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "examples" / "llama" / "train.py")
 SMALL = ["--hidden", "16", "--heads", "2", "--ffn", "32", "--seq", "8", "--log-every", "1"]
 STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
-CLUSTER = "name: h800-h20" + H800_H20_TYPES_AND_LINKS + """nodes:
-  - {type: H800, devices: 2}
-  - {type: H20, devices: 2}
-intra: {H800: nvlink, H20: nvlink}
-inter: ib
-"""
 
 
 def test_an_h800_death_recovers_to_the_strategy_replan_gives_for_the_cluster(tmp_path):
     token_files = example_module("llama").token_files  # the example's own data: its vocabulary sizes the model replan prices
 
     cluster_file = tmp_path / "cluster.yaml"
-    cluster_file.write_text(CLUSTER)
+    cluster_file.write_text(H800_H20_TWO_NODES)
     cluster = parse_cluster(str(cluster_file))
     assert cluster.device_type(0).name == "H800"
     vocab = token_files(argparse.Namespace(data=None)).vocab

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hspmd.errors import HSPMDError
+from hspmd.runtime.processes import loopback
 from hspmd.runtime.processes.launcher import launch
 from hspmd.runtime.processes.nodes import NodeRole
 from hspmd.runtime.processes.ports import free_port
@@ -50,11 +50,8 @@ def secret() -> str:
 
 def start_node(node: int, nnodes: int, port: int, args: list[str], job_secret: str, *, node_rank: int | None = None,
                timeout: float = 60.0, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    env = {**os.environ, "HSPMD_JOB_SECRET": job_secret, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "hspmd.cli", "run", "--nnodes", str(nnodes), "--node-rank",
-               str(node if node_rank is None else node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "--node-addr", f"127.0.0.{node + 1}", "--rendezvous-timeout", f"{timeout:g}", "-n", "2", *extra, *args]
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return loopback.start_node(loopback.node_command(node, nnodes, port, 2, args, node_rank=node_rank,
+                                                     rendezvous_timeout=timeout, extra=extra), job_secret)
 
 
 def finish(nodes: list[subprocess.Popen], limit: float) -> list[tuple[int, str, str]]:

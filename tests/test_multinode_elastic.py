@@ -3,10 +3,12 @@ each) around an `hspmd authority` (the job's store and membership authority, a p
 so that it outlives any training node). A whole node is lost, its launcher and ranks SIGKILLed
 together at a random step, or frozen (SIGSTOP): the other nodes name it, recover as on one host and
 finish every step, and their losses equal a reference of live processes that switched to the
-recovered strategy at that step boundary."""
+recovered strategy at that step boundary. Under a two-type cluster file on two nodes, an H800's
+death recovers to the strategy planning.replan gives for that cluster."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -20,9 +22,17 @@ from pathlib import Path
 
 import pytest
 
+from hspmd.cluster import parse_cluster
+from hspmd.models.llama import LlamaConfig
+from hspmd.planning.model import from_llama_config
+from hspmd.runtime.processes import loopback
 from hspmd.runtime.processes.authority import serve
 from hspmd.runtime.processes.launcher import launch
 from hspmd.runtime.processes.ports import free_port
+from hspmd.specialize.strategy_text import format_strategy, parse_strategy
+from hspmd.switching import recover_strategy
+from tests.cluster_files import H800_H20_TWO_NODES
+from tests.example_modules import example_module
 
 # each test runs three launchers and a six-process reference (minutes on a busy 2-core machine): `make elastic`
 pytestmark = [pytest.mark.multiprocess, pytest.mark.elastic_full, pytest.mark.xdist_group("multinode")]
@@ -33,6 +43,8 @@ SMALL = ["--hidden", "16", "--heads", "2", "--ffn", "32", "--seq", "8", "--log-e
 STEPS = 6
 # pipeline 0 spans nodes 0 and 1; pipeline 1 is node 2's: losing node 1 leaves layers 2-3 on node 2 only
 STRATEGY = "layers=4 ; 2x4: R0,1 L0-1 | R2,3 L2-3 ; 2x2: R4 L0-1 | R5 L2-3"
+# two nodes, H800s (ranks 0, 1) then H20s (2, 3): pipeline 1 spans them
+TWO_TYPE_STRATEGY = "name=hetero-4 ; layers=4 ; 2x4: R0,1 L0-3 ; 2x2: R2 L0-1 | R3 L2-3"
 
 
 def start_authority(port: int, job_secret: str, heartbeat: float, stuck: float = 0.0) -> dict:
@@ -48,25 +60,8 @@ def start_authority(port: int, job_secret: str, heartbeat: float, stuck: float =
 
 def start_node(node: int, port: int, job_secret: str, args: list[str], heartbeat: float,
                join: bool = False) -> subprocess.Popen:
-    env = {**os.environ, "HSPMD_JOB_SECRET": job_secret, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "hspmd.cli", "run", "--elastic", "--heartbeat", f"{heartbeat:g}", "--nnodes", "3",
-               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "--node-addr",
-               f"127.0.0.{node + 1}", "--rendezvous-timeout", "120", "-n", "2", *(["--join"] if join else []), SCRIPT, *args]
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def node_processes(launcher: int) -> list[int]:
-    """The launcher's rank guards (each leads the process group of its rank)."""
-    guards = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == launcher:
-                guards.append(int(entry))
-    return guards
+    return loopback.start_node(loopback.node_command(node, 3, port, 2, [SCRIPT, *args], elastic=True, heartbeat=heartbeat,
+                                                     join=join), job_secret)
 
 
 def watch(process: subprocess.Popen, lines: list[str], seen: threading.Condition) -> None:
@@ -100,28 +95,17 @@ def run_losing_a_node(tmp: Path, how: str, after_step: int) -> tuple[dict, str, 
     threading.Thread(target=watch, args=(nodes[0], lines, seen), daemon=True).start()
     with seen:
         assert seen.wait_for(lambda: any(f"step {after_step:>4}/" in line for line in lines), timeout=300), "".join(lines)
-    victims = node_processes(nodes[1].pid)
+    victims = loopback.rank_guards(nodes[1].pid)
     struck = time.time()
-    if how == "stall":
-        pass
-    elif how == "kill":  # the node's ranks and its launcher, all at once
-        for guard in victims:
-            os.killpg(guard, signal.SIGKILL)
-        nodes[1].send_signal(signal.SIGKILL)
-    else:  # frozen: every process of the node stops (its heartbeats stop), none dies
-        for guard in victims:
-            os.killpg(guard, signal.SIGSTOP)
-        nodes[1].send_signal(signal.SIGSTOP)
+    if how == "kill":  # the node's ranks and its launcher, all at once
+        loopback.signal_node(nodes[1].pid, signal.SIGKILL, victims)
+    elif how == "freeze":  # every process of the node stops (its heartbeats stop), none dies
+        loopback.signal_node(nodes[1].pid, signal.SIGSTOP, victims)
     survivors = nodes if how == "stall" else [nodes[0], nodes[2]]
     try:
         outputs = [p.communicate(timeout=400) for p in survivors]
     finally:
-        for guard in victims:  # a stopped process cannot act on its launcher's death: kill, then let it run to die
-            for sig in (signal.SIGKILL, signal.SIGCONT):
-                try:
-                    os.killpg(guard, sig)
-                except ProcessLookupError:
-                    pass
+        loopback.end_node(nodes[1].pid, victims)
         for p in nodes:
             p.kill()
             p.send_signal(signal.SIGCONT)
@@ -180,9 +164,7 @@ def test_a_fresh_node_joins_and_the_job_grows_back_to_a_strategy_that_uses_it(tm
     threading.Thread(target=watch, args=(nodes[0], lines, seen), daemon=True).start()
     with seen:
         assert seen.wait_for(lambda: any("step    2/" in line for line in lines), timeout=300), "".join(lines)
-    for guard in node_processes(nodes[1].pid):
-        os.killpg(guard, signal.SIGKILL)
-    nodes[1].send_signal(signal.SIGKILL)
+    loopback.signal_node(nodes[1].pid, signal.SIGKILL)
     nodes[1].wait()
     with seen:
         assert seen.wait_for(lambda: any("died in step" in line for line in lines), timeout=300), "".join(lines)
@@ -202,3 +184,49 @@ def test_a_fresh_node_joins_and_the_job_grows_back_to_a_strategy_that_uses_it(tm
     assert join["ranks"] == [] and join["joined"] == [2, 3], log
     assert result["survivors"] == [0, 1, 2, 3, 4, 5] and len(result["losses"]) == steps
     assert join["strategy"] == result["final_strategy"] and "R2,3" in result["final_strategy"], log
+
+
+def test_an_h800_death_under_two_nodes_recovers_to_the_strategy_replan_gives_for_the_cluster(tmp_path):
+    """Two loopback nodes, node 0 of H800s and node 1 of H20s (`--cluster`); rank 0, an H800, dies in
+    step 2: the survivors on both nodes move to the strategy planning.replan gives for that cluster
+    and model (as tests/test_elastic_replan.py on one host), not to the every-device-equal one, and
+    their losses equal a reference that switched to it after step 1."""
+    cluster_file = tmp_path / "cluster.yaml"
+    cluster_file.write_text(H800_H20_TWO_NODES)
+    cluster = parse_cluster(str(cluster_file))
+    assert [cluster.device_type(r).name for r in range(4)] == ["H800", "H800", "H20", "H20"]
+    vocab = example_module("llama").token_files(argparse.Namespace(data=None)).vocab
+    model = from_llama_config(LlamaConfig(vocab=vocab, hidden=16, layers=4, heads=2, ffn=32), seq_len=8)
+    strategy = parse_strategy(TWO_TYPE_STRATEGY)
+    on_cluster = format_strategy(recover_strategy(strategy, {0}, cluster=cluster, model=model))
+    assert on_cluster != format_strategy(recover_strategy(strategy, {0}))  # the test tells them apart
+
+    steps, port, job_secret, heartbeat = 3, free_port(), os.urandom(32).hex(), 2.0
+    authority = start_authority(port, job_secret, heartbeat)
+    summary = tmp_path / "elastic.json"
+    args = [SCRIPT, "--steps", str(steps), *SMALL, "--strategy", TWO_TYPE_STRATEGY, "--kill", "2=0:1", "--summary",
+            str(summary), "--checkpoint", str(tmp_path / "elastic.safetensors")]
+    nodes = [loopback.start_node(loopback.node_command(k, 2, port, 2, args, elastic=True, heartbeat=heartbeat,
+                                                       extra=("--cluster", str(cluster_file))), job_secret)
+             for k in range(2)]
+    try:
+        outputs = [p.communicate(timeout=400) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    authority["thread"].join(60)
+    log = "\n".join(o + e for o, e in outputs) + authority["err"].getvalue()
+    assert all(p.returncode == 0 for p in nodes), log
+    assert "rank 0 runs on node 0 of 2 at 127.0.0.1 (H800)" in log and "rank 3 runs on node 1 of 2 at 127.0.0.2 (H20)" in log, log
+    result = json.loads(summary.read_text())
+    assert [f["ranks"] for f in result["failures"]] == [[0]], log
+    assert result["final_strategy"] == on_cluster, (result["final_strategy"], on_cluster)
+    assert result["survivors"] == [1, 2, 3] and len(result["losses"]) == steps
+
+    reference_summary = tmp_path / "reference.json"
+    out = io.StringIO()
+    code = launch([sys.executable, SCRIPT, "--steps", str(steps), *SMALL, "--strategy", TWO_TYPE_STRATEGY, "--switch",
+                   f"{result['failures'][0]['step'] - 1}={on_cluster}", "--summary", str(reference_summary),
+                   "--checkpoint", str(tmp_path / "reference.safetensors")], 4, stdout=out, stderr=out)
+    assert code == 0, out.getvalue()
+    assert result["losses"] == pytest.approx(json.loads(reference_summary.read_text())["losses"], rel=0, abs=1e-6)
