@@ -17,6 +17,16 @@ Reports each strategy's measured and predicted time, the mean absolute percentag
 <= 15%) and Spearman's rank correlation (goal >= 0.8), over all strategies and over the four of
 the calibration set (DP2, PP2 1F1B, TP2, PP2 GPipe; its goal there: MAPE <= 25%). Timing-sensitive: not part of `make test`
 (run `make calibration`). `--json FILE` also writes the figures and per-rank timelines.
+
+`--emulate homogeneous,heterogeneous` runs the same 8 strategies as emulated device types
+(hspmd.runtime.execution.emulation) instead: two ranks of one type, or rank 0 of a fast type and
+rank 1 of a type 2.5x slower, time dilated (`--dilation D`: the fast type is this host D times
+slowed, so that the ranks compute a small share of the time and the emulated devices, not the
+shared host's scheduler, set the pace). Each strategy's trainer has its own emulated device, so
+its live bytes are its own. The probes then run on CPU time (what emulated devices follow) and the
+prediction is Calibration.cost_model_for(the emulated cluster). Besides step times (goals MAPE
+<= 8%, Spearman >= 0.9) it reports every rank's peak live bytes, counted exactly in one untimed
+step after the timed ones, against the level-2 simulator's memory model (goal: within 10%).
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from _common import ms, table  # noqa: E402
+from hspmd.cluster import cluster_from_yaml  # noqa: E402
+from hspmd.runtime.execution.emulation import SWEEP_EVERY, emulated, emulation_of  # noqa: E402
 from hspmd.ir.shapes import Binding  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
@@ -62,6 +74,28 @@ STRATEGIES = {  # name: (strategy text, schedule); the last two vary the micro-b
     "PP2 1F1B 8x2": ("layers=4 ; 8x2: R0 L0-1 | R1 L2-3", "1f1b"),
 }
 
+# two emulated ranks of this host (time dilated by DILATION, the slow type 2.5x the fast); links are
+# this host's own (not emulated): the strategies differ in compute, schedule and memory here
+EMULATED = """
+name: emulated-pair-{kind}
+device_types:
+  fast: {{flops: {{float32: 1.0e9}}, hbm_bandwidth: 4.0e9, hbm_capacity: 1.0e9}}
+  slow: {{flops: {{float32: 4.0e8}}, hbm_bandwidth: 1.6e9, hbm_capacity: 1.0e9}}
+links:
+  host: {{bandwidth: 1.0e9, latency: 1.0e-5}}
+nodes: {nodes}
+intra: {{fast: host, slow: host}}
+inter: host
+emulate: {{reference: fast, slowdown: {{fast: {fast}, slow: {slow}}}, memory_scale: 1.0, links: false}}
+"""
+PAIRS = {"homogeneous": "[{type: fast, devices: 2}]",
+         "heterogeneous": "[{type: fast, devices: 1}, {type: slow, devices: 1}]"}
+
+
+def emulated_pair(kind: str, dilation: float):
+    return cluster_from_yaml(EMULATED.format(kind=kind, nodes=PAIRS[kind], fast=dilation, slow=2.5 * dilation))
+
+
 TRACED_STEPS = 7  # with --trace: the median one of these is written
 # the calibration set's acceptance set: DP2, PP2 1F1B, TP2, PP2 GPipe
 PLANNING_FOUR = ["DP2", "PP2 1F1B", "TP2", "PP2 GPipe"]
@@ -72,40 +106,68 @@ def trainer_for(backend, text: str, schedule: str) -> Trainer:
     model = build_llama(LlamaConfig(**CONFIG), [strategy])
     layout = MicroBatchLayout.of(strategy)
     return Trainer(model.graph, 0, backend, layout, schedule=schedule,
-                              symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
+                   symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
 
 
-def measure_rank(backend, rounds: int, warmup: int, traced: bool = False):
+def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluster=None):
+    """This rank's step seconds, CPU seconds, traced steps and probes per strategy; with an emulated
+    `cluster`, every trainer on its own emulated device, and each strategy's peak live bytes."""
     torch.set_num_threads(1)
-    probe = Probe(backend, PROBE)
+    probe = Probe(backend, PROBE, cpu_time=cluster is not None)
     probes = []
-    trainers = {name: trainer_for(backend, text, schedule) for name, (text, schedule) in STRATEGIES.items()}
+    trainers = {name: trainer_for(emulated(backend, cluster), text, schedule) for name, (text, schedule) in STRATEGIES.items()}
+    devices = [d for d in (emulation_of(t.backend) for t in trainers.values()) if d is not None]
     gen = torch.Generator().manual_seed(0)
     batch = {"tokens": torch.randint(0, CONFIG["vocab"], (16, SEQ), generator=gen),
              "labels": torch.randint(0, CONFIG["vocab"], (16, SEQ), generator=gen)}
     world = tuple(range(backend.world_size))
     times = {name: [] for name in trainers}
     cpu = {name: [] for name in trainers}
+    parts = {name: [0.0, 0.0, 0.0] for name in trainers}  # per-step means: compute waits, link waits, device CPU
     for r in range(warmup + rounds):
         if r >= warmup:  # calibration probes interleaved with the steps: both see the same load
             probes.append(probe.once())
+            for device in devices:  # the probes are not an emulated device's work
+                device.mark()
         for name, trainer in trainers.items():
             backend.barrier(world)
+            device = emulation_of(trainer.backend)
+            before = device.stats() if device is not None else None
+            if device is not None:
+                device.mark()  # what this rank did for the other strategies is not this device's work
             start, start_cpu = time.perf_counter(), time.process_time()
             trainer.step(batch)
             elapsed = time.perf_counter() - start
             if r >= warmup:
                 times[name].append(elapsed)
                 cpu[name].append(time.process_time() - start_cpu)
+                if device is not None:
+                    after = device.stats()
+                    for k, field in enumerate(("compute_wait_s", "link_wait_s", "op_cpu_s")):
+                        parts[name][k] += (getattr(after, field) - getattr(before, field)) / rounds
+    peaks = {}
+    for name, trainer in trainers.items():  # one untimed step counting every value's bytes exactly
+        device = emulation_of(trainer.backend)
+        if device is not None and device.capacity is not None:
+            device.sweep_every, device.peak_bytes = 1, 0
+            trainer.step(batch)
+            peaks[name] = device.stats().peak_bytes
+            device.sweep_every = SWEEP_EVERY
     events = {name: [] for name in trainers}
     for _ in range(TRACED_STEPS if traced else 0):  # traced steps per strategy, for `hspmd show`
         for name, trainer in trainers.items():
             backend.barrier(world)
             trainer.tracer = Tracer(backend.rank, origin=0.0)  # epoch microseconds: one clock for both ranks
+            device = emulation_of(trainer.backend)
+            if device is not None:  # emulated waits in the same trace (category "emulated")
+                device.tracer = trainer.tracer
+                device.mark()
             trainer.step(batch)
             events[name].append(trainer.tracer.events)
             trainer.tracer = None
-    return times, cpu, events, probes
+            if device is not None:
+                device.tracer = None
+    return times, cpu, events, probes, peaks, parts
 
 
 def typical_step(per_rank_steps: list[list[list[dict]]]) -> list[list[dict]]:
@@ -119,19 +181,21 @@ def typical_step(per_rank_steps: list[list[list[dict]]]) -> list[list[dict]]:
     return [rank[steps[len(steps) // 2]] for rank in per_rank_steps]
 
 
-def predict(calibration: Calibration) -> dict[str, tuple[float, float]]:
-    """(level 2, level 1) predicted step seconds per strategy."""
+def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, float, dict[int, float]]]:
+    """(level 2, level 1) predicted step seconds per strategy, and level 1's peak bytes per rank;
+    on an emulated `cluster`, as its types run on this host (Calibration.cost_model_for)."""
     config = LlamaConfig(**CONFIG)
+    spec_model = from_llama_config(config, SEQ)
+    cost = calibration.cost_model_for(cluster, spec_model) if cluster is not None else calibration.cost_model(spec_model, 2)
     out = {}
     for name, (text, schedule) in STRATEGIES.items():
         strategy = parse_strategy(text)
         layout = MicroBatchLayout.of(strategy)
-        cost = calibration.cost_model(from_llama_config(config, SEQ), 2)
         binding = Binding.of({"B": sum(layout.sizes), "S": SEQ, "T": layout.global_batch_size * SEQ}, ratios=layout.sizes)
         spec = specialize_graph(build_llama(config, [strategy]).graph, 0, binding)
         level2 = simulate_specialized(spec, cost, dict(enumerate(layout.counts)), schedule)
         level1 = simulate_strategy(strategy, cost, schedule)
-        out[name] = (level2.iteration, level1.iteration)
+        out[name] = (level2.iteration, level1.iteration, dict(level1.peak_memory))
     return out
 
 
@@ -147,6 +211,67 @@ def spearman(xs, ys) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+def run_set(args, cluster=None) -> dict:
+    """Measure, calibrate and predict the 8 strategies, plain or on an emulated `cluster`; print and
+    return the figures."""
+    results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), cluster, timeout=1800,
+                               pin_cpus=args.pin_cpus)
+    calibration = Calibration.load(args.calibration) if args.calibration else fit(results[0][3] + results[1][3], PROBE)
+    title = "plain gloo processes" if cluster is None else f"emulated: {cluster.describe()}"
+    print(f"\n== {title} ({args.rounds} rounds + {args.warmup} warm-up)")
+    print("calibration:", calibration.describe())
+    if args.save_calibration and cluster is None:
+        calibration.save(args.save_calibration)
+    per_rank = [r[0] for r in results]
+    cpu = {name: statistics.median(max(ts) for ts in zip(*(r[1][name] for r in results))) for name in STRATEGIES}
+    if args.trace:
+        folder = Path(args.trace) / ("plain" if cluster is None else cluster.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in STRATEGIES:
+            write_trace(folder / (name.replace(" ", "_").replace(":", "-") + ".json"), typical_step([r[2][name] for r in results]))
+    measured = {name: statistics.median(max(ts) for ts in zip(*(r[name] for r in per_rank))) for name in STRATEGIES}
+    spread = {name: (min(max(ts) for ts in zip(*(r[name] for r in per_rank))),
+                     max(max(ts) for ts in zip(*(r[name] for r in per_rank)))) for name in STRATEGIES}
+    predicted = predict(calibration, cluster)
+    rows = [[name, ms(measured[name]), f"{ms(spread[name][0])}-{ms(spread[name][1])}", ms(cpu[name]),
+             ms(predicted[name][0]), f"{(predicted[name][0] - measured[name]) / measured[name]:+.1%}",
+             ms(predicted[name][1]), f"{(predicted[name][1] - measured[name]) / measured[name]:+.1%}"] for name in STRATEGIES]
+    print(table(["strategy", "measured ms", "min-max", "cpu ms", "level 2 ms", "error", "level 1 ms", "error"], rows))
+    figures: dict = {}
+    goal = "(goal <= 15%, >= 0.8)" if cluster is None else "(goal <= 8%, >= 0.9)"
+    for label, names in (("all", list(STRATEGIES)), ("the calibration set", PLANNING_FOUR)):
+        for level in (0, 1):
+            mape = 100 * statistics.mean(abs(predicted[n][level] - measured[n]) / measured[n] for n in names)
+            rho = spearman([measured[n] for n in names], [predicted[n][level] for n in names])
+            figures[f"{label} level {2 - level}"] = {"mape": mape, "spearman": rho}
+            print(f"{label} ({len(names)} strategies), level {2 - level}: MAPE {mape:.1f}%, Spearman {rho:.2f}"
+                  f"{' ' + goal if level == 0 and label == 'all' else ''}")
+    memory = {}
+    if cluster is not None:
+        slow = max(range(2), key=cluster.slowdown)
+        rows = []
+        for name in STRATEGIES:
+            wait, link, device_cpu = results[slow][5][name]
+            step = statistics.mean(results[slow][0][name])
+            rows.append([name, slow, ms(step), ms(device_cpu), ms(device_cpu * cluster.slowdown(slow)), ms(wait),
+                         ms(step - wait - link)])
+        print(table(["strategy", "rank", "step ms (mean)", "device CPU ms", "x slowdown", "compute waits", "rest"], rows))
+        rows, errors = [], []
+        for name in STRATEGIES:
+            for rank, r in enumerate(results):
+                got, model = r[4][name], predicted[name][2].get(rank, 0.0)
+                errors.append(abs(model - got) / got)
+                memory[f"{name} rank {rank}"] = {"measured": got, "model": model}
+                rows.append([name, rank, f"{got / 2**20:.3f}", f"{model / 2**20:.3f}", f"{(model - got) / got:+.1%}"])
+        print(table(["strategy", "rank", "peak live MiB (measured)", "memory model MiB (level 2)", "error"], rows))
+        print(f"peak memory per rank: largest error {100 * max(errors):.1f}%, mean {100 * statistics.mean(errors):.1f}% "
+              f"(goal: within 10%)")
+        figures["memory"] = {"max_error": max(errors), "mean_error": statistics.mean(errors)}
+    return {"cluster": None if cluster is None else cluster.name, "calibration": calibration.to_dict(), "measured": measured,
+            "spread": spread, "cpu": cpu, "predicted_level2": {n: p[0] for n, p in predicted.items()},
+            "predicted_level1": {n: p[1] for n, p in predicted.items()}, "memory": memory, "figures": figures}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15)
@@ -156,41 +281,18 @@ def main(argv=None) -> int:
     p.add_argument("--save-calibration", default=None, help="write the fitted calibration here (for hspmd show)")
     p.add_argument("--pin-cpus", action="store_true", help="pin each rank to its own CPU")
     p.add_argument("--trace", default=None, help="write a typical traced step per strategy here (NAME.json per strategy)")
+    p.add_argument("--emulate", default=None,
+                   help="homogeneous, heterogeneous or both (comma-separated): emulated device types instead of plain ranks")
+    p.add_argument("--dilation", type=float, default=8.0,
+                   help="with --emulate: how many times slower than this host the fast type runs (default 8)")
     args = p.parse_args(argv)
-    results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), timeout=1200,
-                                pin_cpus=args.pin_cpus)
-    calibration = Calibration.load(args.calibration) if args.calibration else fit(results[0][3] + results[1][3], PROBE)
-    print("calibration:", calibration.describe())
-    if args.save_calibration:
-        calibration.save(args.save_calibration)
-    per_rank = [r[0] for r in results]
-    cpu = {name: statistics.median(max(ts) for ts in zip(*(r[1][name] for r in results))) for name in STRATEGIES}
-    if args.trace:
-        folder = Path(args.trace)
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in STRATEGIES:
-            write_trace(folder / (name.replace(" ", "_").replace(":", "-") + ".json"), typical_step([r[2][name] for r in results]))
-    measured = {name: statistics.median(max(ts) for ts in zip(*(r[name] for r in per_rank))) for name in STRATEGIES}
-    spread = {name: (min(max(ts) for ts in zip(*(r[name] for r in per_rank))),
-                     max(max(ts) for ts in zip(*(r[name] for r in per_rank)))) for name in STRATEGIES}
-    predicted = predict(calibration)
-    rows = [[name, ms(measured[name]), f"{ms(spread[name][0])}-{ms(spread[name][1])}", ms(cpu[name]),
-             ms(predicted[name][0]), f"{(predicted[name][0] - measured[name]) / measured[name]:+.1%}",
-             ms(predicted[name][1]), f"{(predicted[name][1] - measured[name]) / measured[name]:+.1%}"] for name in STRATEGIES]
-    print(table(["strategy", "measured ms", "min-max", "cpu ms", "level 2 ms", "error", "level 1 ms", "error"], rows))
-    figures = {}
-    for label, names in (("all", list(STRATEGIES)), ("the calibration set", PLANNING_FOUR)):
-        for level in (0, 1):
-            mape = 100 * statistics.mean(abs(predicted[n][level] - measured[n]) / measured[n] for n in names)
-            rho = spearman([measured[n] for n in names], [predicted[n][level] for n in names])
-            figures[f"{label} level {2 - level}"] = {"mape": mape, "spearman": rho}
-            goal = " (goal <= 15%, >= 0.8)" if level == 0 else ""
-            print(f"{label} ({len(names)} strategies), level {2 - level}: MAPE {mape:.1f}%, Spearman {rho:.2f}{goal}")
+    kinds = [k for k in (args.emulate or "").split(",") if k]
+    unknown = sorted(set(kinds) - set(PAIRS))
+    if unknown:
+        p.error(f"--emulate: unknown {', '.join(unknown)}; choose from {', '.join(PAIRS)}")
+    sets = [run_set(args, emulated_pair(k, args.dilation)) for k in kinds] if kinds else [run_set(args)]
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "calibration": calibration.to_dict(), "measured": measured, "spread": spread, "cpu": cpu,
-            "predicted_level2": {n: p[0] for n, p in predicted.items()}, "predicted_level1": {n: p[1] for n, p in predicted.items()},
-            "figures": figures}, indent=2))
+        Path(args.json).write_text(json.dumps(sets if kinds else sets[0], indent=2))
     return 0
 
 

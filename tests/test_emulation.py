@@ -21,7 +21,7 @@ from hspmd.errors import ClusterError, DeviceOutOfMemory, HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.ops import AdamW
 from hspmd.runtime.execution.batches import MicroBatchLayout
-from hspmd.runtime.execution.emulation import EmulatedBackend, RankEmulator, emulated
+from hspmd.runtime.execution.emulation import WAIT_CHUNK_S, EmulatedBackend, RankEmulator, emulated
 from hspmd.runtime.execution.trace import Tracer
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.runtime.training.trainer import Trainer
@@ -112,28 +112,78 @@ def test_cluster_file_emulation_round_trips_and_names_its_mistakes():
         cluster_from_yaml(CLUSTER_YAML + "emulate: {reference: fast, slowdown: {slow: 0.5}}\n")
 
 
+class Clocks:
+    """A rank's (wall, CPU) clocks that a test moves by hand."""
+
+    def __init__(self):
+        self.wall_s, self.cpu_s = 0.0, 0.0
+
+    def work(self, wall: float, cpu: float) -> None:
+        self.wall_s += wall
+        self.cpu_s += cpu
+
+    def of(self) -> tuple:
+        return (lambda: self.wall_s, lambda: self.cpu_s)
+
+
 def test_slow_type_waits_its_extra_time_and_the_fast_one_does_not():
-    slow = RankEmulator(0, "slow", 3.0)
-    fast = RankEmulator(1, "fast", 1.0)
-    began = time.perf_counter()
+    clocks = Clocks()
+    slow = RankEmulator(0, "slow", 3.0, clocks=clocks.of())
+    fast = RankEmulator(1, "fast", 1.0, clocks=clocks.of())
     for _ in range(10):
-        slow.computed(0.002, 0.002, ())  # each op of 2 ms owes 3 x 2 - 2 ms
-        fast.computed(0.002, 0.002, ())
+        clocks.work(0.002, 0.002)  # each op of 2 ms owes 3 x 2 - 2 ms, less than a chunk: owed, not yet slept
+        slow.computed()
+        fast.computed()
+    assert slow.compute_wait_s == 0.0
+    began = time.perf_counter()
     slow.settle()
     waited = time.perf_counter() - began
     # it slept at least what it owed, and oversleeping was credited (a busy host may wake it late)
     assert 0.039 <= slow.compute_wait_s <= 0.040 + 0.25 and waited >= 0.039
     assert fast.compute_wait_s == 0.0 and fast.ops == 0
+    # work outside the op loop (the schedule, the trainer) is the device's too: settle owes it
+    clocks.work(0.01, 0.01)
+    slow.settle()
+    assert 0.059 <= slow.compute_wait_s <= 0.060 + 0.5
+    # time inside a communication is not compute: the marks restart when it returns
+    clocks.work(0.05, 0.05)
+    slow.mark()
+    before = slow.compute_wait_s
+    slow.settle()
+    assert slow.compute_wait_s == before
+    # a long stretch of ops sleeps in chunks of at least WAIT_CHUNK_S, before any communication
+    for _ in range(int(WAIT_CHUNK_S / 0.004) + 5):
+        clocks.work(0.002, 0.002)
+        slow.computed()
+    assert slow.compute_wait_s >= before + WAIT_CHUNK_S
+    # the Python that drives a communication plan is the host's work, not the device's
+    slow.settle()
+    before = slow.compute_wait_s
+    with slow.host_work():
+        clocks.work(0.05, 0.05)
+    slow.settle()
+    assert slow.compute_wait_s == before
     # an op the busy host stretched (1 ms of CPU in 5 ms of wall time) owes 3 x 1 - 5 ms: credit,
-    # which the next ops of the same stretch of compute use up, but which a communication drops
-    busy = RankEmulator(2, "slow", 3.0)
-    busy.computed(0.005, 0.001, ())
-    busy.computed(0.001, 0.001, ())
+    # which the next work uses up, across a communication too (the host's lateness is not the device's)
+    busy = RankEmulator(2, "slow", 3.0, clocks=clocks.of())
+    clocks.work(0.005, 0.001)
+    busy.computed()
+    busy.settle()
+    clocks.work(0.001, 0.001)
+    busy.computed()
     busy.settle()
     assert busy.compute_wait_s == 0.0
-    busy.computed(0.001, 0.001, ())
+    clocks.work(0.001, 0.001)
+    busy.computed()
     busy.settle()
     assert 0.0019 <= busy.compute_wait_s <= 0.25
+    # credit is capped at one chunk: a long stall of the host does not buy the device free compute
+    stalled = RankEmulator(3, "slow", 3.0, clocks=clocks.of())
+    clocks.work(10.0, 0.0)
+    stalled.settle()
+    clocks.work(0.0, (WAIT_CHUNK_S + 0.01) / 3)
+    stalled.settle()
+    assert 0.0099 <= stalled.compute_wait_s <= 0.25
 
 
 @pytest.mark.multiprocess

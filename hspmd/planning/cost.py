@@ -32,11 +32,14 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 @dataclass(frozen=True)
 class Efficiency:
-    """gamma and delta per kernel class, and the backward/forward ratio, for one device type."""
+    """gamma and delta per kernel class, the backward/forward ratio, and how many times the cost
+    model's per-step overhead this device type takes (`step_scale`: an emulated type s times
+    slower than the host runs the trainer's per-step work s times slower too), for one device type."""
 
     gamma: tuple[tuple[str, float], ...] = tuple((k, 1.0) for k in KERNEL_CLASSES)
     delta: tuple[tuple[str, float], ...] = tuple((k, 0.0) for k in KERNEL_CLASSES)
     backward_ratio: float = 1.0
+    step_scale: float = 1.0
 
     def __post_init__(self):
         for name, table in (("gamma", self.gamma), ("delta", self.delta)):
@@ -51,6 +54,8 @@ class Efficiency:
             object.__setattr__(self, name, tuple(full.items()))
         if not self.backward_ratio > 0:
             raise ClusterError(f"Efficiency backward_ratio must be > 0, got {self.backward_ratio}")
+        if not self.step_scale > 0:
+            raise ClusterError(f"Efficiency step_scale must be > 0, got {self.step_scale}")
 
     def g(self, cls: str) -> float:
         return dict(self.gamma)[cls]
@@ -59,12 +64,13 @@ class Efficiency:
         return dict(self.delta)[cls]
 
     def to_dict(self) -> dict:
-        return {"gamma": dict(self.gamma), "delta": dict(self.delta), "backward_ratio": self.backward_ratio}
+        return {"gamma": dict(self.gamma), "delta": dict(self.delta), "backward_ratio": self.backward_ratio,
+                "step_scale": self.step_scale}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Efficiency":
         return cls(tuple(dict(data.get("gamma", {})).items()), tuple(dict(data.get("delta", {})).items()),
-                   float(data.get("backward_ratio", 1.0)))
+                   float(data.get("backward_ratio", 1.0)), float(data.get("step_scale", 1.0)))
 
 
 @dataclass(frozen=True)
@@ -348,11 +354,20 @@ class CostModel:
             return self.cluster.seconds(a, b, nbytes)
         return link.seconds(nbytes)
 
-    def step_fixed(self, devices: Sequence[int]) -> float:
-        """What a training step costs every device once, outside its programs: the framework's
-        per-step work and the all-reduce of the step loss over the strategy's devices."""
-        loss = self.collective("all_reduce", 8.0, tuple(devices)) if len(devices) > 1 else 0.0
-        return self.step_overhead + loss
+    def step_fixed(self, devices: Sequence[int], device: "int | None" = None) -> float:
+        """What a training step costs `device` (None: a device of unit step_scale) once, outside its
+        programs: the framework's per-step work and the all-reduce of the step loss over the
+        strategy's devices."""
+        return self.step_work(device) + self.step_loss(devices)
+
+    def step_work(self, device: "int | None" = None) -> float:
+        """The framework's per-step work on `device` (its type's step_scale x step_overhead)."""
+        scale = 1.0 if device is None else self.efficiency_of(self.device(device)).step_scale
+        return self.step_overhead * scale
+
+    def step_loss(self, devices: Sequence[int]) -> float:
+        """The all-reduce of the step loss over the strategy's devices."""
+        return self.collective("all_reduce", 8.0, tuple(devices)) if len(devices) > 1 else 0.0
 
     def collective(self, kind: str, nbytes: float, group: Sequence[int]) -> float:
         """A ring collective of `nbytes` (the whole tensor) over devices `group` in ring order,

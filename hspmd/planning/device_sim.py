@@ -148,7 +148,7 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
     `micro_batches`: per discovered pipeline index (or one count for all)."""
     binding = spec.binding
     costs = {d: device_cost(exe, cost, binding, comm) for d, exe in spec.executables.items()}
-    fixed = cost.step_fixed(tuple(sorted(costs)) if comm else ())
+    loss = cost.step_loss(tuple(sorted(costs)) if comm else ())
     pipelines = []
     for p, layout in enumerate(spec.pipelines):
         stages, links = [], []
@@ -158,7 +158,7 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
             update_comm = max(c.update_comm for c in cs)
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),
-                                   sync=update_comm, update=update - update_comm + fixed))
+                                   sync=update_comm, update=update - update_comm + loss + max(cost.step_work(d) for d in devices)))
             if s + 1 < len(layout.stages):
                 nxt = [costs[d] for d in layout.stages[s + 1]]
                 links.append(SimLink(max(c.send_forward for c in cs), max(c.send_backward for c in nxt)))

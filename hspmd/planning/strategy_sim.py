@@ -118,7 +118,7 @@ def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: i
     groups = _sync_groups(strategy)
     group_of = {k: g for g in groups for k in g}
     sync_cache: dict[int, float] = {}
-    fixed = cost.step_fixed(strategy.all_ranks if comm else ())
+    loss = cost.step_loss(strategy.all_ranks if comm else ())
     pipelines = []
     for p, pipe in enumerate(strategy.pipelines):
         mbs = pipe.micro_batch_size or micro_batch_size or 1
@@ -140,6 +140,7 @@ def plan_run(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", seq: i
                     sync_cache[gid] = _sync_seconds(strategy, cost, group)
                 sync += sync_cache[gid]
             params = cost.stage_parameters(shape)
+            fixed = loss + max(cost.step_work(d) for d in stage.ranks)
             update = fixed + cost.update_time(device, params / (shape.dp if shape.zero else 1),
                                               tensors=9 * shape.layers + int(shape.first) + 2 * int(shape.last))
             one = cost.memory(shape, 1, mbs, seq)

@@ -5,16 +5,26 @@ there, this host standing for the block's reference type. `emulated(backend, clu
 rank's backend in an `EmulatedBackend` carrying that rank's `RankEmulator`; without a block it
 returns the backend unchanged, so emulation is off unless a cluster file asks for it.
 
-    compute   after each compute op (the interpreter's op loop calls `RankEmulator.computed`), a rank whose
-              type is s times slower than the reference owes s x the CPU time since the last op
-              or communication (this thread's: what the op and the loop's work for it cost a core
-              of its own, so other processes sharing the host do not stretch it) less the wall
-              time that took. The debt is waited off with
-              time.sleep (not a busy loop: the host's cores stay free for the other ranks) once it
-              reaches WAIT_CHUNK_S, and always before the rank communicates, so what it sends
-              leaves when it would have on the slower device; oversleeping, or an op the busy host
-              made slower than the emulated device, is credit until the next communication. Ranks
-              run one intra-op thread (the launcher's default), whose CPU time is the op's.
+    compute   a rank whose type is s times slower than the reference owes s x the CPU time its
+              thread spends between communications (what that work costs a core of its own, so
+              other processes sharing the host do not stretch it: the ops, the interpreter's loop,
+              the schedule and the trainer's per-step work alike) less the wall time that took.
+              The emulator keeps the marks: `computed` (the interpreter's op loop, after each op)
+              adds the work since the last mark to the debt, every call into the backend settles
+              it, and the time spent inside a communication is not compute (the marks restart when
+              it returns), nor is the host's Python that drives a communication plan
+              (`host_work`: the cost model prices a communication's dispatch once, not per
+              device type). The debt is waited off with time.sleep (not a busy loop: the host's
+              cores stay free for the other ranks) once it reaches WAIT_CHUNK_S, and always before
+              the rank communicates, so what it sends leaves when it would have on the slower
+              device; oversleeping, or work the busy host made slower than the emulated device,
+              is credit (up to WAIT_CHUNK_S) against the work that follows. The chunk is long
+              because a rank that sleeps often wakes to cold caches and pays for it in CPU time,
+              which the slowdown then multiplies: measured here, a small op costs 10 us of CPU
+              back to back and 32 us after a 1 ms sleep, and a one-device Llama step at
+              slowdown 20 took 2.2x its plain CPU time with 1 ms chunks, 1.3x with 50 ms and
+              1.05x with 200 ms (1.03x sleeping only before communicating). Ranks run one
+              intra-op thread (the launcher's default), whose CPU time is the op's.
     memory    op outputs, received pieces and leaves are counted by storage while they live; a
               value that would take the rank over its type's hbm_capacity x memory_scale raises
               DeviceOutOfMemory (rank, type, bytes) before it is stored, as a GPU's allocator
@@ -41,8 +51,9 @@ import math
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -54,7 +65,7 @@ from hspmd.errors import DeviceOutOfMemory, HSPMDError
 from hspmd.planning.cost import ring_time
 from hspmd.runtime.execution.trace import Tracer
 
-WAIT_CHUNK_S = 1e-3  # compute debt is slept off in pieces at least this long (time.sleep's own cost is ~60 us)
+WAIT_CHUNK_S = 0.25  # compute debt is slept off in pieces at least this long (module docstring: cold caches)
 SWEEP_EVERY = 32  # values counted between liveness sweeps of the memory table
 BOARD_SLOTS = 1024  # stamps per ordered rank pair kept at once (a sender may be this many messages ahead)
 
@@ -80,12 +91,16 @@ class EmulationStats:
 
 
 class RankEmulator:
-    """One rank's emulated device: compute debt, memory table, and the tracer its waits go to."""
+    """One rank's emulated device: compute debt and its clock marks, memory table, and the tracer
+    its waits go to. `clocks`: (wall, this thread's CPU) seconds."""
 
     def __init__(self, rank: int, device_type: str, slowdown: float, capacity: float | None = None,
-                 tracer: Tracer | None = None):
+                 tracer: Tracer | None = None,
+                 clocks: tuple[Callable[[], float], Callable[[], float]] = (time.perf_counter, time.thread_time)):
         self.rank, self.device_type, self.slowdown, self.capacity = rank, device_type, slowdown, capacity
         self.tracer = tracer
+        self._wall, self._cpu = clocks
+        self._host = 0  # inside host_work: CPU time that is not the device's
         self._debt = 0.0
         self.compute_wait_s = 0.0
         self.link_wait_s = 0.0
@@ -94,32 +109,62 @@ class RankEmulator:
         self._storages: dict[StorageWeakRef, int] = {}
         self._counted = 0
         self._since_sweep = 0
+        self.sweep_every = SWEEP_EVERY  # 1: an exact peak (a benchmark's untimed memory pass)
         self.peak_bytes = 0
+        self.mark()
 
     # ---- compute ---------------------------------------------------------------------------------
 
-    def computed(self, seconds: float, cpu_seconds: float, outputs: Iterable[object], where: str = "") -> None:
-        """After one op that took `seconds` of wall time and `cpu_seconds` of this thread's CPU time:
-        count its outputs against the device's memory (raising DeviceOutOfMemory before the caller
-        stores them) and owe what the emulated device takes beyond the wall time already spent,
-        slowdown x the CPU time (what the op costs a core of its own, whatever else the host runs)."""
-        if self.capacity is not None:
-            self.hold(outputs, where)
+    def mark(self) -> None:
+        """Start a stretch of compute now (after a communication returns: its time is not compute)."""
+        self._wall_mark, self._cpu_mark = self._wall(), self._cpu()
+
+    @contextmanager
+    def host_work(self) -> Iterator[None]:
+        """A stretch that is the host's work, not the device's (running a communication plan: the
+        Python that drives a collective runs on the host whatever the device): its CPU time is
+        not owed; communications inside it still wait off the debt owed before it."""
+        self._accrue()
+        self._host += 1
+        try:
+            yield
+        finally:
+            self._host -= 1
+            self.mark()
+
+    def _accrue(self) -> None:
+        """Owe s x the CPU time since the mark less the wall time since it; restart the marks."""
+        wall, cpu = self._wall(), self._cpu()
+        if self.slowdown > 1.0 and not self._host:
+            self.op_cpu_s += cpu - self._cpu_mark
+            self._debt += self.slowdown * (cpu - self._cpu_mark) - (wall - self._wall_mark)
+        self._wall_mark, self._cpu_mark = wall, cpu
+
+    def computed(self, outputs: Iterable[object] = (), where: str = "") -> None:
+        """After one op: count its outputs against the device's memory (raising DeviceOutOfMemory
+        before the caller stores them) and owe what the emulated device takes for the work since
+        the last mark beyond the wall time already spent (module docstring)."""
         if self.slowdown > 1.0:
             self.ops += 1
-            self.op_cpu_s += cpu_seconds
-            self._debt += self.slowdown * cpu_seconds - seconds
-            if self._debt >= WAIT_CHUNK_S:
-                self.settle()
+        if self.capacity is not None:
+            self.hold(outputs, where)
+        else:
+            self._accrue()
+        if self._debt >= WAIT_CHUNK_S:
+            self._sleep(self._debt, "emulated compute")
+            self.mark()
 
     def settle(self) -> None:
-        """Wait off the compute debt (called before every communication and in chunks). A
-        negative debt (ops that took longer than the emulated device would: a busy host) is credit
-        within a stretch of compute, never across a communication."""
-        if self._debt <= 0:
-            self._debt = 0.0
-            return
-        self._sleep(self._debt, "emulated compute")
+        """Owe the work since the mark and wait off the debt (before every communication). A
+        negative debt (a sleep the busy host ended late, or work it made slower than the emulated
+        device) is credit against the next work, up to WAIT_CHUNK_S: the host's lateness is not
+        the emulated device's, and a rank that drops it at every communication falls behind by
+        the host's wake-up latency once per message."""
+        self._accrue()
+        if self._debt > 0:
+            self._sleep(self._debt, "emulated compute")
+        self._debt = max(self._debt, -WAIT_CHUNK_S)
+        self.mark()
 
     def _sleep(self, seconds: float, name: str) -> None:
         start = time.perf_counter()
@@ -127,7 +172,7 @@ class RankEmulator:
         time.sleep(seconds)
         slept = time.perf_counter() - start
         if name == "emulated compute":
-            self._debt -= slept  # oversleeping is credit against the next ops' debt
+            self._debt -= slept  # oversleeping is credit against the next work's debt
             self.compute_wait_s += slept
         else:
             self.link_wait_s += slept
@@ -136,19 +181,31 @@ class RankEmulator:
                                        "pid": self.rank, "tid": 0})
 
     def wait_until(self, deadline: float) -> None:
-        """Wait (link emulation) until wall time `deadline` (time.time() seconds)."""
+        """Wait (link emulation) until wall time `deadline` (time.time() seconds); restart the marks."""
         remaining = deadline - time.time()
         if remaining > 0:
             self._sleep(remaining, "emulated link")
+        self.mark()
 
     def wait_link(self, seconds: float) -> None:
+        """Wait what an emulated link adds (after a communication returned); restart the marks."""
         if seconds > 0:
             self._sleep(seconds, "emulated link")
+        self.mark()
 
     # ---- memory ----------------------------------------------------------------------------------
 
     def hold(self, values: Iterable[object], where: str = "") -> None:
-        """Count `values`' storages as live on this device; raise DeviceOutOfMemory if they do not fit."""
+        """Count `values`' storages as live on this device; raise DeviceOutOfMemory if they do not fit.
+        The work before it is owed; the table's own bookkeeping is the emulator's, not the device's:
+        its CPU time is not owed, and its wall time counts as time the device's debt already spent."""
+        self._accrue()
+        try:
+            self._hold(values, where)
+        finally:
+            self._cpu_mark = self._cpu()
+
+    def _hold(self, values: Iterable[object], where: str) -> None:
         new: list[tuple[StorageWeakRef, int]] = []
         for v in values:
             if isinstance(v, torch.Tensor):
@@ -160,7 +217,7 @@ class RankEmulator:
             return
         adding = sum(n for _, n in new)
         self._since_sweep += len(new)
-        if self._counted + adding > self.capacity or self._since_sweep >= SWEEP_EVERY:
+        if self._counted + adding > self.capacity or self._since_sweep >= self.sweep_every:
             self._sweep()
             if self._counted + adding > self.capacity:
                 raise DeviceOutOfMemory(self.rank, self.device_type, self._counted + adding, self.capacity, where)
@@ -263,6 +320,18 @@ class _Emulated:
         return out
 
 
+class _Marked:
+    """Posted sends whose wait() restarts the rank's compute marks (waiting is not compute)."""
+
+    def __init__(self, handle, emulator: RankEmulator):
+        self.handle, self.emulator = handle, emulator
+
+    def wait(self):
+        out = self.handle.wait()
+        self.emulator.mark()
+        return out
+
+
 class EmulatedBackend(Backend):
     """A rank's backend as its emulated device: every call first settles the rank's compute debt;
     messages and collectives between nodes then take their emulated link time (module docstring).
@@ -297,13 +366,13 @@ class EmulatedBackend(Backend):
                 self.board.stamp(peer, now)
 
     def _arrive(self, got: Mapping[int, torch.Tensor]) -> None:
+        """Wait until the latest emulated message of `got` would have arrived; restart the marks."""
         deadline = 0.0
         for peer, t in got.items():
             if self._emulated_peer(peer):
                 left = self.board.left_at(peer)
                 deadline = max(deadline, left + self.cluster.link(peer, self.rank).seconds(_nbytes((t,))))
-        if deadline:
-            self.emulator.wait_until(deadline)
+        self.emulator.wait_until(deadline) if deadline else self.emulator.mark()
 
     def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, tuple[Shape, torch.dtype]]) -> dict[int, torch.Tensor]:
         self._stamp(sends)
@@ -318,7 +387,9 @@ class EmulatedBackend(Backend):
 
     def _post_sends(self, sends: Mapping[int, torch.Tensor]):
         self._stamp(sends)
-        return self.inner.post_sends(sends)
+        handle = _Marked(self.inner.post_sends(sends), self.emulator)
+        self.emulator.mark()
+        return handle
 
     # ---- collectives -----------------------------------------------------------------------------
 
@@ -338,15 +409,19 @@ class EmulatedBackend(Backend):
         return out
 
     def prepare_groups(self, groups: Iterable[Group]) -> None:
+        self.emulator.settle()
         self.inner.prepare_groups(groups)
+        self.emulator.mark()
 
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         return self._collective("all_reduce", _nbytes((tensor,)), group, lambda: self.inner.all_reduce(tensor, group))
 
     def all_reduce_start(self, tensor: torch.Tensor, group: Group) -> Pending:
         self.emulator.settle()
-        return _Emulated(self.inner.all_reduce_start(tensor, group), self.emulator,
-                         self._extra("all_reduce", _nbytes((tensor,)), group))
+        pending = _Emulated(self.inner.all_reduce_start(tensor, group), self.emulator,
+                            self._extra("all_reduce", _nbytes((tensor,)), group))
+        self.emulator.mark()
+        return pending
 
     def all_gather(self, tensor: torch.Tensor, group: Group, shapes: Sequence[Shape]) -> list[torch.Tensor]:
         nbytes = sum(math.prod(s) for s in shapes) * tensor.element_size()
@@ -367,6 +442,7 @@ class EmulatedBackend(Backend):
     def barrier(self, group: Group) -> None:
         self.emulator.settle()
         self.inner.barrier(group)
+        self.emulator.mark()
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
         return self._collective("all_gather", _nbytes((tensor,)), group, lambda: self.inner.broadcast(tensor, src, group))

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from time import perf_counter, thread_time
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Iterable, Mapping, Sequence
@@ -157,9 +156,6 @@ def run_ops(ops: Sequence[Lowered], backend: Backend, state: DeviceState, env: d
     leaves = state.leaves
     emulator = emulation_of(backend)  # an emulated device type (runtime.execution.emulation), or None
     holds = emulator is not None and emulator.capacity is not None
-    # an emulated op's time runs from the end of the last op or communication: the loop's own work
-    # for the leaves, placeholders and inputs it needed counts as the device's, waits for peers do not
-    started, cpu = (perf_counter(), thread_time()) if emulator is not None else (0.0, 0.0)
     with torch.no_grad():  # once per pass, not per op: ops compute values, never autograd graphs
         for op in ops:
             code = op.code
@@ -169,15 +165,13 @@ def run_ops(ops: Sequence[Lowered], backend: Backend, state: DeviceState, env: d
                 if target is not None:
                     write_gradient(op.opdef, op.node, op.ctx, inputs, target, state.accum.pop(op.out, None))
                     if emulator is not None:
-                        emulator.computed(perf_counter() - started, thread_time() - cpu, (target,), op.name)
-                        started, cpu = perf_counter(), thread_time()
+                        emulator.computed((target,), op.name)
                     env[op.out] = target
                     fill.written(op.out, backend)
                     continue
                 outs = op.compute(op.node, op.ctx, inputs)
-                if emulator is not None:  # waits the slower type's extra time; refuses what its memory cannot hold
-                    emulator.computed(perf_counter() - started, thread_time() - cpu, outs, op.name)
-                    started, cpu = perf_counter(), thread_time()
+                if emulator is not None:  # owes the slower type's extra time; refuses what its memory cannot hold
+                    emulator.computed(outs, op.name)
                 if len(op.outputs) == 1:
                     env[op.out] = outs[0]
                 else:
@@ -193,15 +187,15 @@ def run_ops(ops: Sequence[Lowered], backend: Backend, state: DeviceState, env: d
                 t, n = op.inputs[0]
                 if read is not None and t in read:
                     out = read.gradient(t)  # waits for its buckets alone
-                    if emulator is not None:
-                        started, cpu = perf_counter(), thread_time()
                 else:
                     local = env[t] if t in env else (leaves.get(n) if n is not None else None)
-                    out = local if code == IDENTITY else execute_plan(op.plan, backend, local, op.reduce)
-                    if emulator is not None and code == COMM:
-                        if holds and out is not None:
-                            emulator.hold((out,), op.name)
-                        started, cpu = perf_counter(), thread_time()
+                    if code == IDENTITY:
+                        out = local
+                    else:  # the plan's own Python is the host's work, not the emulated device's
+                        with emulator.host_work() if emulator is not None else nullcontext():
+                            out = execute_plan(op.plan, backend, local, op.reduce)
+                    if holds and code == COMM and out is not None:
+                        emulator.hold((out,), op.name)
                 if out is not None:
                     if extra and op.out in extra:
                         out = out + extra[op.out]

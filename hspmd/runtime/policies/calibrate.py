@@ -87,9 +87,10 @@ class Calibration:
 
     def cost_model_for(self, cluster: ClusterSpec, model: ModelSpec) -> CostModel:
         """The cost model of `cluster` emulated on this host (hspmd.runtime.execution.emulation): this
-        fit is the emulation's reference type; a type s times slower has the fitted rates / s and
-        pays (s - 1) x the per-instruction overhead per kernel as its delta (emulation slows each
-        op's whole measured time, dispatch included); memory is its capacity x memory_scale; links
+        fit is the emulation's reference type; a type s times slower has the fitted rates / s,
+        pays (s - 1) x the per-instruction overhead per kernel as its delta and s x the per-step
+        overhead (emulation slows all of a rank's CPU time between communications: ops, dispatch
+        and the trainer's work alike); memory is its capacity x memory_scale; links
         inside a node are this host's fitted link (not emulated), between nodes the file's."""
         emulation = cluster.emulation
         if emulation is None:
@@ -100,12 +101,15 @@ class Calibration:
             memory = t.hbm_capacity * emulation.memory_scale if emulation.memory_scale is not None else t.hbm_capacity
             types.append(DeviceType(t.name, ((model.dtype, self.peak_flops / s),), self.bandwidth / s, memory))
             efficiency[t.name] = Efficiency(gamma=tuple((cls, self.gamma) for cls in KERNEL_CLASSES),
-                                            delta=tuple((cls, (s - 1.0) * self.overhead) for cls in KERNEL_CLASSES))
+                                            delta=tuple((cls, (s - 1.0) * self.overhead) for cls in KERNEL_CLASSES),
+                                            step_scale=s)
         host = self.link()
         links = tuple(l for l in cluster.links if l.name != host.name) + (host,)
         nodes = tuple(replace(n, intra=None) for n in cluster.nodes)
-        spec = ClusterSpec(nodes, tuple(types), links, tuple((t.name, host.name) for t in types), cluster.inter,
-                           cluster.cross, (), cluster.name, emulation)
+        # links not emulated (emulate.links false): every message is this host's own transfer
+        inter, cross = (cluster.inter, cluster.cross) if emulation.links else ((("*", host.name),), None)
+        spec = ClusterSpec(nodes, tuple(types), links, tuple((t.name, host.name) for t in types), inter,
+                           cross, (), cluster.name, emulation)
         return CostModel(spec, model, efficiency, overhead=self.overhead, step_overhead=self.step_overhead)
 
     def to_dict(self) -> dict:
