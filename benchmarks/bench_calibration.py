@@ -49,7 +49,7 @@ from hspmd.ir.shapes import Binding  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
 from hspmd.planning.device_sim import simulate_specialized  # noqa: E402
-from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
+from hspmd.planning.strategy_sim import plan_run, simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
 from hspmd.runtime.policies.calibrate import Calibration, Probe, ProbeShape, fit  # noqa: E402
 from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
@@ -151,7 +151,7 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
         if device is not None and device.capacity is not None:
             device.sweep_every, device.peak_bytes = 1, 0
             trainer.step(batch)
-            peaks[name] = device.stats().peak_bytes
+            peaks[name] = (device.stats().peak_bytes, device.live_bytes)  # the peak, and what stays between steps
             device.sweep_every = SWEEP_EVERY
     events = {name: [] for name in trainers}
     for _ in range(TRACED_STEPS if traced else 0):  # traced steps per strategy, for `hspmd show`
@@ -182,7 +182,7 @@ def typical_step(per_rank_steps: list[list[list[dict]]]) -> list[list[dict]]:
 
 
 def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, float, dict[int, float]]]:
-    """(level 2, level 1) predicted step seconds per strategy, and level 1's peak bytes per rank;
+    """(level 2, level 1) predicted step seconds per strategy, and level 1's (peak, static) bytes per rank;
     on an emulated `cluster`, as its types run on this host (Calibration.cost_model_for)."""
     config = LlamaConfig(**CONFIG)
     spec_model = from_llama_config(config, SEQ)
@@ -195,7 +195,10 @@ def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, fl
         spec = specialize_graph(build_llama(config, [strategy]).graph, 0, binding)
         level2 = simulate_specialized(spec, cost, dict(enumerate(layout.counts)), schedule)
         level1 = simulate_strategy(strategy, cost, schedule)
-        out[name] = (level2.iteration, level1.iteration, dict(level1.peak_memory))
+        static = {d: st.static_memory for pipe in plan_run(strategy, cost, schedule).pipelines for st in pipe.stages
+                  for d in st.devices}
+        out[name] = (level2.iteration, level1.iteration, {d: (level1.peak_memory.get(d, 0.0), static.get(d, 0.0))
+                                                          for d in static})
     return out
 
 
@@ -257,13 +260,16 @@ def run_set(args, cluster=None) -> dict:
                          ms(step - wait - link)])
         print(table(["strategy", "rank", "step ms (mean)", "device CPU ms", "x slowdown", "compute waits", "rest"], rows))
         rows, errors = [], []
+        mib = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
         for name in STRATEGIES:
             for rank, r in enumerate(results):
-                got, model = r[4][name], predicted[name][2].get(rank, 0.0)
+                (got, kept), (model, static) = r[4][name], predicted[name][2].get(rank, (0.0, 0.0))
                 errors.append(abs(model - got) / got)
-                memory[f"{name} rank {rank}"] = {"measured": got, "model": model}
-                rows.append([name, rank, f"{got / 2**20:.3f}", f"{model / 2**20:.3f}", f"{(model - got) / got:+.1%}"])
-        print(table(["strategy", "rank", "peak live MiB (measured)", "memory model MiB (level 2)", "error"], rows))
+                memory[f"{name} rank {rank}"] = {"measured": got, "model": model, "measured_static": kept, "model_static": static}
+                rows.append([name, rank, mib(got), mib(model), f"{(model - got) / got:+.1%}", mib(kept), mib(static),
+                             mib(got - kept), mib(model - static)])
+        print(table(["strategy", "rank", "peak live MiB", "model MiB (level 1)", "error", "kept between steps",
+                     "model static", "peak above kept", "model activations"], rows))
         print(f"peak memory per rank: largest error {100 * max(errors):.1f}%, mean {100 * statistics.mean(errors):.1f}% "
               f"(goal: within 10%)")
         figures["memory"] = {"max_error": max(errors), "mean_error": statistics.mean(errors)}
