@@ -29,11 +29,15 @@ simulated one (level-1 simulator on the calibrated cost model).
 
 4. (plan3) part 1 on examples/clusters/emulated-three-types.yaml: 8 ranks over three nodes of
    three types (2 fast, 2 at 1.5x, 4 at 2.5x slower), global batch 16.
+5. (cp) hetero context parallelism: one sequence of CP_SEQ tokens split across a CP4 group of the
+   two fast and the two slow ranks, evenly (in the ring's head + tail order) against shares by
+   speed (strategy_sim.balanced_cp_shares on the calibrated cost model: the fast ranks take more
+   tokens; in token order).
 
 Not here: elastic recovery on mixed hardware (needs the cluster-aware re-plan). Timing-sensitive,
 not part of `make test`:
 
-    python benchmarks/bench_hetero.py [--calibration cal.json] [--rounds 9] [--parts plan,dispatch,h1f1b,plan3]
+    python benchmarks/bench_hetero.py [--calibration cal.json] [--rounds 9] [--parts plan,dispatch,h1f1b,plan3,cp]
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ from hspmd.planning.dispatch import PipelineCost, PoolEntry  # noqa: E402
 from hspmd.planning.dispatch import dispatch as plan_dispatch  # noqa: E402
 from hspmd.planning.search.command import run_searches, uniform_baseline  # noqa: E402
 from hspmd.planning.search.costed import cluster_problem  # noqa: E402
-from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
+from hspmd.ops.context import head_tail_order, in_token_order  # noqa: E402
+from hspmd.planning.strategy_sim import balanced_cp_shares, simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
 from hspmd.runtime.execution.emulation import emulated  # noqa: E402
 from hspmd.runtime.policies.calibrate import Calibration, calibrate  # noqa: E402
@@ -312,6 +317,50 @@ def part_h1f1b(cluster, cal: Calibration, rounds: int, warmup: int) -> None:
                  "simulated speedup"], report(results, sims, "1F1B")))
 
 
+# ---- 5. hetero context parallelism ---------------------------------------------------------------
+
+CP_SEQ = 512
+CP_EVEN = "layers=4 ; 1x1: R0-3 L0-3 cp4"
+
+
+def cp_rank(backend, cluster, texts: dict[str, str], rounds: int, warmup: int):
+    """One rank's step times of each CP strategy on one sequence of CP_SEQ tokens (even shares in
+    the ring's balanced order, uneven ones in token order)."""
+    torch.set_num_threads(1)
+    backend = emulated(backend, cluster)
+    sides = {}
+    for name, text in texts.items():
+        strategy = parse_strategy(text)
+        model = build_llama(LlamaConfig(**CONFIG), [strategy], optimizer=AdamW(lr=1e-3))
+        trainer = Trainer(model.graph, 0, backend, strategy, symbols={"S": CP_SEQ, "T": CP_SEQ})
+        even = strategy.pipelines[0].stages[0].cp_shares is None
+        order = head_tail_order(CP_SEQ, strategy.max_cp) if even else torch.arange(CP_SEQ)
+        sides[name] = lambda rows, t=trainer, o=order: t.step(in_token_order(rows, o))
+
+    def data(i: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(i)
+        return {k: torch.randint(0, CONFIG["vocab"], (1, CP_SEQ), generator=gen) for k in ("tokens", "labels")}
+
+    return interleaved(backend, sides, rounds, warmup, data)
+
+
+def part_cp(cluster, cal: Calibration, rounds: int, warmup: int) -> None:
+    model = from_llama_config(LlamaConfig(**CONFIG), seq_len=CP_SEQ, name="llama-tiny")
+    cost = cal.cost_model_for(cluster, model)
+    shares = balanced_cp_shares(cost, parse_strategy(CP_EVEN).pipelines[0].stages[0], CP_SEQ)
+    texts = {"even shares": CP_EVEN, f"shares by speed {':'.join(map(str, shares))}": CP_EVEN.replace(
+        "cp4", "cp4=" + ",".join(map(str, shares)))}
+    sims = {name: simulate_strategy(parse_strategy(t), cost, seq=CP_SEQ).iteration for name, t in texts.items()}
+    results = run_multiprocess(cp_rank, 4, cluster, texts, rounds, warmup, timeout=1800)
+    print(f"\n5. hetero CP: one {CP_SEQ}-token sequence over a CP4 group of 2 fast and 2 slow ranks "
+          f"({rounds} rounds + {warmup} warm-up)")
+    for name, text in texts.items():
+        print(f"  {name}: {text}")
+    print(table(["shares", "measured step s, median (min-max)", "simulated s", "measured speedup vs even",
+                 "simulated speedup"], report(results, sims, "even shares")))
+    print(breakdown(results, texts, cluster))
+
+
 def dilated(cluster, dilation: float):
     """The cluster with its reference type `dilation` times slower than this host and every other
     type at its own ratio to the reference (hspmd.cluster.emulation): a dilation above the host's
@@ -333,8 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--dilation", type=float, default=12.0,
                    help="how many times slower than this host the fastest type runs (default 12; keep it above the "
                         "host's load per core, else the scheduler sets the pace)")
-    p.add_argument("--parts", default="plan,dispatch,h1f1b,plan3",
-                   help="plan (two types), dispatch, h1f1b, plan3 (the 8-rank three-type cluster)")
+    p.add_argument("--parts", default="plan,dispatch,h1f1b,plan3,cp",
+                   help="plan (two types), dispatch, h1f1b, plan3 (the 8-rank three-type cluster), cp (hetero CP)")
     args = p.parse_args(argv)
     cluster = dilated(load_cluster(CLUSTER), args.dilation)
     cal = Calibration.load(args.calibration) if args.calibration else calibrate(3, cpu_time=True)
@@ -352,6 +401,8 @@ def main(argv=None) -> int:
         part_dispatch(cluster, args.rounds, args.warmup)
     if "h1f1b" in parts:
         part_h1f1b(cluster, cal, args.rounds, args.warmup)
+    if "cp" in parts:
+        part_cp(cluster, cal, args.rounds, args.warmup)
     return 0
 
 

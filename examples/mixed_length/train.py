@@ -66,9 +66,11 @@ def token_files(data: str | None) -> TokenFiles:
     return TokenFiles(data) if data else prepared_now([DOCUMENTS])
 
 
-def build(vocab: int):
-    return build_llama(LlamaConfig(vocab=vocab, **CONFIG), [parse_strategy(t) for t in (WIDE, MIDDLE, NARROW, MIXED)],
-                       optimizer=AdamW(lr=3e-3), packed=True)
+def build(vocab: int, more: tuple[str, ...] = ()):
+    """The packed model over the pool's strategies (graph indices 0-3, POOL's order), then `more`."""
+    return build_llama(LlamaConfig(vocab=vocab, **CONFIG),
+                       [parse_strategy(t) for t in (WIDE, MIDDLE, NARROW, MIXED, *more)], optimizer=AdamW(lr=3e-3),
+                       packed=True)
 
 
 def main(argv=None) -> int:
