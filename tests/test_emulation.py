@@ -25,6 +25,7 @@ from hspmd.runtime.execution.emulation import WAIT_CHUNK_S, EmulatedBackend, Ran
 from hspmd.runtime.execution.trace import Tracer
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.runtime.training.trainer import Trainer
+from hspmd.ops.context import in_token_order
 from hspmd.specialize.strategy_text import parse_strategy
 
 SEQ, LR = 8, 1e-2
@@ -362,3 +363,25 @@ def test_a_cluster_the_simulator_cannot_price_still_trains_and_says_why(tmp_path
     out = capsys.readouterr().out
     assert code == 0
     assert "step time: measured" in out and "not simulated" in out and "float32" in out
+
+
+def test_a_cp_group_across_the_types_trains_alike_under_emulation():
+    """CP4 over both nodes with shares by speed (the fast ranks take more tokens): the emulated
+    run's losses and weights equal the plain run's (its gradient sync reduce-scatters through the
+    emulated backend)."""
+    text = "layers=2 ; 1x1: R0-3 L0-1 cp4=6,6,2,2"
+    batch = in_token_order({k: torch.randint(0, CONFIG["vocab"], (1, 16), generator=torch.Generator().manual_seed(i))
+                            for i, k in enumerate(("tokens", "labels"))}, torch.arange(16))
+
+    def rank(backend, cluster):
+        backend = emulated(backend, cluster)
+        strategy = parse_strategy(text)
+        model = build_llama(LlamaConfig(layers=2, **CONFIG), [strategy], optimizer=AdamW(lr=LR))
+        trainer = Trainer(model.graph, 0, backend, strategy, symbols={"S": 16, "T": 16})
+        return [trainer.step(batch) for _ in range(2)], {k: v.clone() for k, v in trainer.state.leaves.items()}
+
+    plain = LocalWorld(range(4)).run(lambda b: rank(b, None))
+    emul = LocalWorld(range(4)).run(lambda b: rank(b, two_types(slowdowns={"slow": 1.5})))
+    for r in range(4):
+        assert plain[r][0] == emul[r][0] and plain[r][0][0] is not None
+        assert all(torch.equal(v, emul[r][1][k]) for k, v in plain[r][1].items())

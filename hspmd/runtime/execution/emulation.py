@@ -436,8 +436,9 @@ class EmulatedBackend(Backend):
     def all_gather_into(self, tensor: torch.Tensor, group: Group, outs: Sequence[torch.Tensor]) -> None:
         self._collective("all_gather", _nbytes(outs), group, lambda: self.inner.all_gather_into(tensor, group, outs))
 
-    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor) -> None:
-        self._collective("reduce_scatter", _nbytes(parts), group, lambda: self.inner.reduce_scatter_into(parts, group, out))
+    def reduce_scatter_into(self, parts: Sequence[torch.Tensor], group: Group, out: torch.Tensor, op: str = "sum") -> None:
+        self._collective("reduce_scatter", _nbytes(parts), group,
+                         lambda: self.inner.reduce_scatter_into(parts, group, out, op))
 
     def barrier(self, group: Group) -> None:
         self.emulator.settle()
