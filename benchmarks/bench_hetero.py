@@ -29,7 +29,8 @@ simulated one (level-1 simulator on the calibrated cost model).
 
 4. (plan3) part 1 on examples/clusters/emulated-three-types.yaml: 8 ranks over three nodes of
    three types (2 fast, 2 at 1.5x, 4 at 2.5x slower), global batch 16.
-5. (cp) hetero context parallelism: one sequence of CP_SEQ tokens split across a CP4 group of the
+5. (cp) hetero context parallelism: one sequence of CP_SEQ tokens (a 2-layer Llama of hidden 256)
+   split across a CP4 group of the
    two fast and the two slow ranks, evenly (in the ring's head + tail order) against shares by
    speed (strategy_sim.balanced_cp_shares on the calibrated cost model: the fast ranks take more
    tokens; in token order).
@@ -319,8 +320,10 @@ def part_h1f1b(cluster, cal: Calibration, rounds: int, warmup: int) -> None:
 
 # ---- 5. hetero context parallelism ---------------------------------------------------------------
 
-CP_SEQ = 512
-CP_EVEN = "layers=4 ; 1x1: R0-3 L0-3 cp4"
+CP_SEQ = 1024
+# wider than CONFIG: at hidden 64 a CP rank's step is mostly per-op overhead, which fewer tokens do not shrink
+CP_CONFIG = dict(vocab=64, hidden=256, heads=4, ffn=512, layers=2)
+CP_EVEN = "layers=2 ; 1x1: R0-3 L0-1 cp4"
 
 
 def cp_rank(backend, cluster, texts: dict[str, str], rounds: int, warmup: int):
@@ -331,7 +334,7 @@ def cp_rank(backend, cluster, texts: dict[str, str], rounds: int, warmup: int):
     sides = {}
     for name, text in texts.items():
         strategy = parse_strategy(text)
-        model = build_llama(LlamaConfig(**CONFIG), [strategy], optimizer=AdamW(lr=1e-3))
+        model = build_llama(LlamaConfig(**CP_CONFIG), [strategy], optimizer=AdamW(lr=1e-3))
         trainer = Trainer(model.graph, 0, backend, strategy, symbols={"S": CP_SEQ, "T": CP_SEQ})
         even = strategy.pipelines[0].stages[0].cp_shares is None
         order = head_tail_order(CP_SEQ, strategy.max_cp) if even else torch.arange(CP_SEQ)
@@ -339,13 +342,14 @@ def cp_rank(backend, cluster, texts: dict[str, str], rounds: int, warmup: int):
 
     def data(i: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(i)
-        return {k: torch.randint(0, CONFIG["vocab"], (1, CP_SEQ), generator=gen) for k in ("tokens", "labels")}
+        return {k: torch.randint(0, CP_CONFIG["vocab"], (1, CP_SEQ), generator=gen) for k in ("tokens", "labels")}
 
     return interleaved(backend, sides, rounds, warmup, data)
 
 
 def part_cp(cluster, cal: Calibration, rounds: int, warmup: int) -> None:
-    model = from_llama_config(LlamaConfig(**CONFIG), seq_len=CP_SEQ, name="llama-tiny")
+    cluster = cluster.with_emulation(replace(cluster.emulation, memory_scale=4.0))  # CP_CONFIG's model is larger
+    model = from_llama_config(LlamaConfig(**CP_CONFIG), seq_len=CP_SEQ, name="llama-cp")
     cost = cal.cost_model_for(cluster, model)
     shares = balanced_cp_shares(cost, parse_strategy(CP_EVEN).pipelines[0].stages[0], CP_SEQ)
     texts = {"even shares": CP_EVEN, f"shares by speed {':'.join(map(str, shares))}": CP_EVEN.replace(
