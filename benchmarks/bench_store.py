@@ -5,8 +5,9 @@ then rendezvous: every client sets its own key and adds to a counter, the client
 counter to N sets `go`, and every client waits for `go`. Seconds from the first connect to the
 last client's return. hspmd's store authenticates each connection (HMAC challenge both ways) and
 every message after it (a MAC per message); TCPStore does neither. Both servers run on one thread
-(hspmd's a `selectors` loop in Python, TCPStore's a libuv loop in C++); both sides' clients are
-Python threads, whose start-up is a large share of either time. Runs interleave (hspmd, torch,
+of this process (hspmd's a `selectors` loop in Python, TCPStore's a libuv loop in C++) and both sides'
+clients are Python threads; hspmd's clients and server do their work holding the interpreter lock,
+TCPStore's run in C++ without it, so hspmd's time grows less than TCPStore's falls with free cores. Runs interleave (hspmd, torch,
 hspmd, torch, ...); the table gives medians, the ratio of medians and the spread of per-pair ratios.
 
     python benchmarks/bench_store.py [--clients 1024] [--reps 3]
