@@ -13,7 +13,7 @@ from hspmd.cluster import h800_h20
 from hspmd.cluster.presets import parse_cluster
 from hspmd.planning.cost import CostModel, StageShape
 from hspmd.planning.model import MODELS
-from hspmd.planning.search import GENERAL, SEARCHES, PlanningError, exhaustive
+from hspmd.planning.search import GENERAL, PERMUTED, SEARCHES, UNIFORM, PlanningError, exhaustive
 from hspmd.planning.search.command import main as plan_main
 from hspmd.planning.search.costed import cluster_problem, context_degrees
 from hspmd.planning.search.space import price_strategy
@@ -136,3 +136,15 @@ def test_plan_command_takes_a_sequence_length_and_a_cp_limit(capsys):
     assert plan_main(["--cluster", "nvlink-ib:1x4", "--model", "llama-tiny", "--global-batch", "4", "--seq", "64",
                       "--max-cp", "4", "--search", "dfs"]) == 0
     assert "seq 64" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cluster, seq, layers, batch", [
+    ("h800-h20:1+1x4", 16384, 4, 2), ("h800-h20:1+1x4", 65536, 4, 2), ("nvlink-ib:2x4", 32768, 6, 4)])
+def test_each_search_equals_the_exhaustive_optimum_of_its_space_with_cp(cluster, seq, layers, batch):
+    """With CP degrees offered: dp is exact over GENERAL (one CP degree per pipeline), dfs reaches
+    UNIFORM's optimum and mcts PERMUTED's, and the optima split the sequence."""
+    _, problem, plans = _searched(seq, batch, layers, cluster)
+    optimum = {space: exhaustive(problem, space)[0] for space in (GENERAL, UNIFORM, PERMUTED)}
+    for name, space in (("dp", GENERAL), ("dfs", UNIFORM), ("mcts", PERMUTED)):
+        assert plans[name].predicted_time == pytest.approx(optimum[space].predicted_time, rel=1e-12), name
+    assert optimum[GENERAL].strategy.max_cp > 1
