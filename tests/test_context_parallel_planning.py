@@ -148,3 +148,15 @@ def test_each_search_equals_the_exhaustive_optimum_of_its_space_with_cp(cluster,
     for name, space in (("dp", GENERAL), ("dfs", UNIFORM), ("mcts", PERMUTED)):
         assert plans[name].predicted_time == pytest.approx(optimum[space].predicted_time, rel=1e-12), name
     assert optimum[GENERAL].strategy.max_cp > 1
+
+
+def test_where_activations_forbid_cp1_the_searches_split_the_sequence():
+    """No recompute, 32K and 64K tokens: no CP1 layout fits a device's memory, so every search
+    fails without CP and finds a CP layout with it (CP4 at 64K)."""
+    for seq, cp in ((32768, 2), (65536, 4)):
+        cost = CostModel(parse_cluster("nvlink-ib:2x4"),
+                         MODELS["llama-32b-hetu"].with_(layers=8, dtype="bfloat16", seq_len=seq))
+        for name, search in SEARCHES.items():
+            with pytest.raises(PlanningError):
+                search(cluster_problem(cost, 4, recompute=False, max_cp=1))
+            assert search(cluster_problem(cost, 4, recompute=False))[0].strategy.max_cp == cp, (seq, name)
