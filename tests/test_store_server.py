@@ -3,6 +3,7 @@ them, messages arriving in pieces, and a bad request ending only its own connect
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import threading
@@ -120,3 +121,25 @@ def test_closing_the_server_closes_its_connections(store):
     store.server.close()
     with pytest.raises(CommunicationError, match="is gone"):
         other.get("k")
+
+
+def test_a_wait_that_times_out_or_whose_client_leaves_is_forgotten(store):
+    """Parked requests on keys nobody writes do not pile up: a timed-out one and one whose
+    connection closed are dropped from the server's waiting lists."""
+    with pytest.raises(CommunicationError, match="timed out"):
+        store.wait(["never/1"], timedelta(seconds=0.1))
+    leaving = JobStore("127.0.0.1", store.port, SECRET, timeout=10)
+
+    def wait_until_gone() -> None:
+        with contextlib.suppress(CommunicationError):  # its connection is closed under it
+            leaving.wait(["never/2"])
+
+    threading.Thread(target=wait_until_gone, daemon=True).start()
+    deadline = time.monotonic() + 5
+    while "never/2" not in store.server._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "never/2" in store.server._waiting  # parked
+    leaving._sock.shutdown(socket.SHUT_RDWR)
+    while store.server._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.server._waiting == {}

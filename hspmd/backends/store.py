@@ -186,10 +186,11 @@ class _Connection:
 class _Parked:
     """A get or wait whose keys do not all exist yet: it answers when they do or at its deadline."""
 
-    __slots__ = ("conn", "op", "keys", "deadline")
+    __slots__ = ("conn", "op", "keys", "deadline", "on")
 
     def __init__(self, conn: _Connection, op: bytes, keys: list[str], deadline: float):
         self.conn, self.op, self.keys, self.deadline = conn, op, keys, deadline
+        self.on = ""  # the missing key it is parked on
 
 
 class StoreServer:
@@ -306,6 +307,7 @@ class StoreServer:
             if not self._pending(what):
                 continue
             if isinstance(what, _Parked):
+                self._unpark(what)
                 what.conn.parked = None
                 self._reply(what.conn, [b"timeout"])
                 self._handle_buffered(what.conn)
@@ -426,6 +428,8 @@ class StoreServer:
     def _close(self, conn: _Connection) -> None:
         if not conn.open:
             return
+        if conn.parked is not None:
+            self._unpark(conn.parked)
         conn.open, conn.parked = False, None
         try:
             self._selector.unregister(conn.sock)
@@ -439,8 +443,16 @@ class StoreServer:
     # the operations ------------------------------------------------------------------------------
 
     def _park(self, parked: _Parked) -> None:
-        missing = next(k for k in parked.keys if k not in self._data)
-        self._waiting.setdefault(missing, []).append(parked)
+        parked.on = next(k for k in parked.keys if k not in self._data)
+        self._waiting.setdefault(parked.on, []).append(parked)
+
+    def _unpark(self, parked: _Parked) -> None:
+        """Forget a parked request whose connection closed (its key may never be written)."""
+        waiting = self._waiting.get(parked.on)
+        if waiting is not None and parked in waiting:
+            waiting.remove(parked)
+            if not waiting:
+                del self._waiting[parked.on]
 
     def _made(self, key: str) -> None:
         """`key` now exists: the requests parked on it are looked at again."""
