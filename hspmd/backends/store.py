@@ -230,6 +230,7 @@ class StoreServer:
         self._wake_read.setblocking(False)
         self._selector.register(self._wake_read, selectors.EVENT_READ, None)
         self._closed = False
+        self._open = 0
         self._thread = threading.Thread(target=self._loop, daemon=True, name="hspmd-store")
         self._thread.start()
 
@@ -244,6 +245,11 @@ class StoreServer:
             pass
         if threading.current_thread() is not self._thread:
             self._thread.join(5.0)
+
+    @property
+    def open_connections(self) -> int:
+        """Client connections open now (authenticated or still in their challenge)."""
+        return self._open
 
     def take_closed_keys(self) -> list[str]:
         """Tracked keys (`track_prefix`) whose connections closed since the last call."""
@@ -326,6 +332,7 @@ class StoreServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Connection(sock, secrets.token_bytes(NONCE_BYTES))
             self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._open += 1
             self._at(time.monotonic() + HANDSHAKE_TIMEOUT_S, conn)
             self._send(conn, conn.nonce)
 
@@ -431,6 +438,7 @@ class StoreServer:
         if conn.parked is not None:
             self._unpark(conn.parked)
         conn.open, conn.parked = False, None
+        self._open -= 1
         try:
             self._selector.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -599,6 +607,11 @@ class JobStore(dist.Store):
 
     def num_keys(self) -> int:
         return int(self._call(b"num_keys")[0])
+
+    def close(self) -> None:
+        """Close this client's connection (a later call raises CommunicationError)."""
+        with self._lock:
+            self._sock.close()
 
     def connect_again(self, secret: bytes) -> "JobStore":
         """Another connection to the same store (for a thread that polls while this one blocks)."""

@@ -224,7 +224,7 @@ def launch(
         elif multi:
             node_rendezvous(store, role, cluster_digest(cluster), rendezvous_timeout, server=store.server)
     except BaseException:
-        _close(store)
+        _close(store, linger=_REFUSAL_LINGER_S if multi else 0.0)
         raise
     role = role or NodeRole(1, 0, nprocs, LOOPBACK, store.port, LOOPBACK)
     types = tuple(spec.device_type(r).name if r < spec.n_devices else "" for r in role.ranks) if spec else ()
@@ -310,9 +310,21 @@ def _job_store(role: NodeRole | None, port: int | None, secret: str, timeout: fl
         raise LaunchError(f"node {role.node_rank}: {text}") from None
 
 
-def _close(store) -> None:
-    if store.server is not None:
-        store.server.close()
+# after a failed node rendezvous node 0 keeps the store this long at most, until the other nodes
+# (which poll every few ms) have read why and left, so that each names the cause, not a lost store
+_REFUSAL_LINGER_S = 2.0
+
+
+def _close(store, linger: float = 0.0) -> None:
+    """Close this launcher's side of the store; the host first waits up to `linger` seconds for
+    the other connections to close."""
+    if store.server is None:
+        store.close()
+        return
+    end = time.monotonic() + linger
+    while store.server.open_connections > 1 and time.monotonic() < end:
+        time.sleep(_POLL_S)
+    store.server.close()
 
 
 FAILED_KEY = "nodes/failed"
