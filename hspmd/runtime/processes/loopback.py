@@ -17,7 +17,7 @@ from typing import Sequence
 
 from hspmd.backends.store import SECRET_ENV
 
-REPO = Path(__file__).resolve().parents[3]
+SOURCE_ROOT = Path(__file__).resolve().parents[3]  # the directory holding the hspmd package (a checkout's root)
 
 
 def node_address(node: int) -> str:
@@ -42,9 +42,10 @@ def node_command(node: int, nnodes: int, port: int, nproc: int, script: Sequence
 
 
 def start_node(command: Sequence[str], job_secret: str) -> subprocess.Popen:
-    """Start a node's launcher (text pipes for its output) with the job's secret exported."""
-    env = {**os.environ, SECRET_ENV: job_secret, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(list(command), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Start a node's launcher (text pipes for its output) with the job's secret exported, running
+    this hspmd (its source root on PYTHONPATH and as the working directory)."""
+    env = {**os.environ, SECRET_ENV: job_secret, "PYTHONPATH": str(SOURCE_ROOT)}
+    return subprocess.Popen(list(command), cwd=SOURCE_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def start_authority(port: int, job_secret: str, heartbeat: float, stuck: float = 0.0,
