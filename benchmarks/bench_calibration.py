@@ -26,7 +26,8 @@ shared host's scheduler, set the pace). Each strategy's trainer has its own emul
 its live bytes are its own. The probes then run on CPU time (what emulated devices follow) and the
 prediction is Calibration.cost_model_for(the emulated cluster). Besides step times (goals MAPE
 <= 8%, Spearman >= 0.9) it reports every rank's peak live bytes, counted exactly in one untimed
-step after the timed ones, against the level-2 simulator's memory model (goal: within 10%).
+step after the timed ones, against level 2's memory model of the interpreter (goal: within 10%;
+planning/device_memory.py) and level 1's (a layer's kept activations, as autograd frees the rest).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from hspmd.ir.shapes import Binding  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
 from hspmd.planning.device_sim import simulate_specialized  # noqa: E402
-from hspmd.planning.strategy_sim import plan_run, simulate_strategy  # noqa: E402
+from hspmd.planning.device_memory import device_memory  # noqa: E402
+from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
 from hspmd.runtime.policies.calibrate import Calibration, Probe, ProbeShape, fit  # noqa: E402
 from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
@@ -182,7 +184,8 @@ def typical_step(per_rank_steps: list[list[list[dict]]]) -> list[list[dict]]:
 
 
 def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, float, dict[int, float]]]:
-    """(level 2, level 1) predicted step seconds per strategy, and level 1's (peak, static) bytes per rank;
+    """(level 2, level 1) predicted step seconds per strategy, and per rank level 2's peak and static
+    bytes (the interpreter's, planning/device_memory.py) and level 1's peak (a layer's kept activations);
     on an emulated `cluster`, as its types run on this host (Calibration.cost_model_for)."""
     config = LlamaConfig(**CONFIG)
     spec_model = from_llama_config(config, SEQ)
@@ -195,10 +198,9 @@ def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, fl
         spec = specialize_graph(build_llama(config, [strategy]).graph, 0, binding)
         level2 = simulate_specialized(spec, cost, dict(enumerate(layout.counts)), schedule)
         level1 = simulate_strategy(strategy, cost, schedule)
-        static = {d: st.static_memory for pipe in plan_run(strategy, cost, schedule).pipelines for st in pipe.stages
-                  for d in st.devices}
-        out[name] = (level2.iteration, level1.iteration, {d: (level1.peak_memory.get(d, 0.0), static.get(d, 0.0))
-                                                          for d in static})
+        out[name] = (level2.iteration, level1.iteration,
+                     {d: (level2.peak_memory.get(d, 0.0), device_memory(exe, spec.binding).static, level1.peak_memory.get(d, 0.0))
+                      for d, exe in spec.executables.items()})
     return out
 
 
@@ -263,13 +265,14 @@ def run_set(args, cluster=None) -> dict:
         mib = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
         for name in STRATEGIES:
             for rank, r in enumerate(results):
-                (got, kept), (model, static) = r[4][name], predicted[name][2].get(rank, (0.0, 0.0))
+                (got, kept), (model, static, layers) = r[4][name], predicted[name][2].get(rank, (0.0, 0.0, 0.0))
                 errors.append(abs(model - got) / got)
-                memory[f"{name} rank {rank}"] = {"measured": got, "model": model, "measured_static": kept, "model_static": static}
+                memory[f"{name} rank {rank}"] = {"measured": got, "model": model, "measured_static": kept, "model_static": static,
+                                                 "level1": layers}
                 rows.append([name, rank, mib(got), mib(model), f"{(model - got) / got:+.1%}", mib(kept), mib(static),
-                             mib(got - kept), mib(model - static)])
-        print(table(["strategy", "rank", "peak live MiB", "model MiB (level 1)", "error", "kept between steps",
-                     "model static", "peak above kept", "model activations"], rows))
+                             mib(layers)])
+        print(table(["strategy", "rank", "peak live MiB", "level 2 model MiB", "error", "kept between steps",
+                     "model static", "level 1 model MiB"], rows))
         print(f"peak memory per rank: largest error {100 * max(errors):.1f}%, mean {100 * statistics.mean(errors):.1f}% "
               f"(goal: within 10%)")
         figures["memory"] = {"max_error": max(errors), "mean_error": statistics.mean(errors)}

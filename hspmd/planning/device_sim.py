@@ -9,7 +9,8 @@ in its plan on the cluster's links (comm_resolve.cost's ring model): collectives
 assembled_on inside the phase, stage-to-stage transfers as the link between stages. Per micro-batch
 forward and backward times per device, the update phase (gradient sync + optimizer), and the
 transfer times then run through the level-1 event simulation on the discovered pipelines; a
-stage's time is its slowest device's (TP devices meet in collectives).
+stage's time is its slowest device's (TP devices meet in collectives). Peak memory per device is
+what hspmd's interpreter holds running the program (planning/device_memory.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.errors import HSPMDError
 from hspmd.ir.shapes import Binding
 from hspmd.planning.cost import CostModel
+from hspmd.planning.device_memory import device_memory
 from hspmd.planning.model import Kernel
 from hspmd.planning.simulator import SimLink, SimPipeline, SimResult, SimStage, simulate_pipelines
 from hspmd.specialize.executable import ExecutableGraph, Instruction
@@ -149,20 +151,24 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
     binding = spec.binding
     costs = {d: device_cost(exe, cost, binding, comm) for d, exe in spec.executables.items()}
     loss = cost.step_loss(tuple(sorted(costs)) if comm else ())
+    memory = {d: device_memory(exe, binding) for d, exe in spec.executables.items()}
     pipelines = []
     for p, layout in enumerate(spec.pipelines):
+        m = micro_batches if isinstance(micro_batches, int) else micro_batches[p]
         stages, links = [], []
         for s, devices in enumerate(layout.stages):
             cs = [costs[d] for d in devices]
             update = max(c.update for c in cs)
             update_comm = max(c.update_comm for c in cs)
+            held = [memory[d] for d in devices]  # the interpreter's bytes: static + in flight x kept + a pass's values
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),
-                                   sync=update_comm, update=update - update_comm + loss + max(cost.step_work(d) for d in devices)))
+                                   sync=update_comm, update=update - update_comm + loss + max(cost.step_work(d) for d in devices),
+                                   static_memory=max(h.static + h.transient(m) for h in held),
+                                   activation_memory=max(h.kept for h in held)))
             if s + 1 < len(layout.stages):
                 nxt = [costs[d] for d in layout.stages[s + 1]]
                 links.append(SimLink(max(c.send_forward for c in cs), max(c.send_backward for c in nxt)))
-        m = micro_batches if isinstance(micro_batches, int) else micro_batches[p]
         pipelines.append(SimPipeline(tuple(stages), tuple(links), m, schedule))
     # the update phase's collectives span pipelines: one group of every stage's first device
     keys = tuple((p, s) for p, layout in enumerate(spec.pipelines) for s in range(len(layout.stages)))
