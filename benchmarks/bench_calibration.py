@@ -23,8 +23,9 @@ the calibration set (DP2, PP2 1F1B, TP2, PP2 GPipe; its goal there: MAPE <= 25%)
 rank 1 of a type 2.5x slower, time dilated (`--dilation D`: the fast type is this host D times
 slowed, so that the ranks compute a small share of the time and the emulated devices, not the
 shared host's scheduler, set the pace). Each strategy's trainer has its own emulated device, so
-its live bytes are its own. The probes then run on CPU time (what emulated devices follow) and the
-prediction is Calibration.cost_model_for(the emulated cluster). Besides step times (goals MAPE
+its live bytes are its own. The probes then run on CPU time (what emulated devices follow), the step
+probes as an emulated device of the reference type (their CPU time counted between its sleeps, as
+the strategies' steps run), and the prediction is Calibration.cost_model_for(the emulated cluster). Besides step times (goals MAPE
 <= 8%, Spearman >= 0.9) it reports every rank's peak live bytes, counted exactly in one untimed
 step after the timed ones, against level 2's memory model of the interpreter (goal: within 10%;
 planning/device_memory.py) and level 1's (a layer's kept activations, as autograd frees the rest).
@@ -115,7 +116,9 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
     """This rank's step seconds, CPU seconds, traced steps and probes per strategy; with an emulated
     `cluster`, every trainer on its own emulated device, and each strategy's peak live bytes."""
     torch.set_num_threads(1)
-    probe = Probe(backend, PROBE, cpu_time=cluster is not None)
+    # on an emulated cluster the step probes run as an emulated device of the reference type (CPU time between sleeps)
+    reference = None if cluster is None else cluster.type_slowdown(cluster.emulation.reference)
+    probe = Probe(backend, PROBE, cpu_time=cluster is not None, emulate=reference)
     probes = []
     trainers = {name: trainer_for(emulated(backend, cluster), text, schedule) for name, (text, schedule) in STRATEGIES.items()}
     devices = [d for d in (emulation_of(t.backend) for t in trainers.values()) if d is not None]

@@ -34,11 +34,14 @@ simulated one (level-1 simulator on the calibrated cost model).
    two fast and the two slow ranks, evenly (in the ring's head + tail order) against shares by
    speed (strategy_sim.balanced_cp_shares on the calibrated cost model: the fast ranks take more
    tokens; in token order).
+6. (recovery) after losing a rank of the fast type from the two pipelines of part 3, the
+   hardware-aware re-plan (cluster_recovery: planning.replan on the cluster file, priced by the
+   calibration) against the equal-devices re-plan (recover_strategy without a cluster), measured
+   on the survivors (the lost rank idles; the switch itself is not timed).
 
-Not here: elastic recovery on mixed hardware (needs the cluster-aware re-plan). Timing-sensitive,
-not part of `make test`:
+Timing-sensitive, not part of `make test`:
 
-    python benchmarks/bench_hetero.py [--calibration cal.json] [--rounds 9] [--parts plan,dispatch,h1f1b,plan3,cp]
+    python benchmarks/bench_hetero.py [--calibration cal.json] [--rounds 9] [--parts plan,dispatch,h1f1b,plan3,cp,recovery]
 """
 
 from __future__ import annotations
@@ -70,10 +73,12 @@ from hspmd.planning.strategy_sim import balanced_cp_shares, simulate_strategy  #
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
 from hspmd.runtime.execution.emulation import emulated  # noqa: E402
 from hspmd.runtime.policies.calibrate import Calibration, calibrate  # noqa: E402
+from hspmd.runtime.policies.elastic import cluster_recovery  # noqa: E402
 from hspmd.runtime.policies.mixed import MixedLengthTrainer  # noqa: E402
 from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
 from hspmd.runtime.training.trainer import Trainer  # noqa: E402
 from hspmd.specialize.strategy_text import format_strategy, parse_strategy  # noqa: E402
+from hspmd.switching.recovery import recover_strategy  # noqa: E402
 
 CLUSTER = ROOT / "examples" / "clusters" / "emulated-two-types.yaml"
 THREE_TYPES = ROOT / "examples" / "clusters" / "emulated-three-types.yaml"
@@ -365,6 +370,29 @@ def part_cp(cluster, cal: Calibration, rounds: int, warmup: int) -> None:
     print(breakdown(results, texts, cluster))
 
 
+# ---- 6. recovery on mixed hardware -------------------------------------------------------------------
+
+def part_recovery(cluster, cal: Calibration, rounds: int, warmup: int, failed: int = 0) -> None:
+    """After rank `failed` (of the fast type) is lost from two 2-stage pipelines across the nodes,
+    the hardware-aware re-plan (runtime.policies.elastic.cluster_recovery: planning.replan on the
+    cluster, priced by this host's calibration) against the equal-devices one (recover_strategy
+    without a cluster), each measured on the survivors (the lost rank idles) under emulation."""
+    model = from_llama_config(LlamaConfig(**CONFIG), seq_len=SEQ, name="llama-tiny")
+    cost = cal.cost_model_for(cluster, model)
+    start = parse_strategy(PIPELINES_ACROSS.format(schedule="1f1b"))
+    aware = cluster_recovery(cluster, model, cal)(start, {failed})
+    equal = recover_strategy(start, {failed})
+    texts = {"equal devices": format_strategy(equal), "hardware-aware": format_strategy(aware)}
+    sims = {name: simulate_strategy(parse_strategy(t), cost).iteration for name, t in texts.items()}
+    results = run_multiprocess(strategies_rank, cluster.n_devices, cluster, texts, rounds, warmup, timeout=1800)
+    print(f"\n6. recovery after losing rank {failed} ({cluster.device_type(failed).name}) of "
+          f"{format_strategy(start)} ({rounds} rounds + {warmup} warm-up)")
+    for name, text in texts.items():
+        print(f"  {name}: {text}")
+    print(table(["re-plan", "measured step s, median (min-max)", "simulated s", "measured speedup vs equal devices",
+                 "simulated speedup"], report(results, sims, "equal devices")))
+
+
 def dilated(cluster, dilation: float):
     """The cluster with its reference type `dilation` times slower than this host and every other
     type at its own ratio to the reference (hspmd.cluster.emulation): a dilation above the host's
@@ -386,8 +414,8 @@ def main(argv=None) -> int:
     p.add_argument("--dilation", type=float, default=12.0,
                    help="how many times slower than this host the fastest type runs (default 12; keep it above the "
                         "host's load per core, else the scheduler sets the pace)")
-    p.add_argument("--parts", default="plan,dispatch,h1f1b,plan3,cp",
-                   help="plan (two types), dispatch, h1f1b, plan3 (the 8-rank three-type cluster), cp (hetero CP)")
+    p.add_argument("--parts", default="plan,dispatch,h1f1b,plan3,cp,recovery",
+                   help="plan (two types), dispatch, h1f1b, plan3 (the 8-rank three-type cluster), cp (hetero CP), recovery")
     args = p.parse_args(argv)
     cluster = dilated(load_cluster(CLUSTER), args.dilation)
     cal = Calibration.load(args.calibration) if args.calibration else calibrate(3, cpu_time=True)
@@ -407,6 +435,8 @@ def main(argv=None) -> int:
         part_h1f1b(cluster, cal, args.rounds, args.warmup)
     if "cp" in parts:
         part_cp(cluster, cal, args.rounds, args.warmup)
+    if "recovery" in parts:
+        part_recovery(cluster, cal, args.rounds, args.warmup)
     return 0
 
 

@@ -147,3 +147,19 @@ def test_the_probes_run_on_this_machine_and_fit():
                 raise
     assert calibration.peak_flops > 0 and calibration.bandwidth > 0
     assert calibration.gamma > 0 and calibration.overhead >= 0 and calibration.step_overhead >= 0
+
+
+def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
+    # the step probes of an emulated calibration run as an emulated device (its sleeps between
+    # stretches of work, as an emulated rank's steps run): each owes and waits its slowdown, and
+    # reports the CPU time the device owed; nothing here is a timing assertion
+    from hspmd.runtime.execution.emulation import emulation_of
+    from hspmd.runtime.policies.calibrate import Probe
+
+    with pytest.raises(HSPMDError, match="slowdown > 1"):
+        Probe(None, emulate=1.0)
+    probe = Probe(None, cpu_time=True, emulate=3.0)
+    run = probe.once()
+    assert len(run["steps"]) == len(PROBE_RUNS) and min(run["steps"]) > 0
+    devices = [emulation_of(trainer.backend) for trainer, _ in probe.trainers]
+    assert all(d is not None and d.slowdown == 3.0 and d.compute_wait_s > 0 and d.op_cpu_s > 0 for d in devices)

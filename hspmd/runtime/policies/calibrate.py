@@ -51,6 +51,7 @@ from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.ops import AdamW
 from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.runtime.execution.emulation import EmulatedBackend, RankEmulator, emulation_of
 from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
@@ -197,15 +198,18 @@ class ProbeShape:
 PROBE_RUNS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 4))
 
 
-def probe_trainer(shape: ProbeShape = ProbeShape(), layers: int = 1, micro_batches: int = 1, rows: int = 1):
+def probe_trainer(shape: ProbeShape = ProbeShape(), layers: int = 1, micro_batches: int = 1, rows: int = 1,
+                  wrap: Callable[[Backend], Backend] | None = None):
     """A one-device Trainer of a small Llama at the probe's layer shapes (never a model a benchmark
-    predicts), micro-batches of `rows` x shape.rows, and the global batch of one step."""
+    predicts), micro-batches of `rows` x shape.rows, and the global batch of one step; `wrap`
+    turns its backend into another (an emulated device's)."""
     config = LlamaConfig(vocab=shape.vocab, hidden=shape.hidden, layers=layers, heads=shape.heads, ffn=shape.ffn)
     strategy = parse_strategy(f"layers={layers} ; {micro_batches}x{rows * shape.rows}: R0 L0-{layers - 1}")
     graph = build_llama(config, [strategy], optimizer=AdamW(lr=1e-3)).graph
     layout = MicroBatchLayout.of(strategy)
     step_rows = layout.global_batch_size
-    trainer = Trainer(graph, 0, LocalWorld([0]).backends[0], layout, schedule="1f1b",
+    backend = LocalWorld([0]).backends[0]
+    trainer = Trainer(graph, 0, wrap(backend) if wrap is not None else backend, layout, schedule="1f1b",
                       symbols={"S": shape.seq, "T": step_rows * shape.seq})
     gen = torch.Generator().manual_seed(0)
     batch = {name: torch.randint(0, shape.vocab, (step_rows, shape.seq), generator=gen) for name in ("tokens", "labels")}
@@ -249,22 +253,43 @@ class Probe:
     """One rank's micro-benchmarks, set up once and run any number of times (`once()`), so that a
     benchmark can interleave them with what it measures and both see the same machine load."""
 
-    def __init__(self, backend: Backend | None, shape: ProbeShape = ProbeShape(), cpu_time: bool = False):
+    def __init__(self, backend: Backend | None, shape: ProbeShape = ProbeShape(), cpu_time: bool = False,
+                 emulate: float | None = None):
         torch.set_num_threads(1)
         self.backend = backend
         # compute probes on this thread's CPU time: what emulated devices follow (runtime.execution.emulation)
         self.clock = time.thread_time if cpu_time else time.perf_counter
         self.matrices = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
         self.vectors = [(torch.randn(n), torch.randn(n)) for n in ADD_SIZES]
-        self.trainers = [probe_trainer(shape, *run) for run in PROBE_RUNS]
+        wrap = None
+        if emulate is not None:  # the step probes run as an emulated device s times slower: its CPU time is theirs
+            if not emulate > 1:
+                raise HSPMDError(f"Probe(emulate={emulate}): an emulated probe needs a slowdown > 1")
+            host = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(1)
+            wrap = lambda inner: EmulatedBackend(inner, host, RankEmulator(0, "probe", emulate), None)  # noqa: E731
+        self.emulated = emulate is not None
+        self.trainers = [probe_trainer(shape, *run, wrap=wrap) for run in PROBE_RUNS]
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
+
+    def _step_seconds(self, trainer: Trainer, batch) -> float:
+        """A probe step's time on the probe's clock, or, emulated, the CPU time its device owed
+        (what an emulated rank's steps are slowed by, measured the way they run: between sleeps)."""
+        if not self.emulated:
+            return median_seconds(lambda: trainer.step(batch), 1, 2, self.clock)
+        device = emulation_of(trainer.backend)
+        trainer.step(batch)
+        device.mark()
+        before = device.op_cpu_s
+        for _ in range(2):
+            trainer.step(batch)
+        return (device.op_cpu_s - before) / 2
 
     def once(self) -> dict:
         """Raw seconds of every probe, measured once (short inner loops)."""
         clock = self.clock
         out = {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2)), clock) for a, b in self.matrices],
                "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0]), clock) for a, b in self.vectors],
-               "steps": [median_seconds(lambda: trainer.step(batch), 1, 2, clock) for trainer, batch in self.trainers]}
+               "steps": [self._step_seconds(trainer, batch) for trainer, batch in self.trainers]}
         if self.backend is not None and self.backend.world_size >= 2:
             backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
             backend.barrier(group)
