@@ -12,7 +12,8 @@ from datetime import timedelta
 
 import pytest
 
-from hspmd.backends.store import NONCE_BYTES, JobStore, _Channel, _tag, new_secret, open_store
+from hspmd.backends.store import JobStore, new_secret, open_store
+from hspmd.backends.store_channel import NONCE_BYTES, Channel, tag
 from hspmd.errors import CommunicationError
 
 SECRET = new_secret().encode()
@@ -63,13 +64,13 @@ def test_parked_waits_are_answered_by_the_writes_that_complete_them(store):
                        for i in range(clients)}
 
 
-def _raw_client(port: int) -> tuple[socket.socket, _Channel]:
+def _raw_client(port: int) -> tuple[socket.socket, Channel]:
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     nonce = sock.recv(NONCE_BYTES, socket.MSG_WAITALL)
     mine = bytes(range(NONCE_BYTES))
-    sock.sendall(_tag(SECRET, b"client", nonce) + mine)
-    assert sock.recv(32, socket.MSG_WAITALL) == _tag(SECRET, b"server", mine)
-    return sock, _Channel(SECRET, nonce, mine, is_server=False)
+    sock.sendall(tag(SECRET, b"client", nonce) + mine)
+    assert sock.recv(32, socket.MSG_WAITALL) == tag(SECRET, b"server", mine)
+    return sock, Channel(SECRET, nonce, mine, is_server=False)
 
 
 def test_messages_in_pieces_and_several_at_once_are_answered_in_order(store):

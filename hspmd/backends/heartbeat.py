@@ -7,16 +7,24 @@ while the rank's main thread waits inside a collective (the wait releases the GI
 that is frozen (stopped, swapped out, wedged in a call holding the GIL) or dead stops beating. The
 launcher watches the counters (HeartbeatMonitor) and names the rank whose counter stood still for
 `interval` seconds (default 30; HSPMD_HEARTBEAT_S, `hspmd run --heartbeat`).
+
+A rank that reached the end of its script marks itself leaving before it exits: tearing down its
+process groups and the interpreter can take seconds on a loaded host, during which the beating
+thread is gone. A leaving rank is given LEAVING_GRACE_S (or `interval` if longer) to exit before it
+counts as stopped, so a finished rank is not killed for a slow exit, and one that hangs at exit is
+still named.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 
 DEFAULT_INTERVAL_S = 30.0
 TIE_S = 0.005  # last completions this close count as one moment (HeartbeatMonitor.stuck)
 HEARTBEAT_ENV = "HSPMD_HEARTBEAT_S"
+LEAVING_GRACE_S = 30.0
 
 
 BEAT_PREFIX = "hspmd/heartbeat/"
@@ -28,6 +36,10 @@ def beat_key(rank: int) -> str:
 
 def progress_key(rank: int) -> str:
     return f"hspmd/progress/{rank}"
+
+
+def leaving_key(rank: int) -> str:
+    return f"hspmd/leaving/{rank}"
 
 
 class Progress:
@@ -57,7 +69,8 @@ PROGRESS = Progress()  # this process's (one rank per process)
 
 def start_beating(store, rank: int, interval: float, progress: Progress | None = PROGRESS) -> threading.Thread:
     """Increment this rank's heartbeat every interval/4 s until the store goes away; each beat also
-    publishes the rank's `progress` when it changed."""
+    publishes the rank's `progress` when it changed. At interpreter exit the rank marks itself
+    leaving (module docstring)."""
 
     def beat() -> None:
         sent = None
@@ -71,8 +84,15 @@ def start_beating(store, rank: int, interval: float, progress: Progress | None =
                 return
             time.sleep(interval / 4)
 
+    def leave() -> None:
+        try:
+            store.set(leaving_key(rank), "1")
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is watching
+            pass
+
     thread = threading.Thread(target=beat, daemon=True, name=f"hspmd-heartbeat-{rank}")
     thread.start()
+    atexit.register(leave)
     return thread
 
 
@@ -91,6 +111,7 @@ class HeartbeatMonitor:
 
     def restarted(self, rank: int) -> None:
         """A new process took `rank`'s slot: watch it from its own first beat (it keeps the key's count)."""
+        self.store.delete_key(leaving_key(rank))
         self._before[rank] = int(self.store.add(beat_key(rank), 0))
         self._count.pop(rank, None)
 
@@ -124,7 +145,8 @@ class HeartbeatMonitor:
         return [r for r, (_, _, last) in seen.items() if last - oldest <= TIE_S]
 
     def stopped(self, now: float | None = None) -> list[tuple[int, float]]:
-        """[(rank, seconds since its last beat)] of the ranks that stopped beating."""
+        """[(rank, seconds since its last beat)] of the ranks that stopped beating (a leaving rank:
+    for LEAVING_GRACE_S, or `interval` if longer)."""
         now = time.monotonic() if now is None else now
         if now - self._checked < self.check_every:
             return []
@@ -137,9 +159,11 @@ class HeartbeatMonitor:
             if count != self._count.get(rank):
                 self._count[rank], self._seen[rank] = count, now
             elif now - self._seen[rank] > self.interval:
+                if now - self._seen[rank] <= LEAVING_GRACE_S and self.store.check([leaving_key(rank)]):
+                    continue
                 out.append((rank, now - self._seen[rank]))
         return out
 
 
-__all__ = ["BEAT_PREFIX", "DEFAULT_INTERVAL_S", "HEARTBEAT_ENV", "PROGRESS", "HeartbeatMonitor", "Progress", "beat_key",
-           "progress_key", "start_beating"]
+__all__ = ["BEAT_PREFIX", "DEFAULT_INTERVAL_S", "HEARTBEAT_ENV", "LEAVING_GRACE_S", "PROGRESS", "HeartbeatMonitor", "Progress",
+           "beat_key", "leaving_key", "progress_key", "start_beating"]

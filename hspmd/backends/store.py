@@ -20,41 +20,32 @@ environment variable HSPMD_JOB_SECRET (a torchrun-started job sets that variable
 on every rank). `JobStore` is a torch.distributed Store, so gloo's rendezvous, PrefixStore and
 process groups run over it unchanged.
 
-Wire format: a message is a 4-byte big-endian length, a body and a 32-byte MAC; the body is a
-4-byte frame count and frames of a 4-byte length and a payload. A request's frames are the
-operation and its arguments; a reply's are a status and its results. The MAC is checked before
-the body is read.
+Three modules: this one (the secret, the client JobStore, open_store), store_server (the server's
+one-thread loop) and store_channel (the challenge's tags and the authenticated framing, with the
+wire format).
 """
 
 from __future__ import annotations
 
-import heapq
 import hmac
 import os
 import secrets
-import selectors
 import socket
 import struct
 import threading
 import time
-from collections import deque
 from datetime import timedelta
 from hashlib import sha256
-from typing import Sequence
 
 import torch.distributed as dist
 
+from hspmd.backends.store_channel import HANDSHAKE_TIMEOUT_S, NONCE_BYTES, Channel, recv_exact, tag
+from hspmd.backends.store_server import LOOPBACK, StoreServer
 from hspmd.errors import CommunicationError, HSPMDError
 
 SECRET_ENV = "HSPMD_JOB_SECRET"
 STORE_HOSTED_ENV = "HSPMD_STORE_HOSTED"  # "1": the launcher hosts the store, every rank is a client
 STORE_PORT_ENV = "HSPMD_STORE_PORT"  # torchrun jobs: where rank 0 hosts this store (torchrun's own store is on MASTER_PORT)
-LOOPBACK = "127.0.0.1"
-NONCE_BYTES = 32
-HANDSHAKE_TIMEOUT_S = 10.0
-MAX_FRAME_BYTES = 1 << 28
-MAX_ARGUMENTS = 1 << 16
-_OPS = (b"set", b"get", b"add", b"check", b"wait", b"compare_set", b"delete_key", b"num_keys")
 
 
 def new_secret() -> str:
@@ -81,447 +72,6 @@ def job_from_env() -> str:
     return sha256(b"hspmd job " + value.encode()).hexdigest()[:16] if value else ""
 
 
-def _tag(secret: bytes, role: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, role + nonce, sha256).digest()
-
-
-# framing ------------------------------------------------------------------------------------------
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise ConnectionError("the peer closed the connection")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-_LENGTH = struct.Struct(">I")
-_SEQ = struct.Struct(">Q")
-MAC_BYTES = 32
-
-
-class _Channel:
-    """One authenticated connection's MAC state: the session key and a sequence number per
-    direction, so every message is bound to its connection, its direction and its place."""
-
-    def __init__(self, secret: bytes, server_nonce: bytes, client_nonce: bytes, is_server: bool):
-        self._key = hmac.new(secret, b"session" + server_nonce + client_nonce, sha256).digest()
-        self._out, self._in = (b"s2c", b"c2s") if is_server else (b"c2s", b"s2c")
-        self._sent = self._received = 0
-
-    def _mac(self, direction: bytes, seq: int, body: bytes) -> bytes:
-        return hmac.digest(self._key, direction + _SEQ.pack(seq) + body, sha256)
-
-    def seal(self, frames: Sequence[bytes]) -> bytes:
-        """The next outgoing message holding `frames`: length, body, MAC."""
-        parts = [_LENGTH.pack(len(frames))]
-        for f in frames:
-            parts += (_LENGTH.pack(len(f)), f)
-        body = b"".join(parts)
-        message = _LENGTH.pack(len(body)) + body + self._mac(self._out, self._sent, body)
-        self._sent += 1
-        return message
-
-    def open(self, body: bytes, mac: bytes) -> list[bytes]:
-        """The frames of the next incoming message, once its MAC is right (TamperedMessage if not)."""
-        if not hmac.compare_digest(mac, self._mac(self._in, self._received, body)):
-            raise TamperedMessage("a store message failed its MAC (changed, replayed, reordered or not from this job)")
-        self._received += 1
-        return _frames_of(body)
-
-    def send(self, sock: socket.socket, frames: Sequence[bytes]) -> None:
-        sock.sendall(self.seal(frames))
-
-    def receive(self, sock: socket.socket) -> list[bytes]:
-        (n,) = _LENGTH.unpack(_recv_exact(sock, 4))
-        if n > MAX_FRAME_BYTES:
-            raise ConnectionError(f"a message of {n} bytes is over the limit of {MAX_FRAME_BYTES}")
-        rest = _recv_exact(sock, n + MAC_BYTES)
-        return self.open(rest[:n], rest[n:])
-
-
-class TamperedMessage(ConnectionError):
-    """A message on an authenticated store connection whose MAC does not match."""
-
-
-def _frames_of(body: bytes) -> list[bytes]:
-    (count,) = _LENGTH.unpack_from(body, 0)
-    if count > MAX_ARGUMENTS:
-        raise ConnectionError(f"a message of {count} frames is over the limit of {MAX_ARGUMENTS}")
-    frames, at = [], 4
-    for _ in range(count):
-        (n,) = _LENGTH.unpack_from(body, at)
-        if at + 4 + n > len(body):
-            raise ConnectionError("a frame runs past the end of its message")
-        frames.append(body[at + 4:at + 4 + n])
-        at += 4 + n
-    if at != len(body):
-        raise ConnectionError("bytes after the last frame of a message")
-    return frames
-
-
-# server -------------------------------------------------------------------------------------------
-
-
-class _Connection:
-    """A client connection's state in the server loop: the bytes read and not yet handled, the
-    bytes not yet sent, the challenge's nonce until it is answered, then the channel; the request
-    parked until its keys exist; the tracked keys it added to."""
-
-    __slots__ = ("sock", "inbox", "outbox", "nonce", "channel", "parked", "tracked", "open")
-
-    def __init__(self, sock: socket.socket, nonce: bytes):
-        self.sock, self.nonce = sock, nonce
-        self.inbox, self.outbox = bytearray(), bytearray()
-        self.channel: _Channel | None = None
-        self.parked: _Parked | None = None
-        self.tracked: set[str] = set()
-        self.open = True
-
-
-class _Parked:
-    """A get or wait whose keys do not all exist yet: it answers when they do or at its deadline."""
-
-    __slots__ = ("conn", "op", "keys", "deadline", "on")
-
-    def __init__(self, conn: _Connection, op: bytes, keys: list[str], deadline: float):
-        self.conn, self.op, self.keys, self.deadline = conn, op, keys, deadline
-        self.on = ""  # the missing key it is parked on
-
-
-class StoreServer:
-    """The store's data and its listening socket, served by one thread: a `selectors` loop over
-    non-blocking sockets. A get or wait whose keys are missing is parked on the first missing key
-    and answered when a set, add or compare_set makes it (or at its deadline); nothing polls.
-
-    Binds to exactly (host, port); port 0 picks a free one (see `.port`)."""
-
-    def __init__(self, secret: bytes, host: str = LOOPBACK, port: int = 0):
-        self._secret = secret
-        self._data: dict[str, bytes] = {}
-        self.refused = 0  # connections that failed the challenge
-        # keys under `track_prefix` a connection added to, reported once that connection closes
-        # (a heartbeat connection's close is its process's death, known before any beat is missed)
-        self.track_prefix: str | None = None
-        self._closed_keys: list[str] = []
-        self._closed_keys_lock = threading.Lock()
-        self.tampered = 0  # connections closed on a message whose MAC did not match
-        self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._listener.bind((host, port))
-        except OSError as exc:
-            self._listener.close()
-            raise CommunicationError(f"the job's store cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        self._listener.listen(4096)  # a whole job may connect at once (1,024 ranks in bench_store)
-        self._listener.setblocking(False)
-        self.host, self.port = host, self._listener.getsockname()[1]
-        self._waiting: dict[str, list[_Parked]] = {}  # missing key -> requests parked on it
-        self._deadlines: list[tuple[float, int, object]] = []  # (when, tie-break, parked request or handshake's connection)
-        self._ticket, self._compact_at = 0, 1024
-        self._woken: deque[_Parked] = deque()
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ, None)
-        self._wake_read, self._wake_write = socket.socketpair()
-        self._wake_read.setblocking(False)
-        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
-        self._closed = False
-        self._open = 0
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="hspmd-store")
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop serving: the listener and every client connection are closed."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._wake_write.send(b"x")
-        except OSError:
-            pass
-        if threading.current_thread() is not self._thread:
-            self._thread.join(5.0)
-
-    @property
-    def open_connections(self) -> int:
-        """Client connections open now (authenticated or still in their challenge)."""
-        return self._open
-
-    def take_closed_keys(self) -> list[str]:
-        """Tracked keys (`track_prefix`) whose connections closed since the last call."""
-        with self._closed_keys_lock:
-            keys, self._closed_keys = self._closed_keys, []
-        return keys
-
-    # the loop ------------------------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        try:
-            while not self._closed:
-                for key, events in self._selector.select(self._next_timeout()):
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.fileobj is self._wake_read:
-                        self._drain_waker()
-                    else:
-                        conn = key.data
-                        if events & selectors.EVENT_WRITE and conn.open:
-                            self._flush(conn)
-                        if events & selectors.EVENT_READ and conn.open:
-                            self._read(conn)
-                self._expire()
-        finally:
-            for key in list(self._selector.get_map().values()):
-                if key.data is not None:
-                    self._close(key.data)
-            self._selector.close()
-            for sock in (self._listener, self._wake_read, self._wake_write):
-                sock.close()
-
-    def _drain_waker(self) -> None:
-        try:
-            while self._wake_read.recv(4096):
-                pass
-        except OSError:
-            pass
-
-    def _next_timeout(self) -> float | None:
-        return max(0.0, self._deadlines[0][0] - time.monotonic()) if self._deadlines else None
-
-    def _at(self, when: float, what: object) -> None:
-        self._ticket += 1
-        heapq.heappush(self._deadlines, (when, self._ticket, what))
-        if len(self._deadlines) > self._compact_at:  # drop the deadlines of requests answered long before them
-            self._deadlines = [d for d in self._deadlines if self._pending(d[2])]
-            heapq.heapify(self._deadlines)
-            self._compact_at = 2 * len(self._deadlines) + 1024
-
-    @staticmethod
-    def _pending(what: object) -> bool:
-        if isinstance(what, _Parked):
-            return what.conn.open and what.conn.parked is what
-        return isinstance(what, _Connection) and what.open and what.channel is None
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, what = heapq.heappop(self._deadlines)
-            if not self._pending(what):
-                continue
-            if isinstance(what, _Parked):
-                self._unpark(what)
-                what.conn.parked = None
-                self._reply(what.conn, [b"timeout"])
-                self._handle_buffered(what.conn)
-            elif isinstance(what, _Connection):
-                self._close(what)  # the challenge was not answered in time
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock, secrets.token_bytes(NONCE_BYTES))
-            self._selector.register(sock, selectors.EVENT_READ, conn)
-            self._open += 1
-            self._at(time.monotonic() + HANDSHAKE_TIMEOUT_S, conn)
-            self._send(conn, conn.nonce)
-
-    def _read(self, conn: _Connection) -> None:
-        try:
-            chunk = conn.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._close(conn)
-            return
-        conn.inbox += chunk
-        if conn.channel is None and not self._answer_challenge(conn):
-            return
-        self._handle_buffered(conn)
-
-    def _answer_challenge(self, conn: _Connection) -> bool:
-        if len(conn.inbox) < 32 + NONCE_BYTES:
-            return False
-        answer = bytes(conn.inbox[:32 + NONCE_BYTES])
-        del conn.inbox[:32 + NONCE_BYTES]
-        if not hmac.compare_digest(answer[:32], _tag(self._secret, b"client", conn.nonce)):
-            self.refused += 1
-            self._close(conn)
-            return False
-        self._send(conn, _tag(self._secret, b"server", answer[32:]))
-        conn.channel = _Channel(self._secret, conn.nonce, answer[32:], is_server=True)
-        return True
-
-    def _handle_buffered(self, conn: _Connection) -> None:
-        """Answer the requests read on `conn`, in order, until one parks or the bytes run out;
-        then the requests that became answerable meanwhile, on their own connections."""
-        self._handle_requests(conn)
-        while self._woken:
-            parked = self._woken.popleft()
-            if parked.conn.open and parked.conn.parked is parked and all(k in self._data for k in parked.keys):
-                parked.conn.parked = None
-                self._reply(parked.conn, self._answer_parked(parked))
-                self._handle_requests(parked.conn)
-            elif parked.conn.open and parked.conn.parked is parked:
-                self._park(parked)
-
-    def _handle_requests(self, conn: _Connection) -> None:
-        inbox, channel = conn.inbox, conn.channel
-        while channel is not None and conn.open and conn.parked is None and len(inbox) >= 4:
-            (n,) = _LENGTH.unpack_from(inbox, 0)
-            if n > MAX_FRAME_BYTES:
-                self._close(conn)
-                return
-            if len(inbox) < 4 + n + MAC_BYTES:
-                return
-            body, mac = bytes(inbox[4:4 + n]), bytes(inbox[4 + n:4 + n + MAC_BYTES])
-            del inbox[:4 + n + MAC_BYTES]
-            try:
-                request = channel.open(body, mac)
-                reply = self._handle(conn, request)
-            except TamperedMessage:
-                self.tampered += 1
-                self._close(conn)
-                return
-            except Exception:  # noqa: BLE001 - a malformed request ends its connection, never the server
-                self._close(conn)
-                return
-            if reply is not None:
-                self._reply(conn, reply)
-
-    def _reply(self, conn: _Connection, frames: list[bytes]) -> None:
-        if conn.channel is not None:
-            self._send(conn, conn.channel.seal(frames))
-
-    def _send(self, conn: _Connection, data: bytes) -> None:
-        if conn.outbox:
-            conn.outbox += data
-            return
-        try:
-            sent = conn.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self._close(conn)
-            return
-        if sent < len(data):
-            conn.outbox += data[sent:]
-            self._selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
-
-    def _flush(self, conn: _Connection) -> None:
-        try:
-            sent = conn.sock.send(conn.outbox)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(conn)
-            return
-        del conn.outbox[:sent]
-        if not conn.outbox:
-            self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
-
-    def _close(self, conn: _Connection) -> None:
-        if not conn.open:
-            return
-        if conn.parked is not None:
-            self._unpark(conn.parked)
-        conn.open, conn.parked = False, None
-        self._open -= 1
-        try:
-            self._selector.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        conn.sock.close()
-        if conn.tracked:
-            with self._closed_keys_lock:
-                self._closed_keys.extend(sorted(conn.tracked))
-
-    # the operations ------------------------------------------------------------------------------
-
-    def _park(self, parked: _Parked) -> None:
-        parked.on = next(k for k in parked.keys if k not in self._data)
-        self._waiting.setdefault(parked.on, []).append(parked)
-
-    def _unpark(self, parked: _Parked) -> None:
-        """Forget a parked request whose connection closed (its key may never be written)."""
-        waiting = self._waiting.get(parked.on)
-        if waiting is not None and parked in waiting:
-            waiting.remove(parked)
-            if not waiting:
-                del self._waiting[parked.on]
-
-    def _made(self, key: str) -> None:
-        """`key` now exists: the requests parked on it are looked at again."""
-        parked = self._waiting.pop(key, None)
-        if parked:
-            self._woken.extend(parked)
-
-    def _answer_parked(self, parked: _Parked) -> list[bytes]:
-        return [b"ok", self._data[parked.keys[0]]] if parked.op == b"get" else [b"ok"]
-
-    def _handle(self, conn: _Connection, request: list[bytes]) -> list[bytes] | None:
-        """The reply to `request`, or None when it was parked until its keys exist."""
-        if not request or request[0] not in _OPS:
-            return [b"error", b"unknown operation"]
-        op, args = request[0], request[1:]
-        data = self._data
-        if op == b"set":
-            key = args[0].decode("utf-8", "replace")
-            data[key] = args[1]
-            self._made(key)
-            return [b"ok"]
-        if op == b"add":
-            key = args[0].decode("utf-8", "replace")
-            if self.track_prefix and key.startswith(self.track_prefix):
-                conn.tracked.add(key)
-            value = int(data.get(key, b"0")) + int(args[1])
-            data[key] = str(value).encode()
-            self._made(key)
-            return [b"ok", str(value).encode()]
-        keys = [a.decode("utf-8", "replace") for a in args]
-        if op == b"check":
-            return [b"ok", b"1" if all(k in data for k in keys) else b"0"]
-        if op in (b"get", b"wait"):
-            timeout_ms, wanted = int(args[0]), keys[1:]
-            if not wanted:
-                raise ValueError("a get or wait without keys")
-            parked = _Parked(conn, op, wanted, time.monotonic() + timeout_ms / 1000)
-            if all(k in data for k in wanted):
-                return self._answer_parked(parked)
-            if timeout_ms <= 0:
-                return [b"timeout"]
-            conn.parked = parked
-            self._park(parked)
-            self._at(parked.deadline, parked)
-            return None
-        if op == b"compare_set":
-            current = data.get(keys[0])
-            if (current is None and args[1] == b"") or current == args[1]:
-                data[keys[0]] = args[2]
-                self._made(keys[0])
-                return [b"ok", args[2]]
-            return [b"ok", args[1] if current is None else current]
-        if op == b"delete_key":
-            found = data.pop(keys[0], None) is not None
-            return [b"ok", b"1" if found else b"0"]
-        return [b"ok", str(len(data)).encode()]
-
-
-# client -------------------------------------------------------------------------------------------
-
-
 class JobStore(dist.Store):
     """A client of the job's StoreServer (hosting it when `server` is given), usable wherever
     torch.distributed takes a Store. One connection, used by one call at a time."""
@@ -546,22 +96,22 @@ class JobStore(dist.Store):
                     ) from None
                 time.sleep(0.05)
         try:
-            nonce = _recv_exact(sock, NONCE_BYTES)
+            nonce = recv_exact(sock, NONCE_BYTES)
             mine = secrets.token_bytes(NONCE_BYTES)
-            sock.sendall(_tag(secret, b"client", nonce) + mine)
-            proof = _recv_exact(sock, 32)
+            sock.sendall(tag(secret, b"client", nonce) + mine)
+            proof = recv_exact(sock, 32)
         except (ConnectionError, OSError):
             sock.close()
             raise CommunicationError(
                 f"the job's store at {self.host}:{self.port} refused this process: it does not hold the job's secret "
                 f"({SECRET_ENV})"
             ) from None
-        if not hmac.compare_digest(proof, _tag(secret, b"server", mine)):
+        if not hmac.compare_digest(proof, tag(secret, b"server", mine)):
             sock.close()
             raise CommunicationError(f"the server at {self.host}:{self.port} does not know the job's secret: not our store")
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._channel = _Channel(secret, nonce, mine, is_server=False)
+        self._channel = Channel(secret, nonce, mine, is_server=False)
         return sock
 
     def _call(self, *frames: bytes) -> list[bytes]:
