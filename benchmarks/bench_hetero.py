@@ -7,8 +7,9 @@ link. Time is dilated (--dilation D, default 12: the fast type is this host D ti
 others at their ratio to it), so that ranks compute a small share of the time and the emulated
 devices, not the host's scheduler, set the pace: D must exceed the host's load per core, which
 the bench prints (2 cores shared by 8 jobs run 8-16 processes per core). The cost model is
-this host's calibration on CPU time, made in the same run, with the other types at the file's
-ratios (Calibration.cost_model_for). A part's table of where the time went shows, for the
+this host's calibration on CPU time, made in the same run (the step probes as the emulated reference
+type, D times slowed), with the other types at the file's ratios (Calibration.cost_model_for). A
+part's table of where the time went shows, for the
 slowest type's ranks, the emulated compute and link waits, the ops' CPU time x slowdown (what
 the calibration prices) and the rest of the step. Within a part every side is built once and the steps run
 round-robin (ABC, then CBA, ...), so load drifts hit all sides alike; a step's time is its slowest
@@ -418,7 +419,7 @@ def main(argv=None) -> int:
                    help="plan (two types), dispatch, h1f1b, plan3 (the 8-rank three-type cluster), cp (hetero CP), recovery")
     args = p.parse_args(argv)
     cluster = dilated(load_cluster(CLUSTER), args.dilation)
-    cal = Calibration.load(args.calibration) if args.calibration else calibrate(3, cpu_time=True)
+    cal = Calibration.load(args.calibration) if args.calibration else calibrate(3, cpu_time=True, emulate=args.dilation)
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
     print(f"host load: {load:.1f} runnable processes per core (1-minute average); dilation {args.dilation:g}")
     print(cluster.summary())

@@ -313,6 +313,14 @@ def test_plan_then_run_under_emulation_prints_measured_next_to_simulated(tmp_pat
     assert {e["pid"] for e in events if e.get("cat") == "emulated"} & set(slow)
 
 
+def test_an_emulated_calibration_probes_at_the_reference_types_slowdown():
+    from hspmd.runtime.policies.calibrate import emulated_reference
+
+    assert emulated_reference(None) is None and emulated_reference(cluster_from_yaml(CLUSTER_YAML)) is None
+    assert emulated_reference(two_types()) is None  # the reference runs at this host's own pace
+    assert emulated_reference(two_types(slowdowns={"fast": 4.0, "slow": 10.0})) == 4.0
+
+
 def test_calibration_prices_the_emulated_types_at_the_file_ratios():
     """This host's fit is the reference type; the slow type gets its rates / 2.5 and 1.5 x the
     per-instruction overhead per kernel; links inside a node are the fitted host link; a dilated

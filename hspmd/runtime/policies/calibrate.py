@@ -328,17 +328,28 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     return replace(fitted, link_latency=alpha, link_bandwidth=1.0 / slope)
 
 
-def _calibrate_rank(backend: Backend, repeats: int, cpu_time: bool = False) -> list[dict]:
-    probe = Probe(backend, cpu_time=cpu_time)
+def _calibrate_rank(backend: Backend, repeats: int, cpu_time: bool = False, emulate: float | None = None) -> list[dict]:
+    probe = Probe(backend, cpu_time=cpu_time, emulate=emulate)
     return [probe.once() for _ in range(repeats)]
 
 
-def calibrate(repeats: int = 7, cpu_time: bool = False) -> Calibration:
+def calibrate(repeats: int = 7, cpu_time: bool = False, emulate: float | None = None) -> Calibration:
     """Probe `repeats` times on 2 gloo processes (both busy at once, as in training) and fit.
     `cpu_time`: compute probes on each thread's CPU time, not wall time: the rates of a core of
-    one's own, which emulated device types follow whatever else the host runs (links stay wall time)."""
-    results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, timeout=600)
+    one's own, which emulated device types follow whatever else the host runs (links stay wall time).
+    `emulate`: the step probes run as an emulated device this many times slower (Probe), the
+    reference type of the cluster the fit will price, so their CPU time is counted as its steps' is."""
+    results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, emulate, timeout=600)
     return fit(results[0])
+
+
+def emulated_reference(cluster: ClusterSpec | None) -> float | None:
+    """The slowdown an emulated cluster gives its reference type (this host), when above 1: what
+    `calibrate(emulate=...)` runs the step probes at; None for a cluster not emulated at 1x or at all."""
+    if cluster is None or cluster.emulation is None:
+        return None
+    slowdown = cluster.type_slowdown(cluster.emulation.reference)
+    return slowdown if slowdown > 1 else None
 
 
 def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration: Calibration | None = None,
@@ -353,5 +364,5 @@ def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration
     return simulate_strategy(strategy, cost, schedule).iteration, source
 
 
-__all__ = ["Calibration", "Probe", "ProbeShape", "calibrate", "simulated_step", "fit", "fit_line", "fit_steps", "median_seconds",
-           "step_work", "StepWork"]
+__all__ = ["Calibration", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference", "fit", "fit_line",
+           "fit_steps", "median_seconds", "simulated_step", "step_work"]
