@@ -85,3 +85,44 @@ def test_plan_calibration_bad_input(tmp_path, capsys):
                  "--calibration", str(negative)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hspmd: error: ") and "no emulate block" in err
+
+
+THREE_TYPES = "examples/clusters/emulated-three-types.yaml"
+
+
+def _plan_three_types(tmp_path, capsys, name: str, overhead: float, step_overhead: float):
+    """`hspmd plan` on the three-type emulated cluster priced with a made-up calibration: the
+    strategy it wrote, and its cost model."""
+    from hspmd.runtime.policies.calibrate import Calibration
+
+    cal = Calibration(peak_flops=2e9, bandwidth=4e9, overhead=overhead, link_latency=2e-5, link_bandwidth=1e9,
+                      step_overhead=step_overhead, gamma=1.5)
+    path, out = tmp_path / f"{name}.json", tmp_path / f"{name}.yaml"
+    cal.save(path)
+    code = main(["plan", "--cluster", THREE_TYPES, "--model", "llama-tiny", "--global-batch", "16", "--no-recompute",
+                 "--iterations", "300", "--calibration", str(path), "--out", str(out)])
+    assert code == 0
+    return load_strategy(out), cal.cost_model_for(parse_cluster(THREE_TYPES), model_named("llama-tiny")), capsys.readouterr().out
+
+
+def test_plan_writes_what_the_simulator_rates_fastest_not_what_the_formula_does(tmp_path, capsys):
+    """Where the searches' objective and the level-1 simulator disagree, the written strategy is the
+    simulator's fastest of the searches' answers and the uniform split: MCTS's answer has the least
+    predicted time but simulates slower than DP's (per-step overheads), and under a costly per-op
+    overhead every search's answer simulates slower than the uniform split, which is written."""
+    from hspmd.planning.search.command import best_result, run_searches, uniform_baseline
+    from hspmd.planning.search.costed import cluster_problem
+
+    for name, overhead, step_overhead in (("steps", 1e-5, 1e-2), ("ops", 1e-3, 1e-3)):
+        written, cost, printed = _plan_three_types(tmp_path, capsys, name, overhead, step_overhead)
+        problem = cluster_problem(cost, 16, recompute=False)
+        results = run_searches(problem, ("dp", "dfs", "mcts"), iterations=300)
+        uniform = uniform_baseline(problem)[0]
+        simulated = {k: simulate_strategy(r.strategy, cost).iteration for k, r in results.items()}
+        simulated["uniform"] = simulate_strategy(uniform, cost).iteration
+        formula_pick = simulate_strategy(best_result(results).strategy, cost).iteration
+        assert simulate_strategy(written, cost).iteration == min(simulated.values()) < formula_pick, simulated
+        if name == "ops":
+            assert format_strategy(written) == format_strategy(uniform) and "chosen: the uniform split" in printed
+        else:
+            assert min(simulated.values()) < simulated["uniform"] and "chosen: dp" in printed
