@@ -10,12 +10,17 @@ clients are Python threads; hspmd's clients and server do their work holding the
 TCPStore's run in C++ without it, so hspmd's time grows less than TCPStore's falls with free cores. Runs interleave (hspmd, torch,
 hspmd, torch, ...); the table gives medians, the ratio of medians and the spread of per-pair ratios.
 
-    python benchmarks/bench_store.py [--clients 1024] [--reps 3]
+`--server-process` hosts each server in a process of its own, as `hspmd run` does (its launcher
+hosts the store; the ranks are other processes): the clients then no longer share the server's
+interpreter lock.
+
+    python benchmarks/bench_store.py [--clients 1024] [--reps 3] [--server-process]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
@@ -58,41 +63,79 @@ def rendezvous(connect, clients: int) -> float:
     return seconds
 
 
-def hspmd_once(clients: int) -> float:
-    secret = new_secret().encode()
+def host_hspmd(secret: bytes) -> tuple[int, object]:
     server = open_store("127.0.0.1", 0, is_master=True, secret=secret, timeout=120)
-    try:
-        return rendezvous(lambda i: JobStore("127.0.0.1", server.port, secret, 120), clients)
-    finally:
-        server.server.close()
+    return server.port, server
 
 
-def torch_once(clients: int) -> float:
+def host_torch(clients: int) -> tuple[int, object]:
     master = dist.TCPStore("127.0.0.1", 0, clients + 1, True, timeout=timedelta(seconds=120), wait_for_workers=False)
-    port = master.port
-    seconds = rendezvous(lambda i: dist.TCPStore("127.0.0.1", port, clients + 1, False, timeout=timedelta(seconds=120)),
-                         clients)
-    del master
-    return seconds
+    return master.port, master
+
+
+def _serve(host, args, ports, stop) -> None:
+    """A server process: host the store, tell its port, serve until told to stop."""
+    port, kept = host(*args)
+    ports.put(port)
+    stop.wait()
+    del kept
+
+
+def hosted(host, args, separate: bool):
+    """(port, stop): the store hosted by `host(*args)` here or, `separate`, in a forked process."""
+    if not separate:
+        port, kept = host(*args)
+        return port, lambda: kept.server.close() if hasattr(kept, "server") else None
+    fork = multiprocessing.get_context("fork")
+    ports, stop = fork.Queue(), fork.Event()
+    process = fork.Process(target=_serve, args=(host, args, ports, stop), daemon=True)
+    process.start()
+    port = ports.get(timeout=60)
+
+    def end() -> None:
+        stop.set()
+        process.join()
+    return port, end
+
+
+def hspmd_once(clients: int, separate: bool = False) -> float:
+    secret = new_secret().encode()
+    port, end = hosted(host_hspmd, (secret,), separate)
+    try:
+        return rendezvous(lambda i: JobStore("127.0.0.1", port, secret, 120), clients)
+    finally:
+        end()
+
+
+def torch_once(clients: int, separate: bool = False) -> float:
+    port, end = hosted(host_torch, (clients,), separate)
+    try:
+        return rendezvous(lambda i: dist.TCPStore("127.0.0.1", port, clients + 1, False, timeout=timedelta(seconds=120)),
+                          clients)
+    finally:
+        end()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=1024)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--server-process", action="store_true", help="host each server in a process of its own")
     args = p.parse_args(argv)
     ours, theirs = [], []
-    hspmd_once(8), torch_once(8)  # warm-up, not counted: torch's first client resolves this host's name (seconds)
+    separate = args.server_process
+    hspmd_once(8, separate), torch_once(8, separate)  # warm-up, not counted: torch's first client resolves this host's name
     for _ in range(args.reps):
-        ours.append(hspmd_once(args.clients))
-        theirs.append(torch_once(args.clients))
+        ours.append(hspmd_once(args.clients, separate))
+        theirs.append(torch_once(args.clients, separate))
     ratios = sorted(a / b for a, b in zip(ours, theirs))
     print(table(["store", "clients", "median s", "min-max s"], [
         ["hspmd JobStore (authenticated)", args.clients, f"{statistics.median(ours):.3f}", f"{min(ours):.3f}-{max(ours):.3f}"],
         ["torch TCPStore", args.clients, f"{statistics.median(theirs):.3f}", f"{min(theirs):.3f}-{max(theirs):.3f}"],
     ]))
+    where = "servers in processes of their own" if separate else "servers in this process"
     print(f"hspmd / TCPStore: {statistics.median(ours) / statistics.median(theirs):.2f}x "
-          f"(per-pair ratios {ratios[0]:.2f}-{ratios[-1]:.2f}, {args.reps} interleaved pairs)")
+          f"(per-pair ratios {ratios[0]:.2f}-{ratios[-1]:.2f}, {args.reps} interleaved pairs; {where})")
     return 0
 
 
