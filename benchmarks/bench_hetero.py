@@ -199,6 +199,17 @@ def hand_strategy(cluster, global_batch: int) -> tuple[str, str]:
             f"name=hand-hetdp ; layers={CONFIG['layers']} ; " + " ; ".join(f"{r}x1: R{d} L0-{layers}" for d, r in enumerate(rows)))
 
 
+def print_comparison(title: str, kind: str, texts: dict[str, str], results, simulated: dict[str, float], baseline: str,
+                     versus: str) -> None:
+    """One part's report: its title, each side's strategy text, and the measured step (median and
+    spread) beside the simulated one, both as speedups over `baseline`."""
+    print(f"\n{title}")
+    for name, text in texts.items():
+        print(f"  {name}: {text}")
+    print(table([kind, "measured step s, median (min-max)", "simulated s", f"measured speedup vs {versus}",
+                 "simulated speedup"], report(results, simulated, baseline)))
+
+
 def part_plan(cluster, cal: Calibration, rounds: int, warmup: int, iterations: int, global_batch: int) -> None:
     model = from_llama_config(LlamaConfig(**CONFIG), seq_len=SEQ, name="llama-tiny")
     cost = cal.cost_model_for(cluster, model)
@@ -316,12 +327,8 @@ def part_h1f1b(cluster, cal: Calibration, rounds: int, warmup: int) -> None:
     texts = {"1F1B": base, f"H-1F1B (warm-up {best},1)": candidates[best]}
     sims = {name: simulate_strategy(parse_strategy(t), cost).iteration for name, t in texts.items()}
     results = run_multiprocess(strategies_rank, 4, slow, texts, rounds, warmup, timeout=1800)
-    print(f"\n3. H-1F1B vs 1F1B, two 2-stage pipelines across the nodes' link at {SLOW_LINK_LATENCY * 1e3:.0f} ms "
-          f"({rounds} rounds + {warmup} warm-up)")
-    for name, text in texts.items():
-        print(f"  {name}: {text}")
-    print(table(["schedule", "measured step s, median (min-max)", "simulated s", "measured speedup vs 1F1B",
-                 "simulated speedup"], report(results, sims, "1F1B")))
+    print_comparison(f"3. H-1F1B vs 1F1B, two 2-stage pipelines across the nodes' link at {SLOW_LINK_LATENCY * 1e3:.0f} ms "
+                     f"({rounds} rounds + {warmup} warm-up)", "schedule", texts, results, sims, "1F1B", "1F1B")
 
 
 # ---- 5. hetero context parallelism ---------------------------------------------------------------
@@ -362,12 +369,8 @@ def part_cp(cluster, cal: Calibration, rounds: int, warmup: int) -> None:
         "cp4", "cp4=" + ",".join(map(str, shares)))}
     sims = {name: simulate_strategy(parse_strategy(t), cost, seq=CP_SEQ).iteration for name, t in texts.items()}
     results = run_multiprocess(cp_rank, 4, cluster, texts, rounds, warmup, timeout=1800)
-    print(f"\n5. hetero CP: one {CP_SEQ}-token sequence over a CP4 group of 2 fast and 2 slow ranks "
-          f"({rounds} rounds + {warmup} warm-up)")
-    for name, text in texts.items():
-        print(f"  {name}: {text}")
-    print(table(["shares", "measured step s, median (min-max)", "simulated s", "measured speedup vs even",
-                 "simulated speedup"], report(results, sims, "even shares")))
+    print_comparison(f"5. hetero CP: one {CP_SEQ}-token sequence over a CP4 group of 2 fast and 2 slow ranks "
+                     f"({rounds} rounds + {warmup} warm-up)", "shares", texts, results, sims, "even shares", "even")
     print(breakdown(results, texts, cluster))
 
 
@@ -386,12 +389,9 @@ def part_recovery(cluster, cal: Calibration, rounds: int, warmup: int, failed: i
     texts = {"equal devices": format_strategy(equal), "hardware-aware": format_strategy(aware)}
     sims = {name: simulate_strategy(parse_strategy(t), cost).iteration for name, t in texts.items()}
     results = run_multiprocess(strategies_rank, cluster.n_devices, cluster, texts, rounds, warmup, timeout=1800)
-    print(f"\n6. recovery after losing rank {failed} ({cluster.device_type(failed).name}) of "
-          f"{format_strategy(start)} ({rounds} rounds + {warmup} warm-up)")
-    for name, text in texts.items():
-        print(f"  {name}: {text}")
-    print(table(["re-plan", "measured step s, median (min-max)", "simulated s", "measured speedup vs equal devices",
-                 "simulated speedup"], report(results, sims, "equal devices")))
+    print_comparison(f"6. recovery after losing rank {failed} ({cluster.device_type(failed).name}) of "
+                     f"{format_strategy(start)} ({rounds} rounds + {warmup} warm-up)", "re-plan", texts, results, sims,
+                     "equal devices", "equal devices")
 
 
 def dilated(cluster, dilation: float):
