@@ -30,7 +30,7 @@ import argparse
 import io
 import sys
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 from rich.console import Console
 from rich.table import Table
@@ -114,20 +114,21 @@ def run_searches(problem: Problem, names, iterations: int = 3000, seed: int = 0)
     return {name: out[name] for name in names}
 
 
-def comparison_table(problem: Problem, results, baseline, cost: CostModel | None = None) -> str:
-    """Predicted (the searches' objective) and, with `cost`, simulated (level 1) iteration times."""
+def comparison_table(problem: Problem, results, baseline, simulated: Mapping[str, float] | None = None) -> str:
+    """Predicted (the searches' objective) and, given `simulated` (simulated_times), the level-1
+    simulator's iteration times."""
     table = Table(title="strategy searches (predicted: pipeline formula; simulated: level-1 simulator)", title_justify="left")
     for column in ("search", "predicted (s)", "simulated (s)", "vs uniform", "peak memory (GiB)", "fits", "search (s)",
                    "stages x pipelines"):
         table.add_column(column)
 
-    def simulated(strategy: Strategy) -> str:
-        return f"{simulate_strategy(strategy, cost).iteration:.4g}" if cost is not None else "-"
+    def shown(name: str) -> str:
+        return f"{simulated[name]:.4g}" if simulated is not None and name in simulated else "-"
 
     ref = baseline[1].time if baseline else None
     if baseline:
         strategy, priced = baseline
-        table.add_row(f"uniform ({strategy.name})", f"{priced.time:.4g}", simulated(strategy), "1.00x",
+        table.add_row(f"uniform ({strategy.name})", f"{priced.time:.4g}", shown("uniform"), "1.00x",
                       f"{max(priced.stage_memory) / 2**30:.1f}", "yes" if priced.feasible else "NO", "-",
                       f"{len(strategy.pipelines[0].stages)} x {strategy.num_pipelines}")
     for name, r in results.items():
@@ -135,7 +136,7 @@ def comparison_table(problem: Problem, results, baseline, cost: CostModel | None
             table.add_row(name, "-", "-", "-", "-", "-", "-", r)
             continue
         speed = f"{ref / r.predicted_time:.2f}x" if ref else "-"
-        table.add_row(name, f"{r.predicted_time:.4g}", simulated(r.strategy), speed, f"{max(r.peak_memory.values()) / 2**30:.1f}",
+        table.add_row(name, f"{r.predicted_time:.4g}", shown(name), speed, f"{max(r.peak_memory.values()) / 2**30:.1f}",
                       "yes", f"{r.provenance['seconds']:.2f}", f"{len(r.strategy.pipelines[0].stages)} x {r.strategy.num_pipelines}")
     buffer = io.StringIO()
     Console(file=buffer, width=140, color_system=None, force_terminal=False).print(table)
@@ -151,18 +152,26 @@ def best_result(results) -> PlannedStrategy:
     return min(found, key=lambda r: r.predicted_time)
 
 
-def choose(results, baseline: tuple[Strategy, Priced] | None, cost: CostModel) -> tuple[str, PlannedStrategy | Strategy, dict]:
-    """(name, choice, simulated seconds by name): of the searches' answers and the uniform split
-    (when it fits), the one the level-1 simulator rates fastest; on a tie a search's answer, in
-    the searches' order. Raises PlanningError when no search found a strategy that fits."""
+def simulated_times(results, baseline: tuple[Strategy, Priced] | None, cost: CostModel) -> dict[str, float]:
+    """The level-1 simulator's iteration time of each search's answer and of the uniform split
+    ("uniform"), each simulated once for the table and the choice."""
+    strategies = {name: r.strategy for name, r in results.items() if not isinstance(r, str)}
+    if baseline is not None:
+        strategies["uniform"] = baseline[0]
+    return {name: simulate_strategy(strategy, cost).iteration for name, strategy in strategies.items()}
+
+
+def choose(results, baseline: tuple[Strategy, Priced] | None,
+           simulated: Mapping[str, float]) -> tuple[str, PlannedStrategy | Strategy]:
+    """(name, choice): of the searches' answers and the uniform split (when it fits), the one
+    the level-1 simulator rates fastest (`simulated`: simulated_times); on a tie a search's answer,
+    in the searches' order. Raises PlanningError when no search found a strategy that fits."""
     best_result(results)  # the error naming every search's reason when none found one
     candidates: dict[str, PlannedStrategy | Strategy] = {name: r for name, r in results.items() if not isinstance(r, str)}
     if baseline is not None and baseline[1].feasible:
         candidates["uniform"] = baseline[0]
-    simulated = {name: simulate_strategy(c.strategy if isinstance(c, PlannedStrategy) else c, cost).iteration
-                 for name, c in candidates.items()}
-    name = min(simulated, key=lambda n: simulated[n])
-    return name, candidates[name], simulated
+    name = min(candidates, key=lambda n: simulated[n])
+    return name, candidates[name]
 
 
 Calibrated = Callable[[str, ClusterSpec, ModelSpec], CostModel]
@@ -222,8 +231,9 @@ def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str
         results = run_searches(problem, names, args.iterations, args.seed)
         baseline = uniform_baseline(problem)
         print(cost.describe())
-        print(comparison_table(problem, results, baseline, cost))
-        name, choice, simulated = choose(results, baseline, cost)
+        simulated = simulated_times(results, baseline, cost)
+        print(comparison_table(problem, results, baseline, simulated))
+        name, choice = choose(results, baseline, simulated)
         elapsed = time.perf_counter() - start
         if isinstance(choice, PlannedStrategy):
             strategy = choice.strategy
@@ -231,7 +241,7 @@ def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str
                   f"schedule {choice.schedule}, warm-up {list(choice.warmup[0])}")
         else:
             strategy = choice
-            searched = min(v for k, v in simulated.items() if k != "uniform")
+            searched = min(v for k, v in simulated.items() if k != "uniform")  # a search found one: best_result
             print(f"chosen: the uniform split {strategy.name} ({elapsed:.1f} s in all): the simulator rates it "
                   f"{simulated[name]:.4g} s against the searches' best {searched:.4g} s")
         recompute = [i for i, s in enumerate(strategy.pipelines[0].stages) if s.recompute]
@@ -251,4 +261,5 @@ def main(argv: list[str] | None = None, draw: Callable[[Strategy, CostModel, str
     return 0
 
 
-__all__ = ["Calibrated", "best_result", "choose", "comparison_table", "main", "plan_cost", "run_searches", "uniform_baseline"]
+__all__ = ["Calibrated", "best_result", "choose", "comparison_table", "main", "plan_cost", "run_searches",
+           "simulated_times", "uniform_baseline"]
