@@ -44,8 +44,11 @@ def test_a_client_with_the_secret_uses_every_operation(store):
 
 def test_a_client_without_the_secret_is_refused_before_reading_anything(store):
     store.set("planted-by-the-job", b"x")
+    stranger = JobStore("127.0.0.1", store.port, new_secret().encode(), timeout=5)
     with pytest.raises(CommunicationError, match="refused this process"):
-        JobStore("127.0.0.1", store.port, new_secret().encode(), timeout=5)
+        stranger.get("planted-by-the-job")  # its first operation reads the server's refusal, not the key
+    with pytest.raises(CommunicationError, match="refused this process"):
+        JobStore("127.0.0.1", store.port, new_secret().encode(), timeout=5).confirm()
     # a raw connection that skips the challenge gets nothing but the nonce, then is closed
     with socket.create_connection(("127.0.0.1", store.port), timeout=5) as raw:
         raw.recv(32)
@@ -55,15 +58,16 @@ def test_a_client_without_the_secret_is_refused_before_reading_anything(store):
         except ConnectionResetError:
             answer = b""
         assert answer == b""
-    assert store.server.refused == 2
+    assert store.server.refused == 3
     assert store.get("planted-by-the-job") == b"x"
 
 
 def test_a_server_without_the_secret_is_not_trusted_by_a_client():
     impostor = StoreServer(new_secret().encode())
     try:
-        with pytest.raises(CommunicationError):
-            JobStore("127.0.0.1", impostor.port, SECRET, timeout=5)
+        client = JobStore("127.0.0.1", impostor.port, SECRET, timeout=5)
+        with pytest.raises(CommunicationError):  # the impostor cannot answer the challenge, so no reply is read
+            client.set("k", b"v")
     finally:
         impostor.close()
 

@@ -39,7 +39,7 @@ class _Connection:
     bytes not yet sent, the challenge's nonce until it is answered, then the channel; the request
     parked until its keys exist; the tracked keys it added to."""
 
-    __slots__ = ("sock", "inbox", "outbox", "nonce", "channel", "parked", "tracked", "open")
+    __slots__ = ("sock", "inbox", "outbox", "nonce", "channel", "parked", "tracked", "open", "queued", "writing")
 
     def __init__(self, sock: socket.socket, nonce: bytes):
         self.sock, self.nonce = sock, nonce
@@ -48,6 +48,8 @@ class _Connection:
         self.parked: _Parked | None = None
         self.tracked: set[str] = set()
         self.open = True
+        self.queued = False  # in the server's list of connections with bytes to send this turn
+        self.writing = False  # waiting for the socket to take more bytes (registered for EVENT_WRITE)
 
 
 class _Parked:
@@ -91,6 +93,7 @@ class StoreServer:
         self._deadlines: list[tuple[float, int, object]] = []  # (when, tie-break, parked request or handshake's connection)
         self._ticket, self._compact_at = 0, 1024
         self._woken: deque[_Parked] = deque()
+        self._unsent: list[_Connection] = []  # connections given bytes this turn, sent once at its end
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._wake_read, self._wake_write = socket.socketpair()
@@ -141,6 +144,7 @@ class StoreServer:
                         if events & selectors.EVENT_READ and conn.open:
                             self._read(conn)
                 self._expire()
+                self._send_queued()
         finally:
             for key in list(self._selector.get_map().values()):
                 if key.data is not None:
@@ -273,31 +277,32 @@ class StoreServer:
             self._send(conn, conn.channel.seal(frames))
 
     def _send(self, conn: _Connection, data: bytes) -> None:
-        if conn.outbox:
-            conn.outbox += data
-            return
-        try:
-            sent = conn.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self._close(conn)
-            return
-        if sent < len(data):
-            conn.outbox += data[sent:]
-            self._selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        """Queue `data` for `conn`; what a turn of the loop gives a connection (the challenge's
+        answer and the first reply, say) leaves in one send at the turn's end."""
+        conn.outbox += data
+        if not conn.queued:
+            conn.queued = True
+            self._unsent.append(conn)
+
+    def _send_queued(self) -> None:
+        for conn in self._unsent:
+            conn.queued = False
+            if conn.open and conn.outbox and not conn.writing:
+                self._flush(conn)
+        self._unsent.clear()
 
     def _flush(self, conn: _Connection) -> None:
         try:
             sent = conn.sock.send(conn.outbox)
         except (BlockingIOError, InterruptedError):
-            return
+            sent = 0
         except OSError:
             self._close(conn)
             return
         del conn.outbox[:sent]
-        if not conn.outbox:
-            self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+        if bool(conn.outbox) != conn.writing:  # wait for room only while bytes are left
+            conn.writing = bool(conn.outbox)
+            self._selector.modify(conn.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.writing else 0), conn)
 
     def _close(self, conn: _Connection) -> None:
         if not conn.open:
@@ -306,6 +311,11 @@ class StoreServer:
             self._unpark(conn.parked)
         conn.open, conn.parked = False, None
         self._open -= 1
+        if conn.outbox and not conn.writing:  # what this turn gave it (the challenge's answer, say) still leaves
+            try:
+                conn.sock.send(conn.outbox)
+            except OSError:
+                pass
         try:
             self._selector.unregister(conn.sock)
         except (KeyError, ValueError):

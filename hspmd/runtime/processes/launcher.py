@@ -301,7 +301,9 @@ def _job_store(role: NodeRole | None, port: int | None, secret: str, timeout: fl
     try:
         if role.node_rank == 0 and host:
             return open_store(role.master_addr, role.master_port, is_master=True, secret=secret.encode(), timeout=timeout)
-        return JobStore(role.master_addr, role.master_port, secret.encode(), timeout)
+        store = JobStore(role.master_addr, role.master_port, secret.encode(), timeout)
+        store.confirm()
+        return store
     except CommunicationError as exc:
         text = str(exc)
         if "refused this process" in text or "does not know the job's secret" in text:
