@@ -2,8 +2,11 @@
 
 1. Measure: the demo's Llama (hidden 64, 4 heads, FFN 128, 4 layers, 32-character sequences,
    16 sequences per step) on 2 gloo processes under 8 strategies (DP, TP, PP 1F1B and GPipe,
-   uneven PP and DP, and two other micro-batch sizes); every strategy is built once and the steps
-   run round-robin (ABAB...), so load drifts hit all of them alike; median of the slowest rank
+   uneven PP and DP, and two other micro-batch sizes); every strategy is built once and the
+   strategies take turns round by round, so load drifts hit all of them alike; in its turn a
+   strategy runs an untimed step and then the timed one, so that the timed step meets the caches
+   its own last step left, as in training (timed right after the other strategies' steps, the
+   demo Llama's step cost ~12% more CPU time; `--cold` times it so); median of the slowest rank
    per strategy. `--pin-cpus` pins each rank to its own CPU (hspmd.runtime.processes.affinity).
 2. Calibrate in the same run: before each round, both ranks run the calibration probes (torch
    matmul / add micro-benchmarks, real steps of 1-2 layer probe models for the executor's overheads
