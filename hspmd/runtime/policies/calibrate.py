@@ -16,11 +16,7 @@
                              larger micro-batch is what tells it apart from the overhead
     gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
     all-reduce               alpha + bytes / beta, an all-reduce = 2 alpha + bytes / beta
-                             (one least-squares fit over both). As an emulated device
-                             (`emulate`), each message follows a stretch of device work that
-                             the device sleeps off first, as an emulated step's messages do
-                             (both ranks then meet it after a wake-up), and only the message is
-                             timed
+                             (one least-squares fit over both)
 
 Everything runs on both processes at once, as in training (they share the machine's cores).
 
@@ -198,10 +194,6 @@ class ProbeShape:
     seq: int = 32
 
 
-# CPU seconds of device work before each message of an emulated link probe: about what a
-# tensor-parallel layer computes between its all-reduces at the demo Llama's shapes
-LINK_PROBE_WORK_S = 0.5e-3
-
 # (layers, micro-batches, micro-batch size in shape.rows) of the framework probe's steps
 PROBE_RUNS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 4))
 
@@ -278,11 +270,6 @@ class Probe:
         self.emulated = emulate is not None
         self.trainers = [probe_trainer(shape, *run, wrap=wrap) for run in PROBE_RUNS]
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
-        self.link_device: RankEmulator | None = None
-        if emulate is not None and backend is not None and backend.world_size >= 2:
-            world = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(backend.world_size)
-            self.link_device = RankEmulator(backend.rank, "probe", emulate)
-            self.backend = EmulatedBackend(backend, world, self.link_device, None)
 
     def _step_seconds(self, trainer: Trainer, batch) -> float:
         """A probe step's time on the probe's clock, or, emulated, the CPU time its device owed
@@ -296,26 +283,6 @@ class Probe:
         for _ in range(2):
             trainer.step(batch)
         return (device.op_cpu_s - before) / 2
-
-    def _message_seconds(self, message: Callable[[], object]) -> float:
-        """Median seconds of `message` (3 runs); as an emulated device, each run after a stretch
-        of device work (LINK_PROBE_WORK_S of CPU time) whose debt the device sleeps off before
-        the message leaves: that sleep is not timed, the message after it is."""
-        device = self.link_device
-        if device is None:
-            return median_seconds(message, 1, 3)
-        a, b = self.matrices[MATMUL_SIZES.index(128)]  # ~50 us a product: the stretch ends near its length
-        times = []
-        for _ in range(3):
-            device.mark()
-            start = time.thread_time()
-            while time.thread_time() - start < LINK_PROBE_WORK_S:
-                a @ b
-            device.computed()
-            waited, began = device.compute_wait_s, time.perf_counter()
-            message()
-            times.append(time.perf_counter() - began - (device.compute_wait_s - waited))
-        return statistics.median(times)
 
     def once(self) -> dict:
         """Raw seconds of every probe, measured once (short inner loops)."""
@@ -337,8 +304,8 @@ class Probe:
                     else:
                         backend.exchange({peer: backend.exchange({}, {peer: shape})[peer]}, {})
 
-                pings.append(self._message_seconds(round_trip) / 2)
-                reduces.append(self._message_seconds(lambda: backend.all_reduce(x, group)))
+                pings.append(median_seconds(round_trip, 1, 3) / 2)
+                reduces.append(median_seconds(lambda: backend.all_reduce(x, group), 1, 3))
             out["pingpong"], out["allreduce"] = pings, reduces
         return out
 
