@@ -164,22 +164,3 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
     devices = [emulation_of(trainer.backend) for trainer, _ in probe.trainers]
     assert all(d is not None and d.slowdown == 3.0 and d.compute_wait_s > 0 and d.op_cpu_s > 0 for d in devices)
 
-
-def test_emulated_link_probes_time_each_message_after_the_device_slept_off_its_work():
-    # as an emulated device, every ping-pong and all-reduce of the link probes follows a stretch of
-    # device work that the device sleeps off first (as an emulated step's messages do); the sleep
-    # is the device's compute wait, not the message's time
-    from hspmd.backends.local import run_on_devices
-    from hspmd.runtime.policies.calibrate import LINK_PROBE_WORK_S, MESSAGE_SIZES, Probe
-
-    def body(backend):
-        probe = Probe(backend, cpu_time=True, emulate=3.0)
-        probe.trainers = []  # the link probes only
-        run = probe.once()
-        return run, probe.link_device.compute_wait_s
-
-    for run, waited in run_on_devices(body, [0, 1]).values():
-        assert len(run["pingpong"]) == len(run["allreduce"]) == len(MESSAGE_SIZES)
-        assert min(run["pingpong"] + run["allreduce"]) > 0
-        # 3 timed messages per size and kind, each after LINK_PROBE_WORK_S of CPU owed (3 - 1) times over
-        assert waited >= 0.5 * 2 * len(MESSAGE_SIZES) * 3 * (3.0 - 1) * LINK_PROBE_WORK_S
