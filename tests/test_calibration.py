@@ -164,3 +164,52 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
     devices = [emulation_of(trainer.backend) for trainer, _ in probe.trainers]
     assert all(d is not None and d.slowdown == 3.0 and d.compute_wait_s > 0 and d.op_cpu_s > 0 for d in devices)
 
+
+
+def test_cpu_scale_is_each_slowdowns_probe_cpu_over_the_references_and_prices_that_type(tmp_path):
+    # an emulated device of another slowdown spends more CPU on the same probe steps (colder caches
+    # after longer sleeps): its factor is the per-run ratio's median, and cost_model_for slows that
+    # type by it on top of its slowdown; a type not probed keeps its own slowdown
+    from pathlib import Path
+
+    from hspmd.cluster import cluster_from_yaml
+    from hspmd.planning import model_named
+    from hspmd.runtime.policies.calibrate import cpu_scale
+
+    runs = [{"steps": [1.0, 2.0], "steps_at": {20.0: [1.1, 2.2]}},
+            {"steps": [1.0, 1.0], "steps_at": {20.0: [1.2, 1.2]}},
+            {"steps": [2.0, 2.0], "steps_at": {20.0: [2.0, 2.4]}}]
+    assert cpu_scale(runs) == ((20.0, pytest.approx(1.1)),)
+    assert cpu_scale([{"steps": [1.0]}]) == ()
+    cal = Calibration(peak_flops=4e10, bandwidth=2e10, overhead=1e-4, link_latency=1e-4, link_bandwidth=1e9,
+                      cpu_scale=((10.0, 1.25),))
+    cluster = cluster_from_yaml((Path(__file__).resolve().parents[1] / "examples/clusters/emulated-two-types.yaml").read_text())
+    assert cluster.type_slowdown("fast") == 4.0 and cluster.type_slowdown("slow") == 10.0
+    cost = cal.cost_model_for(cluster, model_named("llama-tiny"))
+    assert cost.cluster.type_named("slow").peak_flops("float32") == pytest.approx(4e10 / 12.5)
+    assert cost.cluster.type_named("fast").peak_flops("float32") == pytest.approx(4e10 / 4)  # not probed: x1
+    assert cost.efficiency_of(cost.cluster.type_named("slow")).d("gemm") == pytest.approx(11.5e-4)
+    assert "10x slower: CPU x1.250" in cal.describe()
+    cal.save(tmp_path / "c.json")
+    assert Calibration.load(tmp_path / "c.json") == cal
+    (tmp_path / "bad.json").write_text(json.dumps({**cal.to_dict(), "cpu_scale": [[10.0, -1.0]]}))
+    with pytest.raises(HSPMDError, match="cpu_scale 10.0: -1.0"):
+        Calibration.load(tmp_path / "bad.json")
+
+
+def test_probes_run_as_the_other_slowdowns_devices_too():
+    # Probe(also=...) runs the step probes as devices of each other slowdown beside the reference's
+    from hspmd.runtime.execution.emulation import emulation_of
+    from hspmd.runtime.policies.calibrate import Probe
+
+    with pytest.raises(HSPMDError, match="emulated reference"):
+        Probe(None, cpu_time=True, also=(6.0,))
+    with pytest.raises(HSPMDError, match="slowdown > 1"):
+        Probe(None, cpu_time=True, emulate=3.0, also=(1.0,))
+    probe = Probe(None, cpu_time=True, emulate=3.0, also=(6.0,))
+    run = probe.once()
+    assert list(run["steps_at"]) == [6.0] and len(run["steps_at"][6.0]) == len(PROBE_RUNS)
+    assert min(run["steps_at"][6.0]) > 0
+    assert all(emulation_of(t.backend).slowdown == 6.0 for t, _ in probe.trainers_at[6.0])
+    ((slowdown, factor),) = calibrate.cpu_scale([run])
+    assert slowdown == 6.0 and factor > 0
