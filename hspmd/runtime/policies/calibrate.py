@@ -67,17 +67,6 @@ class Calibration:
     link_bandwidth: float
     step_overhead: float = 0.0
     gamma: float = 1.0
-    # (slowdown, CPU factor): an emulated device that slow spends this many times the reference's
-    # CPU on the same work (its longer sleeps leave colder caches); measured by Probe(also=...)
-    cpu_scale: tuple[tuple[float, float], ...] = ()
-
-    def cpu_factor(self, slowdown: float) -> float:
-        """The measured CPU factor of an emulated device `slowdown` times slower than this host
-        (1.0 where it was not probed: the reference's own figures)."""
-        for probed, factor in self.cpu_scale:
-            if math.isclose(probed, slowdown, rel_tol=1e-9):
-                return factor
-        return 1.0
 
     def device_type(self) -> DeviceType:
         return DeviceType("cpu", (("float32", self.peak_flops),), self.bandwidth, 16e9)
@@ -99,19 +88,17 @@ class Calibration:
 
     def cost_model_for(self, cluster: ClusterSpec, model: ModelSpec) -> CostModel:
         """The cost model of `cluster` emulated on this host (hspmd.runtime.execution.emulation): this
-        fit is the emulation's reference type; a type s times slower runs at e = s x its measured
-        CPU factor (`cpu_factor`, 1 where not probed): the fitted rates / e, (e - 1) x the
-        per-instruction overhead per kernel as its delta and e x the per-step overhead (emulation
-        slows all of a rank's CPU time between communications: ops, dispatch and the trainer's
-        work alike); memory is its capacity x memory_scale; links inside a node are this host's
-        fitted link (not emulated), between nodes the file's."""
+        fit is the emulation's reference type; a type s times slower has the fitted rates / s,
+        pays (s - 1) x the per-instruction overhead per kernel as its delta and s x the per-step
+        overhead (emulation slows all of a rank's CPU time between communications: ops, dispatch
+        and the trainer's work alike); memory is its capacity x memory_scale; links
+        inside a node are this host's fitted link (not emulated), between nodes the file's."""
         emulation = cluster.emulation
         if emulation is None:
             raise HSPMDError(f"cluster {cluster.describe()} has no emulate block: it is not run on this host")
         types, efficiency = [], {}
         for t in cluster.device_types:
             s = cluster.type_slowdown(t.name)
-            s *= self.cpu_factor(s)
             memory = t.hbm_capacity * emulation.memory_scale if emulation.memory_scale is not None else t.hbm_capacity
             types.append(DeviceType(t.name, ((model.dtype, self.peak_flops / s),), self.bandwidth / s, memory))
             efficiency[t.name] = Efficiency(gamma=tuple((cls, self.gamma) for cls in KERNEL_CLASSES),
@@ -129,7 +116,7 @@ class Calibration:
     def to_dict(self) -> dict:
         return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "overhead": self.overhead,
                 "step_overhead": self.step_overhead, "gamma": self.gamma, "link_latency": self.link_latency,
-                "link_bandwidth": self.link_bandwidth, "cpu_scale": [list(pair) for pair in self.cpu_scale]}
+                "link_bandwidth": self.link_bandwidth}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
@@ -141,8 +128,7 @@ class Calibration:
         try:
             d = json.loads(Path(path).read_text())
             cal = cls(float(d["peak_flops"]), float(d["bandwidth"]), float(d["overhead"]), float(d["link_latency"]),
-                      float(d["link_bandwidth"]), float(d.get("step_overhead", 0.0)), float(d.get("gamma", 1.0)),
-                      tuple((float(a), float(b)) for a, b in d.get("cpu_scale", ())))
+                      float(d["link_bandwidth"]), float(d.get("step_overhead", 0.0)), float(d.get("gamma", 1.0)))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HSPMDError(f"cannot read calibration file {path}: {type(e).__name__}: {e}") from None
         rates = {"peak_flops": cal.peak_flops, "bandwidth": cal.bandwidth, "link_bandwidth": cal.link_bandwidth,
@@ -150,7 +136,6 @@ class Calibration:
         costs = {"overhead": cal.overhead, "step_overhead": cal.step_overhead, "link_latency": cal.link_latency}
         bad = [f"{k}={v}" for k, v in rates.items() if not math.isfinite(v) or v <= 0]
         bad += [f"{k}={v}" for k, v in costs.items() if not math.isfinite(v) or v < 0]
-        bad += [f"cpu_scale {a}: {b}" for a, b in cal.cpu_scale if not (math.isfinite(a) and a > 1 and math.isfinite(b) and b > 0)]
         if bad:
             raise HSPMDError(f"calibration file {path}: {', '.join(bad)} (rates must be positive, times non-negative)")
         return cal
@@ -160,8 +145,7 @@ class Calibration:
                 f"model kernels x{self.gamma:.2f}, executor "
                 f"{self.overhead * 1e6:.1f} us/instruction + {self.step_overhead * 1e3:.2f} ms/step; "
                 f"gloo link alpha {self.link_latency * 1e6:.1f} us, "
-                f"beta {self.link_bandwidth / 1e9:.3f} GB/s"
-                + "".join(f"; an emulated device {a:g}x slower: CPU x{b:.3f}" for a, b in self.cpu_scale))
+                f"beta {self.link_bandwidth / 1e9:.3f} GB/s")
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 7, inner: int = 1,
@@ -270,29 +254,21 @@ class Probe:
     benchmark can interleave them with what it measures and both see the same machine load."""
 
     def __init__(self, backend: Backend | None, shape: ProbeShape = ProbeShape(), cpu_time: bool = False,
-                 emulate: float | None = None, also: tuple[float, ...] = ()):
+                 emulate: float | None = None):
         torch.set_num_threads(1)
         self.backend = backend
         # compute probes on this thread's CPU time: what emulated devices follow (runtime.execution.emulation)
         self.clock = time.thread_time if cpu_time else time.perf_counter
         self.matrices = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
         self.vectors = [(torch.randn(n), torch.randn(n)) for n in ADD_SIZES]
-        if emulate is None and also:
-            raise HSPMDError(f"Probe(also={also}): the other slowdowns are probed beside an emulated reference (emulate=)")
-        for s in ((emulate,) if emulate is not None else ()) + tuple(also):
-            if not s > 1:
-                raise HSPMDError(f"Probe(emulate={emulate}, also={also}): an emulated probe needs a slowdown > 1")
-        host = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(1)
-
-        def as_device(slowdown: float) -> Callable[[Backend], Backend]:
-            """The step probes run as an emulated device this many times slower: its CPU time is theirs."""
-            return lambda inner: EmulatedBackend(inner, host, RankEmulator(0, "probe", slowdown), None)
-
+        wrap = None
+        if emulate is not None:  # the step probes run as an emulated device s times slower: its CPU time is theirs
+            if not emulate > 1:
+                raise HSPMDError(f"Probe(emulate={emulate}): an emulated probe needs a slowdown > 1")
+            host = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(1)
+            wrap = lambda inner: EmulatedBackend(inner, host, RankEmulator(0, "probe", emulate), None)  # noqa: E731
         self.emulated = emulate is not None
-        self.trainers = [probe_trainer(shape, *run, wrap=as_device(emulate) if emulate is not None else None)
-                         for run in PROBE_RUNS]
-        # the same probes as devices of the other slowdowns: the CPU factor of their longer sleeps
-        self.trainers_at = {s: [probe_trainer(shape, *run, wrap=as_device(s)) for run in PROBE_RUNS] for s in also}
+        self.trainers = [probe_trainer(shape, *run, wrap=wrap) for run in PROBE_RUNS]
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
 
     def _step_seconds(self, trainer: Trainer, batch) -> float:
@@ -314,9 +290,6 @@ class Probe:
         out = {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2)), clock) for a, b in self.matrices],
                "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0]), clock) for a, b in self.vectors],
                "steps": [self._step_seconds(trainer, batch) for trainer, batch in self.trainers]}
-        if self.trainers_at:
-            out["steps_at"] = {s: [self._step_seconds(trainer, batch) for trainer, batch in trainers]
-                               for s, trainers in self.trainers_at.items()}
         if self.backend is not None and self.backend.world_size >= 2:
             backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
             backend.barrier(group)
@@ -346,7 +319,7 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     probe_model = ModelSpec("probe", 1, shape.hidden, shape.ffn, shape.heads, shape.heads, shape.vocab, shape.seq, "float32")
     work = [step_work(probe_trainer(shape, *run)[0], rates.cost_model(probe_model, 1)) for run in PROBE_RUNS]
     gamma, overhead, step_overhead = fit_steps(work, med("steps"))
-    fitted = replace(rates, overhead=overhead, step_overhead=step_overhead, gamma=gamma, cpu_scale=cpu_scale(probes))
+    fitted = replace(rates, overhead=overhead, step_overhead=step_overhead, gamma=gamma)
     if "pingpong" not in probes[0]:
         return fitted
     xs = [float(n) for n in MESSAGE_SIZES] + [n / 2 for n in MESSAGE_SIZES]
@@ -355,28 +328,18 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     return replace(fitted, link_latency=alpha, link_bandwidth=1.0 / slope)
 
 
-def cpu_scale(probes: list[dict]) -> tuple[tuple[float, float], ...]:
-    """(slowdown, factor) for every slowdown the probes also ran at: the median over the probe
-    runs of the probe steps' CPU time at that slowdown over the reference's in the same run."""
-    slowdowns = sorted(probes[0].get("steps_at", {}))
-    return tuple((s, statistics.median(sum(p["steps_at"][s]) / sum(p["steps"]) for p in probes)) for s in slowdowns)
-
-
-def _calibrate_rank(backend: Backend, repeats: int, cpu_time: bool = False, emulate: float | None = None,
-                    also: tuple[float, ...] = ()) -> list[dict]:
-    probe = Probe(backend, cpu_time=cpu_time, emulate=emulate, also=also)
+def _calibrate_rank(backend: Backend, repeats: int, cpu_time: bool = False, emulate: float | None = None) -> list[dict]:
+    probe = Probe(backend, cpu_time=cpu_time, emulate=emulate)
     return [probe.once() for _ in range(repeats)]
 
 
-def calibrate(repeats: int = 7, cpu_time: bool = False, emulate: float | None = None,
-              also: tuple[float, ...] = ()) -> Calibration:
+def calibrate(repeats: int = 7, cpu_time: bool = False, emulate: float | None = None) -> Calibration:
     """Probe `repeats` times on 2 gloo processes (both busy at once, as in training) and fit.
     `cpu_time`: compute probes on each thread's CPU time, not wall time: the rates of a core of
     one's own, which emulated device types follow whatever else the host runs (links stay wall time).
     `emulate`: the step probes run as an emulated device this many times slower (Probe), the
-    reference type of the cluster the fit will price, so their CPU time is counted as its steps' is.
-    `also`: the cluster's other slowdowns, probed the same way for their CPU factor (`cpu_scale`)."""
-    results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, emulate, tuple(also), timeout=600)
+    reference type of the cluster the fit will price, so their CPU time is counted as its steps' is."""
+    results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, emulate, timeout=600)
     return fit(results[0])
 
 
@@ -387,15 +350,6 @@ def emulated_reference(cluster: ClusterSpec | None) -> float | None:
         return None
     slowdown = cluster.type_slowdown(cluster.emulation.reference)
     return slowdown if slowdown > 1 else None
-
-
-def emulated_others(cluster: ClusterSpec | None) -> tuple[float, ...]:
-    """The slowdowns of an emulated cluster's devices other than its reference's: what
-    `calibrate(also=...)` probes the CPU factor at (empty without an emulated reference)."""
-    reference = emulated_reference(cluster)
-    if reference is None or cluster is None:
-        return ()
-    return tuple(sorted({cluster.slowdown(d) for d in range(cluster.n_devices)} - {reference}))
 
 
 def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration: Calibration | None = None,
@@ -410,6 +364,5 @@ def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration
     return simulate_strategy(strategy, cost, schedule).iteration, source
 
 
-__all__ = ["Calibration", "Probe", "ProbeShape", "StepWork", "calibrate", "cpu_scale", "emulated_others",
-           "emulated_reference", "fit", "fit_line",
+__all__ = ["Calibration", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference", "fit", "fit_line",
            "fit_steps", "median_seconds", "simulated_step", "step_work"]
