@@ -26,7 +26,7 @@ the calibration set (DP2, PP2 1F1B, TP2, PP2 GPipe; its goal there: MAPE <= 25%)
 rank 1 of a type 2.5x slower, time dilated (`--dilation D`: the fast type is this host D times
 slowed, so that the ranks compute a small share of the time and the emulated devices, not the
 shared host's scheduler, set the pace). Run it with `--pin-cpus`: unpinned, the two ranks migrate and share caches
-(DP2's device CPU 27-34 ms a step against 22.8 ms pinned) and the errors double. Each strategy's trainer has its own emulated device, so
+(DP2's device CPU 27.0 ms a step against 22.8-26.2 ms pinned). Each strategy's trainer has its own emulated device, so
 its live bytes are its own. The probes then run on CPU time (what emulated devices follow), the step
 probes as an emulated device of the reference type (their CPU time counted between its sleeps, as
 the strategies' steps run), and the prediction is Calibration.cost_model_for(the emulated cluster). Besides step times (goals MAPE
