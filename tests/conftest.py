@@ -7,6 +7,8 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+pytest_plugins = ["tests.job_store"]  # the `store` fixture of the store tests
+
 settings.register_profile("hspmd", deadline=None, suppress_health_check=[HealthCheck.too_slow],
                           derandomize=os.environ.get("HSPMD_EXPLORE") != "1")
 settings.load_profile("hspmd")

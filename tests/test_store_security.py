@@ -13,19 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from hspmd.backends.store import JobStore, StoreServer, new_secret, open_store
+from hspmd.backends.store import JobStore, StoreServer, new_secret
 from hspmd.backends.wire import decode_groups, decode_unique_id, encode_groups, encode_unique_id
 from hspmd.errors import CommunicationError, HSPMDError
+from tests.job_store import SECRET
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hspmd"
-SECRET = new_secret().encode()
-
-
-@pytest.fixture
-def store():
-    s = open_store("127.0.0.1", 0, is_master=True, secret=SECRET, timeout=5)
-    yield s
-    s.server.close()
 
 
 def test_a_client_with_the_secret_uses_every_operation(store):

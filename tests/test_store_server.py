@@ -12,18 +12,11 @@ from datetime import timedelta
 
 import pytest
 
-from hspmd.backends.store import JobStore, new_secret, open_store
+from hspmd.backends.store import JobStore
 from hspmd.backends.store_channel import NONCE_BYTES, Channel, tag
 from hspmd.errors import CommunicationError
+from tests.job_store import SECRET
 
-SECRET = new_secret().encode()
-
-
-@pytest.fixture
-def store():
-    s = open_store("127.0.0.1", 0, is_master=True, secret=SECRET, timeout=10)
-    yield s
-    s.server.close()
 
 
 def test_parked_waits_are_answered_by_the_writes_that_complete_them(store):
