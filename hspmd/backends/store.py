@@ -141,7 +141,7 @@ class JobStore(dist.Store):
         with self._lock:
             try:
                 self._channel.send(self._sock, frames)
-            except (ConnectionError, OSError) as exc:
+            except (ConnectionError, OSError) as exc:  # before the proof is read, _confirm names why
                 if self._proof is None:
                     raise CommunicationError(f"the job's store at {self.host}:{self.port} is gone: {exc}") from None
             try:

@@ -88,37 +88,34 @@ class Channel:
     def send(self, sock: socket.socket, frames: Sequence[bytes]) -> None:
         sock.sendall(self.seal(frames))
 
-    def receive_bytes(self, sock: socket.socket, n: int) -> bytes:
-        """The next `n` raw bytes from a blocking socket, through the same buffer as messages (the
-        challenge's answer, which may arrive in one segment with the first reply)."""
+    def _fill(self, sock: socket.socket, n: int) -> bytearray:
+        """The receive buffer once it holds at least `n` bytes (read from a blocking socket)."""
         unread = self._unread
         while len(unread) < n:
             chunk = sock.recv(1 << 16)
             if not chunk:
                 raise ConnectionError("the peer closed the connection")
             unread += chunk
+        return unread
+
+    def receive_bytes(self, sock: socket.socket, n: int) -> bytes:
+        """The next `n` raw bytes, through the same buffer as messages (the challenge's answer,
+        which may arrive in one segment with the first reply)."""
+        unread = self._fill(sock, n)
         head = bytes(unread[:n])
         del unread[:n]
         return head
 
     def receive(self, sock: socket.socket) -> list[bytes]:
-        """The next message's frames from a blocking socket: one recv per message as a rule (a
-        reply arrives whole), more only while it is incomplete."""
-        unread = self._unread
-        while True:
-            if len(unread) >= 4:
-                (n,) = LENGTH.unpack_from(unread, 0)
-                if n > MAX_FRAME_BYTES:
-                    raise ConnectionError(f"a message of {n} bytes is over the limit of {MAX_FRAME_BYTES}")
-                end = 4 + n + MAC_BYTES
-                if len(unread) >= end:
-                    body, mac = bytes(unread[4:4 + n]), bytes(unread[4 + n:end])
-                    del unread[:end]
-                    return self.open(body, mac)
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                raise ConnectionError("the peer closed the connection")
-            unread += chunk
+        """The next message's frames: one recv per message as a rule (a reply arrives whole), more
+        only while it is incomplete."""
+        (n,) = LENGTH.unpack_from(self._fill(sock, 4), 0)
+        if n > MAX_FRAME_BYTES:
+            raise ConnectionError(f"a message of {n} bytes is over the limit of {MAX_FRAME_BYTES}")
+        unread = self._fill(sock, 4 + n + MAC_BYTES)
+        body, mac = bytes(unread[4:4 + n]), bytes(unread[4 + n:4 + n + MAC_BYTES])
+        del unread[:4 + n + MAC_BYTES]
+        return self.open(body, mac)
 
 
 class TamperedMessage(ConnectionError):

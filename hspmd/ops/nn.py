@@ -1,6 +1,7 @@
 """Neural-network ops of a Llama-style model: embedding, softmax, rmsnorm / layernorm, rotary
 embedding, causal attention, SwiGLU, cross-entropy. Fused backward ops compute their local
-gradient with torch autograd on the local pieces; their deduction rules say where that is exact."""
+gradient on the local pieces, in closed form (RMS norm, RoPE, causal attention) or with torch
+autograd through the forward; their deduction rules say where that is exact."""
 
 from __future__ import annotations
 
