@@ -163,4 +163,3 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
     assert len(run["steps"]) == len(PROBE_RUNS) and min(run["steps"]) > 0
     devices = [emulation_of(trainer.backend) for trainer, _ in probe.trainers]
     assert all(d is not None and d.slowdown == 3.0 and d.compute_wait_s > 0 and d.op_cpu_s > 0 for d in devices)
-
