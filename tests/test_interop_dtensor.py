@@ -79,7 +79,8 @@ def layouts(draw, partial: bool = True):
     for m, k in enumerate(kinds):
         if k[0] == "S":
             by_dim.setdefault(k[1], []).append(m)
-    order = tuple((d, tuple(draw(st.sampled_from(list(permutations(ms)))))) for d, ms in sorted(by_dim.items()))
+    # (reversed: Hypothesis favours the first choice, so orders other than ascending are drawn often)
+    order = tuple((d, tuple(draw(st.sampled_from(list(permutations(ms))[::-1])))) for d, ms in sorted(by_dim.items()))
     return mesh_shape, tuple(ranks), tuple(kinds), order, shape
 
 
@@ -117,6 +118,14 @@ def make_dtensor(x, mesh, kinds, placements):
     return DTensor.from_local(LocalTensor(locals_), mesh, placements, run_check=False, shape=x.shape, stride=stride)
 
 
+@contextlib.contextmanager
+def dtensor_of(x, mesh_shape, ranks, kinds, placements):
+    """(mesh, x laid out as `placements` on it) in a local world of the mesh's ranks."""
+    with local_world(len(ranks)):
+        mesh = DeviceMesh("cpu", torch.tensor(ranks).reshape(mesh_shape))
+        yield mesh, make_dtensor(x, mesh, kinds, placements)
+
+
 def torch_box(shape, mesh_shape, placements, position):
     strides = [prod(mesh_shape[m + 1:]) for m in range(len(mesh_shape))]
     coord = [(position // strides[m]) % mesh_shape[m] for m in range(len(mesh_shape))]
@@ -149,9 +158,7 @@ def test_from_dtensor_then_to_dtensor_is_the_same_dtensor_on_every_rank():
         mesh_shape, ranks, kinds, order, shape = drawn
         placements = torch_placements(kinds, order, mesh_shape)
         x = torch.arange(prod(shape), dtype=torch.float32).reshape(shape)
-        with local_world(len(ranks)):
-            mesh = DeviceMesh("cpu", torch.tensor(ranks).reshape(mesh_shape))
-            dtensor = make_dtensor(x, mesh, kinds, placements)
+        with dtensor_of(x, mesh_shape, ranks, kinds, placements) as (mesh, dtensor):
             try:
                 annotation, local = from_dtensor(dtensor)
             except InteropError as exc:
@@ -207,9 +214,7 @@ def test_hspmd_plans_land_where_dtensor_redistribute_lands():
         placements = torch_placements(kinds, order, mesh_shape)
         dst_placements = torch_placements(dst.placements, dst.shard_order, mesh_shape)
         x = torch.arange(prod(shape), dtype=torch.float32).reshape(shape)
-        with local_world(len(ranks)):
-            mesh = DeviceMesh("cpu", torch.tensor(ranks).reshape(mesh_shape))
-            dtensor = make_dtensor(x, mesh, kinds, placements)
+        with dtensor_of(x, mesh_shape, ranks, kinds, placements) as (mesh, dtensor):
             try:
                 src, local = from_dtensor(dtensor)
                 target = annotation_for(mesh, dst_placements, shape)
