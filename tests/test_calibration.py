@@ -10,8 +10,10 @@ from hspmd.models.llama import LlamaConfig
 from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.runtime.policies import calibrate
 from hspmd.runtime.policies.calibrate import (
-    ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, Calibration, fit, fit_line, fit_steps, StepWork,
+    ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, Calibration, OpWork, fit, fit_line, fit_op_costs, fit_steps,
+    StepWork,
 )
+from hspmd.runtime.execution.emulation import BETWEEN_PASSES
 from hspmd.runtime.execution.trace import Tracer, read_trace, write_trace
 
 
@@ -34,11 +36,66 @@ def synthetic_probe(peak=50e9, bandwidth=20e9, d_gemm=3e-6, d_elem=2e-6, per_ins
             "allreduce": [2 * alpha + n / beta for n in MESSAGE_SIZES]}
 
 
+# Each probe run's ops, written down here too: (name, kind, class, roofline seconds, calls per step);
+# the 4x micro-batch run has 4x the rooflines, which is what tells a kind's gamma from its fixed time.
+def _ops(scale: float, calls: int = 1) -> tuple[OpWork, ...]:
+    return (OpWork("q", "matmul", "gemm", 20e-6 * scale, calls), OpWork("k", "matmul", "gemm", 10e-6 * scale, calls),
+            OpWork("a", "add", "elementwise", 4e-6 * scale, calls), OpWork("t", "transpose", "misc", 0.0, calls),
+            OpWork("att", "causal_attention", "attn", 8e-6 * scale, calls))
+
+
+PROBE_OPS = dict(zip(PROBE_RUNS, (_ops(1.0), _ops(1.0, 2), _ops(1.0) + tuple(OpWork(w.name + "2", w.kind, w.cls, w.roofline, 1)
+                                                                             for w in _ops(1.0)), _ops(4.0))))
+OP_FIXED = {"matmul": 12e-6, "add": 5e-6, "transpose": 7e-6, "causal_attention": 90e-6}
+OP_GAMMA = {"matmul": 1.3, "add": 0.2, "transpose": 0.0, "causal_attention": 8.0}
+
+
+PASSES = [1 + 2 * micro_batches for _, micro_batches, _ in PROBE_RUNS]  # forward and backward per micro-batch, update
+
+
+def synthetic_op_times(per_step=1e-3, per_pass=3e-4):
+    """Each probe run's op seconds (fixed + gamma x roofline), the work before its passes, and step
+    seconds (the ops' sum + per_pass x passes + per_step)."""
+    timed = [{w.name: OP_FIXED[w.kind] + OP_GAMMA[w.kind] * w.roofline for w in ops} | {BETWEEN_PASSES: per_pass}
+             for ops in PROBE_OPS.values()]
+    steps = [sum(w.calls * t[w.name] for w in ops) + per_pass * n + per_step
+             for t, ops, n in zip(timed, PROBE_OPS.values(), PASSES)]
+    return timed, steps
+
+
 @pytest.fixture
 def written_work(monkeypatch):
-    """fit() counts each probe run's work with step_work; here it gets PROBE_WORK instead."""
+    """fit() counts each probe run's work with step_work and op_work; here it gets PROBE_WORK and
+    PROBE_OPS instead."""
     monkeypatch.setattr(calibrate, "probe_trainer", lambda shape, *run: (run, None))
     monkeypatch.setattr(calibrate, "step_work", lambda run, cost: PROBE_WORK[run])
+    monkeypatch.setattr(calibrate, "op_work", lambda run, cost: PROBE_OPS[run])
+
+
+def test_op_costs_are_fitted_per_kind_from_the_ops_timings():
+    timed, steps = synthetic_op_times()
+    costs = fit_op_costs(list(PROBE_OPS.values()), timed, steps, PASSES)
+    assert costs.fixed_of == pytest.approx(OP_FIXED) and costs.per_step == pytest.approx(1e-3)
+    assert costs.per_pass == pytest.approx(3e-4) and costs.wake_up == 0.0
+    assert {k: g for k, g in costs.gamma if k != "transpose"} == pytest.approx({k: g for k, g in OP_GAMMA.items()
+                                                                              if k != "transpose"})
+    # an op the probes did not time is left out of its row, not read as free
+    partial = [{n: t for n, t in run.items() if not n.startswith("att")} for run in timed]
+    assert not fit_op_costs(list(PROBE_OPS.values()), partial, steps, PASSES).covers("causal_attention")
+    with pytest.raises(HSPMDError, match="no probe op was timed"):
+        fit_op_costs(list(PROBE_OPS.values()), [{} for _ in timed], steps, PASSES)
+
+
+def test_fit_gives_op_costs_when_the_probes_timed_their_ops(written_work):
+    timed, steps = synthetic_op_times()
+    probe = {**synthetic_probe(), "ops": timed, "steps": steps}
+    cal = fit([probe, probe])
+    assert cal.op_costs is not None and cal.op_costs.fixed_of == pytest.approx(OP_FIXED)
+    assert cal.op_costs.per_step == pytest.approx(1e-3) and cal.op_costs.wake_up == 0.0
+    # emulated step probes also time what a sleep costs the work after it: the median, never below 0
+    woken = fit([{**probe, "wake_up": t} for t in (1e-4, 2e-4, -5e-5)]).op_costs
+    assert woken.wake_up == pytest.approx(1e-4)
+    assert fit([synthetic_probe()]).op_costs is None  # probes without op timings: every op at `overhead`
 
 
 def test_fit_recovers_the_parameters_of_synthetic_probes(written_work):
@@ -96,11 +153,18 @@ def test_the_step_overhead_and_the_loss_all_reduce_are_priced_once_per_step(writ
 
 
 def test_calibration_file_round_trip(tmp_path, written_work):
-    cal = fit([synthetic_probe()])
-    cal.save(tmp_path / "c.json")
-    assert Calibration.load(tmp_path / "c.json") == cal
+    timed, _ = synthetic_op_times()
+    for probe in (synthetic_probe(), {**synthetic_probe(), "ops": timed}):
+        cal = fit([probe])
+        cal.save(tmp_path / "c.json")
+        assert Calibration.load(tmp_path / "c.json") == cal
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(HSPMDError, match="cannot read calibration file"):
+        Calibration.load(tmp_path / "bad.json")
+    data = json.loads((tmp_path / "c.json").read_text())
+    data["op_costs"]["fixed"]["add"] = -1.0
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(HSPMDError, match="bad.json.*fixed.*add=-1.0"):
         Calibration.load(tmp_path / "bad.json")
 
 
@@ -147,6 +211,8 @@ def test_the_probes_run_on_this_machine_and_fit():
                 raise
     assert calibration.peak_flops > 0 and calibration.bandwidth > 0
     assert calibration.gamma > 0 and calibration.overhead >= 0 and calibration.step_overhead >= 0
+    # every op kind of the probe Llama's programs was timed and priced
+    assert {"matmul", "causal_attention_grad", "rms_normalize", "adamw_update", "embedding"} <= set(calibration.op_costs.fixed_of)
 
 
 def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():

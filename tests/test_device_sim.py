@@ -56,3 +56,37 @@ def test_level2_prices_communication_from_the_resolved_plans():
     assert costs[1].send_backward == pytest.approx(link.latency + nbytes / link.bandwidth)
     result = simulate_specialized(pp, cost, 4)
     assert result.iteration > 4 * (pipes[0].stages[0].forward + pipes[0].stages[0].backward)
+
+
+def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
+    """OpCosts: a transpose at its fixed time (x the type's cpu_scale) in place of one overhead,
+    an add at its fixed time + its gamma x roofline, the work before each pass; on a type that
+    sleeps (cpu_scale > 1) a wake-up per communication too. Kinds it does not list,
+    communication and level 1 are priced as without it; level 2's per-step work is its own."""
+    from dataclasses import replace
+
+    from hspmd.planning import OpCosts
+    from hspmd.planning.device_sim import op_kernel
+
+    strategy, config, layout, spec = specialized("layers=4 ; 4x1: R0,1 L0-3")
+    exe = spec.executables[0]
+    base = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ), overhead=10e-6, step_overhead=5e-3)
+    ops = OpCosts({"transpose": 1e-3, "add": 2e-4}, {"transpose": 0.0, "add": 3.0}, per_step=2e-3, per_pass=1e-4,
+                  wake_up=5e-5)
+    priced = replace(base, op_costs=ops)
+    scaled = replace(priced, efficiency={"*": Efficiency(cpu_scale=3.0)})
+    forward = [ins for ins in exe.forward if ins.role == "compute"]
+    transposes = sum(ins.node.kind == "transpose" for ins in forward)
+    collectives = sum(ins.role == "collective" for ins in exe.forward)
+    adds = [op_kernel(exe, ins, spec.binding) for ins in forward if ins.node.kind == "add"]
+    assert transposes > 0 and adds and collectives > 0
+    roofline = sum(base.roofline(k, base.device(0)) for k in adds)
+    before, after, slower = (device_cost(exe, c, spec.binding) for c in (base, priced, scaled))
+    was = transposes * 10e-6 + sum(base.kernel_time(k, 0) + 10e-6 for k in adds)
+    fixed = transposes * 1e-3 + len(adds) * 2e-4 + 1e-4
+    assert after.forward - before.forward == pytest.approx(fixed + 3.0 * roofline - was)
+    assert slower.forward - after.forward == pytest.approx(2 * fixed + collectives * 3 * 5e-5)
+    assert after.forward_comm == before.forward_comm > 0
+    assert simulate_strategy(strategy, priced).iteration == simulate_strategy(strategy, base).iteration
+    assert priced.step_work(0, op_priced=True) == 2e-3 and scaled.step_work(0, op_priced=True) == 6e-3
+    assert priced.step_work(0) == base.step_work(0) == 5e-3

@@ -395,3 +395,28 @@ def test_a_cp_group_across_the_types_trains_alike_under_emulation():
     for r in range(4):
         assert plain[r][0] == emul[r][0] and plain[r][0][0] is not None
         assert all(torch.equal(v, emul[r][1][k]) for k, v in plain[r][1].items())
+
+
+def test_the_op_hook_times_each_op_and_nothing_before_its_pass():
+    """With op_seconds set, an emulated device records every compute op of a step by name, once
+    per call, each with its own CPU time: work between passes (here 50 ms of CPU burnt before the
+    step) is recorded apart (BETWEEN_PASSES), not put on the pass's first op."""
+    from hspmd.runtime.execution.emulation import BETWEEN_PASSES, emulation_of
+    from hspmd.runtime.policies.calibrate import Probe
+
+    probe = Probe(None, cpu_time=True)
+    trainer, batch = probe.trainers[1]  # one layer, two micro-batches
+    device = emulation_of(trainer.backend)
+    trainer.step(batch)
+    device.op_seconds = {}
+    end = time.thread_time() + 0.05
+    while time.thread_time() < end:
+        pass
+    trainer.step(batch)
+    exe = trainer.exe
+    calls = {ins.node.name: 2 for ins in exe.forward + exe.backward if ins.role == "compute"}
+    calls.update({ins.node.name: 1 for ins in exe.update if ins.role == "compute"})
+    between = device.op_seconds.pop(BETWEEN_PASSES)
+    assert {name: len(times) for name, times in device.op_seconds.items()} == calls
+    assert max(t for times in device.op_seconds.values() for t in times) < 0.02
+    assert len(between) == 5 and max(between) >= 0.045  # 2 forward, 2 backward, the update; the burn before the first

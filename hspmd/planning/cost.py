@@ -5,8 +5,11 @@ Compute (HeteroSim Table 1, a roofline per kernel class): gemm/attn kernels take
 gamma * FLOPs / peak + delta, elementwise/norm/misc kernels gamma * bytes / HBM bandwidth + delta,
 with gamma (>= 1: achieved fraction of peak, inverted) and delta (launch overhead, s) per device type
 and class. Backward runs the model's backward kernels (x `backward_ratio`, 1 unless fitted), plus
-one forward with recompute. A ProfileTable of measured (forward, backward) per layer overrides the roofline where it
-has an entry (HAPT and H2 plan from profiles).
+one forward with recompute. `OpCosts` (fitted from one device's op timings) prices each compute
+instruction of the kinds it lists at the simulator's level 2: a fixed time per op kind (its
+dispatch and the torch kernels it launches) plus the kind's gamma x its roofline. A ProfileTable
+of measured (forward, backward) per layer overrides the roofline where it has an entry (HAPT and
+H2 plan from profiles).
 
 Communication is alpha-beta on the ClusterSpec's links: a message costs alpha + B/beta; a ring
 collective over n members runs at its slowest edge: all-reduce 2(n-1) alpha + 2(n-1)/n B/beta,
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -32,14 +37,15 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 @dataclass(frozen=True)
 class Efficiency:
-    """gamma and delta per kernel class, the backward/forward ratio, and how many times the cost
-    model's per-step overhead this device type takes (`step_scale`: an emulated type s times
-    slower than the host runs the trainer's per-step work s times slower too), for one device type."""
+    """gamma and delta per kernel class, the backward/forward ratio, and how many times the
+    framework's CPU work this device type takes (`cpu_scale`: the per-step overhead and OpCosts'
+    fixed times; an emulated type s times slower than the host runs that work s times slower
+    too), for one device type."""
 
     gamma: tuple[tuple[str, float], ...] = tuple((k, 1.0) for k in KERNEL_CLASSES)
     delta: tuple[tuple[str, float], ...] = tuple((k, 0.0) for k in KERNEL_CLASSES)
     backward_ratio: float = 1.0
-    step_scale: float = 1.0
+    cpu_scale: float = 1.0
 
     def __post_init__(self):
         for name, table in (("gamma", self.gamma), ("delta", self.delta)):
@@ -54,8 +60,8 @@ class Efficiency:
             object.__setattr__(self, name, tuple(full.items()))
         if not self.backward_ratio > 0:
             raise ClusterError(f"Efficiency backward_ratio must be > 0, got {self.backward_ratio}")
-        if not self.step_scale > 0:
-            raise ClusterError(f"Efficiency step_scale must be > 0, got {self.step_scale}")
+        if not self.cpu_scale > 0:
+            raise ClusterError(f"Efficiency cpu_scale must be > 0, got {self.cpu_scale}")
 
     def g(self, cls: str) -> float:
         return dict(self.gamma)[cls]
@@ -65,12 +71,72 @@ class Efficiency:
 
     def to_dict(self) -> dict:
         return {"gamma": dict(self.gamma), "delta": dict(self.delta), "backward_ratio": self.backward_ratio,
-                "step_scale": self.step_scale}
+                "cpu_scale": self.cpu_scale}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Efficiency":
         return cls(tuple(dict(data.get("gamma", {})).items()), tuple(dict(data.get("delta", {})).items()),
-                   float(data.get("backward_ratio", 1.0)), float(data.get("step_scale", 1.0)))
+                   float(data.get("backward_ratio", 1.0)), float(data.get("cpu_scale", data.get("step_scale", 1.0))))
+
+
+def _table(items, what: str) -> tuple[tuple[str, float], ...]:
+    table = tuple(sorted((str(k), float(v)) for k, v in (items.items() if isinstance(items, Mapping) else items)))
+    bad = [f"{k}={v}" for k, v in table if not (v >= 0 and math.isfinite(v))]
+    if bad:
+        raise ClusterError(f"OpCosts {what}: values must be finite and >= 0, got {', '.join(bad)}")
+    return table
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    """Prices per op kind, fitted from one device's op timings (hspmd.runtime.policies.calibrate):
+    a compute instruction of a kind in `fixed` costs that many seconds whatever its size (the
+    framework's dispatch of it and the fixed cost of each torch kernel it launches: a view costs
+    less than one generic instruction, an attention backward several) plus the kind's `gamma` x
+    its kernel's roofline (ops of one class differ: an optimizer update does far more per byte
+    than an add); `per_pass` is the work before each pass of a micro-batch (the schedule's and
+    the trainer's) and `per_step` a step's work outside the timed ops and passes. On an emulated
+    type s times slower the fixed, per-pass and per-step seconds are s times as long
+    (`Efficiency.cpu_scale`) and the roofline is the type's own. `wake_up`: the CPU seconds an
+    emulated device's work costs more after each of its sleeps (it sleeps off its debt before
+    every communication and wakes to cold caches: an artefact of emulating on this host, priced
+    where cpu_scale > 1 so that level 2 predicts the emulated run)."""
+
+    fixed: tuple[tuple[str, float], ...]
+    gamma: tuple[tuple[str, float], ...]
+    per_step: float = 0.0
+    per_pass: float = 0.0
+    wake_up: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "fixed", _table(self.fixed, "fixed"))
+        object.__setattr__(self, "gamma", _table(self.gamma, "gamma"))
+        if [k for k, _ in self.fixed] != [k for k, _ in self.gamma]:
+            raise ClusterError(f"OpCosts: fixed and gamma must list the same op kinds, got "
+                               f"{[k for k, _ in self.fixed]} and {[k for k, _ in self.gamma]}")
+        for name in ("per_step", "per_pass", "wake_up"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ClusterError(f"OpCosts {name} must be finite and >= 0, got {getattr(self, name)}")
+
+    @cached_property
+    def fixed_of(self) -> dict[str, float]:
+        return dict(self.fixed)
+
+    @cached_property
+    def gamma_of(self) -> dict[str, float]:
+        return dict(self.gamma)
+
+    def covers(self, kind: str) -> bool:
+        return kind in self.fixed_of
+
+    def to_dict(self) -> dict:
+        return {"fixed": dict(self.fixed), "gamma": dict(self.gamma), "per_step": self.per_step, "per_pass": self.per_pass,
+                "wake_up": self.wake_up}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "OpCosts":
+        return cls(tuple(dict(data["fixed"]).items()), tuple(dict(data["gamma"]).items()), float(data.get("per_step", 0.0)),
+                   float(data.get("per_pass", 0.0)), float(data.get("wake_up", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -158,7 +224,8 @@ class CostModel:
     `step_overhead` its seconds per training step outside the programs (argument checks, feeding
     the micro-batches, reading the loss), paid once per step by every device; `cp_overlap` the
     part (0-1) of a ring step's K/V transfer hidden behind that step's attention (0: hspmd's
-    executor runs a ring's CommOps and blocks in turn; 1: a kernel that overlaps them)."""
+    executor runs a ring's CommOps and blocks in turn; 1: a kernel that overlaps them); `op_costs`
+    (optional) the per-op-kind prices level 2 of the simulator takes for the kinds it lists."""
 
     cluster: ClusterSpec
     model: ModelSpec
@@ -167,6 +234,7 @@ class CostModel:
     overhead: float = 0.0
     step_overhead: float = 0.0
     cp_overlap: float = 0.0
+    op_costs: OpCosts | None = None
     _eff: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -189,14 +257,25 @@ class CostModel:
             raise ClusterError(f"cost model has no efficiency for device type {device.name!r} and no '*' default")
         return eff
 
+    def roofline(self, kernel: Kernel, device: DeviceType) -> float:
+        """One launch of `kernel` at the device's peak: FLOPs for gemm and attn, bytes otherwise."""
+        if kernel.cls in ("gemm", "attn"):
+            return kernel.flops / device.peak_flops(self.model.dtype)
+        return kernel.bytes / device.hbm_bandwidth
+
     def kernel_time(self, kernel: Kernel, device: "int | str | DeviceType") -> float:
         dev = self.device(device)
         eff = self.efficiency_of(dev)
-        if kernel.cls in ("gemm", "attn"):
-            work = kernel.flops / dev.peak_flops(self.model.dtype)
-        else:
-            work = kernel.bytes / dev.hbm_bandwidth
-        return kernel.count * (eff.g(kernel.cls) * work + eff.d(kernel.cls))
+        return kernel.count * (eff.g(kernel.cls) * self.roofline(kernel, dev) + eff.d(kernel.cls))
+
+    def op_time(self, kind: str, kernel: Kernel, device: "int | str | DeviceType") -> float:
+        """One compute instruction of op `kind` running `kernel`, dispatch included: its OpCosts
+        price where `op_costs` lists the kind, else the kernel's time plus one `overhead`."""
+        if self.op_costs is None or not self.op_costs.covers(kind):
+            return self.kernel_time(kernel, device) + self.overhead
+        dev = self.device(device)
+        return (self.efficiency_of(dev).cpu_scale * self.op_costs.fixed_of[kind]
+                + kernel.count * self.op_costs.gamma_of[kind] * self.roofline(kernel, dev))
 
     def kernels_time(self, kernels: Sequence[Kernel], device) -> float:
         """Kernels plus the framework overhead of one instruction per launch."""
@@ -355,14 +434,29 @@ class CostModel:
         return link.seconds(nbytes)
 
     def step_fixed(self, devices: Sequence[int], device: "int | None" = None) -> float:
-        """What a training step costs `device` (None: a device of unit step_scale) once, outside its
+        """What a training step costs `device` (None: a device of unit cpu_scale) once, outside its
         programs: the framework's per-step work and the all-reduce of the step loss over the
         strategy's devices."""
         return self.step_work(device) + self.step_loss(devices)
 
-    def step_work(self, device: "int | None" = None) -> float:
-        """The framework's per-step work on `device` (its type's step_scale x step_overhead)."""
-        scale = 1.0 if device is None else self.efficiency_of(self.device(device)).step_scale
+    def pass_work(self, device: "int | str | DeviceType") -> float:
+        """The framework's work before each pass (level 2, with op costs): per_pass x cpu_scale."""
+        if self.op_costs is None:
+            return 0.0
+        return self.op_costs.per_pass * self.efficiency_of(self.device(device)).cpu_scale
+
+    def wake_up(self, device: "int | str | DeviceType") -> float:
+        """What one sleep of an emulated device (before a communication) adds to its work: the op
+        costs' wake-up x its cpu_scale on a type that sleeps (cpu_scale > 1), else 0."""
+        scale = self.efficiency_of(self.device(device)).cpu_scale
+        return self.op_costs.wake_up * scale if self.op_costs is not None and scale > 1 else 0.0
+
+    def step_work(self, device: "int | None" = None, op_priced: bool = False) -> float:
+        """The framework's per-step work on `device` (its type's cpu_scale x step_overhead);
+        `op_priced`: for a program whose ops op_costs prices (level 2), its per-step work instead."""
+        scale = 1.0 if device is None else self.efficiency_of(self.device(device)).cpu_scale
+        if op_priced and self.op_costs is not None:
+            return self.op_costs.per_step * scale
         return self.step_overhead * scale
 
     def step_loss(self, devices: Sequence[int]) -> float:
@@ -411,6 +505,6 @@ def read_efficiency_file(path: str | Path) -> tuple[dict[str, Efficiency], dict[
 
 
 __all__ = [
-    "COLLECTIVES", "CostModel", "Efficiency", "Memory", "ProfileTable", "StageShape", "efficiency_file",
+    "COLLECTIVES", "CostModel", "Efficiency", "Memory", "OpCosts", "ProfileTable", "StageShape", "efficiency_file",
     "read_efficiency_file", "ring_time",
 ]

@@ -35,6 +35,7 @@ from hspmd.specialize.strategy import Strategy
 
 BUCKET_BYTES = DEFAULT_BUCKET_CAP_MB * MiB  # the trainer's default gradient bucket cap
 DISPATCHED = ("compute", "collective", "send", "recv", "send+recv", "local")  # roles that cost the framework a dispatch
+COMMUNICATING = ("collective", "send", "recv", "send+recv")  # roles that call a peer (an emulated device sleeps first)
 VIEWS = ("reshape", "transpose", "expand_as", "expand", "view", "squeeze", "unsqueeze", "fill_like", "zeros_like")
 
 
@@ -112,12 +113,14 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
     for phase in ("forward", "backward", "update"):
         compute = comm_time = send = 0.0
         program = getattr(exe, phase)
-        compute += cost.overhead * sum(1 for ins in program if ins.role in DISPATCHED)
+        compute += cost.overhead * sum(1 for ins in program if ins.role in DISPATCHED and ins.role != "compute")
+        compute += cost.pass_work(d)
+        wake_up = cost.wake_up(d)  # an emulated device sleeps off its debt before each communication
         bucketed: dict[tuple[int, ...], list[float]] = {}
         for ins in program:
             kernel = op_kernel(exe, ins, binding)
             if kernel is not None:
-                compute += cost.kernel_time(kernel, d)
+                compute += cost.op_time(ins.node.kind, kernel, d)
                 kernels += 1
                 continue
             if not comm or not ins.node.opdef.is_comm or ins.role in ("identity", "leaf"):
@@ -129,6 +132,8 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                     if d in c.devices:
                         bucketed.setdefault(c.devices, []).append(math.prod(b - a for a, b in c.box) * itemsize)
                 continue
+            if ins.role in COMMUNICATING:
+                compute += wake_up
             for step in plan.steps:
                 if ins.is_p2p:
                     own = sum(cluster.seconds(t.src, t.dst, t.elements * itemsize) for t in step.transfers
@@ -137,8 +142,9 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                 else:
                     comm_time += step.traffic(cluster, itemsize).busy.get(d, 0.0)
         for group, sizes in bucketed.items():  # the update lists them in the order the backward makes them
-            comm_time += sum(cost.collective("all_reduce", sum(sizes[i] for i in bucket), group)
-                             for bucket in fill_buckets(sizes, bucket_bytes))
+            buckets = fill_buckets(sizes, bucket_bytes)
+            comm_time += sum(cost.collective("all_reduce", sum(sizes[i] for i in bucket), group) for bucket in buckets)
+            compute += wake_up * len(buckets)
         totals[phase] = (compute + comm_time, comm_time, send)
     (f, fc, fs), (b, bc, bs), (u, uc, _) = totals["forward"], totals["backward"], totals["update"]
     return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels)
@@ -161,9 +167,10 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
             update = max(c.update for c in cs)
             update_comm = max(c.update_comm for c in cs)
             held = [memory[d] for d in devices]  # the interpreter's bytes: static + in flight x kept + a pass's values
+            step_work = max(cost.step_work(d, op_priced=True) for d in devices)
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),
-                                   sync=update_comm, update=update - update_comm + loss + max(cost.step_work(d) for d in devices),
+                                   sync=update_comm, update=update - update_comm + loss + step_work,
                                    static_memory=max(h.static + h.transient(m) for h in held),
                                    activation_memory=max(h.kept for h in held)))
             if s + 1 < len(layout.stages):

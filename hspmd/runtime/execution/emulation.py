@@ -67,6 +67,7 @@ from hspmd.runtime.execution.trace import Tracer
 
 WAIT_CHUNK_S = 0.25  # compute debt is slept off in pieces at least this long (module docstring: cold caches)
 SWEEP_EVERY = 32  # values counted between liveness sweeps of the memory table
+BETWEEN_PASSES = "(between passes)"  # op_seconds' entry for the work before each pass's first op
 BOARD_SLOTS = 1024  # stamps per ordered rank pair kept at once (a sender may be this many messages ahead)
 
 
@@ -111,6 +112,7 @@ class RankEmulator:
         self._since_sweep = 0
         self.sweep_every = SWEEP_EVERY  # 1: an exact peak (a benchmark's untimed memory pass)
         self.peak_bytes = 0
+        self.op_seconds: dict[str, list[float]] | None = None  # a dict: each op's CPU seconds by name (calibration)
         self.mark()
 
     # ---- compute ---------------------------------------------------------------------------------
@@ -140,10 +142,21 @@ class RankEmulator:
             self._debt += self.slowdown * (cpu - self._cpu_mark) - (wall - self._wall_mark)
         self._wall_mark, self._cpu_mark = wall, cpu
 
+    def pass_started(self) -> None:
+        """Before a pass's first op: owe the work since the mark now (the schedule's and trainer's
+        between passes), so that the first op's own time (`op_seconds`) is its alone; that work
+        is recorded under BETWEEN_PASSES."""
+        if self.op_seconds is not None:
+            self.op_seconds.setdefault(BETWEEN_PASSES, []).append(self._cpu() - self._cpu_mark)
+        self._accrue()
+
     def computed(self, outputs: Iterable[object] = (), where: str = "") -> None:
         """After one op: count its outputs against the device's memory (raising DeviceOutOfMemory
         before the caller stores them) and owe what the emulated device takes for the work since
-        the last mark beyond the wall time already spent (module docstring)."""
+        the last mark beyond the wall time already spent (module docstring). With `op_seconds`
+        set, the op's CPU time since the mark is recorded under `where`."""
+        if self.op_seconds is not None:
+            self.op_seconds.setdefault(where, []).append(self._cpu() - self._cpu_mark)
         if self.slowdown > 1.0:
             self.ops += 1
         if self.capacity is not None:

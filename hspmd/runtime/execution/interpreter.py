@@ -156,6 +156,8 @@ def run_ops(ops: Sequence[Lowered], backend: Backend, state: DeviceState, env: d
     leaves = state.leaves
     emulator = emulation_of(backend)  # an emulated device type (runtime.execution.emulation), or None
     holds = emulator is not None and emulator.capacity is not None
+    if emulator is not None:
+        emulator.pass_started()
     with torch.no_grad():  # once per pass, not per op: ops compute values, never autograd graphs
         for op in ops:
             code = op.code

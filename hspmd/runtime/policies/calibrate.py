@@ -14,6 +14,13 @@
                              much slower a model's kernels run than the micro-benchmarks'
                              roofline (odd shapes, broadcasts, ops made of several kernels); the
                              larger micro-batch is what tells it apart from the overhead
+    per op kind              the same steps' ops, each timed on its own (the emulator's op hook):
+                             least squares over every op of the four probes: an op's time = a
+                             fixed time of its kind (its dispatch and the torch kernels it
+                             launches: a view is cheaper than the mean instruction, attention's
+                             backward several times dearer) + gamma of its kind x its roofline;
+                             what a step takes beyond its ops is the per-step work
+                             (OpCosts: level 2 of the simulator prices each op so)
     gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
     all-reduce               alpha + bytes / beta, an all-reduce = 2 alpha + bytes / beta
                              (one least-squares fit over both)
@@ -34,7 +41,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, cast
 
 import torch
 
@@ -43,7 +50,7 @@ from hspmd.backends.local import LocalWorld
 from hspmd.cluster import ClusterSpec, DeviceType, LinkClass, Node
 from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
-from hspmd.planning import CostModel, Efficiency, ModelSpec
+from hspmd.planning import CostModel, Efficiency, ModelSpec, OpCosts
 from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.planning.device_sim import DISPATCHED, op_kernel
 from hspmd.planning.fitting import nonnegative_least_squares
@@ -51,7 +58,7 @@ from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.ops import AdamW
 from hspmd.runtime.execution.batches import MicroBatchLayout
-from hspmd.runtime.execution.emulation import EmulatedBackend, RankEmulator, emulation_of
+from hspmd.runtime.execution.emulation import BETWEEN_PASSES, EmulatedBackend, RankEmulator, emulation_of
 from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
 
@@ -67,6 +74,7 @@ class Calibration:
     link_bandwidth: float
     step_overhead: float = 0.0
     gamma: float = 1.0
+    op_costs: OpCosts | None = None
 
     def device_type(self) -> DeviceType:
         return DeviceType("cpu", (("float32", self.peak_flops),), self.bandwidth, 16e9)
@@ -84,14 +92,14 @@ class Calibration:
 
     def cost_model(self, model: ModelSpec, devices: int) -> CostModel:
         return CostModel(self.cluster(devices), model, {"*": self.efficiency()}, overhead=self.overhead,
-                         step_overhead=self.step_overhead)
+                         step_overhead=self.step_overhead, op_costs=self.op_costs)
 
     def cost_model_for(self, cluster: ClusterSpec, model: ModelSpec) -> CostModel:
         """The cost model of `cluster` emulated on this host (hspmd.runtime.execution.emulation): this
         fit is the emulation's reference type; a type s times slower has the fitted rates / s,
         pays (s - 1) x the per-instruction overhead per kernel as its delta and s x the per-step
-        overhead (emulation slows all of a rank's CPU time between communications: ops, dispatch
-        and the trainer's work alike); memory is its capacity x memory_scale; links
+        overhead and the op costs' fixed times (emulation slows all of a rank's CPU time between
+        communications: ops, dispatch and the trainer's work alike); memory is its capacity x memory_scale; links
         inside a node are this host's fitted link (not emulated), between nodes the file's."""
         emulation = cluster.emulation
         if emulation is None:
@@ -103,7 +111,7 @@ class Calibration:
             types.append(DeviceType(t.name, ((model.dtype, self.peak_flops / s),), self.bandwidth / s, memory))
             efficiency[t.name] = Efficiency(gamma=tuple((cls, self.gamma) for cls in KERNEL_CLASSES),
                                             delta=tuple((cls, (s - 1.0) * self.overhead) for cls in KERNEL_CLASSES),
-                                            step_scale=s)
+                                            cpu_scale=s)
         host = self.link()
         links = tuple(l for l in cluster.links if l.name != host.name) + (host,)
         nodes = tuple(replace(n, intra=None) for n in cluster.nodes)
@@ -111,12 +119,14 @@ class Calibration:
         inter, cross = (cluster.inter, cluster.cross) if emulation.links else ((("*", host.name),), None)
         spec = ClusterSpec(nodes, tuple(types), links, tuple((t.name, host.name) for t in types), inter,
                            cross, (), cluster.name, emulation)
-        return CostModel(spec, model, efficiency, overhead=self.overhead, step_overhead=self.step_overhead)
+        return CostModel(spec, model, efficiency, overhead=self.overhead, step_overhead=self.step_overhead,
+                         op_costs=self.op_costs)
 
     def to_dict(self) -> dict:
         return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "overhead": self.overhead,
                 "step_overhead": self.step_overhead, "gamma": self.gamma, "link_latency": self.link_latency,
-                "link_bandwidth": self.link_bandwidth}
+                "link_bandwidth": self.link_bandwidth,
+                **({"op_costs": self.op_costs.to_dict()} if self.op_costs is not None else {})}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
@@ -124,11 +134,15 @@ class Calibration:
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
         """Older files' per-kernel deltas are ignored (that time is now part of `overhead`); their
-        missing step overhead and gamma take the values of an unfitted model."""
+        missing step overhead and gamma take the values of an unfitted model, and without op
+        costs level 2 prices every instruction at `overhead`."""
         try:
             d = json.loads(Path(path).read_text())
             cal = cls(float(d["peak_flops"]), float(d["bandwidth"]), float(d["overhead"]), float(d["link_latency"]),
-                      float(d["link_bandwidth"]), float(d.get("step_overhead", 0.0)), float(d.get("gamma", 1.0)))
+                      float(d["link_bandwidth"]), float(d.get("step_overhead", 0.0)), float(d.get("gamma", 1.0)),
+                      OpCosts.from_dict(d["op_costs"]) if "op_costs" in d else None)
+        except HSPMDError as e:
+            raise HSPMDError(f"calibration file {path}: {e}") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HSPMDError(f"cannot read calibration file {path}: {type(e).__name__}: {e}") from None
         rates = {"peak_flops": cal.peak_flops, "bandwidth": cal.bandwidth, "link_bandwidth": cal.link_bandwidth,
@@ -140,10 +154,18 @@ class Calibration:
             raise HSPMDError(f"calibration file {path}: {', '.join(bad)} (rates must be positive, times non-negative)")
         return cal
 
+    def _describe_op_costs(self) -> str:
+        if self.op_costs is None:
+            return ""
+        fixed = self.op_costs.fixed_of.values()
+        return (f" (per op: {len(fixed)} kinds, fixed {min(fixed) * 1e6:.1f}-{max(fixed) * 1e6:.1f} us, "
+                f"{self.op_costs.per_step * 1e3:.2f} ms/step, {self.op_costs.wake_up * 1e6:.0f} us per emulated wake-up)")
+
     def describe(self) -> str:
         return (f"cpu: matmul {self.peak_flops / 1e9:.2f} GFLOP/s, elementwise {self.bandwidth / 1e9:.2f} GB/s, "
                 f"model kernels x{self.gamma:.2f}, executor "
-                f"{self.overhead * 1e6:.1f} us/instruction + {self.step_overhead * 1e3:.2f} ms/step; "
+                f"{self.overhead * 1e6:.1f} us/instruction + {self.step_overhead * 1e3:.2f} ms/step"
+                f"{self._describe_op_costs()}; "
                 f"gloo link alpha {self.link_latency * 1e6:.1f} us, "
                 f"beta {self.link_bandwidth / 1e9:.3f} GB/s")
 
@@ -249,6 +271,78 @@ def fit_steps(work: list[StepWork], seconds: list[float]) -> tuple[float, float,
     return gamma, overhead, per_step
 
 
+@dataclass(frozen=True)
+class OpWork:
+    """One compute op of a probe step: its name and kind, its kernel's class and roofline seconds
+    at the micro-benchmarks' rates, and how many times a step runs it."""
+
+    name: str
+    kind: str
+    cls: str
+    roofline: float
+    calls: int
+
+
+def op_work(trainer: Trainer, cost: CostModel) -> tuple[OpWork, ...]:
+    """The compute ops one step of a probe trainer runs (`cost`: the micro-benchmarks' rates)."""
+    exe, binding, micro_batches = trainer.exe, trainer.binding, trainer.layout.counts[0]
+    device = cost.device(exe.device)
+    ops: dict[str, OpWork] = {}
+    for program, times in ((exe.forward + exe.backward, micro_batches), (exe.update, 1)):
+        for ins in program:
+            kernel = op_kernel(exe, ins, binding)
+            if kernel is not None:
+                ops[ins.node.name] = OpWork(ins.node.name, ins.node.kind, kernel.cls,
+                                            kernel.count * cost.roofline(kernel, device), times)
+    return tuple(ops.values())
+
+
+def fit_op_costs(work: list[tuple[OpWork, ...]], timed: list[Mapping[str, float]], steps: list[float],
+                 passes_per_step: list[int]) -> OpCosts:
+    """OpCosts from per-op timings: every timed op of every probe run is a row of one
+    non-negative least squares, its seconds = fixed[kind] + gamma[kind] x roofline (the probes'
+    micro-batches of 1x and 4x the rows are what tell the two apart); the work before a pass is
+    the median of what was timed there (BETWEEN_PASSES); the per-step work is the median over
+    the runs of a step's seconds less its ops and passes so priced (not below 0)."""
+    passes = [t[BETWEEN_PASSES] for t in timed if BETWEEN_PASSES in t]
+    per_pass = statistics.median(passes) if passes else 0.0
+    rows = [(w, timed[i][w.name]) for i, run in enumerate(work) for w in run if w.name in timed[i]]
+    if not rows:
+        raise HSPMDError("calibration: no probe op was timed (the step probes ran no op the trainers list)")
+    kinds = sorted({w.kind for w, _ in rows})
+    column = {k: i for i, k in enumerate(kinds)}
+    n = len(kinds)
+    design = []
+    for w, _ in rows:
+        row = [0.0] * (2 * n)
+        row[column[w.kind]], row[n + column[w.kind]] = 1.0, w.roofline
+        design.append(row)
+    coefficients = nonnegative_least_squares(design, [t for _, t in rows])
+    fixed, gamma = dict(zip(kinds, coefficients[:n])), dict(zip(kinds, coefficients[n:]))
+    priced = [sum(w.calls * (fixed[w.kind] + gamma[w.kind] * w.roofline) for w in run if w.kind in fixed)
+              + per_pass * pass_count for run, pass_count in zip(work, passes_per_step)]
+    per_step = max(0.0, statistics.median(s - p for s, p in zip(steps, priced)))
+    return OpCosts(tuple(fixed.items()), tuple(gamma.items()), per_step, per_pass)
+
+
+WAKE_EVERY = 16  # ops between the wake-up probe's sleeps (about a TP layer's ops between its collectives)
+
+
+class WakingEmulator(RankEmulator):
+    """The wake-up probe's emulated device: while `wake_every` is set it settles its debt after
+    every that many ops (sleeping, as an emulated rank does before each communication) and counts
+    its sleeps in `wakes`."""
+
+    wake_every: int | None = None
+    wakes = 0
+
+    def computed(self, outputs=(), where: str = "") -> None:
+        super().computed(outputs, where)
+        if self.wake_every and self.ops % self.wake_every == 0:
+            self.wakes += 1
+            self.settle()
+
+
 class Probe:
     """One rank's micro-benchmarks, set up once and run any number of times (`once()`), so that a
     benchmark can interleave them with what it measures and both see the same machine load."""
@@ -261,35 +355,62 @@ class Probe:
         self.clock = time.thread_time if cpu_time else time.perf_counter
         self.matrices = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
         self.vectors = [(torch.randn(n), torch.randn(n)) for n in ADD_SIZES]
-        wrap = None
-        if emulate is not None:  # the step probes run as an emulated device s times slower: its CPU time is theirs
-            if not emulate > 1:
-                raise HSPMDError(f"Probe(emulate={emulate}): an emulated probe needs a slowdown > 1")
-            host = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(1)
-            wrap = lambda inner: EmulatedBackend(inner, host, RankEmulator(0, "probe", emulate), None)  # noqa: E731
+        if emulate is not None and not emulate > 1:
+            raise HSPMDError(f"Probe(emulate={emulate}): an emulated probe needs a slowdown > 1")
+        # every step probe runs on an emulated device (of slowdown 1 when not emulating: its
+        # bookkeeping costs ~1 us per op), whose op hook times each op on the probe's clock
+        host = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(1)
+        clocks = (time.perf_counter, time.thread_time if emulate is not None else self.clock)
+        wrap = lambda inner: EmulatedBackend(  # noqa: E731
+            inner, host, WakingEmulator(0, "probe", emulate or 1.0, clocks=clocks), None)
         self.emulated = emulate is not None
         self.trainers = [probe_trainer(shape, *run, wrap=wrap) for run in PROBE_RUNS]
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
 
-    def _step_seconds(self, trainer: Trainer, batch) -> float:
-        """A probe step's time on the probe's clock, or, emulated, the CPU time its device owed
-        (what an emulated rank's steps are slowed by, measured the way they run: between sleeps)."""
-        if not self.emulated:
-            return median_seconds(lambda: trainer.step(batch), 1, 2, self.clock)
+    def _step_seconds(self, trainer: Trainer, batch) -> tuple[float, dict[str, float]]:
+        """(a probe step's seconds, each op's median seconds by name) on the probe's clock, or,
+        emulated, the CPU time its device owed (what an emulated rank's steps are slowed by,
+        measured the way they run: between sleeps)."""
         device = emulation_of(trainer.backend)
         trainer.step(batch)
+        device.op_seconds = {}
         device.mark()
-        before = device.op_cpu_s
+        before, start = device.op_cpu_s, self.clock()
         for _ in range(2):
             trainer.step(batch)
-        return (device.op_cpu_s - before) / 2
+        seconds = (device.op_cpu_s - before if self.emulated else self.clock() - start) / 2
+        ops = {name: statistics.median(times) for name, times in device.op_seconds.items()}
+        device.op_seconds = None
+        return seconds, ops
+
+    def _wake_up_seconds(self, trainer: Trainer, batch) -> float:
+        """CPU seconds each sleep of an emulated device adds to the work after it (cold caches):
+        a step that sleeps every WAKE_EVERY ops against one that does not, per sleep."""
+        device = cast(WakingEmulator, emulation_of(trainer.backend))
+        seconds = []
+        for wake_every in (None, WAKE_EVERY):
+            device.wake_every, device.wakes = wake_every, 0
+            trainer.step(batch)
+            device.mark()
+            before = device.op_cpu_s
+            trainer.step(batch)
+            seconds.append(device.op_cpu_s - before)
+            wakes = device.wakes
+        device.wake_every = None
+        return (seconds[1] - seconds[0]) / max(1, wakes // 2)
 
     def once(self) -> dict:
         """Raw seconds of every probe, measured once (short inner loops)."""
         clock = self.clock
         out = {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2)), clock) for a, b in self.matrices],
                "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0]), clock) for a, b in self.vectors],
-               "steps": [self._step_seconds(trainer, batch) for trainer, batch in self.trainers]}
+               "steps": [], "ops": []}
+        for trainer, batch in self.trainers:
+            seconds, ops = self._step_seconds(trainer, batch)
+            out["steps"].append(seconds)
+            out["ops"].append(ops)
+        if self.emulated:
+            out["wake_up"] = self._wake_up_seconds(*self.trainers[PROBE_RUNS.index((2, 1, 1))])
         if self.backend is not None and self.backend.world_size >= 2:
             backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
             backend.barrier(group)
@@ -317,9 +438,18 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     slope_b, _ = fit_line([12.0 * n for n in ADD_SIZES], med("add"))
     rates = Calibration(1.0 / slope_f, 1.0 / slope_b, overhead=0.0, link_latency=1e-5, link_bandwidth=1e9)
     probe_model = ModelSpec("probe", 1, shape.hidden, shape.ffn, shape.heads, shape.heads, shape.vocab, shape.seq, "float32")
-    work = [step_work(probe_trainer(shape, *run)[0], rates.cost_model(probe_model, 1)) for run in PROBE_RUNS]
-    gamma, overhead, step_overhead = fit_steps(work, med("steps"))
+    rate_cost = rates.cost_model(probe_model, 1)
+    trainers = [probe_trainer(shape, *run)[0] for run in PROBE_RUNS]
+    gamma, overhead, step_overhead = fit_steps([step_work(t, rate_cost) for t in trainers], med("steps"))
     fitted = replace(rates, overhead=overhead, step_overhead=step_overhead, gamma=gamma)
+    if "ops" in probes[0]:
+        timed = [{name: statistics.median(p["ops"][i][name] for p in probes if name in p["ops"][i])
+                  for name in probes[0]["ops"][i]} for i in range(len(PROBE_RUNS))]
+        costs = fit_op_costs([op_work(t, rate_cost) for t in trainers], timed, med("steps"),
+                             [1 + 2 * micro_batches for _, micro_batches, _ in PROBE_RUNS])
+        if "wake_up" in probes[0]:  # emulated step probes: what each sleep costs the work after it
+            costs = replace(costs, wake_up=max(0.0, statistics.median(p["wake_up"] for p in probes)))
+        fitted = replace(fitted, op_costs=costs)
     if "pingpong" not in probes[0]:
         return fitted
     xs = [float(n) for n in MESSAGE_SIZES] + [n / 2 for n in MESSAGE_SIZES]
@@ -364,5 +494,5 @@ def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration
     return simulate_strategy(strategy, cost, schedule).iteration, source
 
 
-__all__ = ["Calibration", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference", "fit", "fit_line",
-           "fit_steps", "median_seconds", "simulated_step", "step_work"]
+__all__ = ["Calibration", "OpWork", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference", "fit",
+           "fit_line", "fit_op_costs", "fit_steps", "median_seconds", "op_work", "simulated_step", "step_work"]
