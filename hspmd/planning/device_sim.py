@@ -167,7 +167,8 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
             update = max(c.update for c in cs)
             update_comm = max(c.update_comm for c in cs)
             held = [memory[d] for d in devices]  # the interpreter's bytes: static + in flight x kept + a pass's values
-            step_work = max(cost.step_work(d, op_priced=True) for d in devices)
+            # the step loss's all-reduce is one more communication (an emulated device sleeps before it)
+            step_work = max(cost.step_work(d, op_priced=True) + (cost.wake_up(d) if loss > 0 else 0.0) for d in devices)
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),
                                    sync=update_comm, update=update - update_comm + loss + step_work,

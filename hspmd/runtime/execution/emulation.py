@@ -134,35 +134,38 @@ class RankEmulator:
             self._host -= 1
             self.mark()
 
-    def _accrue(self) -> None:
-        """Owe s x the CPU time since the mark less the wall time since it; restart the marks."""
+    def _accrue(self) -> float:
+        """Owe s x the CPU time since the mark less the wall time since it; restart the marks.
+        Returns that CPU time (the stretch's)."""
         wall, cpu = self._wall(), self._cpu()
+        stretch = cpu - self._cpu_mark
         if self.slowdown > 1.0 and not self._host:
-            self.op_cpu_s += cpu - self._cpu_mark
-            self._debt += self.slowdown * (cpu - self._cpu_mark) - (wall - self._wall_mark)
+            self.op_cpu_s += stretch
+            self._debt += self.slowdown * stretch - (wall - self._wall_mark)
         self._wall_mark, self._cpu_mark = wall, cpu
+        return stretch
 
     def pass_started(self) -> None:
         """Before a pass's first op: owe the work since the mark now (the schedule's and trainer's
         between passes), so that the first op's own time (`op_seconds`) is its alone; that work
         is recorded under BETWEEN_PASSES."""
+        stretch = self._accrue()
         if self.op_seconds is not None:
-            self.op_seconds.setdefault(BETWEEN_PASSES, []).append(self._cpu() - self._cpu_mark)
-        self._accrue()
+            self.op_seconds.setdefault(BETWEEN_PASSES, []).append(stretch)
 
     def computed(self, outputs: Iterable[object] = (), where: str = "") -> None:
         """After one op: count its outputs against the device's memory (raising DeviceOutOfMemory
         before the caller stores them) and owe what the emulated device takes for the work since
         the last mark beyond the wall time already spent (module docstring). With `op_seconds`
-        set, the op's CPU time since the mark is recorded under `where`."""
-        if self.op_seconds is not None:
-            self.op_seconds.setdefault(where, []).append(self._cpu() - self._cpu_mark)
+        set, that CPU time (the op's, with the loop's and this bookkeeping's since the last
+        op: what the device owes for it) is recorded under `where`."""
         if self.slowdown > 1.0:
             self.ops += 1
         if self.capacity is not None:
             self.hold(outputs, where)
-        else:
-            self._accrue()
+        stretch = self._accrue()
+        if self.op_seconds is not None:
+            self.op_seconds.setdefault(where, []).append(stretch)
         if self._debt >= WAIT_CHUNK_S:
             self._sleep(self._debt, "emulated compute")
             self.mark()
@@ -210,13 +213,15 @@ class RankEmulator:
 
     def hold(self, values: Iterable[object], where: str = "") -> None:
         """Count `values`' storages as live on this device; raise DeviceOutOfMemory if they do not fit.
-        The work before it is owed; the table's own bookkeeping is the emulator's, not the device's:
-        its CPU time is not owed, and its wall time counts as time the device's debt already spent."""
-        self._accrue()
+        The table's bookkeeping is the emulator's, not the device's: the CPU mark moves past the
+        CPU time it takes (so that time is not owed, and the stretch it interrupts, say a leaf's
+        handling before the op that reads it, stays one stretch as without a memory table), and
+        its wall time counts as time the device's debt already spent."""
+        start = self._cpu()
         try:
             self._hold(values, where)
         finally:
-            self._cpu_mark = self._cpu()
+            self._cpu_mark += self._cpu() - start
 
     def _hold(self, values: Iterable[object], where: str) -> None:
         new: list[tuple[StorageWeakRef, int]] = []

@@ -19,8 +19,12 @@
                              fixed time of its kind (its dispatch and the torch kernels it
                              launches: a view is cheaper than the mean instruction, attention's
                              backward several times dearer) + gamma of its kind x its roofline;
-                             what a step takes beyond its ops is the per-step work
-                             (OpCosts: level 2 of the simulator prices each op so)
+                             the work before each pass is timed apart (per pass), and what a step
+                             takes beyond its ops and passes is the per-step work (OpCosts:
+                             level 2 of the simulator prices each op so)
+    emulated wake-ups        emulated step probes only: a step that sleeps off its debt every
+                             16 ops (as an emulated rank does before each communication) against
+                             one that does not: the CPU time each sleep adds to the work after it
     gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
     all-reduce               alpha + bytes / beta, an all-reduce = 2 alpha + bytes / beta
                              (one least-squares fit over both)
@@ -99,8 +103,9 @@ class Calibration:
         fit is the emulation's reference type; a type s times slower has the fitted rates / s,
         pays (s - 1) x the per-instruction overhead per kernel as its delta and s x the per-step
         overhead and the op costs' fixed times (emulation slows all of a rank's CPU time between
-        communications: ops, dispatch and the trainer's work alike); memory is its capacity x memory_scale; links
-        inside a node are this host's fitted link (not emulated), between nodes the file's."""
+        communications: ops, dispatch and the trainer's work alike); memory is its capacity x
+        memory_scale; links inside a node are this host's fitted link (not emulated), between
+        nodes the file's."""
         emulation = cluster.emulation
         if emulation is None:
             raise HSPMDError(f"cluster {cluster.describe()} has no emulate block: it is not run on this host")
@@ -159,7 +164,8 @@ class Calibration:
             return ""
         fixed = self.op_costs.fixed_of.values()
         return (f" (per op: {len(fixed)} kinds, fixed {min(fixed) * 1e6:.1f}-{max(fixed) * 1e6:.1f} us, "
-                f"{self.op_costs.per_step * 1e3:.2f} ms/step, {self.op_costs.wake_up * 1e6:.0f} us per emulated wake-up)")
+                f"{self.op_costs.per_pass * 1e3:.2f} ms/pass, {self.op_costs.per_step * 1e3:.2f} ms/step, "
+                f"{self.op_costs.wake_up * 1e6:.0f} us per emulated wake-up)")
 
     def describe(self) -> str:
         return (f"cpu: matmul {self.peak_flops / 1e9:.2f} GFLOP/s, elementwise {self.bandwidth / 1e9:.2f} GB/s, "
