@@ -10,7 +10,8 @@
    per strategy. `--pin-cpus` pins each rank to its own CPU (hspmd.runtime.processes.affinity).
 2. Calibrate in the same run: before each round, both ranks run the calibration probes (torch
    matmul / add micro-benchmarks, real steps of 1-2 layer probe models for the executor's overheads
-   and the kernels' efficiency, a gloo ping-pong and all-reduce; hspmd.runtime.policies.calibrate), so the
+   and the kernels' efficiency, each of their ops timed for the per-op-kind costs level 2 prices,
+   a gloo ping-pong and all-reduce; hspmd.runtime.policies.calibrate), so the
    fit sees the machine load the steps see (this machine is shared); the fit takes the medians
    over both ranks' probes. `--calibration FILE` uses a saved fit instead.
 3. Predict the same steps with the calibrated cost model: simulator level 2 (the specialized
@@ -29,7 +30,9 @@ shared host's scheduler, set the pace). Run it with `--pin-cpus`: unpinned, the 
 (DP2's device CPU 27.0 ms a step against 22.8-26.2 ms pinned). Each strategy's trainer has its own emulated device, so
 its live bytes are its own. The probes then run on CPU time (what emulated devices follow), the step
 probes as an emulated device of the reference type (their CPU time counted between its sleeps, as
-the strategies' steps run), and the prediction is Calibration.cost_model_for(the emulated cluster). Besides step times (goals MAPE
+the strategies' steps run; they also time what each of the device's sleeps adds to the work
+after it, which level 2 prices per communication), and the prediction is
+Calibration.cost_model_for(the emulated cluster). Besides step times (goals MAPE
 <= 8%, Spearman >= 0.9) it reports every rank's peak live bytes, counted exactly in one untimed
 step after the timed ones, against level 2's memory model of the interpreter (goal: within 10%;
 planning/device_memory.py) and level 1's (a layer's kept activations, as autograd frees the rest).
