@@ -30,7 +30,7 @@ from hspmd.planning import CostModel, model_named  # noqa: E402
 from hspmd.planning.device_sim import simulate_llama  # noqa: E402
 from hspmd.planning.simulator import SimResult  # noqa: E402
 from hspmd.planning.strategy_sim import estimate_strategy, simulate_strategy  # noqa: E402
-from hspmd.runtime.policies.calibrate import Calibration, calibrate, emulated_reference  # noqa: E402
+from hspmd.runtime.policies.calibrate import Calibration, calibrate, emulated_reference, emulated_slowdowns  # noqa: E402
 from hspmd.runtime.execution.trace import read_trace  # noqa: E402
 from hspmd.specialize.strategy import Strategy  # noqa: E402
 from hspmd.specialize.strategy_files import strategy_from  # noqa: E402
@@ -248,7 +248,8 @@ def calibrate_main(argv: Sequence[str]) -> int:
     if cluster is not None and cluster.emulation is None:
         raise HSPMDError(f"--cluster {args.cluster}: the cluster has no emulate block (nothing on this host follows from it)")
     # on CPU time for an emulated cluster, the step probes run as its reference type (dilated time included)
-    cal = calibrate(args.repeats, cpu_time=args.cpu_time, emulate=emulated_reference(cluster) if args.cpu_time else None)
+    cal = calibrate(args.repeats, cpu_time=args.cpu_time, emulate=emulated_reference(cluster) if args.cpu_time else None,
+                    wake_at=emulated_slowdowns(cluster))
     cal.save(args.out)
     print(cal.describe())
     if cluster is not None:

@@ -76,7 +76,7 @@ def test_op_costs_are_fitted_per_kind_from_the_ops_timings():
     timed, steps = synthetic_op_times()
     costs = fit_op_costs(list(PROBE_OPS.values()), timed, steps, PASSES)
     assert costs.fixed_of == pytest.approx(OP_FIXED) and costs.per_step == pytest.approx(1e-3)
-    assert costs.per_pass == pytest.approx(3e-4) and costs.wake_up == 0.0
+    assert costs.per_pass == pytest.approx(3e-4) and costs.wake_ups == ()
     assert {k: g for k, g in costs.gamma if k != "transpose"} == pytest.approx({k: g for k, g in OP_GAMMA.items()
                                                                               if k != "transpose"})
     # an op the probes did not time is left out of its row, not read as free
@@ -91,10 +91,12 @@ def test_fit_gives_op_costs_when_the_probes_timed_their_ops(written_work):
     probe = {**synthetic_probe(), "ops": timed, "steps": steps}
     cal = fit([probe, probe])
     assert cal.op_costs is not None and cal.op_costs.fixed_of == pytest.approx(OP_FIXED)
-    assert cal.op_costs.per_step == pytest.approx(1e-3) and cal.op_costs.wake_up == 0.0
-    # emulated step probes also time what a sleep costs the work after it: the median, never below 0
-    woken = fit([{**probe, "wake_up": t} for t in (1e-4, 2e-4, -5e-5)]).op_costs
-    assert woken.wake_up == pytest.approx(1e-4)
+    assert cal.op_costs.per_step == pytest.approx(1e-3) and cal.op_costs.wake_ups == ()
+    # emulated step probes also time what a sleep costs the work after it, at each emulated type's
+    # slowdown: the median per slowdown, never below 0; priced between them by interpolation
+    woken = fit([{**probe, "wake_ups": {8.0: t, 20.0: 3 * t}} for t in (1e-4, 2e-4, -5e-5)]).op_costs
+    assert [s for s, _ in woken.wake_ups] == [8.0, 20.0] and [t for _, t in woken.wake_ups] == pytest.approx([1e-4, 3e-4])
+    assert [woken.wake_up_at(s) for s in (1.0, 4.0, 14.0, 40.0)] == pytest.approx([0.0, 1e-4, 2e-4, 3e-4])
     assert fit([synthetic_probe()]).op_costs is None  # probes without op timings: every op at `overhead`
 
 
@@ -154,7 +156,7 @@ def test_the_step_overhead_and_the_loss_all_reduce_are_priced_once_per_step(writ
 
 def test_calibration_file_round_trip(tmp_path, written_work):
     timed, _ = synthetic_op_times()
-    for probe in (synthetic_probe(), {**synthetic_probe(), "ops": timed}):
+    for probe in (synthetic_probe(), {**synthetic_probe(), "ops": timed, "wake_ups": {8.0: 1e-4, 20.0: 2e-4}}):
         cal = fit([probe])
         cal.save(tmp_path / "c.json")
         assert Calibration.load(tmp_path / "c.json") == cal
@@ -165,6 +167,11 @@ def test_calibration_file_round_trip(tmp_path, written_work):
     data["op_costs"]["fixed"]["add"] = -1.0
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(HSPMDError, match="bad.json.*fixed.*add=-1.0"):
+        Calibration.load(tmp_path / "bad.json")
+    data["op_costs"]["fixed"]["add"] = 1e-6
+    data["op_costs"]["wake_ups"] = [[0.5, 1e-4]]
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(HSPMDError, match="bad.json.*wake_ups: slowdowns must be > 1"):
         Calibration.load(tmp_path / "bad.json")
 
 
@@ -224,8 +231,11 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
 
     with pytest.raises(HSPMDError, match="slowdown > 1"):
         Probe(None, emulate=1.0)
-    probe = Probe(None, cpu_time=True, emulate=3.0)
+    probe = Probe(None, cpu_time=True, emulate=3.0, wake_at=(1.0, 5.0))
     run = probe.once()
     assert len(run["steps"]) == len(PROBE_RUNS) and min(run["steps"]) > 0
     devices = [emulation_of(trainer.backend) for trainer, _ in probe.trainers]
     assert all(d is not None and d.slowdown == 3.0 and d.compute_wait_s > 0 and d.op_cpu_s > 0 for d in devices)
+    # the wake-up probe ran at the reference's slowdown and the other sleeping type's (not at 1x),
+    # and left the device at its own slowdown
+    assert sorted(run["wake_ups"]) == [3.0, 5.0] and all(isinstance(t, float) for t in run["wake_ups"].values())

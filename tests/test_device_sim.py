@@ -72,7 +72,7 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     exe = spec.executables[0]
     base = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ), overhead=10e-6, step_overhead=5e-3)
     ops = OpCosts({"transpose": 1e-3, "add": 2e-4}, {"transpose": 0.0, "add": 3.0}, per_step=2e-3, per_pass=1e-4,
-                  wake_up=5e-5)
+                  wake_ups=((2.0, 3e-5), (4.0, 7e-5)))  # 5e-5 at cpu_scale 3
     priced = replace(base, op_costs=ops)
     scaled = replace(priced, efficiency={"*": Efficiency(cpu_scale=3.0)})
     forward = [ins for ins in exe.forward if ins.role == "compute"]

@@ -97,16 +97,17 @@ class OpCosts:
     than an add); `per_pass` is the work before each pass of a micro-batch (the schedule's and
     the trainer's) and `per_step` a step's work outside the timed ops and passes. On an emulated
     type s times slower the fixed, per-pass and per-step seconds are s times as long
-    (`Efficiency.cpu_scale`) and the roofline is the type's own. `wake_up`: the CPU seconds an
-    emulated device's work costs more after each of its sleeps (it sleeps off its debt before
-    every communication and wakes to cold caches: an artefact of emulating on this host, priced
-    where cpu_scale > 1 so that level 2 predicts the emulated run)."""
+    (`Efficiency.cpu_scale`) and the roofline is the type's own. `wake_ups`: (slowdown, CPU
+    seconds) pairs, what an emulated device of that slowdown pays more for the work after each
+    of its sleeps (it sleeps off its debt before every communication and wakes to cold caches;
+    a slower type sleeps longer and wakes colder): an artefact of emulating on this host, priced
+    where cpu_scale > 1 so that level 2 predicts the emulated run (`wake_up_at`)."""
 
     fixed: tuple[tuple[str, float], ...]
     gamma: tuple[tuple[str, float], ...]
     per_step: float = 0.0
     per_pass: float = 0.0
-    wake_up: float = 0.0
+    wake_ups: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "fixed", _table(self.fixed, "fixed"))
@@ -114,9 +115,13 @@ class OpCosts:
         if [k for k, _ in self.fixed] != [k for k, _ in self.gamma]:
             raise ClusterError(f"OpCosts: fixed and gamma must list the same op kinds, got "
                                f"{[k for k, _ in self.fixed]} and {[k for k, _ in self.gamma]}")
-        for name in ("per_step", "per_pass", "wake_up"):
+        for name in ("per_step", "per_pass"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ClusterError(f"OpCosts {name} must be finite and >= 0, got {getattr(self, name)}")
+        wake_ups = tuple(sorted((float(s), float(t)) for s, t in self.wake_ups))
+        if any(not (s > 1 and math.isfinite(s) and t >= 0 and math.isfinite(t)) for s, t in wake_ups):
+            raise ClusterError(f"OpCosts wake_ups: slowdowns must be > 1 and seconds >= 0, got {wake_ups}")
+        object.__setattr__(self, "wake_ups", wake_ups)
 
     @cached_property
     def fixed_of(self) -> dict[str, float]:
@@ -129,14 +134,27 @@ class OpCosts:
     def covers(self, kind: str) -> bool:
         return kind in self.fixed_of
 
+    def wake_up_at(self, slowdown: float) -> float:
+        """The wake-up cost at `slowdown`: linear between the measured slowdowns, the nearest
+        one's outside them, 0 where nothing sleeps (slowdown <= 1) or nothing was measured."""
+        points = self.wake_ups
+        if slowdown <= 1 or not points:
+            return 0.0
+        if slowdown <= points[0][0]:
+            return points[0][1]
+        for (s0, t0), (s1, t1) in zip(points, points[1:]):
+            if slowdown <= s1:
+                return t0 + (t1 - t0) * (slowdown - s0) / (s1 - s0)
+        return points[-1][1]
+
     def to_dict(self) -> dict:
         return {"fixed": dict(self.fixed), "gamma": dict(self.gamma), "per_step": self.per_step, "per_pass": self.per_pass,
-                "wake_up": self.wake_up}
+                "wake_ups": [list(pair) for pair in self.wake_ups]}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "OpCosts":
         return cls(tuple(dict(data["fixed"]).items()), tuple(dict(data["gamma"]).items()), float(data.get("per_step", 0.0)),
-                   float(data.get("per_pass", 0.0)), float(data.get("wake_up", 0.0)))
+                   float(data.get("per_pass", 0.0)), tuple((s, t) for s, t in data.get("wake_ups", ())))
 
 
 @dataclass(frozen=True)
@@ -447,9 +465,9 @@ class CostModel:
 
     def wake_up(self, device: "int | str | DeviceType") -> float:
         """What one sleep of an emulated device (before a communication) adds to its work: the op
-        costs' wake-up x its cpu_scale on a type that sleeps (cpu_scale > 1), else 0."""
+        costs' wake-up at its slowdown (its cpu_scale) x that scale; 0 on a type that does not sleep."""
         scale = self.efficiency_of(self.device(device)).cpu_scale
-        return self.op_costs.wake_up * scale if self.op_costs is not None and scale > 1 else 0.0
+        return self.op_costs.wake_up_at(scale) * scale if self.op_costs is not None else 0.0
 
     def step_work(self, device: "int | None" = None, op_priced: bool = False) -> float:
         """The framework's per-step work on `device` (its type's cpu_scale x step_overhead);

@@ -162,10 +162,12 @@ class Calibration:
     def _describe_op_costs(self) -> str:
         if self.op_costs is None:
             return ""
-        fixed = self.op_costs.fixed_of.values()
-        return (f" (per op: {len(fixed)} kinds, fixed {min(fixed) * 1e6:.1f}-{max(fixed) * 1e6:.1f} us, "
-                f"{self.op_costs.per_pass * 1e3:.2f} ms/pass, {self.op_costs.per_step * 1e3:.2f} ms/step, "
-                f"{self.op_costs.wake_up * 1e6:.0f} us per emulated wake-up)")
+        costs = self.op_costs
+        fixed = costs.fixed_of.values()
+        parts = [f"{len(fixed)} kinds, fixed {min(fixed) * 1e6:.1f}-{max(fixed) * 1e6:.1f} us",
+                 f"{costs.per_pass * 1e3:.2f} ms/pass", f"{costs.per_step * 1e3:.2f} ms/step"]
+        parts += [f"{t * 1e6:.0f} us per emulated wake-up at {s:g}x" for s, t in costs.wake_ups]
+        return f" (per op: {', '.join(parts)})"
 
     def describe(self) -> str:
         return (f"cpu: matmul {self.peak_flops / 1e9:.2f} GFLOP/s, elementwise {self.bandwidth / 1e9:.2f} GB/s, "
@@ -354,7 +356,7 @@ class Probe:
     benchmark can interleave them with what it measures and both see the same machine load."""
 
     def __init__(self, backend: Backend | None, shape: ProbeShape = ProbeShape(), cpu_time: bool = False,
-                 emulate: float | None = None):
+                 emulate: float | None = None, wake_at: tuple[float, ...] = ()):
         torch.set_num_threads(1)
         self.backend = backend
         # compute probes on this thread's CPU time: what emulated devices follow (runtime.execution.emulation)
@@ -370,6 +372,8 @@ class Probe:
         wrap = lambda inner: EmulatedBackend(  # noqa: E731
             inner, host, WakingEmulator(0, "probe", emulate or 1.0, clocks=clocks), None)
         self.emulated = emulate is not None
+        # the wake-up probe's slowdowns: the reference's and the other emulated types' (`wake_at`)
+        self.wake_slowdowns = tuple(sorted({emulate, *(s for s in wake_at if s > 1)})) if emulate is not None else ()
         self.trainers = [probe_trainer(shape, *run, wrap=wrap) for run in PROBE_RUNS]
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
 
@@ -389,10 +393,11 @@ class Probe:
         device.op_seconds = None
         return seconds, ops
 
-    def _wake_up_seconds(self, trainer: Trainer, batch) -> float:
-        """CPU seconds each sleep of an emulated device adds to the work after it (cold caches):
-        a step that sleeps every WAKE_EVERY ops against one that does not, per sleep."""
+    def _wake_up_seconds(self, trainer: Trainer, batch, slowdown: float) -> float:
+        """CPU seconds each sleep of an emulated device of `slowdown` adds to the work after it
+        (cold caches): a step that sleeps every WAKE_EVERY ops against one that does not, per sleep."""
         device = cast(WakingEmulator, emulation_of(trainer.backend))
+        reference, device.slowdown = device.slowdown, slowdown
         seconds = []
         for wake_every in (None, WAKE_EVERY):
             device.wake_every, device.wakes = wake_every, 0
@@ -402,7 +407,7 @@ class Probe:
             trainer.step(batch)
             seconds.append(device.op_cpu_s - before)
             wakes = device.wakes
-        device.wake_every = None
+        device.wake_every, device.slowdown = None, reference
         return (seconds[1] - seconds[0]) / max(1, wakes // 2)
 
     def once(self) -> dict:
@@ -416,7 +421,8 @@ class Probe:
             out["steps"].append(seconds)
             out["ops"].append(ops)
         if self.emulated:
-            out["wake_up"] = self._wake_up_seconds(*self.trainers[PROBE_RUNS.index((2, 1, 1))])
+            trainer, batch = self.trainers[PROBE_RUNS.index((2, 1, 1))]
+            out["wake_ups"] = {s: self._wake_up_seconds(trainer, batch, s) for s in self.wake_slowdowns}
         if self.backend is not None and self.backend.world_size >= 2:
             backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
             backend.barrier(group)
@@ -453,8 +459,9 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
                   for name in probes[0]["ops"][i]} for i in range(len(PROBE_RUNS))]
         costs = fit_op_costs([op_work(t, rate_cost) for t in trainers], timed, med("steps"),
                              [1 + 2 * micro_batches for _, micro_batches, _ in PROBE_RUNS])
-        if "wake_up" in probes[0]:  # emulated step probes: what each sleep costs the work after it
-            costs = replace(costs, wake_up=max(0.0, statistics.median(p["wake_up"] for p in probes)))
+        if "wake_ups" in probes[0]:  # emulated step probes: what each sleep costs the work after it
+            costs = replace(costs, wake_ups=tuple((s, max(0.0, statistics.median(p["wake_ups"][s] for p in probes)))
+                                                  for s in probes[0]["wake_ups"]))
         fitted = replace(fitted, op_costs=costs)
     if "pingpong" not in probes[0]:
         return fitted
@@ -464,19 +471,29 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     return replace(fitted, link_latency=alpha, link_bandwidth=1.0 / slope)
 
 
-def _calibrate_rank(backend: Backend, repeats: int, cpu_time: bool = False, emulate: float | None = None) -> list[dict]:
-    probe = Probe(backend, cpu_time=cpu_time, emulate=emulate)
+def _calibrate_rank(backend: Backend, repeats: int, cpu_time: bool = False, emulate: float | None = None,
+                    wake_at: tuple[float, ...] = ()) -> list[dict]:
+    probe = Probe(backend, cpu_time=cpu_time, emulate=emulate, wake_at=wake_at)
     return [probe.once() for _ in range(repeats)]
 
 
-def calibrate(repeats: int = 7, cpu_time: bool = False, emulate: float | None = None) -> Calibration:
+def calibrate(repeats: int = 7, cpu_time: bool = False, emulate: float | None = None,
+              wake_at: tuple[float, ...] = ()) -> Calibration:
     """Probe `repeats` times on 2 gloo processes (both busy at once, as in training) and fit.
     `cpu_time`: compute probes on each thread's CPU time, not wall time: the rates of a core of
     one's own, which emulated device types follow whatever else the host runs (links stay wall time).
     `emulate`: the step probes run as an emulated device this many times slower (Probe), the
-    reference type of the cluster the fit will price, so their CPU time is counted as its steps' is."""
-    results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, emulate, timeout=600)
+    reference type of the cluster the fit will price, so their CPU time is counted as its steps' is;
+    `wake_at`: the other emulated types' slowdowns, at which the wake-up probe runs too."""
+    results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, emulate, wake_at, timeout=600)
     return fit(results[0])
+
+
+def emulated_slowdowns(cluster: ClusterSpec | None) -> tuple[float, ...]:
+    """The slowdowns above 1 of an emulated cluster's device types (those whose devices sleep)."""
+    if cluster is None or cluster.emulation is None:
+        return ()
+    return tuple(sorted({s for s in (cluster.type_slowdown(t.name) for t in cluster.device_types) if s > 1}))
 
 
 def emulated_reference(cluster: ClusterSpec | None) -> float | None:
@@ -500,5 +517,6 @@ def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration
     return simulate_strategy(strategy, cost, schedule).iteration, source
 
 
-__all__ = ["Calibration", "OpWork", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference", "fit",
+__all__ = ["Calibration", "OpWork", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference",
+           "emulated_slowdowns", "fit",
            "fit_line", "fit_op_costs", "fit_steps", "median_seconds", "op_work", "simulated_step", "step_work"]
