@@ -292,7 +292,7 @@ class CostModel:
         if self.op_costs is None or not self.op_costs.covers(kind):
             return self.kernel_time(kernel, device) + self.overhead
         dev = self.device(device)
-        return (self.efficiency_of(dev).cpu_scale * self.op_costs.fixed_of[kind]
+        return (self.cpu_scale(dev) * self.op_costs.fixed_of[kind]
                 + kernel.count * self.op_costs.gamma_of[kind] * self.roofline(kernel, dev))
 
     def kernels_time(self, kernels: Sequence[Kernel], device) -> float:
@@ -457,22 +457,24 @@ class CostModel:
         strategy's devices."""
         return self.step_work(device) + self.step_loss(devices)
 
+    def cpu_scale(self, device: "int | str | DeviceType") -> float:
+        """How many times the framework's CPU work this device takes (its Efficiency's cpu_scale)."""
+        return self.efficiency_of(self.device(device)).cpu_scale
+
     def pass_work(self, device: "int | str | DeviceType") -> float:
         """The framework's work before each pass (level 2, with op costs): per_pass x cpu_scale."""
-        if self.op_costs is None:
-            return 0.0
-        return self.op_costs.per_pass * self.efficiency_of(self.device(device)).cpu_scale
+        return self.op_costs.per_pass * self.cpu_scale(device) if self.op_costs is not None else 0.0
 
     def wake_up(self, device: "int | str | DeviceType") -> float:
         """What one sleep of an emulated device (before a communication) adds to its work: the op
         costs' wake-up at its slowdown (its cpu_scale) x that scale; 0 on a type that does not sleep."""
-        scale = self.efficiency_of(self.device(device)).cpu_scale
+        scale = self.cpu_scale(device)
         return self.op_costs.wake_up_at(scale) * scale if self.op_costs is not None else 0.0
 
     def step_work(self, device: "int | None" = None, op_priced: bool = False) -> float:
         """The framework's per-step work on `device` (its type's cpu_scale x step_overhead);
         `op_priced`: for a program whose ops op_costs prices (level 2), its per-step work instead."""
-        scale = 1.0 if device is None else self.efficiency_of(self.device(device)).cpu_scale
+        scale = 1.0 if device is None else self.cpu_scale(device)
         if op_priced and self.op_costs is not None:
             return self.op_costs.per_step * scale
         return self.step_overhead * scale

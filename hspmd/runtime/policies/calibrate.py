@@ -377,38 +377,40 @@ class Probe:
         self.trainers = [probe_trainer(shape, *run, wrap=wrap) for run in PROBE_RUNS]
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
 
-    def _step_seconds(self, trainer: Trainer, batch) -> tuple[float, dict[str, float]]:
-        """(a probe step's seconds, each op's median seconds by name) on the probe's clock, or,
-        emulated, the CPU time its device owed (what an emulated rank's steps are slowed by,
-        measured the way they run: between sleeps)."""
-        device = emulation_of(trainer.backend)
+    def _timed_steps(self, trainer: Trainer, batch, steps: int, record: bool = False) -> tuple[float, dict[str, list[float]]]:
+        """Mean seconds of `steps` probe steps after an untimed one (so they meet the caches a step
+        of their own left) on the probe's clock, or, emulated, the CPU time the device owed (what
+        an emulated rank's steps are slowed by, measured the way they run: between sleeps); with
+        `record`, each op's CPU seconds by name in those steps. The device's sleeps are counted
+        from the timed steps' start (`wakes`)."""
+        device = cast(WakingEmulator, emulation_of(trainer.backend))
         trainer.step(batch)
-        device.op_seconds = {}
+        device.op_seconds, device.wakes = ({} if record else None), 0
         device.mark()
         before, start = device.op_cpu_s, self.clock()
-        for _ in range(2):
+        for _ in range(steps):
             trainer.step(batch)
-        seconds = (device.op_cpu_s - before if self.emulated else self.clock() - start) / 2
-        ops = {name: statistics.median(times) for name, times in device.op_seconds.items()}
-        device.op_seconds = None
+        seconds = (device.op_cpu_s - before if self.emulated else self.clock() - start) / steps
+        ops, device.op_seconds = device.op_seconds or {}, None
         return seconds, ops
+
+    def _step_seconds(self, trainer: Trainer, batch) -> tuple[float, dict[str, float]]:
+        """(a probe step's seconds, each op's median seconds by name): `_timed_steps` of two."""
+        seconds, ops = self._timed_steps(trainer, batch, 2, record=True)
+        return seconds, {name: statistics.median(times) for name, times in ops.items()}
 
     def _wake_up_seconds(self, trainer: Trainer, batch, slowdown: float) -> float:
         """CPU seconds each sleep of an emulated device of `slowdown` adds to the work after it
         (cold caches): a step that sleeps every WAKE_EVERY ops against one that does not, per sleep."""
         device = cast(WakingEmulator, emulation_of(trainer.backend))
         reference, device.slowdown = device.slowdown, slowdown
-        seconds = []
-        for wake_every in (None, WAKE_EVERY):
-            device.wake_every, device.wakes = wake_every, 0
-            trainer.step(batch)
-            device.mark()
-            before = device.op_cpu_s
-            trainer.step(batch)
-            seconds.append(device.op_cpu_s - before)
-            wakes = device.wakes
+        device.wake_every = None
+        plain, _ = self._timed_steps(trainer, batch, 1)
+        device.wake_every = WAKE_EVERY
+        waking, _ = self._timed_steps(trainer, batch, 1)
+        wakes = device.wakes
         device.wake_every, device.slowdown = None, reference
-        return (seconds[1] - seconds[0]) / max(1, wakes // 2)
+        return (waking - plain) / max(1, wakes)
 
     def once(self) -> dict:
         """Raw seconds of every probe, measured once (short inner loops)."""
