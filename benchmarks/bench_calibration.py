@@ -31,7 +31,8 @@ shared host's scheduler, set the pace). Run it with `--pin-cpus`: unpinned, the 
 its live bytes are its own. The probes then run on CPU time (what emulated devices follow), the step
 probes as an emulated device of the reference type (their CPU time counted between its sleeps, as
 the strategies' steps run; they also time what each of the device's sleeps adds to the work
-after it, which level 2 prices per communication), and the prediction is
+after it by the sleep's length, which level 2 prices per sleep: before each communication and in
+chunks), and the prediction is
 Calibration.cost_model_for(the emulated cluster). Besides step times (goals MAPE
 <= 8%, Spearman >= 0.9) it reports every rank's peak live bytes, counted exactly in one untimed
 step after the timed ones, against level 2's memory model of the interpreter (goal: within 10%;

@@ -1,6 +1,7 @@
 """Calibration fits (on synthetic probe data, no timing) and trace files."""
 
 import json
+import math
 
 import pytest
 
@@ -10,8 +11,8 @@ from hspmd.models.llama import LlamaConfig
 from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.runtime.policies import calibrate
 from hspmd.runtime.policies.calibrate import (
-    ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, Calibration, OpWork, fit, fit_line, fit_op_costs, fit_steps,
-    StepWork,
+    ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, WAKE_INTERVALS, Calibration, OpWork, fit, fit_line, fit_op_costs,
+    fit_steps, StepWork,
 )
 from hspmd.runtime.execution.emulation import BETWEEN_PASSES
 from hspmd.runtime.execution.trace import Tracer, read_trace, write_trace
@@ -92,11 +93,19 @@ def test_fit_gives_op_costs_when_the_probes_timed_their_ops(written_work):
     cal = fit([probe, probe])
     assert cal.op_costs is not None and cal.op_costs.fixed_of == pytest.approx(OP_FIXED)
     assert cal.op_costs.per_step == pytest.approx(1e-3) and cal.op_costs.wake_ups == ()
-    # emulated step probes also time what a sleep costs the work after it, at each emulated type's
-    # slowdown: the median per slowdown, never below 0; priced between them by interpolation
-    woken = fit([{**probe, "wake_ups": {8.0: t, 20.0: 3 * t}} for t in (1e-4, 2e-4, -5e-5)]).op_costs
-    assert [s for s, _ in woken.wake_ups] == [8.0, 20.0] and [t for _, t in woken.wake_ups] == pytest.approx([1e-4, 3e-4])
-    assert [woken.wake_up_at(s) for s in (1.0, 4.0, 14.0, 40.0)] == pytest.approx([0.0, 1e-4, 2e-4, 3e-4])
+    # emulated step probes also time what a sleep costs the work after it, by the sleep's length:
+    # per slowdown and interval the median sleep and cost (never below 0), sorted by sleep
+    rounds = [{8.0: [(0.004 * k, t), (0.012 * k, 2 * t)], 20.0: [(0.010, 2 * t), (0.032 * k, 4 * t)]}
+              for k, t in ((1.0, 1e-4), (1.1, 2e-4), (0.9, -5e-5))]
+    woken = fit([{**probe, "wake_ups": r} for r in rounds]).op_costs
+    assert [pair for point in woken.wake_ups for pair in point] == pytest.approx(
+        [0.004, 1e-4, 0.010, 2e-4, 0.012, 2e-4, 0.032, 4e-4])
+    # a longer sleep never costs less: a dip between the probes' points is pooled away
+    dipped = calibrate.wake_up_curve([{8.0: [(0.01, 3e-4), (0.02, 1e-4), (0.04, 5e-4)]}])
+    assert [pair for point in dipped for pair in point] == pytest.approx([0.01, 2e-4, 0.02, 2e-4, 0.04, 5e-4])
+    # priced: rising from nothing to the shortest sleep, log-linear between, the longest's beyond
+    assert [woken.wake_up_after(s) for s in (0.0, 0.002, 0.004, 0.016, 0.032, 1.0)] == pytest.approx(
+        [0.0, 5e-5, 1e-4, 2e-4 + 2e-4 * math.log(16 / 12) / math.log(32 / 12), 4e-4, 4e-4])
     assert fit([synthetic_probe()]).op_costs is None  # probes without op timings: every op at `overhead`
 
 
@@ -156,7 +165,7 @@ def test_the_step_overhead_and_the_loss_all_reduce_are_priced_once_per_step(writ
 
 def test_calibration_file_round_trip(tmp_path, written_work):
     timed, _ = synthetic_op_times()
-    for probe in (synthetic_probe(), {**synthetic_probe(), "ops": timed, "wake_ups": {8.0: 1e-4, 20.0: 2e-4}}):
+    for probe in (synthetic_probe(), {**synthetic_probe(), "ops": timed, "wake_ups": {8.0: [(0.004, 1e-4), (0.03, 2e-4)]}}):
         cal = fit([probe])
         cal.save(tmp_path / "c.json")
         assert Calibration.load(tmp_path / "c.json") == cal
@@ -169,10 +178,15 @@ def test_calibration_file_round_trip(tmp_path, written_work):
     with pytest.raises(HSPMDError, match="bad.json.*fixed.*add=-1.0"):
         Calibration.load(tmp_path / "bad.json")
     data["op_costs"]["fixed"]["add"] = 1e-6
-    data["op_costs"]["wake_ups"] = [[0.5, 1e-4]]
+    data["op_costs"]["wake_ups_after_sleep"] = [[0.0, 1e-4]]
     (tmp_path / "bad.json").write_text(json.dumps(data))
-    with pytest.raises(HSPMDError, match="bad.json.*wake_ups: slowdowns must be > 1"):
+    with pytest.raises(HSPMDError, match="bad.json.*wake_ups: sleeps must be > 0 seconds"):
         Calibration.load(tmp_path / "bad.json")
+    # a file from before wake-ups were priced by sleep (theirs were by slowdown) loads without them
+    del data["op_costs"]["wake_ups_after_sleep"]
+    data["op_costs"]["wake_ups"] = [[8.0, 1e-4]]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Calibration.load(tmp_path / "old.json").op_costs.wake_ups == ()
 
 
 def test_fit_line_refuses_noise_that_does_not_grow():
@@ -239,4 +253,8 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
     assert all(d is not None and d.slowdown == 8.0 and d.compute_wait_s > 0 and d.op_cpu_s > 0 for d in devices)
     # the wake-up probe ran at the reference's slowdown and the other sleeping type's (not at 1x),
     # and left the device at its own slowdown
-    assert sorted(run["wake_ups"]) == [8.0, 10.0] and all(isinstance(t, float) for t in run["wake_ups"].values())
+    assert sorted(run["wake_ups"]) == [8.0, 10.0]
+    # one (sleep, cost) per interval; sleeping after more ops sleeps longer
+    for points in run["wake_ups"].values():
+        sleeps = [sleep for sleep, _ in points]
+        assert len(points) == len(WAKE_INTERVALS) and sleeps == sorted(sleeps) and sleeps[0] > 0

@@ -1,9 +1,12 @@
 """Simulator level 2 (specialize()'s per-device programs, op by op, with resolved plans) against
 level 1 (stage times from ModelSpec) on the tiny Llama."""
 
+import math
+
 import pytest
 
 from hspmd.cluster import parse_cluster
+from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.ir.shapes import Binding
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, from_llama_config
@@ -58,11 +61,35 @@ def test_level2_prices_communication_from_the_resolved_plans():
     assert result.iteration > 4 * (pipes[0].stages[0].forward + pipes[0].stages[0].backward)
 
 
+def test_an_emulated_devices_sleeps_are_priced_by_their_length():
+    """A stretch of w device seconds on a type of cpu_scale s leaves w (1 - 1/s) to sleep: in
+    chunks of WAIT_CHUNK_S and, when a communication ends it, the rest; each sleep's wake-up is
+    the op costs' at its length (x s). Work no communication ends is carried into later chunks."""
+    from dataclasses import replace
+
+    from hspmd.planning import OpCosts
+
+    _, config, _, _ = specialized("layers=4 ; 4x1: R0,1 L0-3")
+    base = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ))
+    ops = OpCosts({}, {}, wake_ups=((0.01, 1e-4), (0.1, 3e-4)))
+    cost = replace(base, op_costs=ops, efficiency={"*": Efficiency(cpu_scale=5.0)})
+    assert cost.sleep_after(0, 1.0) == pytest.approx(0.8)
+    assert cost.wake_up(0, 0.05) == pytest.approx((1e-4 + 2e-4 * math.log(5) / math.log(10)) * 5)
+    assert cost.wake_up(0, 10.0) == cost.wake_up(0, WAIT_CHUNK_S) == pytest.approx(3e-4 * 5)  # a sleep is a chunk at most
+    # 0.5 s of work: 0.4 s to sleep, one chunk and 0.15 s before the communication; carried: 1.6 chunks
+    assert cost.wake_ups_over(0, 0.5) == pytest.approx(2 * 3e-4 * 5)
+    assert cost.wake_ups_over(0, 0.5, communicates=False) == pytest.approx(0.4 / WAIT_CHUNK_S * 3e-4 * 5)
+    assert cost.wake_ups_over(0, 0.0) == 0.0
+    plain = replace(cost, efficiency={"*": Efficiency(cpu_scale=1.0)})  # a type that does not sleep
+    assert plain.sleep_after(0, 1.0) == plain.wake_up(0, 0.05) == plain.wake_ups_over(0, 0.5) == 0.0
+
+
 def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     """OpCosts: a transpose at its fixed time (x the type's cpu_scale) in place of one overhead,
     an add at its fixed time + its gamma x roofline, the work before each pass; on a type that
-    sleeps (cpu_scale > 1) a wake-up per communication too. Kinds it does not list,
-    communication and level 1 are priced as without it; level 2's per-step work is its own."""
+    sleeps (cpu_scale > 1) a wake-up per communication too, and the work no communication ends
+    is slept in chunks. Kinds it does not list, communication and level 1 are priced as without
+    it; level 2's per-step work is its own."""
     from dataclasses import replace
 
     from hspmd.planning import OpCosts
@@ -72,9 +99,10 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     exe = spec.executables[0]
     base = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ), overhead=10e-6, step_overhead=5e-3)
     ops = OpCosts({"transpose": 1e-3, "add": 2e-4}, {"transpose": 0.0, "add": 3.0}, per_step=2e-3, per_pass=1e-4,
-                  wake_ups=((2.0, 3e-5), (4.0, 7e-5)))  # 5e-5 at cpu_scale 3
+                  wake_ups=((1e-9, 5e-5),))  # 5e-5 of CPU after any sleep (x cpu_scale 3)
     priced = replace(base, op_costs=ops)
     scaled = replace(priced, efficiency={"*": Efficiency(cpu_scale=3.0)})
+    unwoken = replace(base, op_costs=replace(ops, wake_ups=()), efficiency={"*": Efficiency(cpu_scale=3.0)})
     forward = [ins for ins in exe.forward if ins.role == "compute"]
     transposes = sum(ins.node.kind == "transpose" for ins in forward)
     collectives = sum(ins.role == "collective" for ins in exe.forward)
@@ -85,7 +113,22 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     was = transposes * 10e-6 + sum(base.kernel_time(k, 0) + 10e-6 for k in adds)
     fixed = transposes * 1e-3 + len(adds) * 2e-4 + 1e-4
     assert after.forward - before.forward == pytest.approx(fixed + 3.0 * roofline - was)
-    assert slower.forward - after.forward == pytest.approx(2 * fixed + collectives * 3 * 5e-5)
+    # a wake-up per collective that follows work (one right after another has nothing to sleep
+    # off); what follows the last one is carried on, as a fraction of a chunk
+    sleeps, worked = 0, True  # the pass's own work comes before its first instruction
+    for ins in exe.forward:
+        if ins.role == "compute":
+            worked = True
+        elif ins.role == "collective":
+            sleeps, worked = sleeps + worked, False
+    woken = slower.forward - after.forward - 2 * fixed
+    assert 0 < sleeps <= collectives and sleeps * 3 * 5e-5 < woken < (sleeps + 1) * 3 * 5e-5
+    assert slower.forward - device_cost(exe, unwoken, spec.binding).forward == pytest.approx(woken)
+    # with no communication the whole forward is one stretch: its debt (work less the host's CPU
+    # time, 2/3 of it) is slept in chunks of WAIT_CHUNK_S
+    alone = device_cost(exe, unwoken, spec.binding, comm=False).forward
+    assert device_cost(exe, scaled, spec.binding, comm=False).forward - alone == pytest.approx(
+        alone * (2 / 3) / WAIT_CHUNK_S * 3 * 5e-5)
     assert after.forward_comm == before.forward_comm > 0
     assert simulate_strategy(strategy, priced).iteration == simulate_strategy(strategy, base).iteration
     assert priced.step_work(0, op_priced=True) == 2e-3 and scaled.step_work(0, op_priced=True) == 6e-3

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from hspmd.cluster import ClusterSpec, DeviceType, LinkClass
+from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.errors import ClusterError
 from hspmd.planning.model import KERNEL_CLASSES, Kernel, ModelSpec
 
@@ -87,6 +88,9 @@ def _table(items, what: str) -> tuple[tuple[str, float], ...]:
     return table
 
 
+WAKE_UPS_KEY = "wake_ups_after_sleep"  # (sleep, cost) pairs in a file; earlier files' "wake_ups" were by slowdown
+
+
 @dataclass(frozen=True)
 class OpCosts:
     """Prices per op kind, fitted from one device's op timings (hspmd.runtime.policies.calibrate):
@@ -97,11 +101,11 @@ class OpCosts:
     than an add); `per_pass` is the work before each pass of a micro-batch (the schedule's and
     the trainer's) and `per_step` a step's work outside the timed ops and passes. On an emulated
     type s times slower the fixed, per-pass and per-step seconds are s times as long
-    (`Efficiency.cpu_scale`) and the roofline is the type's own. `wake_ups`: (slowdown, CPU
-    seconds) pairs, what an emulated device of that slowdown pays more for the work after each
-    of its sleeps (it sleeps off its debt before every communication and wakes to cold caches;
-    a slower type sleeps longer and wakes colder): an artefact of emulating on this host, priced
-    where cpu_scale > 1 so that level 2 predicts the emulated run (`wake_up_at`)."""
+    (`Efficiency.cpu_scale`) and the roofline is the type's own. `wake_ups`: (sleep seconds, CPU
+    seconds) pairs, what an emulated device pays more for the work after one sleep of that
+    length (it sleeps off its debt before every communication and in chunks, and wakes to
+    colder caches the longer it slept): an artefact of emulating on this host, priced where
+    cpu_scale > 1 so that level 2 predicts the emulated run (`wake_up_after`)."""
 
     fixed: tuple[tuple[str, float], ...]
     gamma: tuple[tuple[str, float], ...]
@@ -119,8 +123,10 @@ class OpCosts:
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ClusterError(f"OpCosts {name} must be finite and >= 0, got {getattr(self, name)}")
         wake_ups = tuple(sorted((float(s), float(t)) for s, t in self.wake_ups))
-        if any(not (s > 1 and math.isfinite(s) and t >= 0 and math.isfinite(t)) for s, t in wake_ups):
-            raise ClusterError(f"OpCosts wake_ups: slowdowns must be > 1 and seconds >= 0, got {wake_ups}")
+        if any(not (0 < s < math.inf and 0 <= t < math.inf) for s, t in wake_ups):
+            raise ClusterError(f"OpCosts wake_ups: sleeps must be > 0 seconds and costs >= 0, got {wake_ups}")
+        if len({s for s, _ in wake_ups}) < len(wake_ups):
+            raise ClusterError(f"OpCosts wake_ups: one cost per sleep length, got {wake_ups}")
         object.__setattr__(self, "wake_ups", wake_ups)
 
     @cached_property
@@ -134,27 +140,28 @@ class OpCosts:
     def covers(self, kind: str) -> bool:
         return kind in self.fixed_of
 
-    def wake_up_at(self, slowdown: float) -> float:
-        """The wake-up cost at `slowdown`: linear between the measured slowdowns, the nearest
-        one's outside them, 0 where nothing sleeps (slowdown <= 1) or nothing was measured."""
+    def wake_up_after(self, sleep: float) -> float:
+        """The wake-up cost of one sleep of `sleep` seconds: 0 for none, rising linearly to the
+        shortest measured sleep's, linear in log(sleep) between measured sleeps, and the longest
+        measured sleep's beyond it (caches cannot get colder than cold); 0 when none was measured."""
         points = self.wake_ups
-        if slowdown <= 1 or not points:
+        if sleep <= 0 or not points:
             return 0.0
-        if slowdown <= points[0][0]:
-            return points[0][1]
+        if sleep <= points[0][0]:
+            return points[0][1] * sleep / points[0][0]
         for (s0, t0), (s1, t1) in zip(points, points[1:]):
-            if slowdown <= s1:
-                return t0 + (t1 - t0) * (slowdown - s0) / (s1 - s0)
+            if sleep <= s1:
+                return t0 + (t1 - t0) * math.log(sleep / s0) / math.log(s1 / s0)
         return points[-1][1]
 
     def to_dict(self) -> dict:
         return {"fixed": dict(self.fixed), "gamma": dict(self.gamma), "per_step": self.per_step, "per_pass": self.per_pass,
-                "wake_ups": [list(pair) for pair in self.wake_ups]}
+                WAKE_UPS_KEY: [list(pair) for pair in self.wake_ups]}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "OpCosts":
         return cls(tuple(dict(data["fixed"]).items()), tuple(dict(data["gamma"]).items()), float(data.get("per_step", 0.0)),
-                   float(data.get("per_pass", 0.0)), tuple((s, t) for s, t in data.get("wake_ups", ())))
+                   float(data.get("per_pass", 0.0)), tuple((s, t) for s, t in data.get(WAKE_UPS_KEY, ())))
 
 
 @dataclass(frozen=True)
@@ -465,11 +472,34 @@ class CostModel:
         """The framework's work before each pass (level 2, with op costs): per_pass x cpu_scale."""
         return self.op_costs.per_pass * self.cpu_scale(device) if self.op_costs is not None else 0.0
 
-    def wake_up(self, device: "int | str | DeviceType") -> float:
-        """What one sleep of an emulated device (before a communication) adds to its work: the op
-        costs' wake-up at its slowdown (its cpu_scale) x that scale; 0 on a type that does not sleep."""
+    def sleep_after(self, device: "int | str | DeviceType", compute: float) -> float:
+        """Wall seconds an emulated device owes after `compute` of its own seconds of work: that
+        work less the host's CPU time it took (compute / cpu_scale); 0 on a type that does not sleep."""
         scale = self.cpu_scale(device)
-        return self.op_costs.wake_up_at(scale) * scale if self.op_costs is not None else 0.0
+        return compute * (1.0 - 1.0 / scale) if scale > 1 else 0.0
+
+    def wake_up(self, device: "int | str | DeviceType", sleep: float) -> float:
+        """What one sleep of `sleep` seconds (a chunk at most: a rank sleeps once its debt reaches
+        WAIT_CHUNK_S) adds to the work after it, in the device's seconds: the op costs' wake-up
+        x the device's cpu_scale; 0 on a type that does not sleep."""
+        scale = self.cpu_scale(device)
+        if self.op_costs is None or scale <= 1:
+            return 0.0
+        return self.op_costs.wake_up_after(min(sleep, WAIT_CHUNK_S)) * scale
+
+    def wake_ups_over(self, device: "int | str | DeviceType", compute: float, communicates: bool = True) -> float:
+        """What the sleeps over a stretch of `compute` device seconds add: the debt is slept in
+        chunks of WAIT_CHUNK_S as it reaches one and, when the stretch ends in a communication
+        (`communicates`), what is left before it; otherwise what is left is carried to later work,
+        whose chunks it joins (counted here as the fraction of a chunk it is)."""
+        debt = self.sleep_after(device, compute)
+        if debt <= 0:
+            return 0.0
+        chunk = self.wake_up(device, WAIT_CHUNK_S)
+        if not communicates:
+            return chunk * debt / WAIT_CHUNK_S
+        chunks, rest = divmod(debt, WAIT_CHUNK_S)
+        return chunks * chunk + self.wake_up(device, rest)
 
     def step_work(self, device: "int | None" = None, op_priced: bool = False) -> float:
         """The framework's per-step work on `device` (its type's cpu_scale x step_overhead);

@@ -87,7 +87,9 @@ def op_kernel(exe: ExecutableGraph, ins: Instruction, binding: Binding) -> Kerne
 @dataclass(frozen=True)
 class DeviceCost:
     """One device's seconds per micro-batch (forward, backward; of which communication), its
-    update phase, and its outgoing stage-to-stage transfer seconds per direction."""
+    update phase, and its outgoing stage-to-stage transfer seconds per direction. `update_tail`:
+    the update's work after its last communication (an emulated device sleeps it off before the
+    step loss's all-reduce)."""
 
     forward: float
     backward: float
@@ -98,6 +100,7 @@ class DeviceCost:
     send_forward: float
     send_backward: float
     kernels: int
+    update_tail: float = 0.0
 
 
 def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: bool = True,
@@ -109,18 +112,23 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
     cluster = cost.cluster
     d = exe.device
     totals = {}
+    worked: dict[str, float] = {}  # each phase's compute, before the wake-ups of its sleeps
     kernels = 0
     for phase in ("forward", "backward", "update"):
         compute = comm_time = send = 0.0
         program = getattr(exe, phase)
         compute += cost.overhead * sum(1 for ins in program if ins.role in DISPATCHED and ins.role != "compute")
         compute += cost.pass_work(d)
-        wake_up = cost.wake_up(d)  # an emulated device sleeps off its debt before each communication
+        # an emulated device sleeps off its debt before each communication and in chunks between
+        # them; `stretch` is the work since its last sleep, `woken` what its wake-ups add
+        stretch, woken = compute, 0.0
         bucketed: dict[tuple[int, ...], list[float]] = {}
         for ins in program:
             kernel = op_kernel(exe, ins, binding)
             if kernel is not None:
-                compute += cost.op_time(ins.node.kind, kernel, d)
+                seconds = cost.op_time(ins.node.kind, kernel, d)
+                compute += seconds
+                stretch += seconds
                 kernels += 1
                 continue
             if not comm or not ins.node.opdef.is_comm or ins.role in ("identity", "leaf"):
@@ -133,7 +141,8 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                         bucketed.setdefault(c.devices, []).append(math.prod(b - a for a, b in c.box) * itemsize)
                 continue
             if ins.role in COMMUNICATING:
-                compute += wake_up
+                woken += cost.wake_ups_over(d, stretch)
+                stretch = 0.0
             for step in plan.steps:
                 if ins.is_p2p:
                     own = sum(cluster.seconds(t.src, t.dst, t.elements * itemsize) for t in step.transfers
@@ -144,10 +153,14 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
         for group, sizes in bucketed.items():  # the update lists them in the order the backward makes them
             buckets = fill_buckets(sizes, bucket_bytes)
             comm_time += sum(cost.collective("all_reduce", sum(sizes[i] for i in bucket), group) for bucket in buckets)
-            compute += wake_up * len(buckets)
-        totals[phase] = (compute + comm_time, comm_time, send)
+            # each bucket starts during the last backward, after its share of that backward's work
+            woken += len(buckets) * cost.wake_up(d, cost.sleep_after(d, worked["backward"] / len(buckets)))
+        if phase != "update":  # the update's tail is slept before the step loss (plan_device_run)
+            woken += cost.wake_ups_over(d, stretch, communicates=False)
+        worked[phase] = compute
+        totals[phase] = (compute + woken + comm_time, comm_time, send)
     (f, fc, fs), (b, bc, bs), (u, uc, _) = totals["forward"], totals["backward"], totals["update"]
-    return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels)
+    return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels, stretch)
 
 
 def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,
@@ -167,8 +180,11 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
             update = max(c.update for c in cs)
             update_comm = max(c.update_comm for c in cs)
             held = [memory[d] for d in devices]  # the interpreter's bytes: static + in flight x kept + a pass's values
-            # the step loss's all-reduce is one more communication (an emulated device sleeps before it)
-            step_work = max(cost.step_work(d, op_priced=True) + (cost.wake_up(d) if loss > 0 else 0.0) for d in devices)
+            # the step loss's all-reduce is one more communication: an emulated device sleeps
+            # off the update's tail and the step's own work before it
+            step_work = max(cost.step_work(d, op_priced=True)
+                            + cost.wake_ups_over(d, costs[d].update_tail + cost.step_work(d, op_priced=True), loss > 0)
+                            for d in devices)
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),
                                    sync=update_comm, update=update - update_comm + loss + step_work,

@@ -60,12 +60,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hspmd.backends.backend import Backend, Group, Pending, Shape
 from hspmd.cluster import ClusterSpec, LinkClass, parse_cluster
-from hspmd.cluster.emulation import CLUSTER_ENV
+from hspmd.cluster.emulation import CLUSTER_ENV, WAIT_CHUNK_S
 from hspmd.errors import DeviceOutOfMemory, HSPMDError
 from hspmd.planning.cost import ring_time
 from hspmd.runtime.execution.trace import Tracer
 
-WAIT_CHUNK_S = 0.25  # compute debt is slept off in pieces at least this long (module docstring: cold caches)
 SWEEP_EVERY = 32  # values counted between liveness sweeps of the memory table
 BETWEEN_PASSES = "(between passes)"  # op_seconds' entry for the work before each pass's first op
 BOARD_SLOTS = 1024  # stamps per ordered rank pair kept at once (a sender may be this many messages ahead)
@@ -104,6 +103,7 @@ class RankEmulator:
         self._host = 0  # inside host_work: CPU time that is not the device's
         self._debt = 0.0
         self.compute_wait_s = 0.0
+        self.compute_sleeps = 0  # how many sleeps compute_wait_s took
         self.link_wait_s = 0.0
         self.ops = 0
         self.op_cpu_s = 0.0
@@ -190,6 +190,7 @@ class RankEmulator:
         if name == "emulated compute":
             self._debt -= slept  # oversleeping is credit against the next work's debt
             self.compute_wait_s += slept
+            self.compute_sleeps += 1
         else:
             self.link_wait_s += slept
         if self.tracer is not None:

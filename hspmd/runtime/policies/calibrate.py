@@ -23,8 +23,10 @@
                              takes beyond its ops and passes is the per-step work (OpCosts:
                              level 2 of the simulator prices each op so)
     emulated wake-ups        emulated step probes only: a step that sleeps off its debt every
-                             16 ops (as an emulated rank does before each communication) against
-                             one that does not: the CPU time each sleep adds to the work after it
+                             16, 48 and 128 ops (as an emulated rank does before each
+                             communication) against one that does not, at each emulated type's
+                             slowdown: the CPU time each sleep adds to the work after it, by the
+                             sleep's length (the longer the sleep, the colder the caches)
     gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
     all-reduce               alpha + bytes / beta, an all-reduce = 2 alpha + bytes / beta
                              (one least-squares fit over both)
@@ -166,7 +168,8 @@ class Calibration:
         fixed = costs.fixed_of.values()
         parts = [f"{len(fixed)} kinds, fixed {min(fixed) * 1e6:.1f}-{max(fixed) * 1e6:.1f} us",
                  f"{costs.per_pass * 1e3:.2f} ms/pass", f"{costs.per_step * 1e3:.2f} ms/step"]
-        parts += [f"{t * 1e6:.0f} us per emulated wake-up at {s:g}x" for s, t in costs.wake_ups]
+        if costs.wake_ups:
+            parts.append("emulated wake-ups " + ", ".join(f"{t * 1e6:.0f} us after {s * 1e3:.0f} ms" for s, t in costs.wake_ups))
         return f" (per op: {', '.join(parts)})"
 
     def describe(self) -> str:
@@ -333,7 +336,47 @@ def fit_op_costs(work: list[tuple[OpWork, ...]], timed: list[Mapping[str, float]
     return OpCosts(tuple(fixed.items()), tuple(gamma.items()), per_step, per_pass)
 
 
-WAKE_EVERY = 16  # ops between the wake-up probe's sleeps (about a TP layer's ops between its collectives)
+# ops between the wake-up probe's sleeps: a TP layer's ops between its collectives, to a step's
+# share that sleeps of tens of milliseconds follow at the slow types' slowdowns
+WAKE_INTERVALS = (16, 48, 128)
+WAKE_STEPS = 2  # timed steps per side of the wake-up probe (one sleep a step at the longest interval)
+
+
+@dataclass(frozen=True)
+class TimedSteps:
+    """Probe steps timed: a step's seconds, each op's CPU seconds by name (when recorded), and
+    the device's sleeps over them: those the wake-up probe asked for, all of them, and seconds slept."""
+
+    seconds: float
+    ops: dict[str, list[float]]
+    wakes: int
+    sleeps: int
+    slept: float
+
+
+def wake_up_curve(runs: list[Mapping[float, list[tuple[float, float]]]]) -> tuple[tuple[float, float], ...]:
+    """OpCosts.wake_ups from the wake-up probes of several rounds (each: slowdown -> (sleep,
+    cost) per interval): per slowdown and interval the median sleep and the median cost (not
+    below 0), sorted by sleep and made non-decreasing in it (isotonic least squares: a longer
+    sleep cannot leave warmer caches, so a dip is noise)."""
+    points = []
+    for slowdown in runs[0]:
+        for i in range(min(len(run.get(slowdown, ())) for run in runs)):
+            sleep = statistics.median(run[slowdown][i][0] for run in runs)
+            if sleep > 0:
+                points.append((sleep, max(0.0, statistics.median(run[slowdown][i][1] for run in runs))))
+    points.sort()
+    blocks: list[list[float]] = []  # pool adjacent violators: [mean, count] of each run of pooled points
+    for _, cost in points:
+        blocks.append([cost, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (a, n), (b, m) = blocks.pop(-2), blocks.pop()
+            blocks.append([(a * n + b * m) / (n + m), n + m])
+    costs = [mean for mean, count in blocks for _ in range(int(count))]
+    merged: dict[float, list[float]] = {}  # equal sleeps (two slowdowns' probes) share one point
+    for (sleep, _), cost in zip(points, costs):
+        merged.setdefault(sleep, []).append(cost)
+    return tuple((sleep, statistics.mean(c)) for sleep, c in merged.items())
 
 
 class WakingEmulator(RankEmulator):
@@ -377,40 +420,45 @@ class Probe:
         self.trainers = [probe_trainer(shape, *run, wrap=wrap) for run in PROBE_RUNS]
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
 
-    def _timed_steps(self, trainer: Trainer, batch, steps: int, record: bool = False) -> tuple[float, dict[str, list[float]]]:
-        """Mean seconds of `steps` probe steps after an untimed one (so they meet the caches a step
-        of their own left) on the probe's clock, or, emulated, the CPU time the device owed (what
-        an emulated rank's steps are slowed by, measured the way they run: between sleeps); with
-        `record`, each op's CPU seconds by name in those steps. The device's sleeps are counted
-        from the timed steps' start (`wakes`)."""
+    def _timed_steps(self, trainer: Trainer, batch, steps: int, record: bool = False) -> TimedSteps:
+        """`steps` probe steps after an untimed one (so they meet the caches a step of their own
+        left), timed on the probe's clock or, emulated, by the CPU time the device owed (what an
+        emulated rank's steps are slowed by, measured the way they run: between sleeps); with
+        `record`, each op's CPU seconds by name. The device's sleeps are counted over those steps."""
         device = cast(WakingEmulator, emulation_of(trainer.backend))
         trainer.step(batch)
         device.op_seconds, device.wakes = ({} if record else None), 0
         device.mark()
+        sleeps, slept = device.compute_sleeps, device.compute_wait_s
         before, start = device.op_cpu_s, self.clock()
         for _ in range(steps):
             trainer.step(batch)
         seconds = (device.op_cpu_s - before if self.emulated else self.clock() - start) / steps
         ops, device.op_seconds = device.op_seconds or {}, None
-        return seconds, ops
+        return TimedSteps(seconds, ops, device.wakes, device.compute_sleeps - sleeps, device.compute_wait_s - slept)
 
     def _step_seconds(self, trainer: Trainer, batch) -> tuple[float, dict[str, float]]:
         """(a probe step's seconds, each op's median seconds by name): `_timed_steps` of two."""
-        seconds, ops = self._timed_steps(trainer, batch, 2, record=True)
-        return seconds, {name: statistics.median(times) for name, times in ops.items()}
+        timed = self._timed_steps(trainer, batch, 2, record=True)
+        return timed.seconds, {name: statistics.median(times) for name, times in timed.ops.items()}
 
-    def _wake_up_seconds(self, trainer: Trainer, batch, slowdown: float) -> float:
-        """CPU seconds each sleep of an emulated device of `slowdown` adds to the work after it
-        (cold caches): a step that sleeps every WAKE_EVERY ops against one that does not, per sleep."""
+    def _wake_ups(self, trainer: Trainer, batch, slowdown: float) -> list[tuple[float, float]]:
+        """(sleep seconds, CPU seconds) per WAKE_INTERVALS: what each sleep of an emulated device
+        of `slowdown` adds to the work after it (cold caches), a step that sleeps every that many
+        ops against one that does not, per sleep, and how long its sleeps were."""
         device = cast(WakingEmulator, emulation_of(trainer.backend))
         reference, device.slowdown = device.slowdown, slowdown
         device.wake_every = None
-        plain, _ = self._timed_steps(trainer, batch, 1)
-        device.wake_every = WAKE_EVERY
-        waking, _ = self._timed_steps(trainer, batch, 1)
-        wakes = device.wakes
+        plain = self._timed_steps(trainer, batch, WAKE_STEPS)
+        points = []
+        for every in WAKE_INTERVALS:
+            device.wake_every = every
+            waking = self._timed_steps(trainer, batch, WAKE_STEPS)
+            if waking.wakes:
+                added = (waking.seconds - plain.seconds) * WAKE_STEPS
+                points.append((waking.slept / max(1, waking.sleeps), added / waking.wakes))
         device.wake_every, device.slowdown = None, reference
-        return (waking - plain) / max(1, wakes)
+        return points
 
     def once(self) -> dict:
         """Raw seconds of every probe, measured once (short inner loops)."""
@@ -424,7 +472,7 @@ class Probe:
             out["ops"].append(ops)
         if self.emulated:
             trainer, batch = self.trainers[PROBE_RUNS.index((2, 1, 1))]
-            out["wake_ups"] = {s: self._wake_up_seconds(trainer, batch, s) for s in self.wake_slowdowns}
+            out["wake_ups"] = {s: self._wake_ups(trainer, batch, s) for s in self.wake_slowdowns}
         if self.backend is not None and self.backend.world_size >= 2:
             backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
             backend.barrier(group)
@@ -462,8 +510,7 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
         costs = fit_op_costs([op_work(t, rate_cost) for t in trainers], timed, med("steps"),
                              [1 + 2 * micro_batches for _, micro_batches, _ in PROBE_RUNS])
         if "wake_ups" in probes[0]:  # emulated step probes: what each sleep costs the work after it
-            costs = replace(costs, wake_ups=tuple((s, max(0.0, statistics.median(p["wake_ups"][s] for p in probes)))
-                                                  for s in probes[0]["wake_ups"]))
+            costs = replace(costs, wake_ups=wake_up_curve([p["wake_ups"] for p in probes]))
         fitted = replace(fitted, op_costs=costs)
     if "pingpong" not in probes[0]:
         return fitted
@@ -521,4 +568,5 @@ def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration
 
 __all__ = ["Calibration", "OpWork", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference",
            "emulated_slowdowns", "fit",
-           "fit_line", "fit_op_costs", "fit_steps", "median_seconds", "op_work", "simulated_step", "step_work"]
+           "fit_line", "fit_op_costs", "fit_steps", "median_seconds", "op_work", "simulated_step", "step_work",
+           "wake_up_curve"]
