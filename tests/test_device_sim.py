@@ -76,12 +76,17 @@ def test_an_emulated_devices_sleeps_are_priced_by_their_length():
     assert cost.sleep_after(0, 1.0) == pytest.approx(0.8)
     assert cost.wake_up(0, 0.05) == pytest.approx((1e-4 + 2e-4 * math.log(5) / math.log(10)) * 5)
     assert cost.wake_up(0, 10.0) == cost.wake_up(0, WAIT_CHUNK_S) == pytest.approx(3e-4 * 5)  # a sleep is a chunk at most
-    # 0.5 s of work: 0.4 s to sleep, one chunk and 0.15 s before the communication; carried: 1.6 chunks
-    assert cost.wake_ups_over(0, 0.5) == pytest.approx(2 * 3e-4 * 5)
-    assert cost.wake_ups_over(0, 0.5, communicates=False) == pytest.approx(0.4 / WAIT_CHUNK_S * 3e-4 * 5)
-    assert cost.wake_ups_over(0, 0.0) == 0.0
+    # 0.5 s of work: 0.4 s to sleep, and a chunk's wake-up (1.5 ms of work) adds 1.2 ms to it per
+    # chunk: one chunk and ~0.15 s before the communication, whose wake-up is the next stretch's;
+    # carried on, ~1.6 chunks
+    debt = 0.4 / (1 - 3e-4 * 5 * 0.8 / WAIT_CHUNK_S)
+    assert cost.wake_ups_over(0, 0.5) == pytest.approx((2 * 3e-4 * 5, 3e-4 * 5))
+    assert cost.wake_ups_over(0, 0.5, communicates=False).total == pytest.approx(debt / WAIT_CHUNK_S * 3e-4 * 5)
+    short = cost.wake_ups_over(0, 0.05)  # 0.04 s asleep: one wake-up, log-linear between the points
+    assert short.total == short.last == pytest.approx((1e-4 + 2e-4 * math.log(4) / math.log(10)) * 5)
+    assert cost.wake_ups_over(0, 0.0) == (0.0, 0.0)
     plain = replace(cost, efficiency={"*": Efficiency(cpu_scale=1.0)})  # a type that does not sleep
-    assert plain.sleep_after(0, 1.0) == plain.wake_up(0, 0.05) == plain.wake_ups_over(0, 0.5) == 0.0
+    assert plain.sleep_after(0, 1.0) == plain.wake_up(0, 0.05) == plain.wake_ups_over(0, 0.5).total == 0.0
 
 
 def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
@@ -113,22 +118,17 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     was = transposes * 10e-6 + sum(base.kernel_time(k, 0) + 10e-6 for k in adds)
     fixed = transposes * 1e-3 + len(adds) * 2e-4 + 1e-4
     assert after.forward - before.forward == pytest.approx(fixed + 3.0 * roofline - was)
-    # a wake-up per collective that follows work (one right after another has nothing to sleep
-    # off); what follows the last one is carried on, as a fraction of a chunk
-    sleeps, worked = 0, True  # the pass's own work comes before its first instruction
-    for ins in exe.forward:
-        if ins.role == "compute":
-            worked = True
-        elif ins.role == "collective":
-            sleeps, worked = sleeps + worked, False
+    # a wake-up per collective (the pass's work comes before the first, and each wake-up is work
+    # the next sleep pays off); what follows the last one is carried on, as a fraction of a chunk
     woken = slower.forward - after.forward - 2 * fixed
-    assert 0 < sleeps <= collectives and sleeps * 3 * 5e-5 < woken < (sleeps + 1) * 3 * 5e-5
+    assert collectives * 3 * 5e-5 < woken < (collectives + 1) * 3 * 5e-5
     assert slower.forward - device_cost(exe, unwoken, spec.binding).forward == pytest.approx(woken)
     # with no communication the whole forward is one stretch: its debt (work less the host's CPU
-    # time, 2/3 of it) is slept in chunks of WAIT_CHUNK_S
+    # time, 2/3 of it, and the chunks' own wake-ups) is slept in chunks of WAIT_CHUNK_S
     alone = device_cost(exe, unwoken, spec.binding, comm=False).forward
+    debt = alone * (2 / 3) / (1 - 3 * 5e-5 * (2 / 3) / WAIT_CHUNK_S)
     assert device_cost(exe, scaled, spec.binding, comm=False).forward - alone == pytest.approx(
-        alone * (2 / 3) / WAIT_CHUNK_S * 3 * 5e-5)
+        debt / WAIT_CHUNK_S * 3 * 5e-5)
     assert after.forward_comm == before.forward_comm > 0
     assert simulate_strategy(strategy, priced).iteration == simulate_strategy(strategy, base).iteration
     assert priced.step_work(0, op_priced=True) == 2e-3 and scaled.step_work(0, op_priced=True) == 6e-3

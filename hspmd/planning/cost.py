@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from hspmd.cluster import ClusterSpec, DeviceType, LinkClass
 from hspmd.cluster.emulation import WAIT_CHUNK_S
@@ -86,6 +86,13 @@ def _table(items, what: str) -> tuple[tuple[str, float], ...]:
     if bad:
         raise ClusterError(f"OpCosts {what}: values must be finite and >= 0, got {', '.join(bad)}")
     return table
+
+
+class Wakes(NamedTuple):
+    """What an emulated device's sleeps over a stretch of work add to it (CostModel.wake_ups_over)."""
+
+    total: float
+    last: float
 
 
 WAKE_UPS_KEY = "wake_ups_after_sleep"  # (sleep, cost) pairs in a file; earlier files' "wake_ups" were by slowdown
@@ -487,19 +494,24 @@ class CostModel:
             return 0.0
         return self.op_costs.wake_up_after(min(sleep, WAIT_CHUNK_S)) * scale
 
-    def wake_ups_over(self, device: "int | str | DeviceType", compute: float, communicates: bool = True) -> float:
+    def wake_ups_over(self, device: "int | str | DeviceType", compute: float, communicates: bool = True) -> Wakes:
         """What the sleeps over a stretch of `compute` device seconds add: the debt is slept in
         chunks of WAIT_CHUNK_S as it reaches one and, when the stretch ends in a communication
         (`communicates`), what is left before it; otherwise what is left is carried to later work,
-        whose chunks it joins (counted here as the fraction of a chunk it is)."""
+        whose chunks it joins (counted here as the fraction of a chunk it is). A chunk's wake-up
+        is work in the same stretch, so where there are chunks it adds to the debt too (solved
+        for, at most doubling it).
+        `last`: the wake-up of the sleep before the communication, work of the stretch after it."""
         debt = self.sleep_after(device, compute)
         if debt <= 0:
-            return 0.0
+            return Wakes(0.0, 0.0)
         chunk = self.wake_up(device, WAIT_CHUNK_S)
+        with_chunks = debt / (1.0 - min(0.5, self.sleep_after(device, chunk) / WAIT_CHUNK_S))
         if not communicates:
-            return chunk * debt / WAIT_CHUNK_S
-        chunks, rest = divmod(debt, WAIT_CHUNK_S)
-        return chunks * chunk + self.wake_up(device, rest)
+            return Wakes(chunk * with_chunks / WAIT_CHUNK_S, 0.0)
+        chunks, rest = divmod(with_chunks if debt >= WAIT_CHUNK_S else debt, WAIT_CHUNK_S)
+        last = self.wake_up(device, rest)
+        return Wakes(chunks * chunk + last, last)
 
     def step_work(self, device: "int | None" = None, op_priced: bool = False) -> float:
         """The framework's per-step work on `device` (its type's cpu_scale x step_overhead);
@@ -556,5 +568,5 @@ def read_efficiency_file(path: str | Path) -> tuple[dict[str, Efficiency], dict[
 
 __all__ = [
     "COLLECTIVES", "CostModel", "Efficiency", "Memory", "OpCosts", "ProfileTable", "StageShape", "efficiency_file",
-    "read_efficiency_file", "ring_time",
+    "read_efficiency_file", "ring_time", "Wakes",
 ]

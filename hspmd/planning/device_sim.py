@@ -120,7 +120,8 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
         compute += cost.overhead * sum(1 for ins in program if ins.role in DISPATCHED and ins.role != "compute")
         compute += cost.pass_work(d)
         # an emulated device sleeps off its debt before each communication and in chunks between
-        # them; `stretch` is the work since its last sleep, `woken` what its wake-ups add
+        # them; `stretch` is the work since its last sleep (the wake-up after that sleep
+        # included: it is work the next sleep pays off too), `woken` what its wake-ups add
         stretch, woken = compute, 0.0
         bucketed: dict[tuple[int, ...], list[float]] = {}
         for ins in program:
@@ -141,8 +142,9 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                         bucketed.setdefault(c.devices, []).append(math.prod(b - a for a, b in c.box) * itemsize)
                 continue
             if ins.role in COMMUNICATING:
-                woken += cost.wake_ups_over(d, stretch)
-                stretch = 0.0
+                wakes = cost.wake_ups_over(d, stretch)
+                woken += wakes.total
+                stretch = wakes.last
             for step in plan.steps:
                 if ins.is_p2p:
                     own = sum(cluster.seconds(t.src, t.dst, t.elements * itemsize) for t in step.transfers
@@ -156,7 +158,7 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
             # each bucket starts during the last backward, after its share of that backward's work
             woken += len(buckets) * cost.wake_up(d, cost.sleep_after(d, worked["backward"] / len(buckets)))
         if phase != "update":  # the update's tail is slept before the step loss (plan_device_run)
-            woken += cost.wake_ups_over(d, stretch, communicates=False)
+            woken += cost.wake_ups_over(d, stretch, communicates=False).total
         worked[phase] = compute
         totals[phase] = (compute + woken + comm_time, comm_time, send)
     (f, fc, fs), (b, bc, bs), (u, uc, _) = totals["forward"], totals["backward"], totals["update"]
@@ -183,7 +185,7 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
             # the step loss's all-reduce is one more communication: an emulated device sleeps
             # off the update's tail and the step's own work before it
             step_work = max(cost.step_work(d, op_priced=True)
-                            + cost.wake_ups_over(d, costs[d].update_tail + cost.step_work(d, op_priced=True), loss > 0)
+                            + cost.wake_ups_over(d, costs[d].update_tail + cost.step_work(d, op_priced=True), loss > 0).total
                             for d in devices)
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),

@@ -339,7 +339,8 @@ def fit_op_costs(work: list[tuple[OpWork, ...]], timed: list[Mapping[str, float]
 # ops between the wake-up probe's sleeps: a TP layer's ops between its collectives, to a step's
 # share that sleeps of tens of milliseconds follow at the slow types' slowdowns
 WAKE_INTERVALS = (16, 48, 128)
-WAKE_STEPS = 2  # timed steps per side of the wake-up probe (one sleep a step at the longest interval)
+WAKE_STEPS = 4  # timed steps per side of the wake-up probe (at the longest interval a sleep or two a step:
+# one step's noise, ~10% of its CPU time, over so few sleeps swamps their cost)
 
 
 @dataclass(frozen=True)
