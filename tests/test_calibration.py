@@ -14,6 +14,7 @@ from hspmd.runtime.policies.calibrate import (
     ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, WAKE_INTERVALS, Calibration, OpWork, fit, fit_line, fit_op_costs,
     fit_steps, StepWork,
 )
+from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.runtime.execution.emulation import BETWEEN_PASSES
 from hspmd.runtime.execution.trace import Tracer, read_trace, write_trace
 
@@ -254,6 +255,8 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
     # the wake-up probe ran at the reference's slowdown and the other sleeping type's (not at 1x),
     # and left the device at its own slowdown
     assert sorted(run["wake_ups"]) == [8.0, 10.0]
+    # the probe lifted the chunks for its two sides alone (the plain side never sleeps)
+    assert all(d.chunk_s == WAIT_CHUNK_S for d in devices)
     # one (sleep, cost) per interval; sleeping after more ops sleeps longer
     for points in run["wake_ups"].values():
         sleeps = [sleep for sleep, _ in points]

@@ -104,6 +104,7 @@ class RankEmulator:
         self._debt = 0.0
         self.compute_wait_s = 0.0
         self.compute_sleeps = 0  # how many sleeps compute_wait_s took
+        self.chunk_s = WAIT_CHUNK_S  # the debt slept off between communications (a probe may lift it)
         self.link_wait_s = 0.0
         self.ops = 0
         self.op_cpu_s = 0.0
@@ -166,7 +167,7 @@ class RankEmulator:
         stretch = self._accrue()
         if self.op_seconds is not None:
             self.op_seconds.setdefault(where, []).append(stretch)
-        if self._debt >= WAIT_CHUNK_S:
+        if self._debt >= self.chunk_s:
             self._sleep(self._debt, "emulated compute")
             self.mark()
 

@@ -23,7 +23,7 @@
                              takes beyond its ops and passes is the per-step work (OpCosts:
                              level 2 of the simulator prices each op so)
     emulated wake-ups        emulated step probes only: a step that sleeps off its debt every
-                             16, 48 and 128 ops (as an emulated rank does before each
+                             16, 64 and 256 ops (as an emulated rank does before each
                              communication) against one that does not, at each emulated type's
                              slowdown: the CPU time each sleep adds to the work after it, by the
                              sleep's length (the longer the sleep, the colder the caches)
@@ -64,6 +64,7 @@ from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.ops import AdamW
 from hspmd.runtime.execution.batches import MicroBatchLayout
+from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.runtime.execution.emulation import BETWEEN_PASSES, EmulatedBackend, RankEmulator, emulation_of
 from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
@@ -336,9 +337,9 @@ def fit_op_costs(work: list[tuple[OpWork, ...]], timed: list[Mapping[str, float]
     return OpCosts(tuple(fixed.items()), tuple(gamma.items()), per_step, per_pass)
 
 
-# ops between the wake-up probe's sleeps: a TP layer's ops between its collectives, to a step's
-# share that sleeps of tens of milliseconds follow at the slow types' slowdowns
-WAKE_INTERVALS = (16, 48, 128)
+# ops between the wake-up probe's sleeps: a TP layer's ops between its collectives, to more than a
+# step's, whose sleeps at the slow types' slowdowns are as long as a chunk
+WAKE_INTERVALS = (16, 64, 256)
 WAKE_STEPS = 4  # timed steps per side of the wake-up probe (at the longest interval a sleep or two a step:
 # one step's noise, ~10% of its CPU time, over so few sleeps swamps their cost)
 
@@ -449,7 +450,9 @@ class Probe:
         ops against one that does not, per sleep, and how long its sleeps were."""
         device = cast(WakingEmulator, emulation_of(trainer.backend))
         reference, device.slowdown = device.slowdown, slowdown
-        device.wake_every = None
+        # no chunks: the plain side must not sleep at all, nor the waking side but when asked
+        # (a chunk's wake-up in the plain side would be taken off every sleep's cost)
+        device.wake_every, device.chunk_s = None, math.inf
         plain = self._timed_steps(trainer, batch, WAKE_STEPS)
         points = []
         for every in WAKE_INTERVALS:
@@ -458,7 +461,7 @@ class Probe:
             if waking.wakes:
                 added = (waking.seconds - plain.seconds) * WAKE_STEPS
                 points.append((waking.slept / max(1, waking.sleeps), added / waking.wakes))
-        device.wake_every, device.slowdown = None, reference
+        device.wake_every, device.slowdown, device.chunk_s = None, reference, WAIT_CHUNK_S
         return points
 
     def once(self) -> dict:
