@@ -567,6 +567,6 @@ def read_efficiency_file(path: str | Path) -> tuple[dict[str, Efficiency], dict[
 
 
 __all__ = [
-    "COLLECTIVES", "CostModel", "Efficiency", "Memory", "OpCosts", "ProfileTable", "StageShape", "efficiency_file",
-    "read_efficiency_file", "ring_time", "Wakes",
+    "COLLECTIVES", "CostModel", "Efficiency", "Memory", "OpCosts", "ProfileTable", "StageShape", "Wakes",
+    "efficiency_file", "read_efficiency_file", "ring_time",
 ]

@@ -11,6 +11,10 @@ forward and backward times per device, the update phase (gradient sync + optimiz
 transfer times then run through the level-1 event simulation on the discovered pipelines; a
 stage's time is its slowest device's (TP devices meet in collectives). Peak memory per device is
 what hspmd's interpreter holds running the program (planning/device_memory.py).
+
+On an emulated device type that sleeps (cpu_scale > 1), each phase also pays the wake-ups of its
+sleeps: the debt of each stretch of work is slept in chunks and before the communication ending
+the stretch, each sleep costing the calibration's wake-up at its length (CostModel.wake_ups_over).
 """
 
 from __future__ import annotations

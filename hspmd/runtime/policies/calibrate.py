@@ -54,6 +54,7 @@ import torch
 from hspmd.backends.backend import Backend
 from hspmd.backends.local import LocalWorld
 from hspmd.cluster import ClusterSpec, DeviceType, LinkClass, Node
+from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, ModelSpec, OpCosts
@@ -64,7 +65,6 @@ from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.ops import AdamW
 from hspmd.runtime.execution.batches import MicroBatchLayout
-from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.runtime.execution.emulation import BETWEEN_PASSES, EmulatedBackend, RankEmulator, emulation_of
 from hspmd.runtime.training.trainer import Trainer
 from hspmd.specialize.strategy_text import parse_strategy
@@ -340,8 +340,9 @@ def fit_op_costs(work: list[tuple[OpWork, ...]], timed: list[Mapping[str, float]
 # ops between the wake-up probe's sleeps: a TP layer's ops between its collectives, to more than a
 # step's, whose sleeps at the slow types' slowdowns are as long as a chunk
 WAKE_INTERVALS = (16, 64, 256)
-WAKE_STEPS = 4  # timed steps per side of the wake-up probe (at the longest interval a sleep or two a step:
-# one step's noise, ~10% of its CPU time, over so few sleeps swamps their cost)
+# timed steps per side of the wake-up probe: at the longest interval a step sleeps once or twice,
+# and one step's noise (~10% of its CPU time) over so few sleeps would swamp their cost
+WAKE_STEPS = 4
 
 
 @dataclass(frozen=True)
