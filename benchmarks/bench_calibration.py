@@ -58,7 +58,7 @@ from hspmd.runtime.execution.emulation import SWEEP_EVERY, emulated, emulation_o
 from hspmd.ir.shapes import Binding  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
-from hspmd.planning.device_sim import simulate_specialized  # noqa: E402
+from hspmd.planning.device_sim import device_cost, simulate_specialized  # noqa: E402
 from hspmd.planning.device_memory import device_memory  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
@@ -202,10 +202,26 @@ def typical_step(per_rank_steps: list[list[list[dict]]]) -> list[list[dict]]:
     return [rank[steps[len(steps) // 2]] for rank in per_rank_steps]
 
 
-def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, float, dict[int, float]]]:
-    """(level 2, level 1) predicted step seconds per strategy, and per rank level 2's peak and static
-    bytes (the interpreter's, planning/device_memory.py) and level 1's peak (a layer's kept activations);
-    on an emulated `cluster`, as its types run on this host (Calibration.cost_model_for)."""
+def priced_cpu(spec, cost, layout) -> dict[int, float]:
+    """Per rank, the host CPU seconds a step of level 2 prices its device to owe: its passes'
+    and update's work and wake-ups (not their communication) and the per-step work, / cpu_scale;
+    beside a rank's measured device CPU it says whether the miss is in the compute or elsewhere."""
+    out = {}
+    for p, pipeline in enumerate(spec.pipelines):
+        for devices in pipeline.stages:
+            for d in devices:
+                c = device_cost(spec.executables[d], cost, spec.binding)
+                passes = layout.counts[p] * (c.forward - c.forward_comm + c.backward - c.backward_comm)
+                work = passes + c.update - c.update_comm + cost.step_work(d, op_priced=True)
+                out[d] = work / cost.cpu_scale(d)
+    return out
+
+
+def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, float, dict[int, float], dict[int, float]]]:
+    """(level 2, level 1) predicted step seconds per strategy, per rank level 2's peak and static
+    bytes (the interpreter's, planning/device_memory.py) and level 1's peak (a layer's kept
+    activations), and per rank the device CPU level 2 prices (priced_cpu); on an emulated
+    `cluster`, as its types run on this host (Calibration.cost_model_for)."""
     config = LlamaConfig(**CONFIG)
     spec_model = from_llama_config(config, SEQ)
     cost = calibration.cost_model_for(cluster, spec_model) if cluster is not None else calibration.cost_model(spec_model, 2)
@@ -219,7 +235,7 @@ def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, fl
         level1 = simulate_strategy(strategy, cost, schedule)
         out[name] = (level2.iteration, level1.iteration,
                      {d: (level2.peak_memory.get(d, 0.0), device_memory(exe, spec.binding).static, level1.peak_memory.get(d, 0.0))
-                      for d, exe in spec.executables.items()})
+                      for d, exe in spec.executables.items()}, priced_cpu(spec, cost, layout))
     return out
 
 
@@ -277,9 +293,12 @@ def run_set(args, cluster=None) -> dict:
         for name in STRATEGIES:
             wait, link, device_cpu = results[slow][5][name]
             step = statistics.mean(results[slow][0][name])
-            rows.append([name, slow, ms(step), ms(device_cpu), ms(device_cpu * cluster.slowdown(slow)), ms(wait),
-                         ms(step - wait - link)])
-        print(table(["strategy", "rank", "step ms (mean)", "device CPU ms", "x slowdown", "compute waits", "rest"], rows))
+            priced = predicted[name][3].get(slow, 0.0)
+            rows.append([name, slow, ms(step), ms(device_cpu), ms(priced), f"{(priced - device_cpu) / device_cpu:+.1%}",
+                         ms(device_cpu * cluster.slowdown(slow)), ms(wait), ms(step - wait - link)])
+            figures.setdefault("device_cpu", {})[name] = {"rank": slow, "measured": device_cpu, "level2": priced}
+        print(table(["strategy", "rank", "step ms (mean)", "device CPU ms", "level 2 CPU ms", "error", "x slowdown",
+                     "compute waits", "rest"], rows))
         rows, errors = [], []
         mib = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
         for name in STRATEGIES:
