@@ -34,7 +34,8 @@ the strategies' steps run; they also time what each of the device's sleeps adds 
 after it by the sleep's length, which level 2 prices per sleep: before each communication and in
 chunks), and the prediction is
 Calibration.cost_model_for(the emulated cluster). Besides step times (goals MAPE
-<= 8%, Spearman >= 0.9) it reports every rank's peak live bytes, counted exactly in one untimed
+<= 8%, Spearman >= 0.9) it reports the slowest rank's device CPU beside what level 2 prices it
+(priced_cpu), and every rank's peak live bytes, counted exactly in one untimed
 step after the timed ones, against level 2's memory model of the interpreter (goal: within 10%;
 planning/device_memory.py) and level 1's (a layer's kept activations, as autograd frees the rest).
 """

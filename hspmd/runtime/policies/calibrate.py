@@ -23,7 +23,7 @@
                              takes beyond its ops and passes is the per-step work (OpCosts:
                              level 2 of the simulator prices each op so)
     emulated wake-ups        emulated step probes only: a step that sleeps off its debt every
-                             16, 64 and 256 ops (as an emulated rank does before each
+                             16, 64, 256 and 640 ops (as an emulated rank does before each
                              communication) against one that does not, at each emulated type's
                              slowdown: the CPU time each sleep adds to the work after it, by the
                              sleep's length (the longer the sleep, the colder the caches)
@@ -337,12 +337,14 @@ def fit_op_costs(work: list[tuple[OpWork, ...]], timed: list[Mapping[str, float]
     return OpCosts(tuple(fixed.items()), tuple(gamma.items()), per_step, per_pass)
 
 
-# ops between the wake-up probe's sleeps: a TP layer's ops between its collectives, to more than a
-# step's, whose sleeps at the slow types' slowdowns are as long as a chunk
-WAKE_INTERVALS = (16, 64, 256)
-# timed steps per side of the wake-up probe: at the longest interval a step sleeps once or twice,
-# and one step's noise (~10% of its CPU time) over so few sleeps would swamp their cost
+# ops between the wake-up probe's sleeps: a TP layer's ops between its collectives, to a few
+# steps' (the 2-layer probe step runs ~200), whose sleeps at a slow type's slowdown are as long
+# as a chunk (a data-parallel step sleeps in chunks: its passes communicate nothing)
+WAKE_INTERVALS = (16, 64, 256, 640)
+# timed steps per side of the wake-up probe, and at the longer intervals enough for this many
+# sleeps: one step's noise (~10% of its CPU time) over a sleep or two would swamp their cost
 WAKE_STEPS = 4
+WAKE_SLEEPS = 4
 
 
 @dataclass(frozen=True)
@@ -454,13 +456,16 @@ class Probe:
         # no chunks: the plain side must not sleep at all, nor the waking side but when asked
         # (a chunk's wake-up in the plain side would be taken off every sleep's cost)
         device.wake_every, device.chunk_s = None, math.inf
+        ops = device.ops
         plain = self._timed_steps(trainer, batch, WAKE_STEPS)
+        ops_per_step = (device.ops - ops) / (WAKE_STEPS + 1)
         points = []
         for every in WAKE_INTERVALS:
             device.wake_every = every
-            waking = self._timed_steps(trainer, batch, WAKE_STEPS)
+            steps = max(WAKE_STEPS, math.ceil(WAKE_SLEEPS * every / ops_per_step))
+            waking = self._timed_steps(trainer, batch, steps)
             if waking.wakes:
-                added = (waking.seconds - plain.seconds) * WAKE_STEPS
+                added = (waking.seconds - plain.seconds) * steps
                 points.append((waking.slept / max(1, waking.sleeps), added / waking.wakes))
         device.wake_every, device.slowdown, device.chunk_s = None, reference, WAIT_CHUNK_S
         return points
