@@ -59,7 +59,8 @@ from hspmd.runtime.execution.emulation import SWEEP_EVERY, emulated, emulation_o
 from hspmd.ir.shapes import Binding  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
-from hspmd.planning.device_sim import device_cost, simulate_specialized  # noqa: E402
+from hspmd.planning.device_sim import plan_device_run  # noqa: E402
+from hspmd.planning.simulator import simulate_pipelines  # noqa: E402
 from hspmd.planning.device_memory import device_memory  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
@@ -203,15 +204,16 @@ def typical_step(per_rank_steps: list[list[list[dict]]]) -> list[list[dict]]:
     return [rank[steps[len(steps) // 2]] for rank in per_rank_steps]
 
 
-def priced_cpu(spec, cost, layout) -> dict[int, float]:
-    """Per rank, the host CPU seconds a step of level 2 prices its device to owe: its passes'
-    and update's work and wake-ups (not their communication) and the per-step work, / cpu_scale;
-    beside a rank's measured device CPU it says whether the miss is in the compute or elsewhere."""
+def priced_cpu(spec, cost, layout, costs) -> dict[int, float]:
+    """Per rank, the host CPU seconds a step of level 2 prices its device to owe (`costs`: level
+    2's DeviceCost per rank): its passes' and update's work and wake-ups (not their
+    communication) and the per-step work, / cpu_scale; beside a rank's measured device CPU it
+    says whether the miss is in the compute or elsewhere."""
     out = {}
     for p, pipeline in enumerate(spec.pipelines):
         for devices in pipeline.stages:
             for d in devices:
-                c = device_cost(spec.executables[d], cost, spec.binding)
+                c = costs[d]
                 passes = layout.counts[p] * (c.forward - c.forward_comm + c.backward - c.backward_comm)
                 work = passes + c.update - c.update_comm + cost.step_work(d, op_priced=True)
                 out[d] = work / cost.cpu_scale(d)
@@ -232,11 +234,12 @@ def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, fl
         layout = MicroBatchLayout.of(strategy)
         binding = Binding.of({"B": sum(layout.sizes), "S": SEQ, "T": layout.global_batch_size * SEQ}, ratios=layout.sizes)
         spec = specialize_graph(build_llama(config, [strategy]).graph, 0, binding)
-        level2 = simulate_specialized(spec, cost, dict(enumerate(layout.counts)), schedule)
+        pipelines, groups, costs = plan_device_run(spec, cost, dict(enumerate(layout.counts)), schedule)
+        level2 = simulate_pipelines(pipelines, groups)  # simulate_specialized, keeping the per-rank costs
         level1 = simulate_strategy(strategy, cost, schedule)
         out[name] = (level2.iteration, level1.iteration,
                      {d: (level2.peak_memory.get(d, 0.0), device_memory(exe, spec.binding).static, level1.peak_memory.get(d, 0.0))
-                      for d, exe in spec.executables.items()}, priced_cpu(spec, cost, layout))
+                      for d, exe in spec.executables.items()}, priced_cpu(spec, cost, layout, costs))
     return out
 
 
