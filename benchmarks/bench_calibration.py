@@ -295,12 +295,14 @@ def run_set(args, cluster=None) -> dict:
         slow = max(range(2), key=cluster.slowdown)
         rows = []
         for name in STRATEGIES:
-            wait, link, device_cpu = results[slow][5][name]
-            step = statistics.mean(results[slow][0][name])
-            priced = predicted[name][3].get(slow, 0.0)
-            rows.append([name, slow, ms(step), ms(device_cpu), ms(priced), f"{(priced - device_cpu) / device_cpu:+.1%}",
-                         ms(device_cpu * cluster.slowdown(slow)), ms(wait), ms(step - wait - link)])
-            figures.setdefault("device_cpu", {})[name] = {"rank": slow, "measured": device_cpu, "level2": priced}
+            for rank, r in enumerate(results):
+                wait, link, device_cpu = r[5][name]
+                step = statistics.mean(r[0][name])
+                priced = predicted[name][3].get(rank, 0.0)
+                rows.append([name, rank, ms(step), ms(device_cpu), ms(priced), f"{(priced - device_cpu) / device_cpu:+.1%}",
+                             ms(device_cpu * cluster.slowdown(rank)), ms(wait), ms(step - wait - link)])
+                figures.setdefault("device_cpu", {}).setdefault(name, {})[rank] = {"measured": device_cpu, "level2": priced}
+            figures["device_cpu"][name]["slowest"] = slow
         print(table(["strategy", "rank", "step ms (mean)", "device CPU ms", "level 2 CPU ms", "error", "x slowdown",
                      "compute waits", "rest"], rows))
         rows, errors = [], []

@@ -14,7 +14,6 @@ from hspmd.runtime.policies.calibrate import (
     ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, WAKE_INTERVALS, Calibration, OpWork, fit, fit_line, fit_op_costs,
     fit_steps, StepWork,
 )
-from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.runtime.execution.emulation import BETWEEN_PASSES
 from hspmd.runtime.execution.trace import Tracer, read_trace, write_trace
 
@@ -78,7 +77,7 @@ def test_op_costs_are_fitted_per_kind_from_the_ops_timings():
     timed, steps = synthetic_op_times()
     costs = fit_op_costs(list(PROBE_OPS.values()), timed, steps, PASSES)
     assert costs.fixed_of == pytest.approx(OP_FIXED) and costs.per_step == pytest.approx(1e-3)
-    assert costs.per_pass == pytest.approx(3e-4) and costs.wake_ups == ()
+    assert costs.per_pass == pytest.approx(3e-4) and costs.after_sleep == ()
     assert {k: g for k, g in costs.gamma if k != "transpose"} == pytest.approx({k: g for k, g in OP_GAMMA.items()
                                                                               if k != "transpose"})
     # an op the probes did not time is left out of its row, not read as free
@@ -93,20 +92,22 @@ def test_fit_gives_op_costs_when_the_probes_timed_their_ops(written_work):
     probe = {**synthetic_probe(), "ops": timed, "steps": steps}
     cal = fit([probe, probe])
     assert cal.op_costs is not None and cal.op_costs.fixed_of == pytest.approx(OP_FIXED)
-    assert cal.op_costs.per_step == pytest.approx(1e-3) and cal.op_costs.wake_ups == ()
-    # emulated step probes also time what a sleep costs the work after it, by the sleep's length:
-    # per slowdown and interval the median sleep and cost (never below 0), sorted by sleep
-    rounds = [{8.0: [(0.004 * k, t), (0.012 * k, 2 * t)], 20.0: [(0.010, 2 * t), (0.032 * k, 4 * t)]}
-              for k, t in ((1.0, 1e-4), (1.1, 2e-4), (0.9, -5e-5))]
-    woken = fit([{**probe, "wake_ups": r} for r in rounds]).op_costs
-    assert [pair for point in woken.wake_ups for pair in point] == pytest.approx(
-        [0.004, 1e-4, 0.010, 2e-4, 0.012, 2e-4, 0.032, 4e-4])
-    # a longer sleep never costs less: a dip between the probes' points is pooled away
-    dipped = calibrate.wake_up_curve([{8.0: [(0.01, 3e-4), (0.02, 1e-4), (0.04, 5e-4)]}])
-    assert [pair for point in dipped for pair in point] == pytest.approx([0.01, 2e-4, 0.02, 2e-4, 0.04, 5e-4])
-    # priced: rising from nothing to the shortest sleep, log-linear between, the longest's beyond
-    assert [woken.wake_up_after(s) for s in (0.0, 0.002, 0.004, 0.016, 0.032, 1.0)] == pytest.approx(
-        [0.0, 5e-5, 1e-4, 2e-4 + 2e-4 * math.log(16 / 12) / math.log(32 / 12), 4e-4, 4e-4])
+    assert cal.op_costs.per_step == pytest.approx(1e-3) and cal.op_costs.after_sleep == ()
+    # emulated step probes also time how much slower the work between two sleeps runs, by how
+    # much work that is: per slowdown and interval the median work and fraction (never below 0),
+    # sorted by work
+    rounds = [{8.0: [(0.001 * k, f), (0.004 * k, f / 2)], 20.0: [(0.002, 3 * f / 4), (0.016 * k, f / 4)]}
+              for k, f in ((1.0, 0.8), (1.1, 1.2), (0.9, -0.4))]
+    slower = fit([{**probe, "after_sleep": r} for r in rounds]).op_costs
+    assert [pair for point in slower.after_sleep for pair in point] == pytest.approx(
+        [0.001, 0.8, 0.002, 0.6, 0.004, 0.4, 0.016, 0.2])
+    # more work between sleeps never runs slower on average (the slowest is right after waking):
+    # a rise between the probes' points is pooled away; two slowdowns' points at one work share it
+    rising = calibrate.after_sleep_curve([{8.0: [(0.001, 0.5), (0.002, 0.7), (0.004, 0.1)], 20.0: [(0.004, 0.3)]}])
+    assert [pair for point in rising for pair in point] == pytest.approx([0.001, 0.6, 0.002, 0.6, 0.004, 0.2])
+    # priced: the least work's fraction below it, log-linear between, the most's beyond
+    assert [slower.slower_after(w) for w in (0.0, 0.001, 0.003, 0.016, 1.0)] == pytest.approx(
+        [0.8, 0.8, 0.6 - 0.2 * math.log(1.5) / math.log(2), 0.2, 0.2])
     assert fit([synthetic_probe()]).op_costs is None  # probes without op timings: every op at `overhead`
 
 
@@ -166,7 +167,7 @@ def test_the_step_overhead_and_the_loss_all_reduce_are_priced_once_per_step(writ
 
 def test_calibration_file_round_trip(tmp_path, written_work):
     timed, _ = synthetic_op_times()
-    for probe in (synthetic_probe(), {**synthetic_probe(), "ops": timed, "wake_ups": {8.0: [(0.004, 1e-4), (0.03, 2e-4)]}}):
+    for probe in (synthetic_probe(), {**synthetic_probe(), "ops": timed, "after_sleep": {8.0: [(0.0005, 0.3), (0.004, 0.1)]}}):
         cal = fit([probe])
         cal.save(tmp_path / "c.json")
         assert Calibration.load(tmp_path / "c.json") == cal
@@ -179,15 +180,20 @@ def test_calibration_file_round_trip(tmp_path, written_work):
     with pytest.raises(HSPMDError, match="bad.json.*fixed.*add=-1.0"):
         Calibration.load(tmp_path / "bad.json")
     data["op_costs"]["fixed"]["add"] = 1e-6
-    data["op_costs"]["wake_ups_after_sleep"] = [[0.0, 1e-4]]
+    data["op_costs"]["slower_between_sleeps"] = [[0.0, 0.1]]
     (tmp_path / "bad.json").write_text(json.dumps(data))
-    with pytest.raises(HSPMDError, match="bad.json.*wake_ups: sleeps must be > 0 seconds"):
+    with pytest.raises(HSPMDError, match="bad.json.*after_sleep: works must be > 0 seconds"):
         Calibration.load(tmp_path / "bad.json")
-    # a file from before wake-ups were priced by sleep (theirs were by slowdown) loads without them
-    del data["op_costs"]["wake_ups_after_sleep"]
+    data["op_costs"]["slower_between_sleeps"] = [[0.01, 0.1], [0.01, 0.2]]
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(HSPMDError, match="bad.json.*one fraction per work"):
+        Calibration.load(tmp_path / "bad.json")
+    # files from before (a fixed cost per sleep, by slowdown or by length) load without it
+    del data["op_costs"]["slower_between_sleeps"]
     data["op_costs"]["wake_ups"] = [[8.0, 1e-4]]
+    data["op_costs"]["wake_ups_after_sleep"] = [[0.01, 1e-4]]
     (tmp_path / "old.json").write_text(json.dumps(data))
-    assert Calibration.load(tmp_path / "old.json").op_costs.wake_ups == ()
+    assert Calibration.load(tmp_path / "old.json").op_costs.after_sleep == ()
 
 
 def test_fit_line_refuses_noise_that_does_not_grow():
@@ -238,27 +244,30 @@ def test_the_probes_run_on_this_machine_and_fit():
 
 
 def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
-    # the step probes of an emulated calibration run as an emulated device (its sleeps between
-    # stretches of work, as an emulated rank's steps run): each owes and waits its slowdown, and
-    # reports the CPU time the device owed; nothing here is a timing assertion
+    # the step probes of an emulated calibration run as an emulated device: each owes its
+    # slowdown and reports the CPU time the device owed; it sleeps only in the wake-up probe's
+    # waking side (the op timings are the host's unslept work); nothing here is a timing assertion
     from hspmd.runtime.execution.emulation import emulation_of
     from hspmd.runtime.policies.calibrate import Probe
 
     with pytest.raises(HSPMDError, match="slowdown > 1"):
         Probe(None, emulate=1.0)
-    # (8x: a debt that a loaded host's slower wall time does not wipe out, so every device sleeps)
+    # (8x: a debt that a loaded host's slower wall time does not wipe out, so the waking side sleeps)
     probe = Probe(None, cpu_time=True, emulate=8.0, wake_at=(1.0, 10.0))
+    devices = [emulation_of(trainer.backend) for trainer, _ in probe.trainers]
+    waking = probe.trainers[PROBE_RUNS.index((2, 1, 1))]
+    probe.once()  # the first round's untimed steps set the marks; count the second's sleeps
+    before = [(d.compute_sleeps, d.op_cpu_s) for d in devices]
     run = probe.once()
     assert len(run["steps"]) == len(PROBE_RUNS) and min(run["steps"]) > 0
-    devices = [emulation_of(trainer.backend) for trainer, _ in probe.trainers]
-    assert all(d is not None and d.slowdown == 8.0 and d.compute_wait_s > 0 and d.op_cpu_s > 0 for d in devices)
+    assert all(d is not None and d.slowdown == 8.0 and d.op_cpu_s > cpu for d, (_, cpu) in zip(devices, before))
+    # only the wake-up probe's device slept, and it was asked to: the other step probes ran unslept
+    slept = [d.compute_sleeps - n for d, (n, _) in zip(devices, before)]
+    assert [n > 0 for n in slept] == [t is waking for t in probe.trainers] and all(d.chunk_s == math.inf for d in devices)
     # the wake-up probe ran at the reference's slowdown and the other sleeping type's (not at 1x),
     # and left the device at its own slowdown
-    assert sorted(run["wake_ups"]) == [8.0, 10.0]
-    # the probe lifted the chunks for its two sides alone (the plain side never sleeps)
-    assert all(d.chunk_s == WAIT_CHUNK_S for d in devices)
-    # one (sleep, cost) per interval; sleeping after 40x the ops sleeps longer (neighbouring
-    # intervals can tie on a loaded host, whose slower wall time pays off part of the debt)
-    for points in run["wake_ups"].values():
-        sleeps = [sleep for sleep, _ in points]
-        assert len(points) == len(WAKE_INTERVALS) and min(sleeps) >= 0 and sleeps[-1] > sleeps[0]
+    assert sorted(run["after_sleep"]) == [8.0, 10.0]
+    # one (work, fraction) per interval, the work between sleeps growing with the interval
+    for points in run["after_sleep"].values():
+        works = [work for work, _ in points]
+        assert len(points) == len(WAKE_INTERVALS) and min(works) > 0 and works == sorted(works)

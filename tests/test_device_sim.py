@@ -61,39 +61,40 @@ def test_level2_prices_communication_from_the_resolved_plans():
     assert result.iteration > 4 * (pipes[0].stages[0].forward + pipes[0].stages[0].backward)
 
 
-def test_an_emulated_devices_sleeps_are_priced_by_their_length():
-    """A stretch of w device seconds on a type of cpu_scale s leaves w (1 - 1/s) to sleep: in
-    chunks of WAIT_CHUNK_S and, when a communication ends it, the rest; each sleep's wake-up is
-    the op costs' at its length (x s). Work no communication ends is carried into later chunks."""
+def test_the_work_between_an_emulated_devices_sleeps_is_priced_slower_by_how_much_it_is():
+    """A stretch of w device seconds on a type of cpu_scale s is w / s of this host's CPU work and
+    leaves w (1 - 1/s) to sleep, a chunk of WAIT_CHUNK_S at most at a time; it runs the op costs'
+    fraction for that much host work between sleeps slower."""
     from dataclasses import replace
 
     from hspmd.planning import OpCosts
 
     _, config, _, _ = specialized("layers=4 ; 4x1: R0,1 L0-3")
     base = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ))
-    ops = OpCosts({}, {}, wake_ups=((0.01, 1e-4), (0.1, 3e-4)))
+    ops = OpCosts({}, {}, after_sleep=((0.001, 0.8), (0.01, 0.3)))
     cost = replace(base, op_costs=ops, efficiency={"*": Efficiency(cpu_scale=5.0)})
     assert cost.sleep_after(0, 1.0) == pytest.approx(0.8)
-    assert cost.wake_up(0, 0.05) == pytest.approx((1e-4 + 2e-4 * math.log(5) / math.log(10)) * 5)
-    assert cost.wake_up(0, 10.0) == cost.wake_up(0, WAIT_CHUNK_S) == pytest.approx(3e-4 * 5)  # a sleep is a chunk at most
-    # 0.5 s of work: 0.4 s to sleep, and a chunk's wake-up (1.5 ms of work) adds 1.2 ms to it per
-    # chunk: one chunk and ~0.15 s before the communication, whose wake-up is the next stretch's;
-    # carried on, ~1.6 chunks
-    debt = 0.4 / (1 - 3e-4 * 5 * 0.8 / WAIT_CHUNK_S)
-    assert cost.wake_ups_over(0, 0.5) == pytest.approx((2 * 3e-4 * 5, 3e-4 * 5))
-    assert cost.wake_ups_over(0, 0.5, communicates=False).total == pytest.approx(debt / WAIT_CHUNK_S * 3e-4 * 5)
-    short = cost.wake_ups_over(0, 0.05)  # 0.04 s asleep: one wake-up, log-linear between the points
-    assert short.total == short.last == pytest.approx((1e-4 + 2e-4 * math.log(4) / math.log(10)) * 5)
-    assert cost.wake_ups_over(0, 0.0) == (0.0, 0.0)
+    # 0.02 device seconds are 4 ms of host work: log-linear between the points
+    assert cost.woken_work(0, 0.02) == pytest.approx(0.02 * (0.8 - 0.5 * math.log(4) / math.log(10)))
+    # less work than the least measured runs its fraction slower, more than the most the most's
+    assert cost.woken_work(0, 0.002) == pytest.approx(0.002 * 0.8)
+    assert cost.woken_work(0, 0.2) == pytest.approx(0.2 * 0.3)
+    # a stretch whose debt passes a chunk sleeps in chunks: its work comes a chunk's worth at a time
+    chunked = replace(cost, op_costs=OpCosts({}, {}, after_sleep=((0.01, 0.8), (1.0, 0.2))))
+    per_chunk = WAIT_CHUNK_S / 0.8 / 5  # host seconds of work whose debt is a chunk
+    assert chunked.woken_work(0, 10.0) == pytest.approx(10.0 * chunked.op_costs.slower_after(per_chunk))
+    assert chunked.woken_work(0, 10.0) > 10.0 * chunked.op_costs.slower_after(10.0 / 5)
+    assert cost.woken_work(0, 0.0) == 0.0
     plain = replace(cost, efficiency={"*": Efficiency(cpu_scale=1.0)})  # a type that does not sleep
-    assert plain.sleep_after(0, 1.0) == plain.wake_up(0, 0.05) == plain.wake_ups_over(0, 0.5).total == 0.0
+    assert plain.sleep_after(0, 1.0) == plain.woken_work(0, 0.5) == 0.0
+    assert replace(cost, op_costs=None).woken_work(0, 0.5) == 0.0  # no op costs, nothing measured
 
 
 def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     """OpCosts: a transpose at its fixed time (x the type's cpu_scale) in place of one overhead,
     an add at its fixed time + its gamma x roofline, the work before each pass; on a type that
-    sleeps (cpu_scale > 1) a wake-up per communication too, and the work no communication ends
-    is slept in chunks. Kinds it does not list, communication and level 1 are priced as without
+    sleeps (cpu_scale > 1) its work runs slower after each sleep: one before each communication,
+    and the work no communication ends is one stretch. Kinds it does not list, communication and level 1 are priced as without
     it; level 2's per-step work is its own."""
     from dataclasses import replace
 
@@ -104,10 +105,10 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     exe = spec.executables[0]
     base = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ), overhead=10e-6, step_overhead=5e-3)
     ops = OpCosts({"transpose": 1e-3, "add": 2e-4}, {"transpose": 0.0, "add": 3.0}, per_step=2e-3, per_pass=1e-4,
-                  wake_ups=((1e-9, 5e-5),))  # 5e-5 of CPU after any sleep (x cpu_scale 3)
+                  after_sleep=((1e-4, 0.5), (1.0, 0.1)))  # the less work between sleeps, the slower it runs
     priced = replace(base, op_costs=ops)
     scaled = replace(priced, efficiency={"*": Efficiency(cpu_scale=3.0)})
-    unwoken = replace(base, op_costs=replace(ops, wake_ups=()), efficiency={"*": Efficiency(cpu_scale=3.0)})
+    unwoken = replace(base, op_costs=replace(ops, after_sleep=()), efficiency={"*": Efficiency(cpu_scale=3.0)})
     forward = [ins for ins in exe.forward if ins.role == "compute"]
     transposes = sum(ins.node.kind == "transpose" for ins in forward)
     collectives = sum(ins.role == "collective" for ins in exe.forward)
@@ -118,17 +119,19 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     was = transposes * 10e-6 + sum(base.kernel_time(k, 0) + 10e-6 for k in adds)
     fixed = transposes * 1e-3 + len(adds) * 2e-4 + 1e-4
     assert after.forward - before.forward == pytest.approx(fixed + 3.0 * roofline - was)
-    # a wake-up per collective (the pass's work comes before the first, and each wake-up is work
-    # the next sleep pays off); what follows the last one is carried on, as a fraction of a chunk
-    woken = slower.forward - after.forward - 2 * fixed
-    assert collectives * 3 * 5e-5 < woken < (collectives + 1) * 3 * 5e-5
-    assert slower.forward - device_cost(exe, unwoken, spec.binding).forward == pytest.approx(woken)
-    # with no communication the whole forward is one stretch: its debt (work less the host's CPU
-    # time, 2/3 of it, and the chunks' own wake-ups) is slept in chunks of WAIT_CHUNK_S
+    # every stretch between collectives runs slower by the fraction for its work: more than the
+    # most work's fraction of the whole, less than the least's
+    work = device_cost(exe, unwoken, spec.binding)
+    woken = slower.forward - work.forward
+    compute = work.forward - work.forward_comm
+    assert slower.forward_comm == work.forward_comm and 0.1 * compute < woken < 0.5 * compute
+    # with no communication the whole forward is one stretch, slowed by the fraction for all its
+    # work: less than the same work cut into stretches by the collectives
     alone = device_cost(exe, unwoken, spec.binding, comm=False).forward
-    debt = alone * (2 / 3) / (1 - 3 * 5e-5 * (2 / 3) / WAIT_CHUNK_S)
-    assert device_cost(exe, scaled, spec.binding, comm=False).forward - alone == pytest.approx(
-        debt / WAIT_CHUNK_S * 3 * 5e-5)
+    assert alone == pytest.approx(compute)
+    one_stretch = device_cost(exe, scaled, spec.binding, comm=False).forward - alone
+    assert one_stretch == pytest.approx(alone * ops.slower_after(alone / 3))
+    assert one_stretch < woken
     assert after.forward_comm == before.forward_comm > 0
     assert simulate_strategy(strategy, priced).iteration == simulate_strategy(strategy, base).iteration
     assert priced.step_work(0, op_priced=True) == 2e-3 and scaled.step_work(0, op_priced=True) == 6e-3

@@ -29,7 +29,7 @@ from hspmd.errors import ClusterError
 
 CLUSTER_ENV = "HSPMD_CLUSTER"  # the cluster file `hspmd run --cluster` gives every rank of a job
 # an emulated rank sleeps off its compute debt once it reaches this many seconds, and before it
-# communicates (hspmd.runtime.execution.emulation; level 2 prices the sleeps' wake-ups with it)
+# communicates (hspmd.runtime.execution.emulation; level 2 prices the work slowed after the sleeps with it)
 WAIT_CHUNK_S = 0.25
 EMULATE_KEYS = ("reference", "dtype", "slowdown", "memory_scale", "links", "host_link")
 

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, Sequence
 
 from hspmd.cluster import ClusterSpec, DeviceType, LinkClass
 from hspmd.cluster.emulation import WAIT_CHUNK_S
@@ -88,14 +88,9 @@ def _table(items, what: str) -> tuple[tuple[str, float], ...]:
     return table
 
 
-class Wakes(NamedTuple):
-    """What an emulated device's sleeps over a stretch of work add to it (CostModel.wake_ups_over)."""
-
-    total: float
-    last: float
-
-
-WAKE_UPS_KEY = "wake_ups_after_sleep"  # (sleep, cost) pairs in a file; earlier files' "wake_ups" were by slowdown
+# (work, fraction) pairs in a file; earlier files' "wake_ups" and "wake_ups_after_sleep" priced
+# each sleep at a fixed cost and are not read
+SLOWER_AFTER_SLEEP_KEY = "slower_between_sleeps"
 
 
 @dataclass(frozen=True)
@@ -108,17 +103,19 @@ class OpCosts:
     than an add); `per_pass` is the work before each pass of a micro-batch (the schedule's and
     the trainer's) and `per_step` a step's work outside the timed ops and passes. On an emulated
     type s times slower the fixed, per-pass and per-step seconds are s times as long
-    (`Efficiency.cpu_scale`) and the roofline is the type's own. `wake_ups`: (sleep seconds, CPU
-    seconds) pairs, what an emulated device pays more for the work after one sleep of that
-    length (it sleeps off its debt before every communication and in chunks, and wakes to
-    colder caches the longer it slept): an artefact of emulating on this host, priced where
-    cpu_scale > 1 so that level 2 predicts the emulated run (`wake_up_after`)."""
+    (`Efficiency.cpu_scale`) and the roofline is the type's own. `after_sleep`: (work seconds,
+    fraction) pairs: that much of this host's CPU work between two sleeps of an emulated device
+    takes that fraction more CPU time than unslept (it sleeps off its debt before every
+    communication and in chunks; a host core that idled runs the work after it slower, the most
+    right after waking, and still slower tens of milliseconds later): an artefact of emulating
+    on this host, priced where cpu_scale > 1 so that level 2 predicts the emulated run
+    (`slower_after`)."""
 
     fixed: tuple[tuple[str, float], ...]
     gamma: tuple[tuple[str, float], ...]
     per_step: float = 0.0
     per_pass: float = 0.0
-    wake_ups: tuple[tuple[float, float], ...] = ()
+    after_sleep: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "fixed", _table(self.fixed, "fixed"))
@@ -129,12 +126,12 @@ class OpCosts:
         for name in ("per_step", "per_pass"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ClusterError(f"OpCosts {name} must be finite and >= 0, got {getattr(self, name)}")
-        wake_ups = tuple(sorted((float(s), float(t)) for s, t in self.wake_ups))
-        if any(not (0 < s < math.inf and 0 <= t < math.inf) for s, t in wake_ups):
-            raise ClusterError(f"OpCosts wake_ups: sleeps must be > 0 seconds and costs >= 0, got {wake_ups}")
-        if len({s for s, _ in wake_ups}) < len(wake_ups):
-            raise ClusterError(f"OpCosts wake_ups: one cost per sleep length, got {wake_ups}")
-        object.__setattr__(self, "wake_ups", wake_ups)
+        after_sleep = tuple(sorted((float(s), float(f)) for s, f in self.after_sleep))
+        if any(not (0 < s < math.inf and 0 <= f < math.inf) for s, f in after_sleep):
+            raise ClusterError(f"OpCosts after_sleep: works must be > 0 seconds and fractions >= 0, got {after_sleep}")
+        if len({s for s, _ in after_sleep}) < len(after_sleep):
+            raise ClusterError(f"OpCosts after_sleep: one fraction per work, got {after_sleep}")
+        object.__setattr__(self, "after_sleep", after_sleep)
 
     @cached_property
     def fixed_of(self) -> dict[str, float]:
@@ -147,28 +144,28 @@ class OpCosts:
     def covers(self, kind: str) -> bool:
         return kind in self.fixed_of
 
-    def wake_up_after(self, sleep: float) -> float:
-        """The wake-up cost of one sleep of `sleep` seconds: 0 for none, rising linearly to the
-        shortest measured sleep's, linear in log(sleep) between measured sleeps, and the longest
-        measured sleep's beyond it (caches cannot get colder than cold); 0 when none was measured."""
-        points = self.wake_ups
-        if sleep <= 0 or not points:
+    def slower_after(self, work: float) -> float:
+        """How much slower (a fraction) `work` seconds of this host's CPU work between two sleeps
+        run: the nearest measured work's fraction below the least and above the most, linear in
+        log(work) between; 0 when none was measured."""
+        points = self.after_sleep
+        if not points:
             return 0.0
-        if sleep <= points[0][0]:
-            return points[0][1] * sleep / points[0][0]
-        for (s0, t0), (s1, t1) in zip(points, points[1:]):
-            if sleep <= s1:
-                return t0 + (t1 - t0) * math.log(sleep / s0) / math.log(s1 / s0)
+        if work <= points[0][0]:
+            return points[0][1]
+        for (w0, f0), (w1, f1) in zip(points, points[1:]):
+            if work <= w1:
+                return f0 + (f1 - f0) * math.log(work / w0) / math.log(w1 / w0)
         return points[-1][1]
 
     def to_dict(self) -> dict:
         return {"fixed": dict(self.fixed), "gamma": dict(self.gamma), "per_step": self.per_step, "per_pass": self.per_pass,
-                WAKE_UPS_KEY: [list(pair) for pair in self.wake_ups]}
+                SLOWER_AFTER_SLEEP_KEY: [list(pair) for pair in self.after_sleep]}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "OpCosts":
         return cls(tuple(dict(data["fixed"]).items()), tuple(dict(data["gamma"]).items()), float(data.get("per_step", 0.0)),
-                   float(data.get("per_pass", 0.0)), tuple((s, t) for s, t in data.get(WAKE_UPS_KEY, ())))
+                   float(data.get("per_pass", 0.0)), tuple((s, f) for s, f in data.get(SLOWER_AFTER_SLEEP_KEY, ())))
 
 
 @dataclass(frozen=True)
@@ -485,33 +482,17 @@ class CostModel:
         scale = self.cpu_scale(device)
         return compute * (1.0 - 1.0 / scale) if scale > 1 else 0.0
 
-    def wake_up(self, device: "int | str | DeviceType", sleep: float) -> float:
-        """What one sleep of `sleep` seconds (a chunk at most: a rank sleeps once its debt reaches
-        WAIT_CHUNK_S) adds to the work after it, in the device's seconds: the op costs' wake-up
-        x the device's cpu_scale; 0 on a type that does not sleep."""
+    def woken_work(self, device: "int | str | DeviceType", compute: float) -> float:
+        """What the sleeps of an emulated device add to a stretch of `compute` device seconds that
+        ends in one, in the device's seconds: the stretch's work x how much slower that much host
+        work between two sleeps runs (OpCosts.slower_after). A stretch whose debt (sleep_after)
+        passes WAIT_CHUNK_S is slept in chunks, so its work comes in pieces of a chunk's worth.
+        0 on a type that does not sleep."""
         scale = self.cpu_scale(device)
-        if self.op_costs is None or scale <= 1:
+        if self.op_costs is None or scale <= 1 or compute <= 0:
             return 0.0
-        return self.op_costs.wake_up_after(min(sleep, WAIT_CHUNK_S)) * scale
-
-    def wake_ups_over(self, device: "int | str | DeviceType", compute: float, communicates: bool = True) -> Wakes:
-        """What the sleeps over a stretch of `compute` device seconds add: the debt is slept in
-        chunks of WAIT_CHUNK_S as it reaches one and, when the stretch ends in a communication
-        (`communicates`), what is left before it; otherwise what is left is carried to later work,
-        whose chunks it joins (counted here as the fraction of a chunk it is). A chunk's wake-up
-        is work in the same stretch, so where there are chunks it adds to the debt too (solved
-        for, at most doubling it).
-        `last`: the wake-up of the sleep before the communication, work of the stretch after it."""
-        debt = self.sleep_after(device, compute)
-        if debt <= 0:
-            return Wakes(0.0, 0.0)
-        chunk = self.wake_up(device, WAIT_CHUNK_S)
-        with_chunks = debt / (1.0 - min(0.5, self.sleep_after(device, chunk) / WAIT_CHUNK_S))
-        if not communicates:
-            return Wakes(chunk * with_chunks / WAIT_CHUNK_S, 0.0)
-        chunks, rest = divmod(with_chunks if debt >= WAIT_CHUNK_S else debt, WAIT_CHUNK_S)
-        last = self.wake_up(device, rest)
-        return Wakes(chunks * chunk + last, last)
+        between = compute * min(1.0, WAIT_CHUNK_S / self.sleep_after(device, compute))  # a chunk's worth at most
+        return compute * self.op_costs.slower_after(between / scale)
 
     def step_work(self, device: "int | None" = None, op_priced: bool = False) -> float:
         """The framework's per-step work on `device` (its type's cpu_scale x step_overhead);
@@ -567,6 +548,6 @@ def read_efficiency_file(path: str | Path) -> tuple[dict[str, Efficiency], dict[
 
 
 __all__ = [
-    "COLLECTIVES", "CostModel", "Efficiency", "Memory", "OpCosts", "ProfileTable", "StageShape", "Wakes",
+    "COLLECTIVES", "CostModel", "Efficiency", "Memory", "OpCosts", "ProfileTable", "StageShape",
     "efficiency_file", "read_efficiency_file", "ring_time",
 ]

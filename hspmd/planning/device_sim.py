@@ -12,9 +12,10 @@ transfer times then run through the level-1 event simulation on the discovered p
 stage's time is its slowest device's (TP devices meet in collectives). Peak memory per device is
 what hspmd's interpreter holds running the program (planning/device_memory.py).
 
-On an emulated device type that sleeps (cpu_scale > 1), each phase also pays the wake-ups of its
-sleeps: the debt of each stretch of work is slept in chunks and before the communication ending
-the stretch, each sleep costing the calibration's wake-up at its length (CostModel.wake_ups_over).
+On an emulated device type that sleeps (cpu_scale > 1), each phase also pays for its sleeps: the
+debt of each stretch of work is slept in chunks and before the communication ending the stretch,
+and the host runs the work after a sleep slower, by how much the calibration measured after a
+sleep of that length (CostModel.woken_work).
 """
 
 from __future__ import annotations
@@ -116,7 +117,6 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
     cluster = cost.cluster
     d = exe.device
     totals = {}
-    worked: dict[str, float] = {}  # each phase's compute, before the wake-ups of its sleeps
     kernels = 0
     for phase in ("forward", "backward", "update"):
         compute = comm_time = send = 0.0
@@ -124,8 +124,7 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
         compute += cost.overhead * sum(1 for ins in program if ins.role in DISPATCHED and ins.role != "compute")
         compute += cost.pass_work(d)
         # an emulated device sleeps off its debt before each communication and in chunks between
-        # them; `stretch` is the work since its last sleep (the wake-up after that sleep
-        # included: it is work the next sleep pays off too), `woken` what its wake-ups add
+        # them; `stretch` is the work since its last sleep, `woken` what the sleeps add to it
         stretch, woken = compute, 0.0
         bucketed: dict[tuple[int, ...], list[float]] = {}
         for ins in program:
@@ -146,9 +145,8 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                         bucketed.setdefault(c.devices, []).append(math.prod(b - a for a, b in c.box) * itemsize)
                 continue
             if ins.role in COMMUNICATING:
-                wakes = cost.wake_ups_over(d, stretch)
-                woken += wakes.total
-                stretch = wakes.last
+                woken += cost.woken_work(d, stretch)
+                stretch = 0.0
             for step in plan.steps:
                 if ins.is_p2p:
                     own = sum(cluster.seconds(t.src, t.dst, t.elements * itemsize) for t in step.transfers
@@ -159,11 +157,8 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
         for group, sizes in bucketed.items():  # the update lists them in the order the backward makes them
             buckets = fill_buckets(sizes, bucket_bytes)
             comm_time += sum(cost.collective("all_reduce", sum(sizes[i] for i in bucket), group) for bucket in buckets)
-            # each bucket starts during the last backward, after its share of that backward's work
-            woken += len(buckets) * cost.wake_up(d, cost.sleep_after(d, worked["backward"] / len(buckets)))
         if phase != "update":  # the update's tail is slept before the step loss (plan_device_run)
-            woken += cost.wake_ups_over(d, stretch, communicates=False).total
-        worked[phase] = compute
+            woken += cost.woken_work(d, stretch)
         totals[phase] = (compute + woken + comm_time, comm_time, send)
     (f, fc, fs), (b, bc, bs), (u, uc, _) = totals["forward"], totals["backward"], totals["update"]
     return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels, stretch)
@@ -189,7 +184,7 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
             # the step loss's all-reduce is one more communication: an emulated device sleeps
             # off the update's tail and the step's own work before it
             step_work = max(cost.step_work(d, op_priced=True)
-                            + cost.wake_ups_over(d, costs[d].update_tail + cost.step_work(d, op_priced=True), loss > 0).total
+                            + cost.woken_work(d, costs[d].update_tail + cost.step_work(d, op_priced=True))
                             for d in devices)
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),

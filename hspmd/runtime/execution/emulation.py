@@ -19,8 +19,8 @@ returns the backend unchanged, so emulation is off unless a cluster file asks fo
               the rank communicates, so what it sends leaves when it would have on the slower
               device; oversleeping, or work the busy host made slower than the emulated device,
               is credit (up to WAIT_CHUNK_S) against the work that follows. The chunk is long
-              because a rank that sleeps often wakes to cold caches and pays for it in CPU time,
-              which the slowdown then multiplies: measured here, a small op costs 10 us of CPU
+              because the host runs the work after a sleep slower (cold caches, a core that
+              idled), in CPU time, which the slowdown then multiplies: measured here, a small op costs 10 us of CPU
               back to back and 32 us after a 1 ms sleep, and a one-device Llama step at
               slowdown 20 took 2.2x its plain CPU time with 1 ms chunks, 1.3x with 50 ms and
               1.05x with 200 ms (1.03x sleeping only before communicating). Ranks run one
@@ -182,6 +182,10 @@ class RankEmulator:
             self._sleep(self._debt, "emulated compute")
         self._debt = max(self._debt, -WAIT_CHUNK_S)
         self.mark()
+
+    def forgive_debt(self) -> None:
+        """Drop what the device owes, unslept (a calibration probe timing work that must not sleep)."""
+        self._debt = 0.0
 
     def _sleep(self, seconds: float, name: str) -> None:
         start = time.perf_counter()

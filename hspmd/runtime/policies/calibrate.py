@@ -22,11 +22,14 @@
                              the work before each pass is timed apart (per pass), and what a step
                              takes beyond its ops and passes is the per-step work (OpCosts:
                              level 2 of the simulator prices each op so)
-    emulated wake-ups        emulated step probes only: a step that sleeps off its debt every
-                             16, 64, 256 and 640 ops (as an emulated rank does before each
+    work after a sleep       emulated step probes only: a step that sleeps off its debt every
+                             4, 16, 64, 256 and 640 ops (as an emulated rank does before each
                              communication) against one that does not, at each emulated type's
-                             slowdown: the CPU time each sleep adds to the work after it, by the
-                             sleep's length (the longer the sleep, the colder the caches)
+                             slowdown: how much more CPU time the work between two sleeps
+                             takes, as a fraction, by how much work that is (a core that idled
+                             runs the work after it slower, the most right after waking, and
+                             still slower tens of milliseconds later). The other step probes do
+                             not sleep: their op prices are the host's unslept work
     gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
     all-reduce               alpha + bytes / beta, an all-reduce = 2 alpha + bytes / beta
                              (one least-squares fit over both)
@@ -54,7 +57,6 @@ import torch
 from hspmd.backends.backend import Backend
 from hspmd.backends.local import LocalWorld
 from hspmd.cluster import ClusterSpec, DeviceType, LinkClass, Node
-from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, ModelSpec, OpCosts
@@ -169,8 +171,9 @@ class Calibration:
         fixed = costs.fixed_of.values()
         parts = [f"{len(fixed)} kinds, fixed {min(fixed) * 1e6:.1f}-{max(fixed) * 1e6:.1f} us",
                  f"{costs.per_pass * 1e3:.2f} ms/pass", f"{costs.per_step * 1e3:.2f} ms/step"]
-        if costs.wake_ups:
-            parts.append("emulated wake-ups " + ", ".join(f"{t * 1e6:.0f} us after {s * 1e3:.0f} ms" for s, t in costs.wake_ups))
+        if costs.after_sleep:
+            parts.append("emulated work between sleeps " + ", ".join(f"{f:+.0%} over {w * 1e3:.1f} ms"
+                                                                       for w, f in costs.after_sleep))
         return f" (per op: {', '.join(parts)})"
 
     def describe(self) -> str:
@@ -337,12 +340,13 @@ def fit_op_costs(work: list[tuple[OpWork, ...]], timed: list[Mapping[str, float]
     return OpCosts(tuple(fixed.items()), tuple(gamma.items()), per_step, per_pass)
 
 
-# ops between the wake-up probe's sleeps: a TP layer's ops between its collectives, to a few
-# steps' (the 2-layer probe step runs ~200), whose sleeps at a slow type's slowdown are as long
-# as a chunk (a data-parallel step sleeps in chunks: its passes communicate nothing)
-WAKE_INTERVALS = (16, 64, 256, 640)
+# ops between the wake-up probe's sleeps: fewer than a TP layer's ops between its collectives
+# (sleeps of a few ms at 8x, shorter than TP2's: the work after even a short sleep runs slower),
+# to a few steps' (the 2-layer probe step runs ~200), whose sleeps at a slow type's slowdown near
+# a chunk's length (a data-parallel step sleeps in chunks: its passes communicate nothing)
+WAKE_INTERVALS = (4, 16, 64, 256, 640)
 # timed steps per side of the wake-up probe, and at the longer intervals enough for this many
-# sleeps: one step's noise (~10% of its CPU time) over a sleep or two would swamp their cost
+# sleeps: one step's noise (~10% of its CPU time) over a sleep or two would swamp their effect
 WAKE_STEPS = 4
 WAKE_SLEEPS = 4
 
@@ -350,47 +354,61 @@ WAKE_SLEEPS = 4
 @dataclass(frozen=True)
 class TimedSteps:
     """Probe steps timed: a step's seconds, each op's CPU seconds by name (when recorded), and
-    the device's sleeps over them: those the wake-up probe asked for, all of them, and seconds slept."""
+    how many sleeps the wake-up probe asked of the device over them."""
 
     seconds: float
     ops: dict[str, list[float]]
     wakes: int
-    sleeps: int
-    slept: float
 
 
-def wake_up_curve(runs: list[Mapping[float, list[tuple[float, float]]]]) -> tuple[tuple[float, float], ...]:
-    """OpCosts.wake_ups from the wake-up probes of several rounds (each: slowdown -> (sleep,
-    cost) per interval): per slowdown and interval the median sleep and the median cost (not
-    below 0), sorted by sleep and made non-decreasing in it (isotonic least squares: a longer
-    sleep cannot leave warmer caches, so a dip is noise)."""
+def after_sleep_curve(runs: list[Mapping[float, list[tuple[float, float]]]]) -> tuple[tuple[float, float], ...]:
+    """OpCosts.after_sleep from the wake-up probes of several rounds (each: slowdown -> (work
+    between sleeps, fraction) per interval): per slowdown and interval the median work and the
+    median fraction (not below 0), sorted by work and made non-increasing in it (isotonic least
+    squares: the work right after waking runs slowest, so more work between sleeps cannot run
+    slower on average; a rise is noise); equal works (two slowdowns' probes) share one point."""
     points = []
     for slowdown in runs[0]:
         for i in range(min(len(run.get(slowdown, ())) for run in runs)):
-            sleep = statistics.median(run[slowdown][i][0] for run in runs)
-            if sleep > 0:
-                points.append((sleep, max(0.0, statistics.median(run[slowdown][i][1] for run in runs))))
+            work = statistics.median(run[slowdown][i][0] for run in runs)
+            if work > 0:
+                points.append((work, max(0.0, statistics.median(run[slowdown][i][1] for run in runs))))
     points.sort()
     blocks: list[list[float]] = []  # pool adjacent violators: [mean, count] of each run of pooled points
-    for _, cost in points:
-        blocks.append([cost, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+    for _, fraction in points:
+        blocks.append([fraction, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
             (a, n), (b, m) = blocks.pop(-2), blocks.pop()
             blocks.append([(a * n + b * m) / (n + m), n + m])
-    costs = [mean for mean, count in blocks for _ in range(int(count))]
-    merged: dict[float, list[float]] = {}  # equal sleeps (two slowdowns' probes) share one point
-    for (sleep, _), cost in zip(points, costs):
-        merged.setdefault(sleep, []).append(cost)
-    return tuple((sleep, statistics.mean(c)) for sleep, c in merged.items())
+    fractions = [mean for mean, count in blocks for _ in range(int(count))]
+    merged: dict[float, list[float]] = {}
+    for (work, _), fraction in zip(points, fractions):
+        merged.setdefault(work, []).append(fraction)
+    return tuple((work, statistics.mean(f)) for work, f in merged.items())
 
 
 class WakingEmulator(RankEmulator):
-    """The wake-up probe's emulated device: while `wake_every` is set it settles its debt after
-    every that many ops (sleeping, as an emulated rank does before each communication) and counts
-    its sleeps in `wakes`."""
+    """The probes' emulated device. It sleeps only where the wake-up probe asks: while
+    `wake_every` is set, it settles its debt after every that many ops (sleeping, as an emulated
+    rank does before each communication) and counts those sleeps in `wakes`. Otherwise its work
+    runs unslept, whatever it owes (no chunks, and its steps' own communications drop the debt):
+    the plain side of the wake-up probe, and the op timings level 2 prices before the slowdown
+    after a sleep."""
 
     wake_every: int | None = None
     wakes = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chunk_s = math.inf
+
+    def settle(self) -> None:
+        if self.wake_every:
+            super().settle()
+        else:
+            self._accrue()
+            self.forgive_debt()
+            self.mark()
 
     def computed(self, outputs=(), where: str = "") -> None:
         super().computed(outputs, where)
@@ -428,46 +446,44 @@ class Probe:
     def _timed_steps(self, trainer: Trainer, batch, steps: int, record: bool = False) -> TimedSteps:
         """`steps` probe steps after an untimed one (so they meet the caches a step of their own
         left), timed on the probe's clock or, emulated, by the CPU time the device owed (what an
-        emulated rank's steps are slowed by, measured the way they run: between sleeps); with
-        `record`, each op's CPU seconds by name. The device's sleeps are counted over those steps."""
+        emulated rank's steps are slowed by; unslept, but where the wake-up probe asks); with
+        `record`, each op's CPU seconds by name. The wake-up probe's sleeps are counted over those steps."""
         device = cast(WakingEmulator, emulation_of(trainer.backend))
         trainer.step(batch)
         device.op_seconds, device.wakes = ({} if record else None), 0
         device.mark()
-        sleeps, slept = device.compute_sleeps, device.compute_wait_s
         before, start = device.op_cpu_s, self.clock()
         for _ in range(steps):
             trainer.step(batch)
         seconds = (device.op_cpu_s - before if self.emulated else self.clock() - start) / steps
         ops, device.op_seconds = device.op_seconds or {}, None
-        return TimedSteps(seconds, ops, device.wakes, device.compute_sleeps - sleeps, device.compute_wait_s - slept)
+        return TimedSteps(seconds, ops, device.wakes)
 
     def _step_seconds(self, trainer: Trainer, batch) -> tuple[float, dict[str, float]]:
         """(a probe step's seconds, each op's median seconds by name): `_timed_steps` of two."""
         timed = self._timed_steps(trainer, batch, 2, record=True)
         return timed.seconds, {name: statistics.median(times) for name, times in timed.ops.items()}
 
-    def _wake_ups(self, trainer: Trainer, batch, slowdown: float) -> list[tuple[float, float]]:
-        """(sleep seconds, CPU seconds) per WAKE_INTERVALS: what each sleep of an emulated device
-        of `slowdown` adds to the work after it (cold caches), a step that sleeps every that many
-        ops against one that does not, per sleep, and how long its sleeps were."""
+    def _after_sleep(self, trainer: Trainer, batch, slowdown: float) -> list[tuple[float, float]]:
+        """(work seconds, fraction) per WAKE_INTERVALS: how much more CPU time a step of an
+        emulated device of `slowdown` takes when it sleeps every that many ops than when it does
+        not (the work after each sleep runs slower), and how much unslept work lay between two
+        sleeps."""
         device = cast(WakingEmulator, emulation_of(trainer.backend))
         reference, device.slowdown = device.slowdown, slowdown
-        # no chunks: the plain side must not sleep at all, nor the waking side but when asked
-        # (a chunk's wake-up in the plain side would be taken off every sleep's cost)
-        device.wake_every, device.chunk_s = None, math.inf
         ops = device.ops
         plain = self._timed_steps(trainer, batch, WAKE_STEPS)
         ops_per_step = (device.ops - ops) / (WAKE_STEPS + 1)
         points = []
         for every in WAKE_INTERVALS:
             device.wake_every = every
+            device.forgive_debt()  # the first sleep is an interval's debt, not the plain side's
             steps = max(WAKE_STEPS, math.ceil(WAKE_SLEEPS * every / ops_per_step))
             waking = self._timed_steps(trainer, batch, steps)
             if waking.wakes:
-                added = (waking.seconds - plain.seconds) * steps
-                points.append((waking.slept / max(1, waking.sleeps), added / waking.wakes))
-        device.wake_every, device.slowdown, device.chunk_s = None, reference, WAIT_CHUNK_S
+                points.append((plain.seconds * steps / waking.wakes, waking.seconds / plain.seconds - 1.0))
+        device.wake_every, device.slowdown = None, reference
+        device.forgive_debt()
         return points
 
     def once(self) -> dict:
@@ -482,7 +498,7 @@ class Probe:
             out["ops"].append(ops)
         if self.emulated:
             trainer, batch = self.trainers[PROBE_RUNS.index((2, 1, 1))]
-            out["wake_ups"] = {s: self._wake_ups(trainer, batch, s) for s in self.wake_slowdowns}
+            out["after_sleep"] = {s: self._after_sleep(trainer, batch, s) for s in self.wake_slowdowns}
         if self.backend is not None and self.backend.world_size >= 2:
             backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
             backend.barrier(group)
@@ -519,8 +535,8 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
                   for name in probes[0]["ops"][i]} for i in range(len(PROBE_RUNS))]
         costs = fit_op_costs([op_work(t, rate_cost) for t in trainers], timed, med("steps"),
                              [1 + 2 * micro_batches for _, micro_batches, _ in PROBE_RUNS])
-        if "wake_ups" in probes[0]:  # emulated step probes: what each sleep costs the work after it
-            costs = replace(costs, wake_ups=wake_up_curve([p["wake_ups"] for p in probes]))
+        if "after_sleep" in probes[0]:  # emulated step probes: how much slower the work after a sleep runs
+            costs = replace(costs, after_sleep=after_sleep_curve([p["after_sleep"] for p in probes]))
         fitted = replace(fitted, op_costs=costs)
     if "pingpong" not in probes[0]:
         return fitted
@@ -542,7 +558,8 @@ def calibrate(repeats: int = 7, cpu_time: bool = False, emulate: float | None = 
     `cpu_time`: compute probes on each thread's CPU time, not wall time: the rates of a core of
     one's own, which emulated device types follow whatever else the host runs (links stay wall time).
     `emulate`: the step probes run as an emulated device this many times slower (Probe), the
-    reference type of the cluster the fit will price, so their CPU time is counted as its steps' is;
+    reference type of the cluster the fit will price, so their CPU time is counted as its steps'
+    is (unslept: the wake-up probe measures what sleeping adds);
     `wake_at`: the other emulated types' slowdowns, at which the wake-up probe runs too."""
     results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, emulate, wake_at, timeout=600)
     return fit(results[0])
@@ -579,4 +596,4 @@ def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration
 __all__ = ["Calibration", "OpWork", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference",
            "emulated_slowdowns", "fit",
            "fit_line", "fit_op_costs", "fit_steps", "median_seconds", "op_work", "simulated_step", "step_work",
-           "wake_up_curve"]
+           "after_sleep_curve"]
