@@ -26,10 +26,12 @@
                              4, 16, 64, 256 and 640 ops (as an emulated rank does before each
                              communication) against one that does not, at each emulated type's
                              slowdown: how much more CPU time the work between two sleeps
-                             takes, as a fraction, by how much work that is (a core that idled
-                             runs the work after it slower, the most right after waking, and
-                             still slower tens of milliseconds later). The other step probes do
-                             not sleep: their op prices are the host's unslept work
+                             takes than the other step probes' work (the reference's slowdown,
+                             sleeping in chunks of WAIT_CHUNK_S, as an emulated rank does
+                             between communications: what the op prices are), as a fraction,
+                             by how much work that is (a core that idled runs the work after it
+                             slower, the most right after waking, and still slower tens of
+                             milliseconds later)
     gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
     all-reduce               alpha + bytes / beta, an all-reduce = 2 alpha + bytes / beta
                              (one least-squares fit over both)
@@ -57,6 +59,7 @@ import torch
 from hspmd.backends.backend import Backend
 from hspmd.backends.local import LocalWorld
 from hspmd.cluster import ClusterSpec, DeviceType, LinkClass, Node
+from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.errors import HSPMDError
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, ModelSpec, OpCosts
@@ -388,27 +391,14 @@ def after_sleep_curve(runs: list[Mapping[float, list[tuple[float, float]]]]) -> 
 
 
 class WakingEmulator(RankEmulator):
-    """The probes' emulated device. It sleeps only where the wake-up probe asks: while
-    `wake_every` is set, it settles its debt after every that many ops (sleeping, as an emulated
-    rank does before each communication) and counts those sleeps in `wakes`. Otherwise its work
-    runs unslept, whatever it owes (no chunks, and its steps' own communications drop the debt):
-    the plain side of the wake-up probe, and the op timings level 2 prices before the slowdown
-    after a sleep."""
+    """The probes' emulated device. While `wake_every` is set it sleeps only where the wake-up
+    probe asks: it settles its debt after every that many ops (sleeping, as an emulated rank does
+    before each communication; no chunks) and counts those sleeps in `wakes`. Otherwise it runs
+    as an emulated rank between communications does, sleeping in chunks: the op timings level 2
+    prices, and the wake-up probe's plain side."""
 
     wake_every: int | None = None
     wakes = 0
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.chunk_s = math.inf
-
-    def settle(self) -> None:
-        if self.wake_every:
-            super().settle()
-        else:
-            self._accrue()
-            self.forgive_debt()
-            self.mark()
 
     def computed(self, outputs=(), where: str = "") -> None:
         super().computed(outputs, where)
@@ -446,7 +436,7 @@ class Probe:
     def _timed_steps(self, trainer: Trainer, batch, steps: int, record: bool = False) -> TimedSteps:
         """`steps` probe steps after an untimed one (so they meet the caches a step of their own
         left), timed on the probe's clock or, emulated, by the CPU time the device owed (what an
-        emulated rank's steps are slowed by; unslept, but where the wake-up probe asks); with
+        emulated rank's steps are slowed by, between its sleeps); with
         `record`, each op's CPU seconds by name. The wake-up probe's sleeps are counted over those steps."""
         device = cast(WakingEmulator, emulation_of(trainer.backend))
         trainer.step(batch)
@@ -466,14 +456,15 @@ class Probe:
 
     def _after_sleep(self, trainer: Trainer, batch, slowdown: float) -> list[tuple[float, float]]:
         """(work seconds, fraction) per WAKE_INTERVALS: how much more CPU time a step of an
-        emulated device of `slowdown` takes when it sleeps every that many ops than when it does
-        not (the work after each sleep runs slower), and how much unslept work lay between two
-        sleeps."""
+        emulated device of `slowdown` takes when it sleeps every that many ops than the op probes'
+        steps do (the reference's slowdown, sleeping in chunks: what level 2's op prices are),
+        and how much of that work lay between two sleeps."""
         device = cast(WakingEmulator, emulation_of(trainer.backend))
-        reference, device.slowdown = device.slowdown, slowdown
+        reference = device.slowdown
         ops = device.ops
         plain = self._timed_steps(trainer, batch, WAKE_STEPS)
         ops_per_step = (device.ops - ops) / (WAKE_STEPS + 1)
+        device.slowdown, device.chunk_s = slowdown, math.inf
         points = []
         for every in WAKE_INTERVALS:
             device.wake_every = every
@@ -482,7 +473,7 @@ class Probe:
             waking = self._timed_steps(trainer, batch, steps)
             if waking.wakes:
                 points.append((plain.seconds * steps / waking.wakes, waking.seconds / plain.seconds - 1.0))
-        device.wake_every, device.slowdown = None, reference
+        device.wake_every, device.slowdown, device.chunk_s = None, reference, WAIT_CHUNK_S
         device.forgive_debt()
         return points
 
@@ -559,7 +550,7 @@ def calibrate(repeats: int = 7, cpu_time: bool = False, emulate: float | None = 
     one's own, which emulated device types follow whatever else the host runs (links stay wall time).
     `emulate`: the step probes run as an emulated device this many times slower (Probe), the
     reference type of the cluster the fit will price, so their CPU time is counted as its steps'
-    is (unslept: the wake-up probe measures what sleeping adds);
+    is;
     `wake_at`: the other emulated types' slowdowns, at which the wake-up probe runs too."""
     results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, emulate, wake_at, timeout=600)
     return fit(results[0])
