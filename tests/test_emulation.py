@@ -157,13 +157,17 @@ def test_slow_type_waits_its_extra_time_and_the_fast_one_does_not():
         clocks.work(0.002, 0.002)
         slow.computed()
     assert slow.compute_wait_s >= before + WAIT_CHUNK_S
-    # with the chunk lifted (the wake-up probe's plain side) the debt waits for a communication
+    # with the chunk lifted (the wake-up probe's waking side) the debt waits for a communication
     lifted = RankEmulator(4, "slow", 3.0, clocks=clocks.of())
     lifted.chunk_s = float("inf")
     for _ in range(int(WAIT_CHUNK_S / 0.004) + 5):
         clocks.work(0.002, 0.002)
         lifted.computed()
     assert lifted.compute_wait_s == 0.0 and lifted.compute_sleeps == 0 and slow.compute_sleeps > 0
+    # a debt forgiven (a probe switching how its device sleeps) is not slept at the next communication
+    lifted.forgive_debt()
+    lifted.settle()
+    assert lifted.compute_sleeps == 0
     # the Python that drives a communication plan is the host's work, not the device's
     slow.settle()
     before = slow.compute_wait_s
