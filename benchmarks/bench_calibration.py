@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 from _common import ms, table  # noqa: E402
 from hspmd.cluster import cluster_from_yaml  # noqa: E402
+from hspmd.errors import HSPMDError  # noqa: E402
 from hspmd.runtime.execution.emulation import SWEEP_EVERY, emulated, emulation_of  # noqa: E402
 from hspmd.ir.shapes import Binding  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
@@ -255,6 +256,60 @@ def spearman(xs, ys) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+def step_accuracy(measured: dict, predicted: dict, emulated: bool) -> dict:
+    """Print and return level 2's and level 1's MAPE and Spearman over all strategies and over
+    the calibration set."""
+    figures: dict = {}
+    goal = "(goal <= 8%, >= 0.9)" if emulated else "(goal <= 15%, >= 0.8)"
+    for label, names in (("all", list(STRATEGIES)), ("the calibration set", PLANNING_FOUR)):
+        for level in (0, 1):
+            mape = 100 * statistics.mean(abs(predicted[n][level] - measured[n]) / measured[n] for n in names)
+            rho = spearman([measured[n] for n in names], [predicted[n][level] for n in names])
+            figures[f"{label} level {2 - level}"] = {"mape": mape, "spearman": rho}
+            print(f"{label} ({len(names)} strategies), level {2 - level}: MAPE {mape:.1f}%, Spearman {rho:.2f}"
+                  f"{' ' + goal if level == 0 and label == 'all' else ''}")
+    return figures
+
+
+def repredict(path: str) -> list[dict]:
+    """Predict the measurements a run saved with --json again, with this simulator and the
+    calibration fitted in that run: a change to the cost model is checked against the same
+    measurements (no new run, no new noise). Prints step times and, emulated, every rank's device
+    CPU against what level 2 now prices it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--repredict {path}: cannot read it: {type(e).__name__}: {e}") from None
+    out = []
+    for saved in data if isinstance(data, list) else [data]:
+        name = saved.get("cluster")
+        kind = name.removeprefix("emulated-pair-") if name else None
+        if kind is not None and kind not in PAIRS:
+            raise SystemExit(f"--repredict {path}: a set of cluster {name!r}, not one of this benchmark's")
+        cluster = emulated_pair(kind, saved.get("dilation", 8.0)) if kind else None
+        try:
+            calibration = Calibration.from_dict(saved["calibration"], f"{path}: calibration")
+            measured = {n: float(saved["measured"][n]) for n in STRATEGIES}
+        except (HSPMDError, KeyError, TypeError, ValueError) as e:
+            raise SystemExit(f"--repredict {path}: not a saved run of this benchmark: {type(e).__name__}: {e}") from None
+        predicted = predict(calibration, cluster)
+        print(f"\n== re-predicted: {name or 'plain gloo processes'} ({path})")
+        print(table(["strategy", "measured ms", "level 2 ms", "error", "level 1 ms", "error"],
+                    [[n, ms(measured[n]), ms(predicted[n][0]), f"{(predicted[n][0] - measured[n]) / measured[n]:+.1%}",
+                      ms(predicted[n][1]), f"{(predicted[n][1] - measured[n]) / measured[n]:+.1%}"] for n in STRATEGIES]))
+        figures = step_accuracy(measured, predicted, emulated=cluster is not None)
+        rows = []
+        for n, by_rank in saved.get("figures", {}).get("device_cpu", {}).items():
+            ranks = {int(r): v for r, v in by_rank.items() if r.isdigit()} or {by_rank["rank"]: by_rank}
+            for rank, v in sorted(ranks.items()):
+                priced = predicted[n][3].get(rank, 0.0)
+                rows.append([n, rank, ms(v["measured"]), ms(priced), f"{(priced - v['measured']) / v['measured']:+.1%}"])
+        if rows:
+            print(table(["strategy", "rank", "device CPU ms", "level 2 CPU ms", "error"], rows))
+        out.append({"cluster": name, "figures": figures})
+    return out
+
+
 def run_set(args, cluster=None) -> dict:
     """Measure, calibrate and predict the 8 strategies, plain or on an emulated `cluster`; print and
     return the figures."""
@@ -281,15 +336,7 @@ def run_set(args, cluster=None) -> dict:
              ms(predicted[name][0]), f"{(predicted[name][0] - measured[name]) / measured[name]:+.1%}",
              ms(predicted[name][1]), f"{(predicted[name][1] - measured[name]) / measured[name]:+.1%}"] for name in STRATEGIES]
     print(table(["strategy", "measured ms", "min-max", "cpu ms", "level 2 ms", "error", "level 1 ms", "error"], rows))
-    figures: dict = {}
-    goal = "(goal <= 15%, >= 0.8)" if cluster is None else "(goal <= 8%, >= 0.9)"
-    for label, names in (("all", list(STRATEGIES)), ("the calibration set", PLANNING_FOUR)):
-        for level in (0, 1):
-            mape = 100 * statistics.mean(abs(predicted[n][level] - measured[n]) / measured[n] for n in names)
-            rho = spearman([measured[n] for n in names], [predicted[n][level] for n in names])
-            figures[f"{label} level {2 - level}"] = {"mape": mape, "spearman": rho}
-            print(f"{label} ({len(names)} strategies), level {2 - level}: MAPE {mape:.1f}%, Spearman {rho:.2f}"
-                  f"{' ' + goal if level == 0 and label == 'all' else ''}")
+    figures = step_accuracy(measured, predicted, emulated=cluster is not None)
     memory = {}
     if cluster is not None:
         slow = max(range(2), key=cluster.slowdown)
@@ -320,7 +367,8 @@ def run_set(args, cluster=None) -> dict:
         print(f"peak memory per rank: largest error {100 * max(errors):.1f}%, mean {100 * statistics.mean(errors):.1f}% "
               f"(goal: within 10%)")
         figures["memory"] = {"max_error": max(errors), "mean_error": statistics.mean(errors)}
-    return {"cluster": None if cluster is None else cluster.name, "calibration": calibration.to_dict(), "measured": measured,
+    return {"cluster": None if cluster is None else cluster.name, "dilation": args.dilation,
+            "calibration": calibration.to_dict(), "measured": measured,
             "spread": spread, "cpu": cpu, "predicted_level2": {n: p[0] for n, p in predicted.items()},
             "predicted_level1": {n: p[1] for n, p in predicted.items()}, "memory": memory, "figures": figures}
 
@@ -340,7 +388,12 @@ def main(argv=None) -> int:
                    help="homogeneous, heterogeneous or both (comma-separated): emulated device types instead of plain ranks")
     p.add_argument("--dilation", type=float, default=8.0,
                    help="with --emulate: how many times slower than this host the fast type runs (default 8)")
+    p.add_argument("--repredict", default=None, metavar="JSON",
+                   help="predict a run saved with --json again with this simulator and that run's calibration (no new run)")
     args = p.parse_args(argv)
+    if args.repredict:
+        repredict(args.repredict)
+        return 0
     kinds = [k for k in (args.emulate or "").split(",") if k]
     unknown = sorted(set(kinds) - set(PAIRS))
     if unknown:

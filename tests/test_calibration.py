@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -269,3 +270,34 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
     for points in run["after_sleep"].values():
         works = [work for work, _ in points]
         assert len(points) == len(WAKE_INTERVALS) and min(works) > 0 and works == sorted(works)
+
+
+def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path, capsys):
+    """bench_calibration --repredict: a run's saved measurements and calibration, predicted by the
+    simulator as it is now (a cost-model change checked without a new, noisy run)."""
+    import importlib.util
+
+    from hspmd.planning import OpCosts
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_calibration.py"
+    spec = importlib.util.spec_from_file_location("bench_calibration_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    costs = OpCosts({"matmul": 1e-5, "add": 4e-6}, {"matmul": 1.5, "add": 1.0}, per_step=1e-4, per_pass=5e-5,
+                    after_sleep=((1e-4, 0.5), (1e-2, 0.1)))
+    calibration = Calibration(1e11, 1e10, 2e-5, 1e-4, 1e9, 1e-3, 1.5, costs)
+    cluster = bench.emulated_pair("heterogeneous", 8.0)
+    predicted = bench.predict(calibration, cluster)
+    measured = {name: 1.25 * p[0] for name, p in predicted.items()}  # every strategy 25% slower than priced
+    cpu = {"DP2": {"0": {"measured": 2 * predicted["DP2"][3][0], "level2": 0.0}, "slowest": 1}}
+    saved = [{"cluster": cluster.name, "dilation": 8.0, "calibration": calibration.to_dict(), "measured": measured,
+              "figures": {"device_cpu": cpu}}]
+    (tmp_path / "run.json").write_text(json.dumps(saved))
+    out = bench.repredict(str(tmp_path / "run.json"))
+    assert out[0]["figures"]["all level 2"]["mape"] == pytest.approx(20.0)
+    assert out[0]["figures"]["all level 2"]["spearman"] == pytest.approx(1.0)
+    printed = capsys.readouterr().out
+    assert "re-predicted: emulated-pair-heterogeneous" in printed and "-50.0%" in printed  # DP2 rank 0's device CPU
+    (tmp_path / "other.json").write_text(json.dumps([{**saved[0], "measured": {"DP2": 1.0}}]))
+    with pytest.raises(SystemExit, match="other.json: not a saved run of this benchmark: KeyError"):
+        bench.repredict(str(tmp_path / "other.json"))

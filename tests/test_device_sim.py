@@ -90,6 +90,21 @@ def test_the_work_between_an_emulated_devices_sleeps_is_priced_slower_by_how_muc
     assert replace(cost, op_costs=None).woken_work(0, 0.5) == 0.0  # no op costs, nothing measured
 
 
+def test_passes_that_repeat_run_their_unslept_tails_into_the_next_pass():
+    """cycle_stretches: a pass's last segment joins the next pass's first, the cycle's last the
+    first; with no communication anywhere the cycle is one stretch."""
+    from hspmd.planning.device_sim import cycle_stretches
+
+    # a last stage's 1F1B: the forward (received, then computed) runs on into its backward (sent)
+    assert sorted(cycle_stretches([[0.1, 2.0], [3.0, 0.2]])) == [[(0, 2.0), (1, 3.0)], [(1, 0.2), (0, 0.1)]]
+    # data parallel: no communication, one stretch
+    assert cycle_stretches([[2.0], [3.0]]) == [[(0, 2.0), (1, 3.0)]]
+    # one pass with two collectives, repeating on its own (GPipe)
+    assert sorted(cycle_stretches([[1.0, 2.0, 3.0]])) == [[(0, 2.0)], [(0, 3.0), (0, 1.0)]]
+    # a pass without communication between two that have some joins both neighbours' ends
+    assert sorted(cycle_stretches([[1.0, 2.0], [5.0], [3.0, 4.0]])) == [[(0, 2.0), (1, 5.0), (2, 3.0)], [(2, 4.0), (0, 1.0)]]
+
+
 def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     """OpCosts: a transpose at its fixed time (x the type's cpu_scale) in place of one overhead,
     an add at its fixed time + its gamma x roofline, the work before each pass; on a type that
@@ -125,13 +140,18 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     woken = slower.forward - work.forward
     compute = work.forward - work.forward_comm
     assert slower.forward_comm == work.forward_comm and 0.1 * compute < woken < 0.5 * compute
-    # with no communication the whole forward is one stretch, slowed by the fraction for all its
-    # work: less than the same work cut into stretches by the collectives
-    alone = device_cost(exe, unwoken, spec.binding, comm=False).forward
-    assert alone == pytest.approx(compute)
-    one_stretch = device_cost(exe, scaled, spec.binding, comm=False).forward - alone
-    assert one_stretch == pytest.approx(alone * ops.slower_after(alone / 3))
-    assert one_stretch < woken
+    # with no communication a micro-batch's forward and backward run as one stretch (1F1B: they
+    # take turns), slowed by the fraction for all their work, shared in proportion: less than the
+    # same work cut into stretches by the collectives; GPipe's forwards run on into each other
+    alone = device_cost(exe, unwoken, spec.binding, comm=False)
+    assert alone.forward == pytest.approx(compute)
+    one_stretch = device_cost(exe, scaled, spec.binding, comm=False)
+    fraction = ops.slower_after((alone.forward + alone.backward) / 3)
+    assert one_stretch.forward - alone.forward == pytest.approx(alone.forward * fraction)
+    assert one_stretch.backward - alone.backward == pytest.approx(alone.backward * fraction)
+    gpipe = device_cost(exe, scaled, spec.binding, comm=False, alternating=False)
+    assert gpipe.forward - alone.forward == pytest.approx(alone.forward * ops.slower_after(alone.forward / 3))
+    assert one_stretch.forward - alone.forward < woken
     assert after.forward_comm == before.forward_comm > 0
     assert simulate_strategy(strategy, priced).iteration == simulate_strategy(strategy, base).iteration
     assert priced.step_work(0, op_priced=True) == 2e-3 and scaled.step_work(0, op_priced=True) == 6e-3

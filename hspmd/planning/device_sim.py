@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from hspmd.comm_resolve.bucketing import DEFAULT_BUCKET_CAP_MB, MiB, fill_buckets
 from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
@@ -108,24 +108,66 @@ class DeviceCost:
     update_tail: float = 0.0
 
 
+def cycle_stretches(passes: Sequence[Sequence[float]]) -> list[list[tuple[int, float]]]:
+    """The stretches of work between sleeps of passes that repeat in this order: each pass is its
+    segments of work between its communications (a pass with k communications has k + 1), and
+    a pass's last segment runs on unslept into the next pass's first (the last into the first:
+    the cycle repeats). Each stretch is its (pass index, work) pieces; with no communication at
+    all the whole cycle is one stretch."""
+    pieces = [(p, work, j < len(segments) - 1) for p, segments in enumerate(passes) for j, work in enumerate(segments)]
+    cuts = [i for i, (_, _, cut) in enumerate(pieces) if cut]
+    if not cuts:
+        return [[(p, work) for p, work, _ in pieces]]
+    start = cuts[-1] + 1
+    rotated = pieces[start:] + pieces[:start]
+    stretches: list[list[tuple[int, float]]] = [[]]
+    for p, work, cut in rotated:
+        stretches[-1].append((p, work))
+        if cut:
+            stretches.append([])
+    return [stretch for stretch in stretches if stretch]
+
+
+def _woken_passes(cost: CostModel, device: int, forward: Sequence[float], backward: Sequence[float],
+                  alternating: bool) -> tuple[float, float]:
+    """What an emulated device's sleeps add to a micro-batch's forward and backward (each given as
+    its segments of work between communications): every stretch between sleeps runs its
+    fraction slower (CostModel.woken_work), shared by the passes in proportion to their work in
+    it. `alternating`: a micro-batch's forward and backward take turns (1F1B), so each pass's
+    tail runs on into the other's head; otherwise (GPipe) a pass runs on into the next of its kind."""
+    added = [0.0, 0.0]
+    cycles = [((forward, backward), (0, 1))] if alternating else [((forward,), (0,)), ((backward,), (1,))]
+    for passes, which in cycles:
+        for stretch in cycle_stretches(passes):
+            work = sum(w for _, w in stretch)
+            if work > 0:
+                woken = cost.woken_work(device, work)
+                for p, w in stretch:
+                    added[which[p]] += woken * w / work
+    return added[0], added[1]
+
+
 def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: bool = True,
-                bucket_bytes: float | None = BUCKET_BYTES) -> DeviceCost:
+                bucket_bytes: float | None = BUCKET_BYTES, alternating: bool = True) -> DeviceCost:
     """Price one device's program (module docstring); comm=False zeroes every communication.
     bucket_bytes: gradient syncs that are one all-reduce of the device's own piece are priced as
     the trainer runs them, joined per group into all-reduces of at most this many bytes (one
-    latency per bucket rather than per gradient); None prices each on its own."""
+    latency per bucket rather than per gradient); None prices each on its own. `alternating`:
+    the schedule runs a micro-batch's forward and backward in turns (1F1B; GPipe does not),
+    which decides which work an emulated device runs between two sleeps."""
     cluster = cost.cluster
     d = exe.device
     totals = {}
+    segments: dict[str, list[float]] = {}
     kernels = 0
     for phase in ("forward", "backward", "update"):
         compute = comm_time = send = 0.0
         program = getattr(exe, phase)
         compute += cost.overhead * sum(1 for ins in program if ins.role in DISPATCHED and ins.role != "compute")
         compute += cost.pass_work(d)
-        # an emulated device sleeps off its debt before each communication and in chunks between
-        # them; `stretch` is the work since its last sleep, `woken` what the sleeps add to it
-        stretch, woken = compute, 0.0
+        # an emulated device sleeps off its debt before each communication: the phase's work
+        # between its communications, in order (what the sleeps add is priced below)
+        stretch, between = compute, []
         bucketed: dict[tuple[int, ...], list[float]] = {}
         for ins in program:
             kernel = op_kernel(exe, ins, binding)
@@ -145,7 +187,7 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                         bucketed.setdefault(c.devices, []).append(math.prod(b - a for a, b in c.box) * itemsize)
                 continue
             if ins.role in COMMUNICATING:
-                woken += cost.woken_work(d, stretch)
+                between.append(stretch)
                 stretch = 0.0
             for step in plan.steps:
                 if ins.is_p2p:
@@ -157,11 +199,15 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
         for group, sizes in bucketed.items():  # the update lists them in the order the backward makes them
             buckets = fill_buckets(sizes, bucket_bytes)
             comm_time += sum(cost.collective("all_reduce", sum(sizes[i] for i in bucket), group) for bucket in buckets)
-        if phase != "update":  # the update's tail is slept before the step loss (plan_device_run)
-            woken += cost.woken_work(d, stretch)
-        totals[phase] = (compute + woken + comm_time, comm_time, send)
+        segments[phase] = between + [stretch]
+        totals[phase] = [compute + comm_time, comm_time, send]
+    woken_f, woken_b = _woken_passes(cost, d, segments["forward"], segments["backward"], alternating)
+    # the update's stretches before its communications; its tail is slept before the step loss (plan_device_run)
+    woken_u = sum(cost.woken_work(d, work) for work in segments["update"][:-1])
+    for phase, woken in (("forward", woken_f), ("backward", woken_b), ("update", woken_u)):
+        totals[phase][0] += woken
     (f, fc, fs), (b, bc, bs), (u, uc, _) = totals["forward"], totals["backward"], totals["update"]
-    return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels, stretch)
+    return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels, segments["update"][-1])
 
 
 def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,
@@ -169,7 +215,7 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
     """Level-2 simulator input: per-device costs aggregated into the discovered pipelines' stages.
     `micro_batches`: per discovered pipeline index (or one count for all)."""
     binding = spec.binding
-    costs = {d: device_cost(exe, cost, binding, comm) for d, exe in spec.executables.items()}
+    costs = {d: device_cost(exe, cost, binding, comm, alternating=schedule != "gpipe") for d, exe in spec.executables.items()}
     loss = cost.step_loss(tuple(sorted(costs)) if comm else ())
     memory = {d: device_memory(exe, binding) for d, exe in spec.executables.items()}
     pipelines = []

@@ -150,21 +150,30 @@ class Calibration:
         missing step overhead and gamma take the values of an unfitted model, and without op
         costs level 2 prices every instruction at `overhead`."""
         try:
-            d = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise HSPMDError(f"cannot read calibration file {path}: {type(e).__name__}: {e}") from None
+        return cls.from_dict(data, f"calibration file {path}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping, where: str = "calibration") -> "Calibration":
+        """A Calibration from to_dict()'s form (a file's, or one a benchmark saved beside its
+        measurements), checked: errors name `where`."""
+        try:
             cal = cls(float(d["peak_flops"]), float(d["bandwidth"]), float(d["overhead"]), float(d["link_latency"]),
                       float(d["link_bandwidth"]), float(d.get("step_overhead", 0.0)), float(d.get("gamma", 1.0)),
                       OpCosts.from_dict(d["op_costs"]) if "op_costs" in d else None)
         except HSPMDError as e:
-            raise HSPMDError(f"calibration file {path}: {e}") from None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise HSPMDError(f"cannot read calibration file {path}: {type(e).__name__}: {e}") from None
+            raise HSPMDError(f"{where}: {e}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise HSPMDError(f"cannot read {where}: {type(e).__name__}: {e}") from None
         rates = {"peak_flops": cal.peak_flops, "bandwidth": cal.bandwidth, "link_bandwidth": cal.link_bandwidth,
                  "gamma": cal.gamma}
         costs = {"overhead": cal.overhead, "step_overhead": cal.step_overhead, "link_latency": cal.link_latency}
         bad = [f"{k}={v}" for k, v in rates.items() if not math.isfinite(v) or v <= 0]
         bad += [f"{k}={v}" for k, v in costs.items() if not math.isfinite(v) or v < 0]
         if bad:
-            raise HSPMDError(f"calibration file {path}: {', '.join(bad)} (rates must be positive, times non-negative)")
+            raise HSPMDError(f"{where}: {', '.join(bad)} (rates must be positive, times non-negative)")
         return cal
 
     def _describe_op_costs(self) -> str:
