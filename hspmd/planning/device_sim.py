@@ -14,8 +14,9 @@ what hspmd's interpreter holds running the program (planning/device_memory.py).
 
 On an emulated device type that sleeps (cpu_scale > 1), each phase also pays for its sleeps: the
 debt of each stretch of work is slept in chunks and before the communication ending the stretch,
-and the host runs the work after a sleep slower, by how much the calibration measured after a
-sleep of that length (CostModel.woken_work).
+and the host runs the work between two sleeps slower, by how much the calibration measured for
+that much work (CostModel.woken_work); a pass's work after its last communication runs on into
+the next pass the schedule runs (cycle_stretches).
 """
 
 from __future__ import annotations
