@@ -142,7 +142,7 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
     world = tuple(range(backend.world_size))
     times = {name: [] for name in trainers}
     cpu = {name: [] for name in trainers}
-    parts = {name: [0.0, 0.0, 0.0] for name in trainers}  # per-step means: compute waits, link waits, device CPU
+    parts = {name: [] for name in trainers}  # per timed step: (compute waits, link waits, device CPU)
     for r in range(warmup + rounds):
         if r >= warmup:  # calibration probes interleaved with the steps: both see the same load
             probes.append(probe.once())
@@ -167,8 +167,8 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
                 cpu[name].append(time.process_time() - start_cpu)
                 if device is not None:
                     after = device.stats()
-                    for k, field in enumerate(("compute_wait_s", "link_wait_s", "op_cpu_s")):
-                        parts[name][k] += (getattr(after, field) - getattr(before, field)) / rounds
+                    parts[name].append(tuple(getattr(after, field) - getattr(before, field)
+                                             for field in ("compute_wait_s", "link_wait_s", "op_cpu_s")))
     peaks = {}
     for name, trainer in trainers.items():  # one untimed step counting every value's bytes exactly
         device = emulation_of(trainer.backend)
@@ -271,9 +271,10 @@ def step_accuracy(measured: dict, predicted: dict, emulated: bool) -> dict:
     return figures
 
 
-def repredict(path: str) -> list[dict]:
+def repredict(path: str, refit: bool = False) -> list[dict]:
     """Predict the measurements a run saved with --json again, with this simulator and the
-    calibration fitted in that run: a change to the cost model is checked against the same
+    calibration fitted in that run (`refit`: fitted again, by this calibration code, from the
+    probes the run saved): a change to the cost model or the fit is checked against the same
     measurements (no new run, no new noise). Prints step times and, emulated, every rank's device
     CPU against what level 2 now prices it."""
     try:
@@ -288,12 +289,16 @@ def repredict(path: str) -> list[dict]:
             raise SystemExit(f"--repredict {path}: a set of cluster {name!r}, not one of this benchmark's")
         cluster = emulated_pair(kind, saved.get("dilation", 8.0)) if kind else None
         try:
-            calibration = Calibration.from_dict(saved["calibration"], f"{path}: calibration")
+            if refit and not saved.get("probes"):
+                raise SystemExit(f"--refit: {path} saved no probes (a run from before they were saved)")
+            calibration = (fit(saved["probes"], PROBE) if refit
+                           else Calibration.from_dict(saved["calibration"], f"{path}: calibration"))
             measured = {n: float(saved["measured"][n]) for n in STRATEGIES}
         except (HSPMDError, KeyError, TypeError, ValueError) as e:
             raise SystemExit(f"--repredict {path}: not a saved run of this benchmark: {type(e).__name__}: {e}") from None
         predicted = predict(calibration, cluster)
-        print(f"\n== re-predicted: {name or 'plain gloo processes'} ({path})")
+        print(f"\n== re-predicted: {name or 'plain gloo processes'} ({path}{', calibration fitted again' if refit else ''})")
+        print("calibration:", calibration.describe())
         print(table(["strategy", "measured ms", "level 2 ms", "error", "level 1 ms", "error"],
                     [[n, ms(measured[n]), ms(predicted[n][0]), f"{(predicted[n][0] - measured[n]) / measured[n]:+.1%}",
                       ms(predicted[n][1]), f"{(predicted[n][1] - measured[n]) / measured[n]:+.1%}"] for n in STRATEGIES]))
@@ -343,7 +348,7 @@ def run_set(args, cluster=None) -> dict:
         rows = []
         for name in STRATEGIES:
             for rank, r in enumerate(results):
-                wait, link, device_cpu = r[5][name]
+                wait, link, device_cpu = (statistics.mean(part) for part in zip(*r[5][name]))
                 step = statistics.mean(r[0][name])
                 priced = predicted[name][3].get(rank, 0.0)
                 rows.append([name, rank, ms(step), ms(device_cpu), ms(priced), f"{(priced - device_cpu) / device_cpu:+.1%}",
@@ -370,7 +375,12 @@ def run_set(args, cluster=None) -> dict:
     return {"cluster": None if cluster is None else cluster.name, "dilation": args.dilation,
             "calibration": calibration.to_dict(), "measured": measured,
             "spread": spread, "cpu": cpu, "predicted_level2": {n: p[0] for n, p in predicted.items()},
-            "predicted_level1": {n: p[1] for n, p in predicted.items()}, "memory": memory, "figures": figures}
+            "predicted_level1": {n: p[1] for n, p in predicted.items()}, "memory": memory, "figures": figures,
+            # the raw measurements, for --repredict: per rank and timed step its seconds and, emulated,
+            # (compute waits, link waits, device CPU); both ranks' probes, which --refit fits again
+            "steps": {n: [r[0][n] for r in results] for n in STRATEGIES},
+            "parts": {n: [r[5][n] for r in results] for n in STRATEGIES} if cluster is not None else {},
+            "probes": results[0][3] + results[1][3]}
 
 
 def main(argv=None) -> int:
@@ -390,9 +400,10 @@ def main(argv=None) -> int:
                    help="with --emulate: how many times slower than this host the fast type runs (default 8)")
     p.add_argument("--repredict", default=None, metavar="JSON",
                    help="predict a run saved with --json again with this simulator and that run's calibration (no new run)")
+    p.add_argument("--refit", action="store_true", help="with --repredict: fit the calibration again from the run's saved probes")
     args = p.parse_args(argv)
     if args.repredict:
-        repredict(args.repredict)
+        repredict(args.repredict, args.refit)
         return 0
     kinds = [k for k in (args.emulate or "").split(",") if k]
     unknown = sorted(set(kinds) - set(PAIRS))

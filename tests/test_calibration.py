@@ -272,9 +272,10 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
         assert len(points) == len(WAKE_INTERVALS) and min(works) > 0 and works == sorted(works)
 
 
-def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path, capsys):
+def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path, capsys, written_work):
     """bench_calibration --repredict: a run's saved measurements and calibration, predicted by the
-    simulator as it is now (a cost-model change checked without a new, noisy run)."""
+    simulator as it is now (a cost-model change checked without a new, noisy run); with --refit
+    the calibration fitted again from the run's saved probes."""
     import importlib.util
 
     from hspmd.planning import OpCosts
@@ -298,6 +299,16 @@ def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path,
     assert out[0]["figures"]["all level 2"]["spearman"] == pytest.approx(1.0)
     printed = capsys.readouterr().out
     assert "re-predicted: emulated-pair-heterogeneous" in printed and "-50.0%" in printed  # DP2 rank 0's device CPU
+    # --refit: the probes the run saved (JSON's string keys for the wake-up probe's slowdowns), fitted again
+    timed, steps = synthetic_op_times()
+    probe = {**synthetic_probe(), "ops": timed, "steps": steps, "after_sleep": {8.0: [(1e-4, 0.4), (1e-2, 0.1)]}}
+    refitted = bench.predict(fit([probe]), cluster)
+    saved[0].update(probes=json.loads(json.dumps([probe, probe])), measured={n: 1.25 * p[0] for n, p in refitted.items()})
+    (tmp_path / "probed.json").write_text(json.dumps(saved))
+    assert bench.repredict(str(tmp_path / "probed.json"), refit=True)[0]["figures"]["all level 2"]["mape"] == pytest.approx(20.0)
+    assert bench.repredict(str(tmp_path / "probed.json"))[0]["figures"]["all level 2"]["mape"] != pytest.approx(20.0)
+    with pytest.raises(SystemExit, match="run.json saved no probes"):
+        bench.repredict(str(tmp_path / "run.json"), refit=True)
     (tmp_path / "other.json").write_text(json.dumps([{**saved[0], "measured": {"DP2": 1.0}}]))
     with pytest.raises(SystemExit, match="other.json: not a saved run of this benchmark: KeyError"):
         bench.repredict(str(tmp_path / "other.json"))
