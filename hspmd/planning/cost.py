@@ -105,11 +105,11 @@ class OpCosts:
     type s times slower the fixed, per-pass and per-step seconds are s times as long
     (`Efficiency.cpu_scale`) and the roofline is the type's own. `after_sleep`: (work seconds,
     fraction) pairs: that much of this host's CPU work between two sleeps of an emulated device
-    takes that fraction more CPU time than unslept (it sleeps off its debt before every
-    communication and in chunks; a host core that idled runs the work after it slower, the most
-    right after waking, and still slower tens of milliseconds later): an artefact of emulating
-    on this host, priced where cpu_scale > 1 so that level 2 predicts the emulated run
-    (`slower_after`)."""
+    takes that fraction more CPU time than the fixed and gamma prices say (they were timed on
+    steps that sleep only in chunks; the device sleeps off its debt before every communication
+    too, and a host core that idled runs the work after it slower, the most right after waking,
+    and still slower tens of milliseconds later): an artefact of emulating on this host, priced
+    where cpu_scale > 1 so that level 2 predicts the emulated run (`slower_after`)."""
 
     fixed: tuple[tuple[str, float], ...]
     gamma: tuple[tuple[str, float], ...]
