@@ -20,7 +20,9 @@
 Reports each strategy's measured and predicted time, the mean absolute percentage error (goal
 <= 15%) and Spearman's rank correlation (goal >= 0.8), over all strategies and over the four of
 the calibration set (DP2, PP2 1F1B, TP2, PP2 GPipe; its goal there: MAPE <= 25%). Timing-sensitive: not part of `make test`
-(run `make calibration`). `--json FILE` also writes the figures and per-rank timelines.
+(run `make calibration`). `--json FILE` also writes the figures, each timed step's figures per
+rank and both ranks' probes; `--repredict FILE` predicts such a saved run again with the
+simulator as it is now (`--refit`: and the calibration fitted again from its probes).
 
 `--emulate homogeneous,heterogeneous` runs the same 8 strategies as emulated device types
 (hspmd.runtime.execution.emulation) instead: two ranks of one type, or rank 0 of a fast type and
@@ -29,15 +31,14 @@ slowed, so that the ranks compute a small share of the time and the emulated dev
 shared host's scheduler, set the pace). Run it with `--pin-cpus`: unpinned, the two ranks migrate and share caches
 (DP2's device CPU 27.0 ms a step against 22.8-26.2 ms pinned). Each strategy's trainer has its own emulated device, so
 its live bytes are its own. The probes then run on CPU time (what emulated devices follow), the step
-probes as an emulated device of the reference type (their CPU time counted between its sleeps, as
-the strategies' steps run; they also time what each of the device's sleeps adds to the work
-after it by the sleep's length, which level 2 prices per sleep: before each communication and in
-chunks), and the prediction is
-Calibration.cost_model_for(the emulated cluster). Besides step times (goals MAPE
-<= 8%, Spearman >= 0.9) it reports the slowest rank's device CPU beside what level 2 prices it
-(priced_cpu), and every rank's peak live bytes, counted exactly in one untimed
-step after the timed ones, against level 2's memory model of the interpreter (goal: within 10%;
-planning/device_memory.py) and level 1's (a layer's kept activations, as autograd frees the rest).
+probes as an emulated device of the reference type (their CPU time counted between its chunk
+sleeps, as the strategies' steps run between communications; they also time how much slower
+the work between two sleeps runs, by how much work that is, which level 2 prices per stretch
+of work between sleeps), and the prediction is Calibration.cost_model_for(the emulated
+cluster). Besides step times (goals MAPE <= 8%, Spearman >= 0.9) it reports every rank's
+device CPU beside what level 2 prices it (priced_cpu), and every rank's peak live bytes,
+counted exactly in one untimed step after the timed ones, against level 2's memory model of the
+interpreter (goal: within 10%; planning/device_memory.py) and level 1's (a layer's kept activations, as autograd frees the rest).
 """
 
 from __future__ import annotations
@@ -207,8 +208,8 @@ def typical_step(per_rank_steps: list[list[list[dict]]]) -> list[list[dict]]:
 
 def priced_cpu(spec, cost, layout, costs) -> dict[int, float]:
     """Per rank, the host CPU seconds a step of level 2 prices its device to owe (`costs`: level
-    2's DeviceCost per rank): its passes' and update's work and wake-ups (not their
-    communication) and the per-step work, / cpu_scale; beside a rank's measured device CPU it
+    2's DeviceCost per rank): its passes' and update's work, with what its sleeps add (not their
+    communication), and the per-step work, / cpu_scale; beside a rank's measured device CPU it
     says whether the miss is in the compute or elsewhere."""
     out = {}
     for p, pipeline in enumerate(spec.pipelines):

@@ -230,9 +230,8 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
             held = [memory[d] for d in devices]  # the interpreter's bytes: static + in flight x kept + a pass's values
             # the step loss's all-reduce is one more communication: an emulated device sleeps
             # off the update's tail and the step's own work before it
-            step_work = max(cost.step_work(d, op_priced=True)
-                            + cost.woken_work(d, costs[d].update_tail + cost.step_work(d, op_priced=True))
-                            for d in devices)
+            own = {d: cost.step_work(d, op_priced=True) for d in devices}
+            step_work = max(own[d] + cost.woken_work(d, costs[d].update_tail + own[d]) for d in devices)
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),
                                    sync=update_comm, update=update - update_comm + loss + step_work,

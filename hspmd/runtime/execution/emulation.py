@@ -20,10 +20,10 @@ returns the backend unchanged, so emulation is off unless a cluster file asks fo
               device; oversleeping, or work the busy host made slower than the emulated device,
               is credit (up to WAIT_CHUNK_S) against the work that follows. The chunk is long
               because the host runs the work after a sleep slower (cold caches, a core that
-              idled), in CPU time, which the slowdown then multiplies: measured here, a small op costs 10 us of CPU
-              back to back and 32 us after a 1 ms sleep, and a one-device Llama step at
-              slowdown 20 took 2.2x its plain CPU time with 1 ms chunks, 1.3x with 50 ms and
-              1.05x with 200 ms (1.03x sleeping only before communicating). Ranks run one
+              idled), in CPU time, which the slowdown then multiplies: measured here, a small
+              op costs 10 us of CPU back to back and 32 us after a 1 ms sleep, and a one-device
+              Llama step at slowdown 20 took 2.2x its plain CPU time with 1 ms chunks, 1.3x with
+              50 ms and 1.05x with 200 ms (1.03x sleeping only before communicating). Ranks run one
               intra-op thread (the launcher's default), whose CPU time is the op's.
     memory    op outputs, received pieces and leaves are counted by storage while they live; a
               value that would take the rank over its type's hbm_capacity x memory_scale raises
