@@ -61,8 +61,7 @@ from hspmd.runtime.execution.emulation import SWEEP_EVERY, emulated, emulation_o
 from hspmd.ir.shapes import Binding  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
-from hspmd.planning.device_sim import plan_device_run  # noqa: E402
-from hspmd.planning.simulator import simulate_pipelines  # noqa: E402
+from hspmd.planning.device_sim import simulate_device_run  # noqa: E402
 from hspmd.planning.device_memory import device_memory  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
@@ -236,8 +235,7 @@ def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, fl
         layout = MicroBatchLayout.of(strategy)
         binding = Binding.of({"B": sum(layout.sizes), "S": SEQ, "T": layout.global_batch_size * SEQ}, ratios=layout.sizes)
         spec = specialize_graph(build_llama(config, [strategy]).graph, 0, binding)
-        pipelines, groups, costs = plan_device_run(spec, cost, dict(enumerate(layout.counts)), schedule)
-        level2 = simulate_pipelines(pipelines, groups)  # simulate_specialized, keeping the per-rank costs
+        level2, costs = simulate_device_run(spec, cost, dict(enumerate(layout.counts)), schedule)
         level1 = simulate_strategy(strategy, cost, schedule)
         out[name] = (level2.iteration, level1.iteration,
                      {d: (level2.peak_memory.get(d, 0.0), device_memory(exe, spec.binding).static, level1.peak_memory.get(d, 0.0))

@@ -2,6 +2,7 @@
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.runtime.policies import calibrate
 from hspmd.runtime.policies.calibrate import (
     ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, WAKE_INTERVALS, Calibration, OpWork, fit, fit_line, fit_op_costs,
-    fit_steps, StepWork,
+    fit_steps, step_jitter, StepWork,
 )
 from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.runtime.execution.emulation import BETWEEN_PASSES
@@ -169,10 +170,13 @@ def test_the_step_overhead_and_the_loss_all_reduce_are_priced_once_per_step(writ
 
 def test_calibration_file_round_trip(tmp_path, written_work):
     timed, _ = synthetic_op_times()
-    for probe in (synthetic_probe(), {**synthetic_probe(), "ops": timed, "after_sleep": {8.0: [(0.0005, 0.3), (0.004, 0.1)]}}):
-        cal = fit([probe])
+    emulated = {**synthetic_probe(), "ops": timed, "after_sleep": {8.0: [(0.0005, 0.3), (0.004, 0.1)]}, "round": 1}
+    two_ranks = [{**emulated, "rank": 0}, {**emulated, "rank": 1, "steps": [1.1 * t for t in emulated["steps"]]}]
+    for probes in ([synthetic_probe()], [emulated], two_ranks):
+        cal = fit(probes)
         cal.save(tmp_path / "c.json")
         assert Calibration.load(tmp_path / "c.json") == cal
+    assert cal.op_costs.jitter > 0
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(HSPMDError, match="cannot read calibration file"):
         Calibration.load(tmp_path / "bad.json")
@@ -196,6 +200,32 @@ def test_calibration_file_round_trip(tmp_path, written_work):
     data["op_costs"]["wake_ups_after_sleep"] = [[0.01, 1e-4]]
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert Calibration.load(tmp_path / "old.json").op_costs.after_sleep == ()
+    data["op_costs"]["step_jitter"] = float("nan")
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(HSPMDError, match="bad.json.*jitter must be finite and >= 0"):
+        Calibration.load(tmp_path / "bad.json")
+    del data["op_costs"]["step_jitter"]  # files from before the jitter was measured: none
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Calibration.load(tmp_path / "old.json").op_costs.jitter == 0.0
+
+
+def test_the_step_jitter_is_each_ranks_own_spread_around_the_ranks_mean():
+    """step_jitter: the step probes of ranks that ran them in the same round, each against the
+    ranks' mean (load they share cancels); pooled, one rank's own relative standard deviation."""
+    rng = random.Random(1)
+    probes = []
+    for r in range(300):
+        shared = rng.uniform(0.5, 2.0)  # load both ranks met in this round
+        probes += [{"rank": rank, "round": r, "steps": [shared * t * (1 + rng.gauss(0.0, 0.1)) for t in (1e-3, 4e-3)]}
+                   for rank in (0, 1)]
+    assert step_jitter(probes) == pytest.approx(0.1, rel=0.1)
+    three = [{**p, "rank": 2} for p in probes if p["rank"] == 0]  # a third rank, the first's twin: less spread
+    assert 0 < step_jitter(probes + three) < step_jitter(probes)
+    # the shared load alone is no jitter; a rank alone in its rounds, or probes that do not say
+    # whose they are (saved before they did), tell nothing
+    assert step_jitter([{**p, "steps": [1e-3, 4e-3]} for p in probes]) == 0.0
+    assert step_jitter([p for p in probes if p["rank"] == 0]) == 0.0
+    assert step_jitter([{"steps": p["steps"]} for p in probes]) == 0.0
 
 
 def test_fit_line_refuses_noise_that_does_not_grow():

@@ -10,7 +10,7 @@ from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.ir.shapes import Binding
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, from_llama_config
-from hspmd.planning.device_sim import device_cost, plan_device_run, simulate_specialized
+from hspmd.planning.device_sim import device_cost, plan_device_run, simulate_device_run, simulate_specialized
 from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.runtime.execution.batches import MicroBatchLayout
 from hspmd.specialize.specialized import specialize_graph
@@ -156,3 +156,49 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     assert simulate_strategy(strategy, priced).iteration == simulate_strategy(strategy, base).iteration
     assert priced.step_work(0, op_priced=True) == 2e-3 and scaled.step_work(0, op_priced=True) == 6e-3
     assert priced.step_work(0) == base.step_work(0) == 5e-3
+
+
+def test_devices_that_wait_for_each_other_are_expected_to_wait_for_the_slowest_draw():
+    """With OpCosts.jitter, level 2's iteration is the mean over jitter_draws of the step with
+    each device's work (not its communication) slowed by its own draw: data parallel waits at
+    its all-reduce for the larger of two draws (E ~ 1 + 0.56 jitter for two equal devices), one
+    device for its own (E = 1 exactly: each device's draws average 1), an uneven split mostly
+    for the busier device. The draws are the
+    same on every call and for a device whoever runs beside it."""
+    from dataclasses import replace
+    from statistics import fmean, pstdev
+
+    from hspmd.planning import OpCosts
+    from hspmd.planning.device_memory import device_memory
+    from hspmd.planning.device_sim import device_costs, jitter_draws, stage_pipelines
+    from hspmd.planning.simulator import simulate_pipelines
+
+    draws = jitter_draws([0, 1], 0.1)
+    assert draws == jitter_draws([0, 1], 0.1) and [d[1] for d in draws] == [d[1] for d in jitter_draws([1], 0.1)]
+    for device in (0, 1):
+        factors = [d[device] for d in draws]
+        assert fmean(factors) == pytest.approx(1.0) and pstdev(factors) == pytest.approx(0.1, rel=0.25)
+    slowest = fmean(max(d.values()) for d in draws) - 1.0
+    assert slowest == pytest.approx(0.1 / math.sqrt(math.pi), rel=0.25)
+
+    def excess(text):
+        """(iteration with jitter - without, the step's work of the busiest device)"""
+        _, config, layout, spec = specialized(text)
+        steady = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ), overhead=10e-6,
+                           op_costs=OpCosts({}, {}, per_step=1e-3))
+        jittery = replace(steady, op_costs=replace(steady.op_costs, jitter=0.1))
+        counts = dict(enumerate(layout.counts))
+        plain = simulate_specialized(spec, steady, counts)
+        result, costs = simulate_device_run(spec, jittery, counts)
+        assert result.peak_memory == plain.peak_memory
+        memory = {d: device_memory(exe, spec.binding) for d, exe in spec.executables.items()}
+        doubled = simulate_pipelines(*stage_pipelines(spec, steady, device_costs(spec, steady), memory, counts,
+                                                      slowed={d: 2.0 for d in costs}))
+        return result.iteration - plain.iteration, doubled.iteration - plain.iteration
+
+    added, work = excess("layers=4 ; 2x2: R0 L0-3 ; 2x2: R1 L0-3")
+    assert added == pytest.approx(slowest * work, rel=1e-6)
+    added, work = excess("layers=4 ; 4x2: R0 L0-3")
+    assert added == pytest.approx(0.0, abs=1e-12) and work > 0
+    uneven, work_uneven = excess("layers=4 ; 3x2: R0 L0-3 ; 1x2: R1 L0-3")
+    assert abs(uneven) < 0.3 * slowest * work_uneven

@@ -91,6 +91,7 @@ def _table(items, what: str) -> tuple[tuple[str, float], ...]:
 # (work, fraction) pairs in a file; earlier files' "wake_ups" and "wake_ups_after_sleep" priced
 # each sleep at a fixed cost and are not read
 SLOWER_AFTER_SLEEP_KEY = "slower_between_sleeps"
+STEP_JITTER_KEY = "step_jitter"
 
 
 @dataclass(frozen=True)
@@ -109,13 +110,18 @@ class OpCosts:
     steps that sleep only in chunks; the device sleeps off its debt before every communication
     too, and a host core that idled runs the work after it slower, the most right after waking,
     and still slower tens of milliseconds later): an artefact of emulating on this host, priced
-    where cpu_scale > 1 so that level 2 predicts the emulated run (`slower_after`)."""
+    where cpu_scale > 1 so that level 2 predicts the emulated run (`slower_after`). `jitter`: the
+    relative standard deviation of a device's work from one step to the next that is its own (not
+    shared with the devices it runs beside): devices that wait for each other wait for the
+    slowest of their draws, so a step is expected to take longer than its average work says
+    (level 2 prices that expectation: device_sim.simulate_device_run)."""
 
     fixed: tuple[tuple[str, float], ...]
     gamma: tuple[tuple[str, float], ...]
     per_step: float = 0.0
     per_pass: float = 0.0
     after_sleep: tuple[tuple[float, float], ...] = ()
+    jitter: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "fixed", _table(self.fixed, "fixed"))
@@ -123,7 +129,7 @@ class OpCosts:
         if [k for k, _ in self.fixed] != [k for k, _ in self.gamma]:
             raise ClusterError(f"OpCosts: fixed and gamma must list the same op kinds, got "
                                f"{[k for k, _ in self.fixed]} and {[k for k, _ in self.gamma]}")
-        for name in ("per_step", "per_pass"):
+        for name in ("per_step", "per_pass", "jitter"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ClusterError(f"OpCosts {name} must be finite and >= 0, got {getattr(self, name)}")
         after_sleep = tuple(sorted((float(s), float(f)) for s, f in self.after_sleep))
@@ -160,12 +166,13 @@ class OpCosts:
 
     def to_dict(self) -> dict:
         return {"fixed": dict(self.fixed), "gamma": dict(self.gamma), "per_step": self.per_step, "per_pass": self.per_pass,
-                SLOWER_AFTER_SLEEP_KEY: [list(pair) for pair in self.after_sleep]}
+                SLOWER_AFTER_SLEEP_KEY: [list(pair) for pair in self.after_sleep], STEP_JITTER_KEY: self.jitter}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "OpCosts":
         return cls(tuple(dict(data["fixed"]).items()), tuple(dict(data["gamma"]).items()), float(data.get("per_step", 0.0)),
-                   float(data.get("per_pass", 0.0)), tuple((s, f) for s, f in data.get(SLOWER_AFTER_SLEEP_KEY, ())))
+                   float(data.get("per_pass", 0.0)), tuple((s, f) for s, f in data.get(SLOWER_AFTER_SLEEP_KEY, ())),
+                   float(data.get(STEP_JITTER_KEY, 0.0)))
 
 
 @dataclass(frozen=True)

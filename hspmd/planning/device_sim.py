@@ -22,7 +22,9 @@ the next pass the schedule runs (cycle_stretches).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import random
+import statistics
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from hspmd.comm_resolve.bucketing import DEFAULT_BUCKET_CAP_MB, MiB, fill_buckets
@@ -30,7 +32,7 @@ from hspmd.comm_resolve.cost import DTYPE_SIZES, dtype_name
 from hspmd.errors import HSPMDError
 from hspmd.ir.shapes import Binding
 from hspmd.planning.cost import CostModel
-from hspmd.planning.device_memory import device_memory
+from hspmd.planning.device_memory import DeviceMemory, device_memory
 from hspmd.planning.model import Kernel
 from hspmd.planning.simulator import SimLink, SimPipeline, SimResult, SimStage, simulate_pipelines
 from hspmd.specialize.executable import ExecutableGraph, Instruction
@@ -107,6 +109,14 @@ class DeviceCost:
     send_backward: float
     kernels: int
     update_tail: float = 0.0
+
+    def slowed(self, factor: float) -> "DeviceCost":
+        """These costs with the device's work (not its communication) `factor` times as long."""
+        if factor == 1.0:
+            return self
+        return replace(self, forward=self.forward_comm + factor * (self.forward - self.forward_comm),
+                       backward=self.backward_comm + factor * (self.backward - self.backward_comm),
+                       update=self.update_comm + factor * (self.update - self.update_comm), update_tail=factor * self.update_tail)
 
 
 def cycle_stretches(passes: Sequence[Sequence[float]]) -> list[list[tuple[int, float]]]:
@@ -211,14 +221,20 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
     return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels, segments["update"][-1])
 
 
-def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,
-                    schedule: str = "1f1b", comm: bool = True) -> tuple[tuple[SimPipeline, ...], tuple, dict[int, DeviceCost]]:
-    """Level-2 simulator input: per-device costs aggregated into the discovered pipelines' stages.
-    `micro_batches`: per discovered pipeline index (or one count for all)."""
-    binding = spec.binding
-    costs = {d: device_cost(exe, cost, binding, comm, alternating=schedule != "gpipe") for d, exe in spec.executables.items()}
+def device_costs(spec: Specialized, cost: CostModel, schedule: str = "1f1b", comm: bool = True) -> dict[int, DeviceCost]:
+    """Every device's DeviceCost under `schedule`."""
+    return {d: device_cost(exe, cost, spec.binding, comm, alternating=schedule != "gpipe") for d, exe in spec.executables.items()}
+
+
+def stage_pipelines(spec: Specialized, cost: CostModel, costs: Mapping[int, DeviceCost], memory: Mapping[int, DeviceMemory],
+                    micro_batches: Mapping[int, int] | int, schedule: str = "1f1b", comm: bool = True,
+                    slowed: Mapping[int, float] | None = None) -> tuple[tuple[SimPipeline, ...], tuple]:
+    """The devices' costs aggregated into the discovered pipelines' stages (a stage's time is its
+    slowest device's), and the update's sync groups. `slowed`: per device, a factor on its work
+    (not its communication) this step. `micro_batches`: per discovered pipeline index (or one count for all)."""
+    slowed = slowed or {}
+    costs = {d: c.slowed(slowed.get(d, 1.0)) for d, c in costs.items()}
     loss = cost.step_loss(tuple(sorted(costs)) if comm else ())
-    memory = {d: device_memory(exe, binding) for d, exe in spec.executables.items()}
     pipelines = []
     for p, layout in enumerate(spec.pipelines):
         m = micro_batches if isinstance(micro_batches, int) else micro_batches[p]
@@ -230,7 +246,7 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
             held = [memory[d] for d in devices]  # the interpreter's bytes: static + in flight x kept + a pass's values
             # the step loss's all-reduce is one more communication: an emulated device sleeps
             # off the update's tail and the step's own work before it
-            own = {d: cost.step_work(d, op_priced=True) for d in devices}
+            own = {d: slowed.get(d, 1.0) * cost.step_work(d, op_priced=True) for d in devices}
             step_work = max(own[d] + cost.woken_work(d, costs[d].update_tail + own[d]) for d in devices)
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),
@@ -244,18 +260,62 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
     # the update phase's collectives span pipelines: one group of every stage's first device
     keys = tuple((p, s) for p, layout in enumerate(spec.pipelines) for s in range(len(layout.stages)))
     groups = (keys,) if len(spec.pipelines) > 1 else ()
-    return tuple(pipelines), groups, costs
+    return tuple(pipelines), groups
+
+
+def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,
+                    schedule: str = "1f1b", comm: bool = True) -> tuple[tuple[SimPipeline, ...], tuple, dict[int, DeviceCost]]:
+    """Level-2 simulator input: per-device costs aggregated into the discovered pipelines' stages.
+    `micro_batches`: per discovered pipeline index (or one count for all)."""
+    costs = device_costs(spec, cost, schedule, comm)
+    memory = {d: device_memory(exe, spec.binding) for d, exe in spec.executables.items()}
+    pipelines, groups = stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm)
+    return pipelines, groups, costs
+
+
+JITTER_SAMPLES = 128  # draws of every device's step work when the op costs have a jitter
+JITTER_SEED = 0
+
+
+def jitter_draws(devices: Sequence[int], jitter: float, samples: int = JITTER_SAMPLES) -> list[dict[int, float]]:
+    """`samples` (even) draws of a factor per device, log-normal with relative standard deviation
+    `jitter`, in antithetic pairs and scaled so that each device's factors average exactly 1 (a
+    device alone, or far busier than the rest, is expected at its average work, not at its
+    draws' sampling error); the same draws for the same devices on every call (common random
+    numbers: two strategies compared meet the same luck), a device's whoever runs beside it."""
+    rng = random.Random(JITTER_SEED)
+    sigma = math.sqrt(math.log1p(jitter * jitter))
+    width = max(devices, default=-1) + 1
+    normal = [[rng.gauss(0.0, 1.0) for _ in range(width)] for _ in range(samples // 2)]
+    normal += [[-z for z in row] for row in normal]
+    factors = {d: [math.exp(sigma * row[d]) for row in normal] for d in devices}
+    means = {d: statistics.fmean(f) for d, f in factors.items()}
+    return [{d: factors[d][k] / means[d] for d in devices} for k in range(len(normal))]
+
+
+def simulate_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,
+                        schedule: str = "1f1b", comm: bool = True) -> tuple[SimResult, dict[int, DeviceCost]]:
+    """Level 2 of one step and the devices' costs. Where the op costs have a jitter (a device's
+    work varies from step to step on its own), devices that wait for each other wait for the
+    slowest draw: the iteration is then the mean over jitter_draws of the step simulated with
+    every device's work so slowed (the intervals and breakdowns are the average work's)."""
+    if not spec.pipelines:
+        raise HSPMDError("simulate_specialized: the specialization has no pipelines")
+    costs = device_costs(spec, cost, schedule, comm)
+    memory = {d: device_memory(exe, spec.binding) for d, exe in spec.executables.items()}
+    result = simulate_pipelines(*stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm))
+    jitter = cost.op_costs.jitter if cost.op_costs is not None else 0.0
+    if jitter > 0:
+        steps = [simulate_pipelines(*stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm, factors)).iteration
+                 for factors in jitter_draws(sorted(costs), jitter)]
+        result = replace(result, iteration=statistics.fmean(steps))
+    return result, costs
 
 
 def simulate_specialized(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,
                          schedule: str = "1f1b", comm: bool = True) -> SimResult:
-    """Level 2 simulation of one step of a specialized graph."""
-    if not spec.pipelines:
-        raise HSPMDError("simulate_specialized: the specialization has no pipelines")
-    pipelines, groups, _ = plan_device_run(spec, cost, micro_batches, schedule, comm)
-    return simulate_pipelines(pipelines, groups)
-
-
+    """Level 2 simulation of one step of a specialized graph (simulate_device_run)."""
+    return simulate_device_run(spec, cost, micro_batches, schedule, comm)[0]
 
 
 def specialize_llama(strategy: Strategy, model: ModelSpec, seq: int | None = None) -> tuple[Specialized, dict[int, int]]:
@@ -282,6 +342,6 @@ def simulate_llama(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", 
 
 
 __all__ = [
-    "DISPATCHED", "DeviceCost", "VIEWS", "device_cost", "op_kernel", "plan_device_run", "simulate_llama", "simulate_specialized",
-    "specialize_llama",
+    "DISPATCHED", "DeviceCost", "JITTER_SAMPLES", "VIEWS", "device_cost", "device_costs", "jitter_draws", "op_kernel",
+    "plan_device_run", "simulate_device_run", "simulate_llama", "simulate_specialized", "specialize_llama", "stage_pipelines",
 ]

@@ -32,6 +32,10 @@
                              by how much work that is (a core that idled runs the work after it
                              slower, the most right after waking, and still slower tens of
                              milliseconds later)
+    step jitter              the same step probes, on two ranks at once: how far each rank's
+                             step strays from the ranks' mean, pooled (a device's own variance
+                             from step to step, which level 2 draws from: devices that wait for
+                             each other wait for the slowest)
     gloo ping-pong and       2 processes, messages of 1 KB - 4 MB: half a round trip =
     all-reduce               alpha + bytes / beta, an all-reduce = 2 alpha + bytes / beta
                              (one least-squares fit over both)
@@ -186,6 +190,8 @@ class Calibration:
         if costs.after_sleep:
             parts.append("emulated work between sleeps " + ", ".join(f"{f:+.0%} over {w * 1e3:.1f} ms"
                                                                        for w, f in costs.after_sleep))
+        if costs.jitter:
+            parts.append(f"step jitter {costs.jitter:.1%}")
         return f" (per op: {', '.join(parts)})"
 
     def describe(self) -> str:
@@ -373,6 +379,28 @@ class TimedSteps:
     wakes: int
 
 
+def step_jitter(probes: list[dict]) -> float:
+    """OpCosts.jitter from the step probes of ranks that ran them at once (the same "round"): in
+    each round, each probe step's seconds on each rank relative to the ranks' mean; the pooled
+    variance of those deviations (n - 1 per round and probe) is a rank's own variance from step
+    to step, whatever load all ranks share. 0 without two ranks in some round. Approximate: a
+    probe step is shorter than a training step, and its seconds are the mean of two steps."""
+    rounds: dict[object, list[list[float]]] = {}
+    for p in probes:
+        if "round" in p and "rank" in p:
+            rounds.setdefault(p["round"], []).append(p["steps"])
+    squares, freedom = 0.0, 0
+    for steps in rounds.values():
+        if len(steps) < 2:
+            continue
+        for values in zip(*steps):
+            mean = statistics.mean(values)
+            if mean > 0:
+                squares += sum((v / mean - 1.0) ** 2 for v in values)
+                freedom += len(values) - 1
+    return math.sqrt(squares / freedom) if freedom else 0.0
+
+
 def after_sleep_curve(runs: list[Mapping[float, list[tuple[float, float]]]]) -> tuple[tuple[float, float], ...]:
     """OpCosts.after_sleep from the wake-up probes of several rounds (each: slowdown -> (work
     between sleeps, fraction) per interval): per slowdown and interval the median work and the
@@ -441,6 +469,7 @@ class Probe:
         self.wake_slowdowns = tuple(sorted({emulate, *(s for s in wake_at if s > 1)})) if emulate is not None else ()
         self.trainers = [probe_trainer(shape, *run, wrap=wrap) for run in PROBE_RUNS]
         self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
+        self.rounds = 0
 
     def _timed_steps(self, trainer: Trainer, batch, steps: int, record: bool = False) -> TimedSteps:
         """`steps` probe steps after an untimed one (so they meet the caches a step of their own
@@ -487,11 +516,14 @@ class Probe:
         return points
 
     def once(self) -> dict:
-        """Raw seconds of every probe, measured once (short inner loops)."""
+        """Raw seconds of every probe, measured once (short inner loops); "rank" and "round" say
+        whose and which call it was (the step probes of two ranks' same round ran at once: step_jitter)."""
         clock = self.clock
-        out = {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2)), clock) for a, b in self.matrices],
-               "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0]), clock) for a, b in self.vectors],
-               "steps": [], "ops": []}
+        self.rounds += 1
+        out: dict = {"rank": self.backend.rank if self.backend is not None else 0, "round": self.rounds}
+        out |= {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2)), clock) for a, b in self.matrices],
+                "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0]), clock) for a, b in self.vectors],
+                "steps": [], "ops": []}
         for trainer, batch in self.trainers:
             seconds, ops = self._step_seconds(trainer, batch)
             out["steps"].append(seconds)
@@ -537,6 +569,7 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
                              [1 + 2 * micro_batches for _, micro_batches, _ in PROBE_RUNS])
         if "after_sleep" in probes[0]:  # emulated step probes: how much slower the work after a sleep runs
             costs = replace(costs, after_sleep=after_sleep_curve([p["after_sleep"] for p in probes]))
+        costs = replace(costs, jitter=step_jitter(probes))
         fitted = replace(fitted, op_costs=costs)
     if "pingpong" not in probes[0]:
         return fitted
@@ -560,9 +593,10 @@ def calibrate(repeats: int = 7, cpu_time: bool = False, emulate: float | None = 
     `emulate`: the step probes run as an emulated device this many times slower (Probe), the
     reference type of the cluster the fit will price, so their CPU time is counted as its steps'
     is;
-    `wake_at`: the other emulated types' slowdowns, at which the wake-up probe runs too."""
+    `wake_at`: the other emulated types' slowdowns, at which the wake-up probe runs too.
+    The fit takes both ranks' probes (their medians; their differences are the step jitter)."""
     results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, emulate, wake_at, timeout=600)
-    return fit(results[0])
+    return fit(results[0] + results[1])
 
 
 def emulated_slowdowns(cluster: ClusterSpec | None) -> tuple[float, ...]:
