@@ -44,6 +44,7 @@ interpreter (goal: within 10%; planning/device_memory.py) and level 1's (a layer
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -277,7 +278,7 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
     measurements (no new run, no new noise). Prints step times and, emulated, every rank's device
     CPU against what level 2 now prices it."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(gzip.decompress(Path(path).read_bytes()) if path.endswith(".gz") else Path(path).read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"--repredict {path}: cannot read it: {type(e).__name__}: {e}") from None
     out = []
@@ -290,7 +291,10 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
         try:
             if refit and not saved.get("probes"):
                 raise SystemExit(f"--refit: {path} saved no probes (a run from before they were saved)")
-            calibration = (fit(saved["probes"], PROBE) if refit
+            probes = saved.get("probes") or []
+            if probes and "rank" not in probes[0]:  # saved before probes said whose they were: rank 0's rounds, then rank 1's
+                probes = [{**p, "rank": 2 * i // len(probes), "round": i % (len(probes) // 2)} for i, p in enumerate(probes)]
+            calibration = (fit(probes, PROBE) if refit
                            else Calibration.from_dict(saved["calibration"], f"{path}: calibration"))
             measured = {n: float(saved["measured"][n]) for n in STRATEGIES}
         except (HSPMDError, KeyError, TypeError, ValueError) as e:
@@ -398,7 +402,8 @@ def main(argv=None) -> int:
     p.add_argument("--dilation", type=float, default=8.0,
                    help="with --emulate: how many times slower than this host the fast type runs (default 8)")
     p.add_argument("--repredict", default=None, metavar="JSON",
-                   help="predict a run saved with --json again with this simulator and that run's calibration (no new run)")
+                   help="predict a run saved with --json (or gzipped: .json.gz) again with this simulator and that run's "
+                        "calibration (no new run)")
     p.add_argument("--refit", action="store_true", help="with --repredict: fit the calibration again from the run's saved probes")
     args = p.parse_args(argv)
     if args.repredict:

@@ -1,5 +1,6 @@
 """Calibration fits (on synthetic probe data, no timing) and trace files."""
 
+import gzip
 import json
 import math
 import random
@@ -329,14 +330,21 @@ def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path,
     assert out[0]["figures"]["all level 2"]["spearman"] == pytest.approx(1.0)
     printed = capsys.readouterr().out
     assert "re-predicted: emulated-pair-heterogeneous" in printed and "-50.0%" in printed  # DP2 rank 0's device CPU
-    # --refit: the probes the run saved (JSON's string keys for the wake-up probe's slowdowns), fitted again
+    # --refit: the probes the run saved (JSON's string keys for the wake-up probe's slowdowns), fitted
+    # again; a run saved before the probes said whose they were saved rank 0's rounds, then rank 1's
     timed, steps = synthetic_op_times()
     probe = {**synthetic_probe(), "ops": timed, "steps": steps, "after_sleep": {8.0: [(1e-4, 0.4), (1e-2, 0.1)]}}
-    refitted = bench.predict(fit([probe]), cluster)
-    saved[0].update(probes=json.loads(json.dumps([probe, probe])), measured={n: 1.25 * p[0] for n, p in refitted.items()})
+    other = {**probe, "steps": [1.2 * t for t in steps]}
+    refit_calibration = fit([{**probe, "rank": 0, "round": 0}, {**other, "rank": 1, "round": 0}])
+    assert refit_calibration.op_costs.jitter > 0
+    refitted = bench.predict(refit_calibration, cluster)
+    saved[0].update(probes=json.loads(json.dumps([probe, other])), measured={n: 1.25 * p[0] for n, p in refitted.items()})
     (tmp_path / "probed.json").write_text(json.dumps(saved))
     assert bench.repredict(str(tmp_path / "probed.json"), refit=True)[0]["figures"]["all level 2"]["mape"] == pytest.approx(20.0)
     assert bench.repredict(str(tmp_path / "probed.json"))[0]["figures"]["all level 2"]["mape"] != pytest.approx(20.0)
+    # the saved runs with their probes are kept compressed
+    (tmp_path / "probed.json.gz").write_bytes(gzip.compress(json.dumps(saved).encode()))
+    assert bench.repredict(str(tmp_path / "probed.json.gz"), refit=True)[0]["figures"]["all level 2"]["mape"] == pytest.approx(20.0)
     with pytest.raises(SystemExit, match="run.json saved no probes"):
         bench.repredict(str(tmp_path / "run.json"), refit=True)
     (tmp_path / "other.json").write_text(json.dumps([{**saved[0], "measured": {"DP2": 1.0}}]))

@@ -17,6 +17,10 @@ debt of each stretch of work is slept in chunks and before the communication end
 and the host runs the work between two sleeps slower, by how much the calibration measured for
 that much work (CostModel.woken_work); a pass's work after its last communication runs on into
 the next pass the schedule runs (cycle_stretches).
+
+Where the op costs have a jitter (a device's work varies from step to step on its own), the
+step is the mean over draws of each device's work slowed by its own factor (simulate_device_run):
+devices that wait for each other wait for the slowest draw.
 """
 
 from __future__ import annotations
