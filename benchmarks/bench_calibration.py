@@ -19,10 +19,12 @@
 
 Reports each strategy's measured and predicted time, the mean absolute percentage error (goal
 <= 15%) and Spearman's rank correlation (goal >= 0.8), over all strategies and over the four of
-the calibration set (DP2, PP2 1F1B, TP2, PP2 GPipe; its goal there: MAPE <= 25%). Timing-sensitive: not part of `make test`
-(run `make calibration`). `--json FILE` also writes the figures, each timed step's figures per
-rank and both ranks' probes; `--repredict FILE` predicts such a saved run again with the
-simulator as it is now (`--refit`: and the calibration fitted again from its probes).
+the calibration set (DP2, PP2 1F1B, TP2, PP2 GPipe; its goal there: MAPE <= 25%), and how far
+the run's own noise moves what it measured (measurement_noise: a MAPE near it is within the
+noise). Timing-sensitive: not part of `make test` (run `make calibration`). `--json FILE` also
+writes the figures, each timed step's figures per rank and both ranks' probes; `--repredict
+FILE` (.json, or .json.gz) predicts such a saved run again with the simulator as it is now
+(`--refit`: and the calibration fitted again from its probes).
 
 `--emulate homogeneous,heterogeneous` runs the same 8 strategies as emulated device types
 (hspmd.runtime.execution.emulation) instead: two ranks of one type, or rank 0 of a fast type and
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import random
 import statistics
 import sys
 import time
@@ -112,6 +115,7 @@ def emulated_pair(kind: str, dilation: float):
 
 
 TRACED_STEPS = 7  # with --trace: the median one of these is written
+NOISE_RESAMPLES = 1000  # bootstrap draws of the rounds for the measurement's own noise
 # the calibration set's acceptance set: DP2, PP2 1F1B, TP2, PP2 GPipe
 PLANNING_FOUR = ["DP2", "PP2 1F1B", "TP2", "PP2 GPipe"]
 
@@ -256,9 +260,24 @@ def spearman(xs, ys) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
-def step_accuracy(measured: dict, predicted: dict, emulated: bool) -> dict:
+def measurement_noise(per_round: dict[str, list[float]], resamples: int = NOISE_RESAMPLES) -> float:
+    """How far this run's own noise moves what it measured: the MAPE (%) of each strategy's
+    median step against the median of its rounds drawn again with replacement, the median over
+    `resamples` such draws (a bootstrap, seeded). A prediction's MAPE near it cannot be told
+    from noise; a goal under it needs more rounds (the noise shrinks as 1 / sqrt(rounds))."""
+    rng = random.Random(0)
+    medians = {n: statistics.median(steps) for n, steps in per_round.items()}
+    draws = []
+    for _ in range(resamples):
+        draws.append(100 * statistics.mean(
+            abs(statistics.median(rng.choices(steps, k=len(steps))) - medians[n]) / medians[n] for n, steps in per_round.items()))
+    return statistics.median(draws)
+
+
+def step_accuracy(measured: dict, predicted: dict, emulated: bool, per_round: dict[str, list[float]] | None = None) -> dict:
     """Print and return level 2's and level 1's MAPE and Spearman over all strategies and over
-    the calibration set."""
+    the calibration set, and (`per_round`: each strategy's step per round) the measurement's
+    own noise."""
     figures: dict = {}
     goal = "(goal <= 8%, >= 0.9)" if emulated else "(goal <= 15%, >= 0.8)"
     for label, names in (("all", list(STRATEGIES)), ("the calibration set", PLANNING_FOUR)):
@@ -268,6 +287,12 @@ def step_accuracy(measured: dict, predicted: dict, emulated: bool) -> dict:
             figures[f"{label} level {2 - level}"] = {"mape": mape, "spearman": rho}
             print(f"{label} ({len(names)} strategies), level {2 - level}: MAPE {mape:.1f}%, Spearman {rho:.2f}"
                   f"{' ' + goal if level == 0 and label == 'all' else ''}")
+    if per_round:
+        rounds = min(len(steps) for steps in per_round.values())
+        noise = measurement_noise(per_round)
+        figures["noise"] = {"mape": noise, "rounds": rounds}
+        print(f"measurement noise: the medians of {rounds} rounds move {noise:.1f}% (MAPE, bootstrap): "
+              f"a level 2 MAPE near that is within this run's noise")
     return figures
 
 
@@ -305,7 +330,8 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
         print(table(["strategy", "measured ms", "level 2 ms", "error", "level 1 ms", "error"],
                     [[n, ms(measured[n]), ms(predicted[n][0]), f"{(predicted[n][0] - measured[n]) / measured[n]:+.1%}",
                       ms(predicted[n][1]), f"{(predicted[n][1] - measured[n]) / measured[n]:+.1%}"] for n in STRATEGIES]))
-        figures = step_accuracy(measured, predicted, emulated=cluster is not None)
+        per_round = {n: [max(ts) for ts in zip(*saved["steps"][n])] for n in STRATEGIES} if saved.get("steps") else None
+        figures = step_accuracy(measured, predicted, emulated=cluster is not None, per_round=per_round)
         rows = []
         for n, by_rank in saved.get("figures", {}).get("device_cpu", {}).items():
             ranks = {int(r): v for r, v in by_rank.items() if r.isdigit()} or {by_rank["rank"]: by_rank}
@@ -344,7 +370,8 @@ def run_set(args, cluster=None) -> dict:
              ms(predicted[name][0]), f"{(predicted[name][0] - measured[name]) / measured[name]:+.1%}",
              ms(predicted[name][1]), f"{(predicted[name][1] - measured[name]) / measured[name]:+.1%}"] for name in STRATEGIES]
     print(table(["strategy", "measured ms", "min-max", "cpu ms", "level 2 ms", "error", "level 1 ms", "error"], rows))
-    figures = step_accuracy(measured, predicted, emulated=cluster is not None)
+    figures = step_accuracy(measured, predicted, emulated=cluster is not None,
+                            per_round={name: [max(ts) for ts in zip(*(r[name] for r in per_rank))] for name in STRATEGIES})
     memory = {}
     if cluster is not None:
         slow = max(range(2), key=cluster.slowdown)

@@ -303,18 +303,36 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
         assert len(points) == len(WAKE_INTERVALS) and min(works) > 0 and works == sorted(works)
 
 
-def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path, capsys, written_work):
-    """bench_calibration --repredict: a run's saved measurements and calibration, predicted by the
-    simulator as it is now (a cost-model change checked without a new, noisy run); with --refit
-    the calibration fitted again from the run's saved probes."""
+@pytest.fixture
+def bench():
+    """benchmarks/bench_calibration.py as a module."""
     import importlib.util
-
-    from hspmd.planning import OpCosts
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_calibration.py"
     spec = importlib.util.spec_from_file_location("bench_calibration_under_test", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_bench_reports_how_far_its_own_noise_moves_what_it_measured(bench):
+    """measurement_noise: a bootstrap of the rounds' median against the median; none for steps
+    that never vary, less the more rounds the same noise is measured over, the same every call."""
+    rng = random.Random(3)
+    noisy = lambda rounds: {n: [base * rng.lognormvariate(0.0, 0.2) for _ in range(rounds)]  # noqa: E731
+                            for n, base in (("a", 0.2), ("b", 0.5))}
+    assert bench.measurement_noise({"a": [0.2] * 6, "b": [0.5] * 6}) == 0.0
+    few, many = noisy(6), noisy(96)
+    assert bench.measurement_noise(few) == bench.measurement_noise(few) > bench.measurement_noise(many) > 0.0
+    assert bench.measurement_noise(many) == pytest.approx(bench.measurement_noise(few) / 4, rel=0.5)
+
+
+def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path, capsys, written_work, bench):
+    """bench_calibration --repredict: a run's saved measurements and calibration, predicted by the
+    simulator as it is now (a cost-model change checked without a new, noisy run); with --refit
+    the calibration fitted again from the run's saved probes."""
+    from hspmd.planning import OpCosts
+
     costs = OpCosts({"matmul": 1e-5, "add": 4e-6}, {"matmul": 1.5, "add": 1.0}, per_step=1e-4, per_pass=5e-5,
                     after_sleep=((1e-4, 0.5), (1e-2, 0.1)))
     calibration = Calibration(1e11, 1e10, 2e-5, 1e-4, 1e9, 1e-3, 1.5, costs)
@@ -330,6 +348,9 @@ def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path,
     assert out[0]["figures"]["all level 2"]["spearman"] == pytest.approx(1.0)
     printed = capsys.readouterr().out
     assert "re-predicted: emulated-pair-heterogeneous" in printed and "-50.0%" in printed  # DP2 rank 0's device CPU
+    assert "noise" not in out[0]["figures"]  # a run saved without its rounds' steps
+    (tmp_path / "stepped.json").write_text(json.dumps([{**saved[0], "steps": {n: [[m] * 3, [m / 2] * 3] for n, m in measured.items()}}]))
+    assert bench.repredict(str(tmp_path / "stepped.json"))[0]["figures"]["noise"] == {"mape": 0.0, "rounds": 3}
     # --refit: the probes the run saved (JSON's string keys for the wake-up probe's slowdowns), fitted
     # again; a run saved before the probes said whose they were saved rank 0's rounds, then rank 1's
     timed, steps = synthetic_op_times()

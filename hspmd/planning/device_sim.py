@@ -304,7 +304,7 @@ def simulate_device_run(spec: Specialized, cost: CostModel, micro_batches: Mappi
     slowest draw: the iteration is then the mean over jitter_draws of the step simulated with
     every device's work so slowed (the intervals and breakdowns are the average work's)."""
     if not spec.pipelines:
-        raise HSPMDError("simulate_specialized: the specialization has no pipelines")
+        raise HSPMDError("level 2 (simulate_device_run): the specialization has no pipelines")
     costs = device_costs(spec, cost, schedule, comm)
     memory = {d: device_memory(exe, spec.binding) for d, exe in spec.executables.items()}
     result = simulate_pipelines(*stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm))
