@@ -6,14 +6,16 @@
    strategies take turns round by round, so load drifts hit all of them alike; in its turn a
    strategy runs an untimed step and then the timed one, so that the timed step meets the caches
    its own last step left, as in training (timed right after the other strategies' steps, the
-   demo Llama's step cost ~12% more CPU time; `--cold` times it so); median of the slowest rank
-   per strategy. `--pin-cpus` pins each rank to its own CPU (hspmd.runtime.processes.affinity).
+   demo Llama's step cost ~12% more CPU time; `--cold` times it so); the typical step of the
+   slowest rank per strategy (fitting.typical: the rounds' trimmed mean; a job's length is its
+   steps' mean, and this host switches between speeds, which a median would jump between).
+   `--pin-cpus` pins each rank to its own CPU (hspmd.runtime.processes.affinity).
 2. Calibrate in the same run: before each round, both ranks run the calibration probes (torch
    matmul / add micro-benchmarks, real steps of 1-2 layer probe models for the executor's overheads
    and the kernels' efficiency, each of their ops timed for the per-op-kind costs level 2 prices,
    a gloo ping-pong and all-reduce; hspmd.runtime.policies.calibrate), so the
-   fit sees the machine load the steps see (this machine is shared); the fit takes the medians
-   over both ranks' probes. `--calibration FILE` uses a saved fit instead.
+   fit sees the machine load the steps see (this machine is shared); the fit takes the typical
+   value over both ranks' probes. `--calibration FILE` uses a saved fit instead.
 3. Predict the same steps with the calibrated cost model: simulator level 2 (the specialized
    programs, op by op, with their resolved plans) and level 1 (stage times from ModelSpec).
 
@@ -66,6 +68,7 @@ from hspmd.ir.shapes import Binding  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
 from hspmd.planning.device_sim import simulate_device_run  # noqa: E402
+from hspmd.planning.fitting import typical  # noqa: E402
 from hspmd.planning.device_memory import device_memory  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
@@ -262,15 +265,15 @@ def spearman(xs, ys) -> float:
 
 def measurement_noise(per_round: dict[str, list[float]], resamples: int = NOISE_RESAMPLES) -> float:
     """How far this run's own noise moves what it measured: the MAPE (%) of each strategy's
-    median step against the median of its rounds drawn again with replacement, the median over
-    `resamples` such draws (a bootstrap, seeded). A prediction's MAPE near it cannot be told
+    typical step against the typical step of its rounds drawn again with replacement, the median
+    over `resamples` such draws (a bootstrap, seeded). A prediction's MAPE near it cannot be told
     from noise; a goal under it needs more rounds (the noise shrinks as 1 / sqrt(rounds))."""
     rng = random.Random(0)
-    medians = {n: statistics.median(steps) for n, steps in per_round.items()}
+    measured = {n: typical(steps) for n, steps in per_round.items()}
     draws = []
     for _ in range(resamples):
         draws.append(100 * statistics.mean(
-            abs(statistics.median(rng.choices(steps, k=len(steps))) - medians[n]) / medians[n] for n, steps in per_round.items()))
+            abs(typical(rng.choices(steps, k=len(steps))) - measured[n]) / measured[n] for n, steps in per_round.items()))
     return statistics.median(draws)
 
 
@@ -291,7 +294,7 @@ def step_accuracy(measured: dict, predicted: dict, emulated: bool, per_round: di
         rounds = min(len(steps) for steps in per_round.values())
         noise = measurement_noise(per_round)
         figures["noise"] = {"mape": noise, "rounds": rounds}
-        print(f"measurement noise: the medians of {rounds} rounds move {noise:.1f}% (MAPE, bootstrap): "
+        print(f"measurement noise: the typical steps of {rounds} rounds move {noise:.1f}% (MAPE, bootstrap): "
               f"a level 2 MAPE near that is within this run's noise")
     return figures
 
@@ -321,7 +324,10 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
                 probes = [{**p, "rank": 2 * i // len(probes), "round": i % (len(probes) // 2)} for i, p in enumerate(probes)]
             calibration = (fit(probes, PROBE) if refit
                            else Calibration.from_dict(saved["calibration"], f"{path}: calibration"))
-            measured = {n: float(saved["measured"][n]) for n in STRATEGIES}
+            # a run saved with its rounds' steps is measured as the bench measures now (typical); else as saved
+            per_round = {n: [max(ts) for ts in zip(*saved["steps"][n])] for n in STRATEGIES} if saved.get("steps") else None
+            measured = ({n: typical(steps) for n, steps in per_round.items()} if per_round
+                        else {n: float(saved["measured"][n]) for n in STRATEGIES})
         except (HSPMDError, KeyError, TypeError, ValueError) as e:
             raise SystemExit(f"--repredict {path}: not a saved run of this benchmark: {type(e).__name__}: {e}") from None
         predicted = predict(calibration, cluster)
@@ -330,7 +336,6 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
         print(table(["strategy", "measured ms", "level 2 ms", "error", "level 1 ms", "error"],
                     [[n, ms(measured[n]), ms(predicted[n][0]), f"{(predicted[n][0] - measured[n]) / measured[n]:+.1%}",
                       ms(predicted[n][1]), f"{(predicted[n][1] - measured[n]) / measured[n]:+.1%}"] for n in STRATEGIES]))
-        per_round = {n: [max(ts) for ts in zip(*saved["steps"][n])] for n in STRATEGIES} if saved.get("steps") else None
         figures = step_accuracy(measured, predicted, emulated=cluster is not None, per_round=per_round)
         rows = []
         for n, by_rank in saved.get("figures", {}).get("device_cpu", {}).items():
@@ -356,22 +361,21 @@ def run_set(args, cluster=None) -> dict:
     if args.save_calibration and cluster is None:
         calibration.save(args.save_calibration)
     per_rank = [r[0] for r in results]
-    cpu = {name: statistics.median(max(ts) for ts in zip(*(r[1][name] for r in results))) for name in STRATEGIES}
+    cpu = {name: typical(max(ts) for ts in zip(*(r[1][name] for r in results))) for name in STRATEGIES}
     if args.trace:
         folder = Path(args.trace) / ("plain" if cluster is None else cluster.name)
         folder.mkdir(parents=True, exist_ok=True)
         for name in STRATEGIES:
             write_trace(folder / (name.replace(" ", "_").replace(":", "-") + ".json"), typical_step([r[2][name] for r in results]))
-    measured = {name: statistics.median(max(ts) for ts in zip(*(r[name] for r in per_rank))) for name in STRATEGIES}
-    spread = {name: (min(max(ts) for ts in zip(*(r[name] for r in per_rank))),
-                     max(max(ts) for ts in zip(*(r[name] for r in per_rank)))) for name in STRATEGIES}
+    per_round = {name: [max(ts) for ts in zip(*(r[name] for r in per_rank))] for name in STRATEGIES}  # the slowest rank's
+    measured = {name: typical(steps) for name, steps in per_round.items()}
+    spread = {name: (min(steps), max(steps)) for name, steps in per_round.items()}
     predicted = predict(calibration, cluster)
     rows = [[name, ms(measured[name]), f"{ms(spread[name][0])}-{ms(spread[name][1])}", ms(cpu[name]),
              ms(predicted[name][0]), f"{(predicted[name][0] - measured[name]) / measured[name]:+.1%}",
              ms(predicted[name][1]), f"{(predicted[name][1] - measured[name]) / measured[name]:+.1%}"] for name in STRATEGIES]
     print(table(["strategy", "measured ms", "min-max", "cpu ms", "level 2 ms", "error", "level 1 ms", "error"], rows))
-    figures = step_accuracy(measured, predicted, emulated=cluster is not None,
-                            per_round={name: [max(ts) for ts in zip(*(r[name] for r in per_rank))] for name in STRATEGIES})
+    figures = step_accuracy(measured, predicted, emulated=cluster is not None, per_round=per_round)
     memory = {}
     if cluster is not None:
         slow = max(range(2), key=cluster.slowdown)

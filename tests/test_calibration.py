@@ -98,20 +98,20 @@ def test_fit_gives_op_costs_when_the_probes_timed_their_ops(written_work):
     assert cal.op_costs is not None and cal.op_costs.fixed_of == pytest.approx(OP_FIXED)
     assert cal.op_costs.per_step == pytest.approx(1e-3) and cal.op_costs.after_sleep == ()
     # emulated step probes also time how much slower the work between two sleeps runs, by how
-    # much work that is: per slowdown and interval the median work and fraction (never below 0),
-    # sorted by work
+    # much work that is: per slowdown and interval the typical (trimmed mean) work and fraction
+    # (never below 0), sorted by work
     rounds = [{8.0: [(0.001 * k, f), (0.004 * k, f / 2)], 20.0: [(0.002, 3 * f / 4), (0.016 * k, f / 4)]}
               for k, f in ((1.0, 0.8), (1.1, 1.2), (0.9, -0.4))]
     slower = fit([{**probe, "after_sleep": r} for r in rounds]).op_costs
     assert [pair for point in slower.after_sleep for pair in point] == pytest.approx(
-        [0.001, 0.8, 0.002, 0.6, 0.004, 0.4, 0.016, 0.2])
+        [0.001, 1.6 / 3, 0.002, 0.4, 0.004, 0.8 / 3, 0.016, 0.4 / 3])
     # more work between sleeps never runs slower on average (the slowest is right after waking):
     # a rise between the probes' points is pooled away; two slowdowns' points at one work share it
     rising = calibrate.after_sleep_curve([{8.0: [(0.001, 0.5), (0.002, 0.7), (0.004, 0.1)], 20.0: [(0.004, 0.3)]}])
     assert [pair for point in rising for pair in point] == pytest.approx([0.001, 0.6, 0.002, 0.6, 0.004, 0.2])
     # priced: the least work's fraction below it, log-linear between, the most's beyond
     assert [slower.slower_after(w) for w in (0.0, 0.001, 0.003, 0.016, 1.0)] == pytest.approx(
-        [0.8, 0.8, 0.6 - 0.2 * math.log(1.5) / math.log(2), 0.2, 0.2])
+        [1.6 / 3, 1.6 / 3, 0.4 - 0.4 / 3 * math.log(1.5) / math.log(2), 0.4 / 3, 0.4 / 3])
     assert fit([synthetic_probe()]).op_costs is None  # probes without op timings: every op at `overhead`
 
 
@@ -259,7 +259,7 @@ def test_the_probes_run_on_this_machine_and_fit():
 
     probe = Probe(None)
     runs = []
-    for attempt in range(3):  # medians of 4, 8, 12 runs: a burst of load on a shared machine passes
+    for attempt in range(3):  # the typical of 4, 8, 12 runs: a burst of load on a shared machine passes
         runs += [probe.once() for _ in range(4)]
         assert all(t > 0 for run in runs for key in ("matmul", "add") for t in run[key])
         assert all(len(run["steps"]) == len(PROBE_RUNS) and min(run["steps"]) > 0 and "pingpong" not in run
@@ -316,7 +316,7 @@ def bench():
 
 
 def test_the_bench_reports_how_far_its_own_noise_moves_what_it_measured(bench):
-    """measurement_noise: a bootstrap of the rounds' median against the median; none for steps
+    """measurement_noise: a bootstrap of the rounds' typical step against it; none for steps
     that never vary, less the more rounds the same noise is measured over, the same every call."""
     rng = random.Random(3)
     noisy = lambda rounds: {n: [base * rng.lognormvariate(0.0, 0.2) for _ in range(rounds)]  # noqa: E731

@@ -3,6 +3,7 @@ exhaustive search over which terms are free (the optimum of a convex problem is 
 subsets whose unconstrained fit is non-negative)."""
 
 import itertools
+import statistics
 from collections import Counter
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hspmd.errors import HSPMDError
-from hspmd.planning.fitting import nonnegative_least_squares
+from hspmd.planning.fitting import nonnegative_least_squares, typical
 
 
 def best_over_subsets(rows, values) -> float:
@@ -63,3 +64,17 @@ def test_the_fit_is_the_best_non_negative_one():
 def test_a_shapeless_design_is_refused():
     with pytest.raises(HSPMDError, match="rows against"):
         nonnegative_least_squares([[1.0, 2.0]], [1.0, 2.0])
+
+
+def test_repeated_timings_are_summarised_by_their_trimmed_mean():
+    """typical: the lowest and highest tenth dropped, the rest averaged; a host switching between
+    two speeds gives two modes, whose median jumps between them as the mix passes one half while
+    the typical value moves with the mix."""
+    assert typical([5.0, 1.0, 2.0, 3.0, 4.0]) == pytest.approx(3.0)
+    assert typical([1.0] * 9 + [100.0]) == pytest.approx(1.0)  # a hiccup: dropped
+    assert typical([1.0, 3.0], trim=0.0) == pytest.approx(2.0)
+    fast_heavy, slow_heavy = [1.0] * 11 + [1.6] * 9, [1.0] * 9 + [1.6] * 11
+    assert statistics.median(slow_heavy) - statistics.median(fast_heavy) == pytest.approx(0.6)
+    assert typical(slow_heavy) - typical(fast_heavy) == pytest.approx(0.6 * 2 / 16)
+    with pytest.raises(HSPMDError, match="no timings"):
+        typical([])

@@ -1,15 +1,33 @@
 """Least squares with non-negative coefficients, the one fit behind the cost model's measured
 constants (calibration's kernel efficiencies and overheads, per op kind and per step; mixed-length
 dispatch's per-sequence cost): every coefficient is a time per unit of work, so none may be
-negative."""
+negative. And the one summary of repeated timings (`typical`)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import statistics
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from hspmd.errors import HSPMDValueError
+
+
+TRIM = 0.1  # the share of repeated timings dropped at each end before they are averaged
+
+
+def typical(values: Iterable[float], trim: float = TRIM) -> float:
+    """The trimmed mean of repeated timings: the lowest and highest `trim` of them dropped (a rare
+    hiccup, a lucky run), the rest averaged. Not the median: a host that switches between speeds
+    (this 2-core machine runs a core ~1.6x slower some seconds, at random) gives timings from
+    two modes, whose median jumps from one mode to the other as their mix passes one half while
+    the mean moves with the mix, so that probes and the steps they price, timed at other moments
+    of one run, agree; and a job's length is its steps' mean."""
+    ordered = sorted(values)
+    if not ordered:
+        raise HSPMDValueError("typical: no timings")
+    cut = int(len(ordered) * trim)
+    return statistics.fmean(ordered[cut:len(ordered) - cut])
 
 
 def nonnegative_least_squares(rows: Sequence[Sequence[float]], values: Sequence[float]) -> tuple[float, ...]:

@@ -44,8 +44,9 @@ Everything runs on both processes at once, as in training (they share the machin
 
 The result is a device type "cpu" (peak = the fitted matmul rate, bandwidth = the fitted add rate),
 the fitted gamma (every kernel class), the per-instruction and per-step overheads and one link
-class; saved as JSON and turned back into a ClusterSpec + CostModel for predictions. Timings use one thread per
-process, like the trainers. Measurements are medians of repeats; they move with machine load.
+class; saved as JSON and turned back into a ClusterSpec + CostModel for predictions. Timings use
+one thread per process, like the trainers. Each measurement is the median of its repeats within a
+probe and, over the probes, their trimmed mean (fitting.typical); they move with machine load.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import CostModel, Efficiency, ModelSpec, OpCosts
 from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.planning.device_sim import DISPATCHED, op_kernel
-from hspmd.planning.fitting import nonnegative_least_squares
+from hspmd.planning.fitting import nonnegative_least_squares, typical
 from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.ops import AdamW
@@ -403,16 +404,17 @@ def step_jitter(probes: list[dict]) -> float:
 
 def after_sleep_curve(runs: list[Mapping[float, list[tuple[float, float]]]]) -> tuple[tuple[float, float], ...]:
     """OpCosts.after_sleep from the wake-up probes of several rounds (each: slowdown -> (work
-    between sleeps, fraction) per interval): per slowdown and interval the median work and the
-    median fraction (not below 0), sorted by work and made non-increasing in it (isotonic least
-    squares: the work right after waking runs slowest, so more work between sleeps cannot run
-    slower on average; a rise is noise); equal works (two slowdowns' probes) share one point."""
+    between sleeps, fraction) per interval): per slowdown and interval the typical work and
+    fraction (fitting.typical; the fraction not below 0), sorted by work and made non-increasing
+    in it (isotonic least squares: the work right after waking runs slowest, so more work between
+    sleeps cannot run slower on average; a rise is noise); equal works (two slowdowns' probes)
+    share one point."""
     points = []
     for slowdown in runs[0]:
         for i in range(min(len(run.get(slowdown, ())) for run in runs)):
-            work = statistics.median(run[slowdown][i][0] for run in runs)
+            work = typical(run[slowdown][i][0] for run in runs)
             if work > 0:
-                points.append((work, max(0.0, statistics.median(run[slowdown][i][1] for run in runs))))
+                points.append((work, max(0.0, typical(run[slowdown][i][1] for run in runs))))
     points.sort()
     blocks: list[list[float]] = []  # pool adjacent violators: [mean, count] of each run of pooled points
     for _, fraction in points:
@@ -552,20 +554,21 @@ class Probe:
 
 
 def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
-    """Fit a Calibration to the per-entry medians of several Probe.once() results (module docstring)."""
-    med = lambda key: [statistics.median(p[key][i] for p in probes) for i in range(len(probes[0][key]))]  # noqa: E731
-    slope_f, _ = fit_line([2.0 * n ** 3 for n in MATMUL_SIZES], med("matmul"))
-    slope_b, _ = fit_line([12.0 * n for n in ADD_SIZES], med("add"))
+    """Fit a Calibration to several Probe.once() results, each entry their typical value
+    (fitting.typical: a trimmed mean; module docstring)."""
+    typical_of = lambda key: [typical(p[key][i] for p in probes) for i in range(len(probes[0][key]))]  # noqa: E731
+    slope_f, _ = fit_line([2.0 * n ** 3 for n in MATMUL_SIZES], typical_of("matmul"))
+    slope_b, _ = fit_line([12.0 * n for n in ADD_SIZES], typical_of("add"))
     rates = Calibration(1.0 / slope_f, 1.0 / slope_b, overhead=0.0, link_latency=1e-5, link_bandwidth=1e9)
     probe_model = ModelSpec("probe", 1, shape.hidden, shape.ffn, shape.heads, shape.heads, shape.vocab, shape.seq, "float32")
     rate_cost = rates.cost_model(probe_model, 1)
     trainers = [probe_trainer(shape, *run)[0] for run in PROBE_RUNS]
-    gamma, overhead, step_overhead = fit_steps([step_work(t, rate_cost) for t in trainers], med("steps"))
+    gamma, overhead, step_overhead = fit_steps([step_work(t, rate_cost) for t in trainers], typical_of("steps"))
     fitted = replace(rates, overhead=overhead, step_overhead=step_overhead, gamma=gamma)
     if "ops" in probes[0]:
-        timed = [{name: statistics.median(p["ops"][i][name] for p in probes if name in p["ops"][i])
+        timed = [{name: typical(p["ops"][i][name] for p in probes if name in p["ops"][i])
                   for name in probes[0]["ops"][i]} for i in range(len(PROBE_RUNS))]
-        costs = fit_op_costs([op_work(t, rate_cost) for t in trainers], timed, med("steps"),
+        costs = fit_op_costs([op_work(t, rate_cost) for t in trainers], timed, typical_of("steps"),
                              [1 + 2 * micro_batches for _, micro_batches, _ in PROBE_RUNS])
         if "after_sleep" in probes[0]:  # emulated step probes: how much slower the work after a sleep runs
             costs = replace(costs, after_sleep=after_sleep_curve([p["after_sleep"] for p in probes]))
@@ -574,7 +577,7 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     if "pingpong" not in probes[0]:
         return fitted
     xs = [float(n) for n in MESSAGE_SIZES] + [n / 2 for n in MESSAGE_SIZES]
-    ys = med("pingpong") + [t / 2 for t in med("allreduce")]  # 2-process all-reduce: 2 alpha + B / beta
+    ys = typical_of("pingpong") + [t / 2 for t in typical_of("allreduce")]  # 2-process all-reduce: 2 alpha + B / beta
     slope, alpha = fit_line(xs, ys)
     return replace(fitted, link_latency=alpha, link_bandwidth=1.0 / slope)
 
