@@ -176,3 +176,51 @@ def test_geometry_and_algebra_refuse_bad_arguments_with_named_errors():
 def test_infer_shape_takes_annotation_text_like_shard_and_unshard():
     locals_ = {0: torch.zeros(3, 2), 1: torch.zeros(1, 2)}
     assert infer_shape(locals_, "H0{@[0] | @[1]}") == infer_shape(locals_, parse("H0{@[0] | @[1]}")) == ((4, 2), (3, 1))
+
+
+def test_a_union_shared_by_threads_copies_what_it_knows_while_they_memoise():
+    """Annotations are immutable and shared (the in-process backend's device threads resolve plans
+    on the same unions), but each memoises answers in place: with_subgroups and pickling read
+    that memo while another thread may add to it, so they read a copy (a dict changing size
+    mid-iteration raised from deep inside a resolve). A race: without the copy this fails in most
+    runs (4 of 5 here), not every one."""
+    import pickle
+    import sys
+    import threading
+
+    union = parse("HP{S0:2@[0,1] | S0:2@[2,3]}")
+    sub = union.subgroups[1]
+    failures: list[BaseException] = []
+    done = threading.Event()
+
+    memoised = [0]
+
+    def memoise():
+        while not done.is_set() and memoised[0] < 4000:
+            n = memoised[0]
+            union._memo(("derived", ("regions", n)), lambda: n)  # a new region key, as a resolve derives them
+            memoised[0] += 1
+
+    def copy():
+        try:
+            for _ in range(400):
+                union.with_subgroup(1, Subgroup(sub.dg, sub.ds))
+                pickle.dumps(union)
+        except BaseException as e:  # noqa: BLE001 - any failure in the thread is the test's
+            failures.append(e)
+        finally:
+            done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=memoise), threading.Thread(target=copy)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+        done.set()
+    assert not failures, failures
+    assert memoised[0] > 100  # the other thread did memoise meanwhile

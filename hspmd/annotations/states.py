@@ -44,7 +44,9 @@ class _Memo:
         return mine is not None and theirs is not None and mine != theirs
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_memo_cache"}
+        state = dict(self.__dict__)  # a copy first: another thread may add the memo meanwhile
+        state.pop("_memo_cache", None)
+        return state
 
 
 HDup = Literal["D"]

@@ -242,7 +242,8 @@ class Annotation(_Memo):
             return Annotation(subs, self.hdim, self.ratios)
         self._subgroup_index()  # made here once, it passes down a plan's chain of layouts (else one per layout)
         new = Annotation.known(subs, self.hdim, self.ratios)
-        known = self.__dict__.get("_memo_cache") or {}
+        # a copy (one C call, atomic under the GIL): threads sharing this union may memoise more meanwhile
+        known = dict(self.__dict__.get("_memo_cache") or {})
         kept: dict[object, object] = {key: known[key] for key in self._KEPT_BY_WITH_SUBGROUP if key in known}
         kept.update((key, v) for key, v in known.items() if isinstance(key, tuple) and key[:1] == ("derived",)
                     and isinstance(key[1], tuple) and key[1][:1] == ("regions",))  # regions: HDim, ratios, HSize only
