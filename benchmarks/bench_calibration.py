@@ -263,6 +263,11 @@ def spearman(xs, ys) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+def slowest_rank(per_rank: list[list[float]]) -> list[float]:
+    """Per round, the slowest rank's seconds (a step ends with its slowest rank)."""
+    return [max(round_) for round_ in zip(*per_rank)]
+
+
 def measurement_noise(per_round: dict[str, list[float]], resamples: int = NOISE_RESAMPLES) -> float:
     """How far this run's own noise moves what it measured: the MAPE (%) of each strategy's
     typical step against the typical step of its rounds drawn again with replacement, the median
@@ -325,7 +330,7 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
             calibration = (fit(probes, PROBE) if refit
                            else Calibration.from_dict(saved["calibration"], f"{path}: calibration"))
             # a run saved with its rounds' steps is measured as the bench measures now (typical); else as saved
-            per_round = {n: [max(ts) for ts in zip(*saved["steps"][n])] for n in STRATEGIES} if saved.get("steps") else None
+            per_round = {n: slowest_rank(saved["steps"][n]) for n in STRATEGIES} if saved.get("steps") else None
             measured = ({n: typical(steps) for n, steps in per_round.items()} if per_round
                         else {n: float(saved["measured"][n]) for n in STRATEGIES})
         except (HSPMDError, KeyError, TypeError, ValueError) as e:
@@ -361,13 +366,13 @@ def run_set(args, cluster=None) -> dict:
     if args.save_calibration and cluster is None:
         calibration.save(args.save_calibration)
     per_rank = [r[0] for r in results]
-    cpu = {name: typical(max(ts) for ts in zip(*(r[1][name] for r in results))) for name in STRATEGIES}
+    cpu = {name: typical(slowest_rank([r[1][name] for r in results])) for name in STRATEGIES}
     if args.trace:
         folder = Path(args.trace) / ("plain" if cluster is None else cluster.name)
         folder.mkdir(parents=True, exist_ok=True)
         for name in STRATEGIES:
             write_trace(folder / (name.replace(" ", "_").replace(":", "-") + ".json"), typical_step([r[2][name] for r in results]))
-    per_round = {name: [max(ts) for ts in zip(*(r[name] for r in per_rank))] for name in STRATEGIES}  # the slowest rank's
+    per_round = {name: slowest_rank([r[name] for r in per_rank]) for name in STRATEGIES}
     measured = {name: typical(steps) for name, steps in per_round.items()}
     spread = {name: (min(steps), max(steps)) for name, steps in per_round.items()}
     predicted = predict(calibration, cluster)

@@ -169,8 +169,7 @@ def test_devices_that_wait_for_each_other_are_expected_to_wait_for_the_slowest_d
     from statistics import fmean, pstdev
 
     from hspmd.planning import OpCosts
-    from hspmd.planning.device_memory import device_memory
-    from hspmd.planning.device_sim import device_costs, jitter_draws, stage_pipelines
+    from hspmd.planning.device_sim import device_costs, device_memories, jitter_draws, stage_pipelines
     from hspmd.planning.simulator import simulate_pipelines
 
     draws = jitter_draws([0, 1], 0.1)
@@ -191,8 +190,7 @@ def test_devices_that_wait_for_each_other_are_expected_to_wait_for_the_slowest_d
         plain = simulate_specialized(spec, steady, counts)
         result, costs = simulate_device_run(spec, jittery, counts)
         assert result.peak_memory == plain.peak_memory
-        memory = {d: device_memory(exe, spec.binding) for d, exe in spec.executables.items()}
-        doubled = simulate_pipelines(*stage_pipelines(spec, steady, device_costs(spec, steady), memory, counts,
+        doubled = simulate_pipelines(*stage_pipelines(spec, steady, device_costs(spec, steady), device_memories(spec), counts,
                                                       slowed={d: 2.0 for d in costs}))
         return result.iteration - plain.iteration, doubled.iteration - plain.iteration
 

@@ -230,6 +230,11 @@ def device_costs(spec: Specialized, cost: CostModel, schedule: str = "1f1b", com
     return {d: device_cost(exe, cost, spec.binding, comm, alternating=schedule != "gpipe") for d, exe in spec.executables.items()}
 
 
+def device_memories(spec: Specialized) -> dict[int, DeviceMemory]:
+    """Every device's memory model (planning/device_memory.py)."""
+    return {d: device_memory(exe, spec.binding) for d, exe in spec.executables.items()}
+
+
 def stage_pipelines(spec: Specialized, cost: CostModel, costs: Mapping[int, DeviceCost], memory: Mapping[int, DeviceMemory],
                     micro_batches: Mapping[int, int] | int, schedule: str = "1f1b", comm: bool = True,
                     slowed: Mapping[int, float] | None = None) -> tuple[tuple[SimPipeline, ...], tuple]:
@@ -271,8 +276,7 @@ def plan_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[i
                     schedule: str = "1f1b", comm: bool = True) -> tuple[tuple[SimPipeline, ...], tuple, dict[int, DeviceCost]]:
     """Level-2 simulator input: per-device costs aggregated into the discovered pipelines' stages.
     `micro_batches`: per discovered pipeline index (or one count for all)."""
-    costs = device_costs(spec, cost, schedule, comm)
-    memory = {d: device_memory(exe, spec.binding) for d, exe in spec.executables.items()}
+    costs, memory = device_costs(spec, cost, schedule, comm), device_memories(spec)
     pipelines, groups = stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm)
     return pipelines, groups, costs
 
@@ -305,8 +309,7 @@ def simulate_device_run(spec: Specialized, cost: CostModel, micro_batches: Mappi
     every device's work so slowed (the intervals and breakdowns are the average work's)."""
     if not spec.pipelines:
         raise HSPMDError("level 2 (simulate_device_run): the specialization has no pipelines")
-    costs = device_costs(spec, cost, schedule, comm)
-    memory = {d: device_memory(exe, spec.binding) for d, exe in spec.executables.items()}
+    costs, memory = device_costs(spec, cost, schedule, comm), device_memories(spec)
     result = simulate_pipelines(*stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm))
     jitter = cost.op_costs.jitter if cost.op_costs is not None else 0.0
     if jitter > 0:
@@ -346,6 +349,6 @@ def simulate_llama(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", 
 
 
 __all__ = [
-    "DISPATCHED", "DeviceCost", "JITTER_SAMPLES", "VIEWS", "device_cost", "device_costs", "jitter_draws", "op_kernel",
-    "plan_device_run", "simulate_device_run", "simulate_llama", "simulate_specialized", "specialize_llama", "stage_pipelines",
+    "DISPATCHED", "DeviceCost", "JITTER_SAMPLES", "VIEWS", "device_cost", "device_costs", "device_memories", "jitter_draws",
+    "op_kernel", "plan_device_run", "simulate_device_run", "simulate_llama", "simulate_specialized", "specialize_llama", "stage_pipelines",
 ]
