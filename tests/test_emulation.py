@@ -199,6 +199,42 @@ def test_slow_type_waits_its_extra_time_and_the_fast_one_does_not():
 
 
 @pytest.mark.multiprocess
+def test_the_memory_tables_bookkeeping_is_not_the_devices_work():
+    """Counting an op's outputs against the memory table takes host CPU time, its clock reads
+    included (a thread's CPU clock is a system call: here each read costs 0.1 ms after it
+    samples); the device owes its op's time only, as a device without the table does (else every
+    emulated device with a memory runs its slowdown x the table slower)."""
+    class ReadCostClocks(Clocks):
+        def of(self) -> tuple:
+            def cpu():
+                now = self.cpu_s
+                self.work(0.0, 1e-4)
+                return now
+            return (lambda: self.wall_s, cpu)
+
+    clocks = {"counted": ReadCostClocks(), "plain": ReadCostClocks()}
+    counted = RankEmulator(0, "slow", 3.0, capacity=1e6, clocks=clocks["counted"].of())
+    plain = RankEmulator(1, "slow", 3.0, clocks=clocks["plain"].of())
+    table_hold = counted._hold
+
+    def slow_hold(values, where):  # the table's own work: 1 ms of CPU and of wall time
+        clocks["counted"].work(0.001, 0.001)
+        table_hold(values, where)
+
+    counted._hold = slow_hold
+    kept = []  # the ops' outputs, live
+    for _ in range(5):
+        for name, device in (("counted", counted), ("plain", plain)):
+            clocks[name].work(0.002, 0.002)
+            kept.append(torch.ones(4))
+            device.computed(kept[-1:], "op")
+    assert counted.op_cpu_s == pytest.approx(plain.op_cpu_s) and plain.op_cpu_s == pytest.approx(5 * 0.0021)
+    assert counted.live_bytes == 5 * 16
+    # the table still refuses what the device cannot hold, naming the op
+    with pytest.raises(DeviceOutOfMemory, match="big"):
+        counted.computed((torch.ones(300_000),), "big")
+
+
 def test_emulated_run_equals_the_plain_run_and_only_waits():
     """Same losses and weights, bit for bit, on real gloo processes; the slow type waited, the
     fast did not; ranks that receive across nodes waited for the link; the waits are in the trace."""

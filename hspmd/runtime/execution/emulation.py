@@ -159,12 +159,17 @@ class RankEmulator:
         before the caller stores them) and owe what the emulated device takes for the work since
         the last mark beyond the wall time already spent (module docstring). With `op_seconds`
         set, that CPU time (the op's, with the loop's and this bookkeeping's since the last
-        op: what the device owes for it) is recorded under `where`."""
+        op: what the device owes for it) is recorded under `where`. The memory table's work
+        runs after the stretch is closed and the next starts after it, so the device owes none
+        of it, its clock reads included (a thread's CPU clock is a system call)."""
         if self.slowdown > 1.0:
             self.ops += 1
-        if self.capacity is not None:
-            self.hold(outputs, where)
         stretch = self._accrue()
+        if self.capacity is not None:  # the table's bookkeeping starts after the op's stretch ends
+            try:
+                self._hold(outputs, where)
+            finally:
+                self._cpu_mark = self._cpu()
         if self.op_seconds is not None:
             self.op_seconds.setdefault(where, []).append(stretch)
         if self._debt >= self.chunk_s:
