@@ -72,7 +72,7 @@ from hspmd.planning.fitting import typical  # noqa: E402
 from hspmd.planning.device_memory import device_memory  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
-from hspmd.runtime.policies.calibrate import Calibration, Probe, ProbeShape, emulated_slowdowns, emulates_memory, fit  # noqa: E402
+from hspmd.runtime.policies.calibrate import Calibration, Probe, ProbeShape, emulated_slowdowns, fit  # noqa: E402
 from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
 from hspmd.runtime.execution.trace import Tracer, write_trace  # noqa: E402
 from hspmd.runtime.training.trainer import Trainer  # noqa: E402
@@ -140,8 +140,7 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
     torch.set_num_threads(1)
     # on an emulated cluster the step probes run as an emulated device of the reference type (CPU time between sleeps)
     reference = None if cluster is None else cluster.type_slowdown(cluster.emulation.reference)
-    probe = Probe(backend, PROBE, cpu_time=cluster is not None, emulate=reference, wake_at=emulated_slowdowns(cluster),
-                  memory=emulates_memory(cluster))
+    probe = Probe(backend, PROBE, cpu_time=cluster is not None, emulate=reference, wake_at=emulated_slowdowns(cluster))
     probes = []
     trainers = {name: trainer_for(emulated(backend, cluster), text, schedule) for name, (text, schedule) in STRATEGIES.items()}
     devices = [d for d in (emulation_of(t.backend) for t in trainers.values()) if d is not None]

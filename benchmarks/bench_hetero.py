@@ -73,7 +73,7 @@ from hspmd.ops.context import head_tail_order, in_token_order  # noqa: E402
 from hspmd.planning.strategy_sim import balanced_cp_shares, simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
 from hspmd.runtime.execution.emulation import emulated  # noqa: E402
-from hspmd.runtime.policies.calibrate import Calibration, calibrate, emulates_memory  # noqa: E402
+from hspmd.runtime.policies.calibrate import Calibration, calibrate  # noqa: E402
 from hspmd.runtime.policies.elastic import cluster_recovery  # noqa: E402
 from hspmd.runtime.policies.mixed import MixedLengthTrainer  # noqa: E402
 from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
@@ -419,10 +419,7 @@ def main(argv=None) -> int:
                    help="plan (two types), dispatch, h1f1b, plan3 (the 8-rank three-type cluster), cp (hetero CP), recovery")
     args = p.parse_args(argv)
     cluster = dilated(load_cluster(CLUSTER), args.dilation)
-    if args.calibration:
-        cal = Calibration.load(args.calibration)
-    else:
-        cal = calibrate(3, cpu_time=True, emulate=args.dilation, memory=emulates_memory(cluster))
+    cal = Calibration.load(args.calibration) if args.calibration else calibrate(3, cpu_time=True, emulate=args.dilation)
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
     print(f"host load: {load:.1f} runnable processes per core (1-minute average); dilation {args.dilation:g}")
     print(cluster.summary())

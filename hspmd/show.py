@@ -30,8 +30,7 @@ from hspmd.planning import CostModel, model_named  # noqa: E402
 from hspmd.planning.device_sim import simulate_llama  # noqa: E402
 from hspmd.planning.simulator import SimResult  # noqa: E402
 from hspmd.planning.strategy_sim import estimate_strategy, simulate_strategy  # noqa: E402
-from hspmd.runtime.policies.calibrate import (Calibration, calibrate, emulated_reference, emulated_slowdowns,  # noqa: E402
-                                             emulates_memory)
+from hspmd.runtime.policies.calibrate import Calibration, calibrate, emulated_reference, emulated_slowdowns  # noqa: E402
 from hspmd.runtime.execution.trace import read_trace  # noqa: E402
 from hspmd.specialize.strategy import Strategy  # noqa: E402
 from hspmd.specialize.strategy_files import strategy_from  # noqa: E402
@@ -250,7 +249,7 @@ def calibrate_main(argv: Sequence[str]) -> int:
         raise HSPMDError(f"--cluster {args.cluster}: the cluster has no emulate block (nothing on this host follows from it)")
     # on CPU time for an emulated cluster, the step probes run as its reference type (dilated time included)
     cal = calibrate(args.repeats, cpu_time=args.cpu_time, emulate=emulated_reference(cluster) if args.cpu_time else None,
-                    wake_at=emulated_slowdowns(cluster), memory=args.cpu_time and emulates_memory(cluster))
+                    wake_at=emulated_slowdowns(cluster))
     cal.save(args.out)
     print(cal.describe())
     if cluster is not None:

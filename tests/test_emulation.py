@@ -6,7 +6,6 @@ any weight changes, and nothing is emulated unless the cluster file asks."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -199,7 +198,6 @@ def test_slow_type_waits_its_extra_time_and_the_fast_one_does_not():
     assert 0.0099 <= stalled.compute_wait_s <= 0.25
 
 
-@pytest.mark.multiprocess
 def test_the_memory_tables_bookkeeping_is_not_the_devices_work():
     """Counting an op's outputs against the memory table takes host CPU time, its clock reads
     included (a thread's CPU clock is a system call: here each read costs 0.1 ms after it
@@ -236,6 +234,7 @@ def test_the_memory_tables_bookkeeping_is_not_the_devices_work():
         counted.computed((torch.ones(300_000),), "big")
 
 
+@pytest.mark.multiprocess
 def test_emulated_run_equals_the_plain_run_and_only_waits():
     """Same losses and weights, bit for bit, on real gloo processes; the slow type waited, the
     fast did not; ranks that receive across nodes waited for the link; the waits are in the trace."""
@@ -367,23 +366,6 @@ def test_an_emulated_calibration_probes_at_the_reference_types_slowdown():
     assert emulated_reference(None) is None and emulated_reference(cluster_from_yaml(CLUSTER_YAML)) is None
     assert emulated_reference(two_types()) is None  # the reference runs at this host's own pace
     assert emulated_reference(two_types(slowdowns={"fast": 4.0, "slow": 10.0})) == 4.0
-
-
-def test_probes_count_their_values_as_a_device_with_a_memory_does():
-    """A cluster that emulates memory makes the step probes' device keep a memory table too (of no
-    limit), so the prices include what the table does to the ops; without one they keep none."""
-    from hspmd.runtime.execution.emulation import emulation_of
-    from hspmd.runtime.policies.calibrate import Probe, ProbeShape, emulates_memory
-
-    assert not emulates_memory(None) and not emulates_memory(cluster_from_yaml(CLUSTER_YAML))
-    assert not emulates_memory(two_types()) and emulates_memory(two_types(memory_scale=1.0))
-    shape = ProbeShape(hidden=16, heads=2, ffn=32, vocab=16, rows=2, seq=8)
-    for memory in (False, True):
-        probe = Probe(None, shape, cpu_time=True, emulate=4.0, memory=memory)
-        trainer, batch = probe.trainers[0]
-        trainer.step(batch)
-        device = emulation_of(trainer.backend)
-        assert (device.capacity == math.inf and device.live_bytes > 0) if memory else device.capacity is None
 
 
 def test_calibration_prices_the_emulated_types_at_the_file_ratios():

@@ -451,10 +451,7 @@ class Probe:
     benchmark can interleave them with what it measures and both see the same machine load."""
 
     def __init__(self, backend: Backend | None, shape: ProbeShape = ProbeShape(), cpu_time: bool = False,
-                 emulate: float | None = None, wake_at: tuple[float, ...] = (), memory: bool = False):
-        """`memory`: the step probes' device counts their values in a memory table (of no limit), as
-        an emulated device with a memory does, so what the table does to the ops' time (its weak
-        references to their storages: ~2% of a step here) is in their prices."""
+                 emulate: float | None = None, wake_at: tuple[float, ...] = ()):
         torch.set_num_threads(1)
         self.backend = backend
         # compute probes on this thread's CPU time: what emulated devices follow (runtime.execution.emulation)
@@ -468,7 +465,7 @@ class Probe:
         host = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(1)
         clocks = (time.perf_counter, time.thread_time if emulate is not None else self.clock)
         wrap = lambda inner: EmulatedBackend(  # noqa: E731
-            inner, host, WakingEmulator(0, "probe", emulate or 1.0, math.inf if memory else None, clocks=clocks), None)
+            inner, host, WakingEmulator(0, "probe", emulate or 1.0, clocks=clocks), None)
         self.emulated = emulate is not None
         # the wake-up probe's slowdowns: the reference's and the other emulated types' (`wake_at`)
         self.wake_slowdowns = tuple(sorted({emulate, *(s for s in wake_at if s > 1)})) if emulate is not None else ()
@@ -586,23 +583,22 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
 
 
 def _calibrate_rank(backend: Backend, repeats: int, cpu_time: bool = False, emulate: float | None = None,
-                    wake_at: tuple[float, ...] = (), memory: bool = False) -> list[dict]:
-    probe = Probe(backend, cpu_time=cpu_time, emulate=emulate, wake_at=wake_at, memory=memory)
+                    wake_at: tuple[float, ...] = ()) -> list[dict]:
+    probe = Probe(backend, cpu_time=cpu_time, emulate=emulate, wake_at=wake_at)
     return [probe.once() for _ in range(repeats)]
 
 
 def calibrate(repeats: int = 7, cpu_time: bool = False, emulate: float | None = None,
-              wake_at: tuple[float, ...] = (), memory: bool = False) -> Calibration:
+              wake_at: tuple[float, ...] = ()) -> Calibration:
     """Probe `repeats` times on 2 gloo processes (both busy at once, as in training) and fit.
     `cpu_time`: compute probes on each thread's CPU time, not wall time: the rates of a core of
     one's own, which emulated device types follow whatever else the host runs (links stay wall time).
     `emulate`: the step probes run as an emulated device this many times slower (Probe), the
     reference type of the cluster the fit will price, so their CPU time is counted as its steps'
     is;
-    `wake_at`: the other emulated types' slowdowns, at which the wake-up probe runs too;
-    `memory`: the step probes count their values as an emulated device with a memory does (Probe).
-    The fit takes both ranks' probes (their medians; their differences are the step jitter)."""
-    results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, emulate, wake_at, memory, timeout=600)
+    `wake_at`: the other emulated types' slowdowns, at which the wake-up probe runs too.
+    The fit takes both ranks' probes (their typical values; their differences are the step jitter)."""
+    results = run_multiprocess(_calibrate_rank, 2, repeats, cpu_time, emulate, wake_at, timeout=600)
     return fit(results[0] + results[1])
 
 
@@ -611,12 +607,6 @@ def emulated_slowdowns(cluster: ClusterSpec | None) -> tuple[float, ...]:
     if cluster is None or cluster.emulation is None:
         return ()
     return tuple(sorted({s for s in (cluster.type_slowdown(t.name) for t in cluster.device_types) if s > 1}))
-
-
-def emulates_memory(cluster: ClusterSpec | None) -> bool:
-    """Whether an emulated cluster's devices count their values against a memory (memory_scale):
-    what `calibrate(memory=...)` and Probe's `memory` ask of the step probes."""
-    return cluster is not None and cluster.emulation is not None and cluster.emulation.memory_scale is not None
 
 
 def emulated_reference(cluster: ClusterSpec | None) -> float | None:
@@ -640,7 +630,7 @@ def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration
     return simulate_strategy(strategy, cost, schedule).iteration, source
 
 
-__all__ = ["Calibration", "OpWork", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference", "emulates_memory",
+__all__ = ["Calibration", "OpWork", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference",
            "emulated_slowdowns", "fit",
            "fit_line", "fit_op_costs", "fit_steps", "median_seconds", "op_work", "simulated_step", "step_work",
            "after_sleep_curve"]
