@@ -3,7 +3,8 @@
 # each set on two CPUs of its own, its ranks pinned one to each, so the sets do not share cores.
 #   tools/calibration_sets.sh OUT_DIR [SET ...]     SET: heterogeneous or homogeneous
 # (default: heterogeneous heterogeneous homogeneous). Extra bench flags in BENCH_FLAGS (default
-# "--rounds 7 --dilation 8"); each set's log and JSON go to OUT_DIR/<n>-<set>.{log,json}.
+# "--rounds 7 --dilation 8"); each set's log and JSON go to OUT_DIR/<n>-<set>.{log,json}, and all of
+# them into one archive, OUT_DIR.tar.gz (for a machine that sends back only a few files).
 set -u
 out=${1:?usage: tools/calibration_sets.sh OUT_DIR [SET ...]}
 shift
@@ -22,4 +23,5 @@ for i in "${!sets[@]}"; do
     --json "$out/$i-${sets[$i]}.json" > "$out/$i-${sets[$i]}.log" 2>&1 &
 done
 wait
+tar czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
 grep -H -E "MAPE .*goal|peak memory" "$out"/*.log
