@@ -72,7 +72,9 @@ from hspmd.planning.fitting import typical  # noqa: E402
 from hspmd.planning.device_memory import device_memory  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
-from hspmd.runtime.policies.calibrate import Calibration, Probe, ProbeShape, emulated_slowdowns, fit  # noqa: E402
+from hspmd.runtime.policies.calibrate import emulated_slowdowns, fit  # noqa: E402
+from hspmd.runtime.policies.calibration import Calibration  # noqa: E402
+from hspmd.runtime.policies.probes import Probe, ProbeShape  # noqa: E402
 from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
 from hspmd.runtime.execution.trace import Tracer, write_trace  # noqa: E402
 from hspmd.runtime.training.trainer import Trainer  # noqa: E402

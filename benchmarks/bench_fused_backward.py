@@ -22,7 +22,7 @@ import torch
 
 from _common import table
 from hspmd.ops import nn
-from hspmd.runtime.policies.calibrate import ProbeShape, probe_trainer
+from hspmd.runtime.policies.probes import ProbeShape, probe_trainer
 
 CLOSED_FORM = (nn.RMS_NORMALIZE, nn.ROTARY, nn.PACKED_ROTARY, nn.CAUSAL_ATTENTION, nn.PACKED_ATTENTION)
 

@@ -73,7 +73,8 @@ from hspmd.ops.context import head_tail_order, in_token_order  # noqa: E402
 from hspmd.planning.strategy_sim import balanced_cp_shares, simulate_strategy  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
 from hspmd.runtime.execution.emulation import emulated  # noqa: E402
-from hspmd.runtime.policies.calibrate import Calibration, calibrate  # noqa: E402
+from hspmd.runtime.policies.calibrate import calibrate  # noqa: E402
+from hspmd.runtime.policies.calibration import Calibration  # noqa: E402
 from hspmd.runtime.policies.elastic import cluster_recovery  # noqa: E402
 from hspmd.runtime.policies.mixed import MixedLengthTrainer  # noqa: E402
 from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402

@@ -94,7 +94,7 @@ def _plan(rest: list[str]) -> int:
         draw_plan(strategy, cost, path)
 
     def calibrated(path, cluster, model):  # the calibration is a runtime value: read above the planning layer
-        from hspmd.runtime.policies.calibrate import Calibration
+        from hspmd.runtime.policies.calibration import Calibration
 
         return Calibration.load(path).cost_model_for(cluster, model)
 

@@ -30,7 +30,8 @@ from hspmd.planning import CostModel, model_named  # noqa: E402
 from hspmd.planning.device_sim import simulate_llama  # noqa: E402
 from hspmd.planning.simulator import SimResult  # noqa: E402
 from hspmd.planning.strategy_sim import estimate_strategy, simulate_strategy  # noqa: E402
-from hspmd.runtime.policies.calibrate import Calibration, calibrate, emulated_reference, emulated_slowdowns  # noqa: E402
+from hspmd.runtime.policies.calibrate import calibrate, emulated_reference, emulated_slowdowns  # noqa: E402
+from hspmd.runtime.policies.calibration import Calibration  # noqa: E402
 from hspmd.runtime.execution.trace import read_trace  # noqa: E402
 from hspmd.specialize.strategy import Strategy  # noqa: E402
 from hspmd.specialize.strategy_files import strategy_from  # noqa: E402

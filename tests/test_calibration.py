@@ -13,10 +13,9 @@ from hspmd.planning import from_llama_config
 from hspmd.models.llama import LlamaConfig
 from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.runtime.policies import calibrate
-from hspmd.runtime.policies.calibrate import (
-    ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, WAKE_INTERVALS, Calibration, OpWork, fit, fit_line, fit_op_costs,
-    fit_steps, step_jitter, StepWork,
-)
+from hspmd.runtime.policies.calibrate import OpWork, StepWork, fit, fit_line, fit_op_costs, fit_steps, step_jitter
+from hspmd.runtime.policies.calibration import Calibration
+from hspmd.runtime.policies.probes import ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, WAKE_INTERVALS
 from hspmd.cluster.emulation import WAIT_CHUNK_S
 from hspmd.runtime.execution.emulation import BETWEEN_PASSES
 from hspmd.runtime.execution.trace import Tracer, read_trace, write_trace
@@ -255,7 +254,7 @@ def test_trace_file_round_trip(tmp_path):
 def test_the_probes_run_on_this_machine_and_fit():
     # the real micro-benchmarks (one process, no gloo): every probe gives a positive time and the
     # fit gives a usable calibration; nothing here is a timing assertion
-    from hspmd.runtime.policies.calibrate import Probe
+    from hspmd.runtime.policies.probes import Probe
 
     probe = Probe(None)
     runs = []
@@ -281,7 +280,7 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
     # as an emulated rank's steps run between communications): each owes its slowdown and
     # reports the CPU time the device owed; nothing here is a timing assertion
     from hspmd.runtime.execution.emulation import emulation_of
-    from hspmd.runtime.policies.calibrate import Probe
+    from hspmd.runtime.policies.probes import Probe
 
     with pytest.raises(HSPMDError, match="slowdown > 1"):
         Probe(None, emulate=1.0)

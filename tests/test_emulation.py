@@ -374,7 +374,8 @@ def test_calibration_prices_the_emulated_types_at_the_file_ratios():
     reference (slowdown given) divides its own rates too."""
     from hspmd.planning import model_named
     from hspmd.planning.strategy_sim import simulate_strategy
-    from hspmd.runtime.policies.calibrate import Calibration, simulated_step
+    from hspmd.runtime.policies.calibrate import simulated_step
+    from hspmd.runtime.policies.calibration import Calibration
 
     cal = Calibration(peak_flops=4e10, bandwidth=2e10, overhead=1e-4, link_latency=1e-4, link_bandwidth=1e9,
                       step_overhead=1e-3, gamma=3.0)
@@ -400,7 +401,7 @@ def test_calibration_prices_the_emulated_types_at_the_file_ratios():
 def test_cpu_time_probes_do_not_count_what_the_host_does_elsewhere():
     """Emulated devices follow each op's CPU time, and so can the calibration's compute probes: a
     call that waits (the host busy with others) costs wall time but next to no CPU time."""
-    from hspmd.runtime.policies.calibrate import median_seconds
+    from hspmd.runtime.policies.probes import median_seconds
 
     wall = median_seconds(lambda: time.sleep(0.01), 3)
     cpu = median_seconds(lambda: time.sleep(0.01), 3, clock=time.thread_time)
@@ -449,7 +450,7 @@ def test_the_op_hook_times_each_op_and_nothing_before_its_pass():
     per call, each with its own CPU time: work between passes (here 50 ms of CPU burnt before the
     step) is recorded apart (BETWEEN_PASSES), not put on the pass's first op."""
     from hspmd.runtime.execution.emulation import BETWEEN_PASSES, emulation_of
-    from hspmd.runtime.policies.calibrate import Probe
+    from hspmd.runtime.policies.probes import Probe
 
     probe = Probe(None, cpu_time=True)
     trainer, batch = probe.trainers[1]  # one layer, two micro-batches

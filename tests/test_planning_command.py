@@ -51,7 +51,7 @@ def test_plan_prices_with_a_calibration(tmp_path, capsys):
     predicted time is the calibrated cost model's, and a file with a costlier executor raises it."""
     from hspmd.planning.search.command import uniform_baseline
     from hspmd.planning.search.costed import cluster_problem
-    from hspmd.runtime.policies.calibrate import Calibration
+    from hspmd.runtime.policies.calibration import Calibration
 
     cluster, model = parse_cluster(EMULATED), model_named("llama-tiny")
     predicted = {}
@@ -93,7 +93,7 @@ THREE_TYPES = "examples/clusters/emulated-three-types.yaml"
 def _plan_three_types(tmp_path, capsys, name: str, overhead: float, step_overhead: float):
     """`hspmd plan` on the three-type emulated cluster priced with a made-up calibration: the
     strategy it wrote, and its cost model."""
-    from hspmd.runtime.policies.calibrate import Calibration
+    from hspmd.runtime.policies.calibration import Calibration
 
     cal = Calibration(peak_flops=2e9, bandwidth=4e9, overhead=overhead, link_latency=2e-5, link_bandwidth=1e9,
                       step_overhead=step_overhead, gamma=1.5)

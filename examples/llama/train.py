@@ -73,7 +73,8 @@ from hspmd.planning import from_llama_config
 from hspmd.runtime.execution.batches import MicroBatchLayout
 from hspmd.runtime.execution.emulation import EmulatedBackend, cluster_from_env, emulated
 from hspmd.runtime.execution.trace import Tracer, write_trace
-from hspmd.runtime.policies.calibrate import Calibration, simulated_step
+from hspmd.runtime.policies.calibrate import simulated_step
+from hspmd.runtime.policies.calibration import Calibration
 from hspmd.runtime.persistence.hf_checkpoint import HFCheckpoint
 from hspmd.backends.from_env import backend_from_env
 from hspmd.runtime.policies.elastic import ElasticTrainer, KillPoint, cluster_recovery

@@ -51,171 +51,23 @@ probe and, over the probes, their trimmed mean (fitting.typical); they move with
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-import time
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Callable, Mapping, cast
-
-import torch
+from typing import Mapping
 
 from hspmd.backends.backend import Backend
-from hspmd.backends.local import LocalWorld
-from hspmd.cluster import ClusterSpec, DeviceType, LinkClass, Node
-from hspmd.cluster.emulation import WAIT_CHUNK_S
+from hspmd.cluster import ClusterSpec
 from hspmd.errors import HSPMDError
-from hspmd.models.llama import LlamaConfig, build_llama
-from hspmd.planning import CostModel, Efficiency, ModelSpec, OpCosts
-from hspmd.planning.model import KERNEL_CLASSES
+from hspmd.planning import CostModel, ModelSpec, OpCosts
 from hspmd.planning.device_sim import DISPATCHED, op_kernel
 from hspmd.planning.fitting import nonnegative_least_squares, typical
 from hspmd.planning.strategy_sim import simulate_strategy
+from hspmd.runtime.execution.emulation import BETWEEN_PASSES
+from hspmd.runtime.policies.calibration import Calibration
+from hspmd.runtime.policies.probes import ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, Probe, ProbeShape, probe_trainer
 from hspmd.runtime.processes.multiprocess import run_multiprocess
-from hspmd.ops import AdamW
-from hspmd.runtime.execution.batches import MicroBatchLayout
-from hspmd.runtime.execution.emulation import BETWEEN_PASSES, EmulatedBackend, RankEmulator, emulation_of
 from hspmd.runtime.training.trainer import Trainer
-from hspmd.specialize.strategy_text import parse_strategy
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What `hspmd calibrate` measured and fitted."""
-
-    peak_flops: float
-    bandwidth: float
-    overhead: float
-    link_latency: float
-    link_bandwidth: float
-    step_overhead: float = 0.0
-    gamma: float = 1.0
-    op_costs: OpCosts | None = None
-
-    def device_type(self) -> DeviceType:
-        return DeviceType("cpu", (("float32", self.peak_flops),), self.bandwidth, 16e9)
-
-    def efficiency(self) -> Efficiency:
-        return Efficiency(gamma=tuple((cls, self.gamma) for cls in KERNEL_CLASSES))
-
-    def link(self) -> LinkClass:
-        return LinkClass("gloo", self.link_bandwidth, self.link_latency)
-
-    def cluster(self, devices: int) -> ClusterSpec:
-        """One node of `devices` calibrated CPU processes joined by the fitted gloo link."""
-        return ClusterSpec((Node("cpu", devices),), (self.device_type(),), (self.link(),), (("cpu", "gloo"),),
-                           (("*", "gloo"),), name=f"calibrated-cpu:{devices}")
-
-    def cost_model(self, model: ModelSpec, devices: int) -> CostModel:
-        return CostModel(self.cluster(devices), model, {"*": self.efficiency()}, overhead=self.overhead,
-                         step_overhead=self.step_overhead, op_costs=self.op_costs)
-
-    def cost_model_for(self, cluster: ClusterSpec, model: ModelSpec) -> CostModel:
-        """The cost model of `cluster` emulated on this host (hspmd.runtime.execution.emulation): this
-        fit is the emulation's reference type; a type s times slower has the fitted rates / s,
-        pays (s - 1) x the per-instruction overhead per kernel as its delta and s x the per-step
-        overhead and the op costs' fixed times (emulation slows all of a rank's CPU time between
-        communications: ops, dispatch and the trainer's work alike); memory is its capacity x
-        memory_scale; links inside a node are this host's fitted link (not emulated), between
-        nodes the file's."""
-        emulation = cluster.emulation
-        if emulation is None:
-            raise HSPMDError(f"cluster {cluster.describe()} has no emulate block: it is not run on this host")
-        types, efficiency = [], {}
-        for t in cluster.device_types:
-            s = cluster.type_slowdown(t.name)
-            memory = t.hbm_capacity * emulation.memory_scale if emulation.memory_scale is not None else t.hbm_capacity
-            types.append(DeviceType(t.name, ((model.dtype, self.peak_flops / s),), self.bandwidth / s, memory))
-            efficiency[t.name] = Efficiency(gamma=tuple((cls, self.gamma) for cls in KERNEL_CLASSES),
-                                            delta=tuple((cls, (s - 1.0) * self.overhead) for cls in KERNEL_CLASSES),
-                                            cpu_scale=s)
-        host = self.link()
-        links = tuple(l for l in cluster.links if l.name != host.name) + (host,)
-        nodes = tuple(replace(n, intra=None) for n in cluster.nodes)
-        # links not emulated (emulate.links false): every message is this host's own transfer
-        inter, cross = (cluster.inter, cluster.cross) if emulation.links else ((("*", host.name),), None)
-        spec = ClusterSpec(nodes, tuple(types), links, tuple((t.name, host.name) for t in types), inter,
-                           cross, (), cluster.name, emulation)
-        return CostModel(spec, model, efficiency, overhead=self.overhead, step_overhead=self.step_overhead,
-                         op_costs=self.op_costs)
-
-    def to_dict(self) -> dict:
-        return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "overhead": self.overhead,
-                "step_overhead": self.step_overhead, "gamma": self.gamma, "link_latency": self.link_latency,
-                "link_bandwidth": self.link_bandwidth,
-                **({"op_costs": self.op_costs.to_dict()} if self.op_costs is not None else {})}
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Calibration":
-        """Older files' per-kernel deltas are ignored (that time is now part of `overhead`); their
-        missing step overhead and gamma take the values of an unfitted model, and without op
-        costs level 2 prices every instruction at `overhead`."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise HSPMDError(f"cannot read calibration file {path}: {type(e).__name__}: {e}") from None
-        return cls.from_dict(data, f"calibration file {path}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping, where: str = "calibration") -> "Calibration":
-        """A Calibration from to_dict()'s form (a file's, or one a benchmark saved beside its
-        measurements), checked: errors name `where`."""
-        try:
-            cal = cls(float(d["peak_flops"]), float(d["bandwidth"]), float(d["overhead"]), float(d["link_latency"]),
-                      float(d["link_bandwidth"]), float(d.get("step_overhead", 0.0)), float(d.get("gamma", 1.0)),
-                      OpCosts.from_dict(d["op_costs"]) if "op_costs" in d else None)
-        except HSPMDError as e:
-            raise HSPMDError(f"{where}: {e}") from None
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise HSPMDError(f"cannot read {where}: {type(e).__name__}: {e}") from None
-        rates = {"peak_flops": cal.peak_flops, "bandwidth": cal.bandwidth, "link_bandwidth": cal.link_bandwidth,
-                 "gamma": cal.gamma}
-        costs = {"overhead": cal.overhead, "step_overhead": cal.step_overhead, "link_latency": cal.link_latency}
-        bad = [f"{k}={v}" for k, v in rates.items() if not math.isfinite(v) or v <= 0]
-        bad += [f"{k}={v}" for k, v in costs.items() if not math.isfinite(v) or v < 0]
-        if bad:
-            raise HSPMDError(f"{where}: {', '.join(bad)} (rates must be positive, times non-negative)")
-        return cal
-
-    def _describe_op_costs(self) -> str:
-        if self.op_costs is None:
-            return ""
-        costs = self.op_costs
-        fixed = costs.fixed_of.values()
-        parts = [f"{len(fixed)} kinds, fixed {min(fixed) * 1e6:.1f}-{max(fixed) * 1e6:.1f} us",
-                 f"{costs.per_pass * 1e3:.2f} ms/pass", f"{costs.per_step * 1e3:.2f} ms/step"]
-        if costs.after_sleep:
-            parts.append("emulated work between sleeps " + ", ".join(f"{f:+.0%} over {w * 1e3:.1f} ms"
-                                                                       for w, f in costs.after_sleep))
-        if costs.jitter:
-            parts.append(f"step jitter {costs.jitter:.1%}")
-        return f" (per op: {', '.join(parts)})"
-
-    def describe(self) -> str:
-        return (f"cpu: matmul {self.peak_flops / 1e9:.2f} GFLOP/s, elementwise {self.bandwidth / 1e9:.2f} GB/s, "
-                f"model kernels x{self.gamma:.2f}, executor "
-                f"{self.overhead * 1e6:.1f} us/instruction + {self.step_overhead * 1e3:.2f} ms/step"
-                f"{self._describe_op_costs()}; "
-                f"gloo link alpha {self.link_latency * 1e6:.1f} us, "
-                f"beta {self.link_bandwidth / 1e9:.3f} GB/s")
-
-
-def median_seconds(fn: Callable[[], object], repeats: int = 7, inner: int = 1,
-                   clock: Callable[[], float] = time.perf_counter) -> float:
-    """Median over `repeats` of the mean time of `inner` calls, on `clock` (wall time by default;
-    time.thread_time: this thread's CPU time, what the calls cost a core of their own)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        for _ in range(inner):
-            fn()
-        times.append((clock() - start) / inner)
-    return statistics.median(times)
 
 
 def fit_line(xs, ys) -> tuple[float, float]:
@@ -228,48 +80,6 @@ def fit_line(xs, ys) -> tuple[float, float]:
     if slope <= 0:
         raise HSPMDError(f"calibration: time does not grow with size ({list(zip(xs, ys))}); the machine is too noisy")
     return slope, max(0.0, intercept)
-
-
-MATMUL_SIZES = (8, 32, 64, 96, 128, 192, 256)
-ADD_SIZES = (64, 4096, 32768, 131072, 262144, 524288)
-MESSAGE_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
-
-
-@dataclass(frozen=True)
-class ProbeShape:
-    """The executor probe's one Llama layer and micro-batch: the framework's per-instruction cost
-    and the kernels' efficiency are fitted on it, so a benchmark may probe at its model's layer
-    shapes (never its whole model). The default is the demo Llama's layer; much smaller layers
-    leave too little kernel time to tell the efficiency from the overheads."""
-
-    hidden: int = 64
-    heads: int = 4
-    ffn: int = 128
-    vocab: int = 64
-    rows: int = 4
-    seq: int = 32
-
-
-# (layers, micro-batches, micro-batch size in shape.rows) of the framework probe's steps
-PROBE_RUNS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 4))
-
-
-def probe_trainer(shape: ProbeShape = ProbeShape(), layers: int = 1, micro_batches: int = 1, rows: int = 1,
-                  wrap: Callable[[Backend], Backend] | None = None):
-    """A one-device Trainer of a small Llama at the probe's layer shapes (never a model a benchmark
-    predicts), micro-batches of `rows` x shape.rows, and the global batch of one step; `wrap`
-    turns its backend into another (an emulated device's)."""
-    config = LlamaConfig(vocab=shape.vocab, hidden=shape.hidden, layers=layers, heads=shape.heads, ffn=shape.ffn)
-    strategy = parse_strategy(f"layers={layers} ; {micro_batches}x{rows * shape.rows}: R0 L0-{layers - 1}")
-    graph = build_llama(config, [strategy], optimizer=AdamW(lr=1e-3)).graph
-    layout = MicroBatchLayout.of(strategy)
-    step_rows = layout.global_batch_size
-    backend = LocalWorld([0]).backends[0]
-    trainer = Trainer(graph, 0, wrap(backend) if wrap is not None else backend, layout, schedule="1f1b",
-                      symbols={"S": shape.seq, "T": step_rows * shape.seq})
-    gen = torch.Generator().manual_seed(0)
-    batch = {name: torch.randint(0, shape.vocab, (step_rows, shape.seq), generator=gen) for name in ("tokens", "labels")}
-    return trainer, batch
 
 
 @dataclass(frozen=True)
@@ -359,27 +169,6 @@ def fit_op_costs(work: list[tuple[OpWork, ...]], timed: list[Mapping[str, float]
     return OpCosts(tuple(fixed.items()), tuple(gamma.items()), per_step, per_pass)
 
 
-# ops between the wake-up probe's sleeps: fewer than a TP layer's ops between its collectives
-# (sleeps of a few ms at 8x, shorter than TP2's: the work after even a short sleep runs slower),
-# to a few steps' (the 2-layer probe step runs ~200), whose sleeps at a slow type's slowdown near
-# a chunk's length (a data-parallel step sleeps in chunks: its passes communicate nothing)
-WAKE_INTERVALS = (4, 16, 64, 256, 640)
-# timed steps per side of the wake-up probe, and at the longer intervals enough for this many
-# sleeps: one step's noise (~10% of its CPU time) over a sleep or two would swamp their effect
-WAKE_STEPS = 4
-WAKE_SLEEPS = 4
-
-
-@dataclass(frozen=True)
-class TimedSteps:
-    """Probe steps timed: a step's seconds, each op's CPU seconds by name (when recorded), and
-    how many sleeps the wake-up probe asked of the device over them."""
-
-    seconds: float
-    ops: dict[str, list[float]]
-    wakes: int
-
-
 def step_jitter(probes: list[dict]) -> float:
     """OpCosts.jitter from the step probes of ranks that ran them at once (the same "round"): in
     each round, each probe step's seconds on each rank relative to the ranks' mean; the pooled
@@ -427,130 +216,6 @@ def after_sleep_curve(runs: list[Mapping[float, list[tuple[float, float]]]]) -> 
     for (work, _), fraction in zip(points, fractions):
         merged.setdefault(work, []).append(fraction)
     return tuple((work, statistics.mean(f)) for work, f in merged.items())
-
-
-class WakingEmulator(RankEmulator):
-    """The probes' emulated device. While `wake_every` is set it sleeps only where the wake-up
-    probe asks: it settles its debt after every that many ops (sleeping, as an emulated rank does
-    before each communication; no chunks) and counts those sleeps in `wakes`. Otherwise it runs
-    as an emulated rank between communications does, sleeping in chunks: the op timings level 2
-    prices, and the wake-up probe's plain side."""
-
-    wake_every: int | None = None
-    wakes = 0
-
-    def computed(self, outputs=(), where: str = "") -> None:
-        super().computed(outputs, where)
-        if self.wake_every and self.ops % self.wake_every == 0:
-            self.wakes += 1
-            self.settle()
-
-
-class Probe:
-    """One rank's micro-benchmarks, set up once and run any number of times (`once()`), so that a
-    benchmark can interleave them with what it measures and both see the same machine load."""
-
-    def __init__(self, backend: Backend | None, shape: ProbeShape = ProbeShape(), cpu_time: bool = False,
-                 emulate: float | None = None, wake_at: tuple[float, ...] = ()):
-        torch.set_num_threads(1)
-        self.backend = backend
-        # compute probes on this thread's CPU time: what emulated devices follow (runtime.execution.emulation)
-        self.clock = time.thread_time if cpu_time else time.perf_counter
-        self.matrices = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
-        self.vectors = [(torch.randn(n), torch.randn(n)) for n in ADD_SIZES]
-        if emulate is not None and not emulate > 1:
-            raise HSPMDError(f"Probe(emulate={emulate}): an emulated probe needs a slowdown > 1")
-        # every step probe runs on an emulated device (of slowdown 1 when not emulating: its
-        # bookkeeping costs ~1 us per op), whose op hook times each op on the probe's clock
-        host = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(1)
-        clocks = (time.perf_counter, time.thread_time if emulate is not None else self.clock)
-        wrap = lambda inner: EmulatedBackend(  # noqa: E731
-            inner, host, WakingEmulator(0, "probe", emulate or 1.0, clocks=clocks), None)
-        self.emulated = emulate is not None
-        # the wake-up probe's slowdowns: the reference's and the other emulated types' (`wake_at`)
-        self.wake_slowdowns = tuple(sorted({emulate, *(s for s in wake_at if s > 1)})) if emulate is not None else ()
-        self.trainers = [probe_trainer(shape, *run, wrap=wrap) for run in PROBE_RUNS]
-        self.messages = [torch.zeros(n // 4) for n in MESSAGE_SIZES]
-        self.rounds = 0
-
-    def _timed_steps(self, trainer: Trainer, batch, steps: int, record: bool = False) -> TimedSteps:
-        """`steps` probe steps after an untimed one (so they meet the caches a step of their own
-        left), timed on the probe's clock or, emulated, by the CPU time the device owed (what an
-        emulated rank's steps are slowed by, between its sleeps); with
-        `record`, each op's CPU seconds by name. The wake-up probe's sleeps are counted over those steps."""
-        device = cast(WakingEmulator, emulation_of(trainer.backend))
-        trainer.step(batch)
-        device.op_seconds, device.wakes = ({} if record else None), 0
-        device.mark()
-        before, start = device.op_cpu_s, self.clock()
-        for _ in range(steps):
-            trainer.step(batch)
-        seconds = (device.op_cpu_s - before if self.emulated else self.clock() - start) / steps
-        ops, device.op_seconds = device.op_seconds or {}, None
-        return TimedSteps(seconds, ops, device.wakes)
-
-    def _step_seconds(self, trainer: Trainer, batch) -> tuple[float, dict[str, float]]:
-        """(a probe step's seconds, each op's median seconds by name): `_timed_steps` of two."""
-        timed = self._timed_steps(trainer, batch, 2, record=True)
-        return timed.seconds, {name: statistics.median(times) for name, times in timed.ops.items()}
-
-    def _after_sleep(self, trainer: Trainer, batch, slowdown: float) -> list[tuple[float, float]]:
-        """(work seconds, fraction) per WAKE_INTERVALS: how much more CPU time a step of an
-        emulated device of `slowdown` takes when it sleeps every that many ops than the op probes'
-        steps do (the reference's slowdown, sleeping in chunks: what level 2's op prices are),
-        and how much of that work lay between two sleeps."""
-        device = cast(WakingEmulator, emulation_of(trainer.backend))
-        reference = device.slowdown
-        ops = device.ops
-        plain = self._timed_steps(trainer, batch, WAKE_STEPS)
-        ops_per_step = (device.ops - ops) / (WAKE_STEPS + 1)
-        device.slowdown, device.chunk_s = slowdown, math.inf
-        points = []
-        for every in WAKE_INTERVALS:
-            device.wake_every = every
-            device.forgive_debt()  # the first sleep is an interval's debt, not the plain side's
-            steps = max(WAKE_STEPS, math.ceil(WAKE_SLEEPS * every / ops_per_step))
-            waking = self._timed_steps(trainer, batch, steps)
-            if waking.wakes:
-                points.append((plain.seconds * steps / waking.wakes, waking.seconds / plain.seconds - 1.0))
-        device.wake_every, device.slowdown, device.chunk_s = None, reference, WAIT_CHUNK_S
-        device.forgive_debt()
-        return points
-
-    def once(self) -> dict:
-        """Raw seconds of every probe, measured once (short inner loops); "rank" and "round" say
-        whose and which call it was (the step probes of two ranks' same round ran at once: step_jitter)."""
-        clock = self.clock
-        self.rounds += 1
-        out: dict = {"rank": self.backend.rank if self.backend is not None else 0, "round": self.rounds}
-        out |= {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2)), clock) for a, b in self.matrices],
-                "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0]), clock) for a, b in self.vectors],
-                "steps": [], "ops": []}
-        for trainer, batch in self.trainers:
-            seconds, ops = self._step_seconds(trainer, batch)
-            out["steps"].append(seconds)
-            out["ops"].append(ops)
-        if self.emulated:
-            trainer, batch = self.trainers[PROBE_RUNS.index((2, 1, 1))]
-            out["after_sleep"] = {s: self._after_sleep(trainer, batch, s) for s in self.wake_slowdowns}
-        if self.backend is not None and self.backend.world_size >= 2:
-            backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
-            backend.barrier(group)
-            pings, reduces = [], []
-            for x in self.messages:
-                shape = (tuple(x.shape), x.dtype)
-
-                def round_trip():
-                    if backend.rank == 0:
-                        backend.exchange({peer: x}, {})
-                        backend.exchange({}, {peer: shape})
-                    else:
-                        backend.exchange({peer: backend.exchange({}, {peer: shape})[peer]}, {})
-
-                pings.append(median_seconds(round_trip, 1, 3) / 2)
-                reduces.append(median_seconds(lambda: backend.all_reduce(x, group), 1, 3))
-            out["pingpong"], out["allreduce"] = pings, reduces
-        return out
 
 
 def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
@@ -630,7 +295,5 @@ def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration
     return simulate_strategy(strategy, cost, schedule).iteration, source
 
 
-__all__ = ["Calibration", "OpWork", "Probe", "ProbeShape", "StepWork", "calibrate", "emulated_reference",
-           "emulated_slowdowns", "fit",
-           "fit_line", "fit_op_costs", "fit_steps", "median_seconds", "op_work", "simulated_step", "step_work",
-           "after_sleep_curve"]
+__all__ = ["OpWork", "StepWork", "after_sleep_curve", "calibrate", "emulated_reference", "emulated_slowdowns", "fit",
+           "fit_line", "fit_op_costs", "fit_steps", "op_work", "simulated_step", "step_jitter", "step_work"]
