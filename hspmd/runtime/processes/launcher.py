@@ -48,12 +48,13 @@ from hspmd.runtime.processes.nodes import (
     address_towards, check_bindable, check_cluster, cluster_digest, interface_of, join_running_job, node_rendezvous,
 )
 from hspmd.runtime.processes.ports import LOOPBACK
+from hspmd.runtime.processes.process_groups import (
+    POLL_S, StopRequest, install_stop_handlers, restore_handlers, signal_group, stop_groups,
+)
 
 DEFAULT_GRACE_S = 3.0
-_KILL_WAIT_S = 5.0
 _PUMP_WAIT_S = 10.0
 _TAIL_LINES = 25
-_POLL_S = 0.05
 _NODES_POLL_S = 0.25
 
 
@@ -230,8 +231,8 @@ def launch(
     types = tuple(spec.device_type(r).name if r < spec.n_devices else "" for r in role.ranks) if spec else ()
     place = _Place(role, store.port, secret, backend, elastic, heartbeat, types, env or {})
     monitor = HeartbeatMonitor(store, role.ranks, heartbeat) if heartbeat > 0 and not (multi and elastic) else None
-    stop = _StopRequest()
-    previous_handlers = _install_stop_handlers(stop)
+    stop = StopRequest()
+    previous_handlers = install_stop_handlers(stop)
     ranks: list[_Rank] = []
     pumps: list[threading.Thread] = []
     failed: list[_Rank] = []
@@ -254,8 +255,8 @@ def launch(
     except KeyboardInterrupt:
         stop.signal = "SIGINT"
     finally:
-        _stop_all(ranks, grace)
-        _restore_handlers(previous_handlers)
+        stop_groups([r.process for r in ranks], grace)
+        restore_handlers(previous_handlers)
         # every rank is reaped: the pumps end once they have forwarded the last lines (a failing
         # rank's error among them), which on a busy machine may take a moment; one shared bound,
         # should something outside the ranks' groups still hold a pipe open
@@ -325,7 +326,7 @@ def _close(store, linger: float = 0.0) -> None:
         return
     end = time.monotonic() + linger
     while store.server.open_connections > 1 and time.monotonic() < end:
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     store.server.close()
 
 
@@ -345,7 +346,7 @@ def _end_node(store, role: NodeRole, interrupted: str | None, failed: list, wait
             end = time.monotonic() + wait
             keys = [done_key(k) for k in range(role.nnodes)]
             while not store.check(keys) and time.monotonic() < end:
-                time.sleep(_POLL_S * 4)
+                time.sleep(POLL_S * 4)
     except Exception:  # noqa: BLE001 - the store is gone: node 0 ended, nobody is left to tell
         pass
 
@@ -425,7 +426,7 @@ def _pump(pipe: IO[bytes], sink: IO[str], rank: int, tail: collections.deque | N
                 sink.flush()
 
 
-def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest", monitor=None, store=None) -> tuple[list[_Rank], str | None]:
+def _wait_for_end(ranks: list[_Rank], stop: StopRequest, monitor=None, store=None) -> tuple[list[_Rank], str | None]:
     """Block until every rank succeeded (returns [], None), some failed or stopped beating (returns
     them, first one first), a stop signal arrived, or (`store`: a multi-node job) another node
     reported a failure (returns [] and what it reported)."""
@@ -448,7 +449,7 @@ def _wait_for_end(ranks: list[_Rank], stop: "_StopRequest", monitor=None, store=
                     return [], store.get(FAILED_KEY).decode()
             except Exception:  # noqa: BLE001 - node 0's launcher and its store are gone
                 return [], "the job's store (node 0) is gone"
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     return [], None
 
 
@@ -478,7 +479,7 @@ def _current_dead(store) -> set[int]:
     return set(json.loads(store.get(dead_key(generation)))) if generation else set()
 
 
-def _wait_elastic_node(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str], role: NodeRole,
+def _wait_elastic_node(ranks: list[_Rank], stop: StopRequest, store, err: IO[str], role: NodeRole,
                        joining: bool = False) -> list[_Rank]:
     """This node's part of an elastic multi-node job: report each local rank that exits non-zero to
     the authority (hspmd.runtime.processes.authority), SIGKILL a local rank the authority declared
@@ -508,18 +509,18 @@ def _wait_elastic_node(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[
                         err.write(f"hspmd run: node {role.node_rank}: rank {r.rank} was declared dead (generation "
                                   f"{generation}) but still runs; killed it\n")
                         err.flush()
-                        _signal_group(r.process.pid, signal.SIGKILL)
+                        signal_group(r.process.pid, signal.SIGKILL)
                         r.process.wait()
         except Exception as exc:  # noqa: BLE001 - the authority is gone: nobody coordinates the job any more
             err.write(f"hspmd run: node {role.node_rank}: lost the job's authority ({exc}); stopping\n")
             return [r for r in ranks if r.process.poll() is None] or ranks
         if all(code is not None for code in codes):
             return [r for r, code in zip(ranks, codes) if code != 0 and r.rank not in dead][::-1]
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     return []
 
 
-def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str], restart: _Restarter,
+def _wait_elastic(ranks: list[_Rank], stop: StopRequest, store, err: IO[str], restart: _Restarter,
                   monitor=None) -> list[_Rank]:
     """Announce every rank that exits non-zero as dead (hspmd.runtime.processes.membership.announce_death),
     restart its slot while the budget lasts (the new process says when it is ready; then a new
@@ -539,7 +540,7 @@ def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str],
                     err.write(f"hspmd run: rank {rank} stopped responding (no heartbeat for {silent:.0f}s: frozen or "
                               f"hung); killed it so that the others go on without it\n")
                     err.flush()
-                    _signal_group(r.process.pid, signal.SIGKILL)
+                    signal_group(r.process.pid, signal.SIGKILL)
                     r.process.wait()
         codes = [r.process.poll() for r in ranks]
         newly = [r for r, code in zip(ranks, codes) if code not in (None, 0) and r not in dead]
@@ -570,78 +571,8 @@ def _wait_elastic(ranks: list[_Rank], stop: "_StopRequest", store, err: IO[str],
             err.flush()
         if all(code is not None for code in codes):
             return [] if any(code == 0 for code in codes) else dead[::-1]
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     return []
-
-
-def _stop_all(ranks: list[_Rank], grace: float) -> None:
-    """SIGTERM every rank's process group, SIGKILL what is left after `grace` seconds, reap all.
-    Groups of ranks that already exited are signalled too, so nothing they started outlives the job."""
-    for r in ranks:
-        _signal_group(r.process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_group_alive(r.process.pid) for r in ranks):
-        for r in ranks:
-            r.process.poll()
-        time.sleep(_POLL_S)
-    for r in ranks:
-        _signal_group(r.process.pid, signal.SIGKILL)
-        r.process.wait()
-    # a rank is the guard's child: once the guard is reaped, wait (bounded) for the rest of each group
-    deadline = time.monotonic() + _KILL_WAIT_S
-    while time.monotonic() < deadline and any(_group_alive(r.process.pid) for r in ranks):
-        time.sleep(_POLL_S)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    """True while a process of group `pgid` runs (zombies, dead but not yet reaped, do not count)."""
-    if not os.path.isdir("/proc"):
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            return True
-    return False
-
-
-class _StopRequest:
-    """Set by a signal handler; polled by the launcher loop, so a signal never interrupts the
-    start-up or the clean-up of the ranks half-way."""
-
-    signal: str | None = None
-
-
-def _install_stop_handlers(stop: _StopRequest) -> dict[int, object]:
-    """Turn SIGINT / SIGTERM / SIGHUP into a clean stop of all ranks (only possible from the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def request(signum, frame):
-        stop.signal = stop.signal or signal.Signals(signum).name
-
-    return {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-
-
-def _restore_handlers(previous: dict[int, object]) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
 
 
 def _report_failure(failed: list[_Rank], err: IO[str]) -> None:
