@@ -287,6 +287,35 @@ def test_a_rank_killed_by_a_signal_without_a_name_is_described_by_number():
     assert _describe(-9) == "signal SIGKILL"
 
 
+def test_stopping_a_group_stops_what_its_leader_started_even_one_that_ignores_sigterm():
+    """process_groups.stop_groups: SIGTERM to each leader's whole group, SIGKILL after the grace,
+    every leader reaped and no process of its group left (a grandchild that ignores SIGTERM
+    included); a signal handler cannot be set off the main thread, so none is."""
+    import threading
+
+    from hspmd.runtime.processes.process_groups import StopRequest, group_alive, install_stop_handlers, stop_groups
+
+    code = ("import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print(1, flush=True); time.sleep(60)'], stdout=subprocess.PIPE)\n"
+            "child.stdout.readline()\n"
+            "print('started', flush=True)\n"
+            "time.sleep(60)\n")
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert leader.stdout.readline().strip() == "started"
+    assert group_alive(leader.pid)
+    start = time.monotonic()
+    stop_groups([leader], grace=0.5)
+    assert leader.returncode is not None and not group_alive(leader.pid)
+    assert 0.5 <= time.monotonic() - start < 10.0  # the grandchild outlived SIGTERM until the grace ran out
+    leader.stdout.close()
+    handlers: list = []
+    worker = threading.Thread(target=lambda: handlers.append(install_stop_handlers(StopRequest())))
+    worker.start()
+    worker.join()
+    assert handlers == [{}]
+
+
 @pytest.mark.multiprocess
 def test_each_job_gets_its_own_secret_and_ranks_share_it(tmp_path, capsys):
     script = write_script(tmp_path, """
