@@ -14,8 +14,11 @@
    matmul / add micro-benchmarks, real steps of 1-2 layer probe models for the executor's overheads
    and the kernels' efficiency, each of their ops timed for the per-op-kind costs level 2 prices,
    a gloo ping-pong and all-reduce; hspmd.runtime.policies.calibrate), so the
-   fit sees the machine load the steps see (this machine is shared); the fit takes the typical
-   value over both ranks' probes. `--calibration FILE` uses a saved fit instead.
+   fit sees the machine load the steps see (this machine is shared); the step probes (the op
+   prices) also run before every strategy's turn and the wake-up probe twice a round, so they
+   sample the host's speed about as often as the steps do (`--round-probes-only`: all of them
+   once a round); the fit takes the typical value over both
+   ranks' probes. `--calibration FILE` uses a saved fit instead.
 3. Predict the same steps with the calibrated cost model: simulator level 2 (the specialized
    programs, op by op, with their resolved plans) and level 1 (stage times from ModelSpec).
 
@@ -23,10 +26,11 @@ Reports each strategy's measured and predicted time, the mean absolute percentag
 <= 15%) and Spearman's rank correlation (goal >= 0.8), over all strategies and over the four of
 the calibration set (DP2, PP2 1F1B, TP2, PP2 GPipe; its goal there: MAPE <= 25%), and how far
 the run's own noise moves what it measured (measurement_noise: a MAPE near it is within the
-noise). Timing-sensitive: not part of `make test` (run `make calibration`). `--json FILE` also
+noise), and how far the calibration's own sampling moves the predictions (calibration_noise:
+fits to the probe rounds drawn again). Timing-sensitive: not part of `make test` (run `make calibration`). `--json FILE` also
 writes the figures, each timed step's figures per rank and both ranks' probes; `--repredict
 FILE` (.json, or .json.gz) predicts such a saved run again with the simulator as it is now
-(`--refit`: and the calibration fitted again from its probes).
+(`--refit`: and the calibration fitted again from its probes, with its calibration noise).
 
 `--emulate homogeneous,heterogeneous` runs the same 8 strategies as emulated device types
 (hspmd.runtime.execution.emulation) instead: two ranks of one type, or rank 0 of a fast type and
@@ -121,6 +125,7 @@ def emulated_pair(kind: str, dilation: float):
 
 TRACED_STEPS = 7  # with --trace: the median one of these is written
 NOISE_RESAMPLES = 1000  # bootstrap draws of the rounds for the measurement's own noise
+CALIBRATION_RESAMPLES = 16  # ... for the calibration's (each draw a fit and a prediction, ~1.5 s)
 # the calibration set's acceptance set: DP2, PP2 1F1B, TP2, PP2 GPipe
 PLANNING_FOUR = ["DP2", "PP2 1F1B", "TP2", "PP2 GPipe"]
 
@@ -133,19 +138,23 @@ def trainer_for(backend, text: str, schedule: str) -> Trainer:
                    symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
 
 
-def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluster=None, steady: bool = True):
+def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluster=None, steady: bool = True,
+                 turn_probes: bool = True):
     """This rank's step seconds, CPU seconds, traced steps and probes per strategy; with an emulated
     `cluster`, every trainer on its own emulated device, and each strategy's peak live bytes.
     `steady`: each timed step follows an untimed step of the same strategy (training's steady
     state); otherwise it follows the other strategies' steps, on caches they left (~12% more CPU
-    time for the demo Llama's step here)."""
+    time for the demo Llama's step here). `turn_probes`: the step probes (the op prices) also run
+    before every strategy's turn, and the wake-up probe again mid-round, not only with the other
+    probes once a round: a round's probes sample this host's speed at one moment, and the fit's
+    prices move with the few moments sampled (docs/design.md, Simulator accuracy: the probes'
+    few moments)."""
     torch.set_num_threads(1)
     # on an emulated cluster the step probes run as an emulated device of the reference type (CPU time between sleeps)
     reference = None if cluster is None else cluster.type_slowdown(cluster.emulation.reference)
     probe = Probe(backend, PROBE, cpu_time=cluster is not None, emulate=reference, wake_at=emulated_slowdowns(cluster))
     probes = []
     trainers = {name: trainer_for(emulated(backend, cluster), text, schedule) for name, (text, schedule) in STRATEGIES.items()}
-    devices = [d for d in (emulation_of(t.backend) for t in trainers.values()) if d is not None]
     gen = torch.Generator().manual_seed(0)
     batch = {"tokens": torch.randint(0, CONFIG["vocab"], (16, SEQ), generator=gen),
              "labels": torch.randint(0, CONFIG["vocab"], (16, SEQ), generator=gen)}
@@ -156,19 +165,21 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
     for r in range(warmup + rounds):
         if r >= warmup:  # calibration probes interleaved with the steps: both see the same load
             probes.append(probe.once())
-            for device in devices:  # the probes are not an emulated device's work
-                device.mark()
-        for name, trainer in trainers.items():
+        for turn, (name, trainer) in enumerate(trainers.items()):
             device = emulation_of(trainer.backend)
-            if steady:  # an untimed step of this strategy first: the timed one runs on its caches, as training does
-                if device is not None:
-                    device.mark()
-                backend.barrier(world)
-                trainer.step(batch)
+            if r >= warmup and turn_probes:  # the op prices sampled before every turn, not once a round,
+                middle = turn == len(trainers) // 2  # and the wake-up probe (seconds) twice a round
+                probes.append(probe.once(parts=("steps", "after_sleep") if middle else ("steps",)))
             backend.barrier(world)
+            if device is not None:  # its turn starts now: neither the wait at the barrier (the ranks end a
+                device.forgive_debt()  # probe apart) nor credit left from its last turn is its work: counted,
+                device.mark()  # its steps would sleep that much less
+            if steady:  # an untimed step of this strategy first: the timed one runs on its caches, as training does
+                trainer.step(batch)
+                backend.barrier(world)
             before = device.stats() if device is not None else None
             if device is not None:
-                device.mark()  # what this rank did for the other strategies is not this device's work
+                device.mark()  # nor is the wait at the barrier before the timed step
             start, start_cpu = time.perf_counter(), time.process_time()
             trainer.step(batch)
             elapsed = time.perf_counter() - start
@@ -284,6 +295,38 @@ def measurement_noise(per_round: dict[str, list[float]], resamples: int = NOISE_
     return statistics.median(draws)
 
 
+def probe_rounds(probes: list[dict]) -> list[list[dict]]:
+    """The probes grouped by the round they ran in: per rank in the order they ran, a record of
+    every probe (one with the micro-benchmarks) starts a round, and the records of some parts
+    after it (the turn probes) belong to it; the ranks' k-th rounds together."""
+    rounds: dict[int, list[dict]] = {}
+    for rank in sorted({p["rank"] for p in probes}):
+        k = -1
+        for p in sorted((p for p in probes if p["rank"] == rank), key=lambda p: p["round"]):
+            k += "matmul" in p
+            rounds.setdefault(max(k, 0), []).append(p)
+    return [rounds[k] for k in sorted(rounds)]
+
+
+def calibration_noise(probes: list[dict], cluster, resamples: int | None = None) -> float:
+    """How far the calibration's own sampling moves level 2's predictions: the MAPE (%) of the
+    predictions of a fit to this run's probe rounds drawn again with replacement (probe_rounds;
+    a bootstrap, seeded) against the fit to all of them, the median over `resamples` draws. The
+    probes sample this host's speed at a few moments; a prediction's miss near this is the
+    calibration's noise, on top of the steps' (measurement_noise). `resamples`: CALIBRATION_RESAMPLES."""
+    resamples = resamples or CALIBRATION_RESAMPLES
+    rng = random.Random(0)
+    rounds = probe_rounds(probes)
+    base = {n: p[0] for n, p in predict(fit(probes, PROBE), cluster).items()}
+    draws = []
+    for _ in range(resamples):
+        drawn = [dict(p, round=(i, p["round"])) for i, k in enumerate(rng.choices(range(len(rounds)), k=len(rounds)))
+                 for p in rounds[k]]
+        predicted = predict(fit(drawn, PROBE), cluster)
+        draws.append(100 * statistics.mean(abs(predicted[n][0] - base[n]) / base[n] for n in base))
+    return statistics.median(draws)
+
+
 def step_accuracy(measured: dict, predicted: dict, emulated: bool, per_round: dict[str, list[float]] | None = None) -> dict:
     """Print and return level 2's and level 1's MAPE and Spearman over all strategies and over
     the calibration set, and (`per_round`: each strategy's step per round) the measurement's
@@ -304,6 +347,14 @@ def step_accuracy(measured: dict, predicted: dict, emulated: bool, per_round: di
         print(f"measurement noise: the typical steps of {rounds} rounds move {noise:.1f}% (MAPE, bootstrap): "
               f"a level 2 MAPE near that is within this run's noise")
     return figures
+
+
+def report_calibration_noise(figures: dict, probes: list[dict], cluster) -> None:
+    """Print calibration_noise and add it to `figures`."""
+    noise = calibration_noise(probes, cluster)
+    figures["calibration_noise"] = {"mape": noise, "rounds": len(probe_rounds(probes)), "draws": CALIBRATION_RESAMPLES}
+    print(f"calibration noise: fits to the {len(probe_rounds(probes))} probe rounds drawn again move level 2's predictions "
+          f"{noise:.1f}% (MAPE, {CALIBRATION_RESAMPLES} draws): a level 2 MAPE near that is within the calibration's noise")
 
 
 def repredict(path: str, refit: bool = False) -> list[dict]:
@@ -344,6 +395,8 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
                     [[n, ms(measured[n]), ms(predicted[n][0]), f"{(predicted[n][0] - measured[n]) / measured[n]:+.1%}",
                       ms(predicted[n][1]), f"{(predicted[n][1] - measured[n]) / measured[n]:+.1%}"] for n in STRATEGIES]))
         figures = step_accuracy(measured, predicted, emulated=cluster is not None, per_round=per_round)
+        if refit:
+            report_calibration_noise(figures, probes, cluster)
         rows = []
         for n, by_rank in saved.get("figures", {}).get("device_cpu", {}).items():
             ranks = {int(r): v for r, v in by_rank.items() if r.isdigit()} or {by_rank["rank"]: by_rank}
@@ -360,7 +413,7 @@ def run_set(args, cluster=None) -> dict:
     """Measure, calibrate and predict the 8 strategies, plain or on an emulated `cluster`; print and
     return the figures."""
     results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), cluster, not args.cold,
-                               timeout=3600, pin_cpus=args.pin_cpus)
+                               not args.round_probes_only, timeout=3600, pin_cpus=args.pin_cpus)
     calibration = Calibration.load(args.calibration) if args.calibration else fit(results[0][3] + results[1][3], PROBE)
     title = "plain gloo processes" if cluster is None else f"emulated: {cluster.describe()}"
     print(f"\n== {title} ({args.rounds} rounds + {args.warmup} warm-up)")
@@ -383,6 +436,8 @@ def run_set(args, cluster=None) -> dict:
              ms(predicted[name][1]), f"{(predicted[name][1] - measured[name]) / measured[name]:+.1%}"] for name in STRATEGIES]
     print(table(["strategy", "measured ms", "min-max", "cpu ms", "level 2 ms", "error", "level 1 ms", "error"], rows))
     figures = step_accuracy(measured, predicted, emulated=cluster is not None, per_round=per_round)
+    if not args.calibration:
+        report_calibration_noise(figures, results[0][3] + results[1][3], cluster)
     memory = {}
     if cluster is not None:
         slow = max(range(2), key=cluster.slowdown)
@@ -434,6 +489,9 @@ def main(argv=None) -> int:
     p.add_argument("--pin-cpus", action="store_true", help="pin each rank to its own CPU")
     p.add_argument("--cold", action="store_true",
                    help="time each strategy's step right after the other strategies' (no untimed step of its own first)")
+    p.add_argument("--round-probes-only", action="store_true",
+                   help="run every probe once a round, not the step probes also before every strategy's turn "
+                        "and the wake-up probe again mid-round")
     p.add_argument("--trace", default=None, help="write a typical traced step per strategy here (NAME.json per strategy)")
     p.add_argument("--emulate", default=None,
                    help="homogeneous, heterogeneous or both (comma-separated): emulated device types instead of plain ranks")

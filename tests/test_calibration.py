@@ -127,6 +127,24 @@ def test_fit_recovers_the_parameters_of_synthetic_probes(written_work):
     assert all(efficiency.g(cls) == pytest.approx(1.7) and efficiency.d(cls) == 0.0 for cls in KERNEL_CLASSES)
 
 
+def test_a_record_of_some_probe_parts_is_one_more_sample_of_those_alone(written_work):
+    # a benchmark samples the step probes (the op prices) more often than the rest: each key's
+    # typical value is taken over the records that measured it
+    timed, steps = synthetic_op_times()
+    full = {**synthetic_probe(), "ops": timed, "steps": steps, "rank": 0, "round": 1}
+    slow_ops = [{name: 1.5 * t for name, t in run.items()} for run in timed]
+    step_only = [{"rank": 0, "round": 2 + k, "steps": [1.5 * t for t in steps], "ops": slow_ops} for k in range(3)]
+    both = fit([full] + step_only)
+    # the op prices are the typical of all four records (of four, no tenth to trim: their mean,
+    # 1.375x), the micro-benchmarks and the links the full record's alone
+    assert both.op_costs.fixed_of == pytest.approx({k: 1.375 * v for k, v in OP_FIXED.items()})
+    assert both.peak_flops == pytest.approx(50e9) and both.link_latency == pytest.approx(30e-6)
+    assert fit([full, full]).op_costs.fixed_of == pytest.approx(OP_FIXED)
+    # records without any micro-benchmark are refused by name, not with a KeyError from inside
+    with pytest.raises(HSPMDError, match="none of the 3 probe results measured 'matmul'"):
+        fit(step_only)
+
+
 def test_fit_steps_separates_kernel_efficiency_from_overheads_and_refuses_noise():
     work = [StepWork(r, n) for r, n in ((1e-3, 100), (2e-3, 200), (2e-3, 190), (4e-3, 100))]
     seconds = [2.0 * w.roofline + 30e-6 * w.instructions + 1e-3 for w in work]
@@ -300,6 +318,12 @@ def test_emulated_step_probes_run_as_a_slower_device_and_count_its_cpu_time():
     for points in run["after_sleep"].values():
         works = [work for work, _ in points]
         assert len(points) == len(WAKE_INTERVALS) and min(works) > 0 and works == sorted(works)
+    # the step probes alone: another sample of the op prices, numbered as the next round
+    steps_only = probe.once(parts=("steps",))
+    assert set(steps_only) == {"rank", "round", "steps", "ops"} and steps_only["round"] == run["round"] + 1
+    assert len(steps_only["ops"]) == len(PROBE_RUNS) and min(steps_only["steps"]) > 0
+    with pytest.raises(HSPMDError, match=r"unknown part\(s\) \['warp'\]"):
+        probe.once(parts=("steps", "warp"))
 
 
 @pytest.fixture
@@ -326,7 +350,35 @@ def test_the_bench_reports_how_far_its_own_noise_moves_what_it_measured(bench):
     assert bench.measurement_noise(many) == pytest.approx(bench.measurement_noise(few) / 4, rel=0.5)
 
 
-def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path, capsys, written_work, bench):
+def test_the_bench_reports_how_far_the_calibrations_own_sampling_moves_its_predictions(written_work, bench):
+    """calibration_noise: fits to the probe rounds drawn again (a round: each rank's record of every
+    probe and the records of some parts after it), their predictions against the fit to all."""
+    timed, steps = synthetic_op_times()
+
+    def run(scales):
+        records = []
+        for rank in (0, 1):
+            number = 0
+            for scale in scales:  # a round's full record, then a turn's step probes
+                number += 1
+                records.append({**synthetic_probe(), "ops": timed, "steps": [scale * t for t in steps], "rank": rank,
+                                "round": number})
+                number += 1
+                records.append({"ops": [{n: scale * t for n, t in run.items()} for run in timed],
+                                "steps": [scale * t for t in steps], "rank": rank, "round": number})
+        return records
+
+    varied = run([1.0, 1.4, 0.8, 1.1])
+    rounds = bench.probe_rounds(varied)
+    assert [len(r) for r in rounds] == [4] * 4 and all({p["rank"] for p in r} == {0, 1} for r in rounds)
+    assert all(r[0]["steps"] == r[1]["steps"] and "matmul" in r[0] and "matmul" not in r[1] for r in rounds)
+    cluster = bench.emulated_pair("homogeneous", 8.0)
+    assert bench.calibration_noise(run([1.0] * 4), cluster, resamples=3) == 0.0  # rounds alike: nothing to move
+    noisy = bench.calibration_noise(varied, cluster, resamples=3)
+    assert noisy > 1.0 and bench.calibration_noise(varied, cluster, resamples=3) == noisy  # seeded
+
+
+def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path, capsys, monkeypatch, written_work, bench):
     """bench_calibration --repredict: a run's saved measurements and calibration, predicted by the
     simulator as it is now (a cost-model change checked without a new, noisy run); with --refit
     the calibration fitted again from the run's saved probes."""
@@ -360,7 +412,10 @@ def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path,
     refitted = bench.predict(refit_calibration, cluster)
     saved[0].update(probes=json.loads(json.dumps([probe, other])), measured={n: 1.25 * p[0] for n, p in refitted.items()})
     (tmp_path / "probed.json").write_text(json.dumps(saved))
-    assert bench.repredict(str(tmp_path / "probed.json"), refit=True)[0]["figures"]["all level 2"]["mape"] == pytest.approx(20.0)
+    monkeypatch.setattr(bench, "CALIBRATION_RESAMPLES", 2)
+    refit_figures = bench.repredict(str(tmp_path / "probed.json"), refit=True)[0]["figures"]
+    assert refit_figures["all level 2"]["mape"] == pytest.approx(20.0)
+    assert refit_figures["calibration_noise"]["rounds"] == 1 and refit_figures["calibration_noise"]["mape"] >= 0.0
     assert bench.repredict(str(tmp_path / "probed.json"))[0]["figures"]["all level 2"]["mape"] != pytest.approx(20.0)
     # the saved runs with their probes are kept compressed
     (tmp_path / "probed.json.gz").write_bytes(gzip.compress(json.dumps(saved).encode()))

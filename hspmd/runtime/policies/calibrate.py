@@ -65,7 +65,7 @@ from hspmd.planning.fitting import nonnegative_least_squares, typical
 from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.runtime.execution.emulation import BETWEEN_PASSES
 from hspmd.runtime.policies.calibration import Calibration
-from hspmd.runtime.policies.probes import ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, Probe, ProbeShape, probe_trainer
+from hspmd.runtime.policies.probes import ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_PARTS, PROBE_RUNS, Probe, ProbeShape, probe_trainer
 from hspmd.runtime.processes.multiprocess import run_multiprocess
 from hspmd.runtime.training.trainer import Trainer
 
@@ -177,7 +177,7 @@ def step_jitter(probes: list[dict]) -> float:
     probe step is shorter than a training step, and its seconds are the mean of two steps."""
     rounds: dict[object, list[list[float]]] = {}
     for p in probes:
-        if "round" in p and "rank" in p:
+        if "round" in p and "rank" in p and "steps" in p:
             rounds.setdefault(p["round"], []).append(p["steps"])
     squares, freedom = 0.0, 0
     for steps in rounds.values():
@@ -220,8 +220,19 @@ def after_sleep_curve(runs: list[Mapping[float, list[tuple[float, float]]]]) -> 
 
 def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     """Fit a Calibration to several Probe.once() results, each entry their typical value
-    (fitting.typical: a trimmed mean; module docstring)."""
-    typical_of = lambda key: [typical(p[key][i] for p in probes) for i in range(len(probes[0][key]))]  # noqa: E731
+    (fitting.typical: a trimmed mean; module docstring) over the results that measured it (a
+    result of some of the probes' parts is one more sample of those)."""
+    def having(key: str, needed: bool = True) -> list[dict]:
+        found = [p for p in probes if key in p]
+        if needed and not found:
+            raise HSPMDError(f"calibration: none of the {len(probes)} probe results measured {key!r} "
+                             f"(Probe.once parts {', '.join(PROBE_PARTS)}: the fit needs micro and steps)")
+        return found
+
+    def typical_of(key: str) -> list[float]:
+        sampled = having(key)
+        return [typical(p[key][i] for p in sampled) for i in range(len(sampled[0][key]))]
+
     slope_f, _ = fit_line([2.0 * n ** 3 for n in MATMUL_SIZES], typical_of("matmul"))
     slope_b, _ = fit_line([12.0 * n for n in ADD_SIZES], typical_of("add"))
     rates = Calibration(1.0 / slope_f, 1.0 / slope_b, overhead=0.0, link_latency=1e-5, link_bandwidth=1e9)
@@ -230,16 +241,18 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     trainers = [probe_trainer(shape, *run)[0] for run in PROBE_RUNS]
     gamma, overhead, step_overhead = fit_steps([step_work(t, rate_cost) for t in trainers], typical_of("steps"))
     fitted = replace(rates, overhead=overhead, step_overhead=step_overhead, gamma=gamma)
-    if "ops" in probes[0]:
-        timed = [{name: typical(p["ops"][i][name] for p in probes if name in p["ops"][i])
-                  for name in probes[0]["ops"][i]} for i in range(len(PROBE_RUNS))]
+    timed_runs = having("ops", needed=False)
+    if timed_runs:
+        timed = [{name: typical(p["ops"][i][name] for p in timed_runs if name in p["ops"][i])
+                  for name in timed_runs[0]["ops"][i]} for i in range(len(PROBE_RUNS))]
         costs = fit_op_costs([op_work(t, rate_cost) for t in trainers], timed, typical_of("steps"),
                              [1 + 2 * micro_batches for _, micro_batches, _ in PROBE_RUNS])
-        if "after_sleep" in probes[0]:  # emulated step probes: how much slower the work after a sleep runs
-            costs = replace(costs, after_sleep=after_sleep_curve([p["after_sleep"] for p in probes]))
+        woken = having("after_sleep", needed=False)
+        if woken:  # emulated step probes: how much slower the work after a sleep runs
+            costs = replace(costs, after_sleep=after_sleep_curve([p["after_sleep"] for p in woken]))
         costs = replace(costs, jitter=step_jitter(probes))
         fitted = replace(fitted, op_costs=costs)
-    if "pingpong" not in probes[0]:
+    if not having("pingpong", needed=False):
         return fitted
     xs = [float(n) for n in MESSAGE_SIZES] + [n / 2 for n in MESSAGE_SIZES]
     ys = typical_of("pingpong") + [t / 2 for t in typical_of("allreduce")]  # 2-process all-reduce: 2 alpha + B / beta

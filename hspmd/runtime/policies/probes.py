@@ -91,6 +91,9 @@ WAKE_INTERVALS = (4, 16, 64, 256, 640)
 # sleeps: one step's noise (~10% of its CPU time) over a sleep or two would swamp their effect
 WAKE_STEPS = 4
 WAKE_SLEEPS = 4
+# what Probe.once measures: the torch micro-benchmarks, the step probes (steps and their ops),
+# the wake-up probe (emulated only) and the gloo messages (two ranks only)
+PROBE_PARTS = ("micro", "steps", "after_sleep", "links")
 
 
 @dataclass(frozen=True)
@@ -191,41 +194,54 @@ class Probe:
         device.forgive_debt()
         return points
 
-    def once(self) -> dict:
-        """Raw seconds of every probe, measured once (short inner loops); "rank" and "round" say
-        whose and which call it was (the step probes of two ranks' same round ran at once: step_jitter)."""
+    def once(self, parts: tuple[str, ...] = PROBE_PARTS) -> dict:
+        """Raw seconds of the probes in `parts` (PROBE_PARTS: all of them), measured once (short
+        inner loops); "rank" and "round" say whose and which call it was (the step probes of two
+        ranks' same round ran at once: step_jitter). A record of some parts only is another
+        sample of those (calibrate.fit takes each key's typical value over the records that
+        have it): the step probes cost ~0.6 s at 8x, the wake-up probe several seconds, so a
+        benchmark can sample the op prices more often than the rest."""
+        unknown = sorted(set(parts) - set(PROBE_PARTS))
+        if unknown:
+            raise HSPMDError(f"Probe.once(parts={parts!r}): unknown part(s) {unknown}; the parts are {', '.join(PROBE_PARTS)}")
         clock = self.clock
         self.rounds += 1
         out: dict = {"rank": self.backend.rank if self.backend is not None else 0, "round": self.rounds}
-        out |= {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2)), clock) for a, b in self.matrices],
-                "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0]), clock) for a, b in self.vectors],
-                "steps": [], "ops": []}
-        for trainer, batch in self.trainers:
-            seconds, ops = self._step_seconds(trainer, batch)
-            out["steps"].append(seconds)
-            out["ops"].append(ops)
-        if self.emulated:
+        if "micro" in parts:
+            out |= {"matmul": [median_seconds(lambda: a @ b, 1, max(1, 20000 // (a.shape[0] ** 2)), clock) for a, b in self.matrices],
+                    "add": [median_seconds(lambda: a + b, 1, max(1, 200000 // a.shape[0]), clock) for a, b in self.vectors]}
+        if "steps" in parts:
+            out |= {"steps": [], "ops": []}
+            for trainer, batch in self.trainers:
+                seconds, ops = self._step_seconds(trainer, batch)
+                out["steps"].append(seconds)
+                out["ops"].append(ops)
+        if "after_sleep" in parts and self.emulated:
             trainer, batch = self.trainers[PROBE_RUNS.index((2, 1, 1))]
             out["after_sleep"] = {s: self._after_sleep(trainer, batch, s) for s in self.wake_slowdowns}
-        if self.backend is not None and self.backend.world_size >= 2:
-            backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
-            backend.barrier(group)
-            pings, reduces = [], []
-            for x in self.messages:
-                shape = (tuple(x.shape), x.dtype)
-
-                def round_trip():
-                    if backend.rank == 0:
-                        backend.exchange({peer: x}, {})
-                        backend.exchange({}, {peer: shape})
-                    else:
-                        backend.exchange({peer: backend.exchange({}, {peer: shape})[peer]}, {})
-
-                pings.append(median_seconds(round_trip, 1, 3) / 2)
-                reduces.append(median_seconds(lambda: backend.all_reduce(x, group), 1, 3))
-            out["pingpong"], out["allreduce"] = pings, reduces
+        if "links" in parts and self.backend is not None and self.backend.world_size >= 2:
+            out["pingpong"], out["allreduce"] = self._links()
         return out
 
+    def _links(self) -> tuple[list[float], list[float]]:
+        """(half a gloo round trip, a 2-rank all-reduce) seconds per MESSAGE_SIZES, with rank 1 - this one."""
+        backend, peer, group = self.backend, 1 - self.backend.rank, (0, 1)
+        backend.barrier(group)
+        pings, reduces = [], []
+        for x in self.messages:
+            shape = (tuple(x.shape), x.dtype)
 
-__all__ = ["ADD_SIZES", "MATMUL_SIZES", "MESSAGE_SIZES", "PROBE_RUNS", "Probe", "ProbeShape", "TimedSteps", "WAKE_INTERVALS",
+            def round_trip():
+                if backend.rank == 0:
+                    backend.exchange({peer: x}, {})
+                    backend.exchange({}, {peer: shape})
+                else:
+                    backend.exchange({peer: backend.exchange({}, {peer: shape})[peer]}, {})
+
+            pings.append(median_seconds(round_trip, 1, 3) / 2)
+            reduces.append(median_seconds(lambda: backend.all_reduce(x, group), 1, 3))
+        return pings, reduces
+
+
+__all__ = ["ADD_SIZES", "MATMUL_SIZES", "MESSAGE_SIZES", "PROBE_PARTS", "PROBE_RUNS", "Probe", "ProbeShape", "TimedSteps", "WAKE_INTERVALS",
            "WakingEmulator", "median_seconds", "probe_trainer"]
