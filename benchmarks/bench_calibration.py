@@ -17,8 +17,8 @@
    fit sees the machine load the steps see (this machine is shared); the step probes (the op
    prices) also run before every strategy's turn and the wake-up probe twice a round, so they
    sample the host's speed about as often as the steps do (`--round-probes-only`: all of them
-   once a round); the fit takes the typical value over both
-   ranks' probes. `--calibration FILE` uses a saved fit instead.
+   once a round); the fit takes the typical value over both ranks' probes. `--calibration
+   FILE` uses a saved fit instead.
 3. Predict the same steps with the calibrated cost model: simulator level 2 (the specialized
    programs, op by op, with their resolved plans) and level 1 (stage times from ModelSpec).
 
@@ -27,10 +27,11 @@ Reports each strategy's measured and predicted time, the mean absolute percentag
 the calibration set (DP2, PP2 1F1B, TP2, PP2 GPipe; its goal there: MAPE <= 25%), and how far
 the run's own noise moves what it measured (measurement_noise: a MAPE near it is within the
 noise), and how far the calibration's own sampling moves the predictions (calibration_noise:
-fits to the probe rounds drawn again). Timing-sensitive: not part of `make test` (run `make calibration`). `--json FILE` also
-writes the figures, each timed step's figures per rank and both ranks' probes; `--repredict
-FILE` (.json, or .json.gz) predicts such a saved run again with the simulator as it is now
-(`--refit`: and the calibration fitted again from its probes, with its calibration noise).
+fits to the probe rounds drawn again). Timing-sensitive: not part of `make test` (run `make
+calibration`). `--json FILE` also writes the figures, each timed step's figures per rank and
+both ranks' probes; `--repredict FILE` (.json, or .json.gz) predicts such a saved run again
+with the simulator as it is now (`--refit`: and the calibration fitted again from its probes,
+with its calibration noise).
 
 `--emulate homogeneous,heterogeneous` runs the same 8 strategies as emulated device types
 (hspmd.runtime.execution.emulation) instead: two ranks of one type, or rank 0 of a fast type and
