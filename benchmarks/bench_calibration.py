@@ -309,16 +309,18 @@ def probe_rounds(probes: list[dict]) -> list[list[dict]]:
     return [rounds[k] for k in sorted(rounds)]
 
 
-def calibration_noise(probes: list[dict], cluster, resamples: int | None = None) -> float:
+def calibration_noise(probes: list[dict], cluster, resamples: int | None = None, base: dict[str, float] | None = None) -> float:
     """How far the calibration's own sampling moves level 2's predictions: the MAPE (%) of the
     predictions of a fit to this run's probe rounds drawn again with replacement (probe_rounds;
     a bootstrap, seeded) against the fit to all of them, the median over `resamples` draws. The
     probes sample this host's speed at a few moments; a prediction's miss near this is the
-    calibration's noise, on top of the steps' (measurement_noise). `resamples`: CALIBRATION_RESAMPLES."""
+    calibration's noise, on top of the steps' (measurement_noise). `resamples`: CALIBRATION_RESAMPLES;
+    `base`: level 2's step per strategy from the fit to all the probes, when the caller has it."""
     resamples = resamples or CALIBRATION_RESAMPLES
     rng = random.Random(0)
     rounds = probe_rounds(probes)
-    base = {n: p[0] for n, p in predict(fit(probes, PROBE), cluster).items()}
+    if base is None:
+        base = {n: p[0] for n, p in predict(fit(probes, PROBE), cluster).items()}
     draws = []
     for _ in range(resamples):
         drawn = [dict(p, round=(i, p["round"])) for i, k in enumerate(rng.choices(range(len(rounds)), k=len(rounds)))
@@ -350,11 +352,12 @@ def step_accuracy(measured: dict, predicted: dict, emulated: bool, per_round: di
     return figures
 
 
-def report_calibration_noise(figures: dict, probes: list[dict], cluster) -> None:
-    """Print calibration_noise and add it to `figures`."""
-    noise = calibration_noise(probes, cluster)
-    figures["calibration_noise"] = {"mape": noise, "rounds": len(probe_rounds(probes)), "draws": CALIBRATION_RESAMPLES}
-    print(f"calibration noise: fits to the {len(probe_rounds(probes))} probe rounds drawn again move level 2's predictions "
+def report_calibration_noise(figures: dict, probes: list[dict], cluster, predicted: dict) -> None:
+    """Print calibration_noise and add it to `figures` (`predicted`: predict() from the fit to all `probes`)."""
+    noise = calibration_noise(probes, cluster, base={n: p[0] for n, p in predicted.items()})
+    rounds = len(probe_rounds(probes))
+    figures["calibration_noise"] = {"mape": noise, "rounds": rounds, "draws": CALIBRATION_RESAMPLES}
+    print(f"calibration noise: fits to the {rounds} probe rounds drawn again move level 2's predictions "
           f"{noise:.1f}% (MAPE, {CALIBRATION_RESAMPLES} draws): a level 2 MAPE near that is within the calibration's noise")
 
 
@@ -397,7 +400,7 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
                       ms(predicted[n][1]), f"{(predicted[n][1] - measured[n]) / measured[n]:+.1%}"] for n in STRATEGIES]))
         figures = step_accuracy(measured, predicted, emulated=cluster is not None, per_round=per_round)
         if refit:
-            report_calibration_noise(figures, probes, cluster)
+            report_calibration_noise(figures, probes, cluster, predicted)
         rows = []
         for n, by_rank in saved.get("figures", {}).get("device_cpu", {}).items():
             ranks = {int(r): v for r, v in by_rank.items() if r.isdigit()} or {by_rank["rank"]: by_rank}
@@ -438,7 +441,7 @@ def run_set(args, cluster=None) -> dict:
     print(table(["strategy", "measured ms", "min-max", "cpu ms", "level 2 ms", "error", "level 1 ms", "error"], rows))
     figures = step_accuracy(measured, predicted, emulated=cluster is not None, per_round=per_round)
     if not args.calibration:
-        report_calibration_noise(figures, results[0][3] + results[1][3], cluster)
+        report_calibration_noise(figures, results[0][3] + results[1][3], cluster, predicted)
     memory = {}
     if cluster is not None:
         slow = max(range(2), key=cluster.slowdown)
