@@ -11,7 +11,7 @@ import torch
 
 from hspmd import resolve, shard, unshard
 from hspmd.backends.plan_executor import run_plan
-from hspmd.comm_resolve import resolver
+from hspmd.comm_resolve import hierarchical, resolver
 from hspmd.comm_resolve.explain import main as explain
 from hspmd.comm_resolve.plan import Plan
 from hspmd.comm_resolve.reshard import Reshard, Resolution
@@ -77,7 +77,7 @@ def test_explain_says_when_and_why_a_fallback_happened(capsys):
 def test_the_recursion_checks_that_reducing_leaves_no_partial_values(monkeypatch):
     """_general reduces a partial source in place and resolves the rest again: a reduction that
     left partial values would recurse forever, so it is an internal error, named."""
-    monkeypatch.setattr(resolver, "_reduce_union", lambda union, goal, ctx: ([], union))
+    monkeypatch.setattr(hierarchical, "_reduce_union", lambda union, goal, ctx: ([], union))
     with pytest.raises(CommunicationError, match="internal: reducing the partial values of HP.* would not end"):
         resolve("HP{@[0] | @[1]}", "S0:3@[1,2,3]", (6, 2))
 
