@@ -45,7 +45,7 @@ sleeps, as the strategies' steps run between communications; they also time how 
 the work between two sleeps runs, by how much work that is, which level 2 prices per stretch
 of work between sleeps), and the prediction is Calibration.cost_model_for(the emulated
 cluster). Besides step times (goals MAPE <= 8%, Spearman >= 0.9) it reports every rank's
-device CPU beside what level 2 prices it (priced_cpu), and every rank's peak live bytes,
+device CPU beside what level 2 prices it (device_sim.host_step_work), and every rank's peak live bytes,
 counted exactly in one untimed step after the timed ones, against level 2's memory model of the
 interpreter (goal: within 10%; planning/device_memory.py) and level 1's (a layer's kept activations, as autograd frees the rest).
 """
@@ -72,7 +72,7 @@ from hspmd.runtime.execution.emulation import SWEEP_EVERY, emulated, emulation_o
 from hspmd.ir.shapes import Binding  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
-from hspmd.planning.device_sim import simulate_device_run  # noqa: E402
+from hspmd.planning.device_sim import host_step_work, simulate_device_run  # noqa: E402
 from hspmd.planning.fitting import typical  # noqa: E402
 from hspmd.planning.device_memory import device_memory  # noqa: E402
 from hspmd.planning.strategy_sim import simulate_strategy  # noqa: E402
@@ -227,26 +227,10 @@ def typical_step(per_rank_steps: list[list[list[dict]]]) -> list[list[dict]]:
     return [rank[steps[len(steps) // 2]] for rank in per_rank_steps]
 
 
-def priced_cpu(spec, cost, layout, costs) -> dict[int, float]:
-    """Per rank, the host CPU seconds a step of level 2 prices its device to owe (`costs`: level
-    2's DeviceCost per rank): its passes' and update's work, with what its sleeps add (not their
-    communication), and the per-step work, / cpu_scale; beside a rank's measured device CPU it
-    says whether the miss is in the compute or elsewhere."""
-    out = {}
-    for p, pipeline in enumerate(spec.pipelines):
-        for devices in pipeline.stages:
-            for d in devices:
-                c = costs[d]
-                passes = layout.counts[p] * (c.forward - c.forward_comm + c.backward - c.backward_comm)
-                work = passes + c.update - c.update_comm + cost.step_work(d, op_priced=True)
-                out[d] = work / cost.cpu_scale(d)
-    return out
-
-
 def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, float, dict[int, float], dict[int, float]]]:
     """(level 2, level 1) predicted step seconds per strategy, per rank level 2's peak and static
     bytes (the interpreter's, planning/device_memory.py) and level 1's peak (a layer's kept
-    activations), and per rank the device CPU level 2 prices (priced_cpu); on an emulated
+    activations), and per rank the device CPU level 2 prices (device_sim.host_step_work); on an emulated
     `cluster`, as its types run on this host (Calibration.cost_model_for)."""
     config = LlamaConfig(**CONFIG)
     spec_model = from_llama_config(config, SEQ)
@@ -261,7 +245,7 @@ def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, fl
         level1 = simulate_strategy(strategy, cost, schedule)
         out[name] = (level2.iteration, level1.iteration,
                      {d: (level2.peak_memory.get(d, 0.0), device_memory(exe, spec.binding).static, level1.peak_memory.get(d, 0.0))
-                      for d, exe in spec.executables.items()}, priced_cpu(spec, cost, layout, costs))
+                      for d, exe in spec.executables.items()}, host_step_work(spec, cost, costs, dict(enumerate(layout.counts))))
     return out
 
 

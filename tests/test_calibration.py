@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from hspmd.errors import HSPMDError
-from hspmd.planning import from_llama_config
+from hspmd.planning import OpCosts, from_llama_config
 from hspmd.models.llama import LlamaConfig
 from hspmd.planning.model import KERNEL_CLASSES
 from hspmd.runtime.policies import calibrate
-from hspmd.runtime.policies.calibrate import OpWork, StepWork, fit, fit_line, fit_op_costs, fit_steps, step_jitter
+from hspmd.runtime.policies.calibrate import (OpWork, StepWork, fit, fit_line, fit_op_costs, fit_steps, jitter_span,
+                                             step_jitter)
 from hspmd.runtime.policies.calibration import Calibration
 from hspmd.runtime.policies.probes import ADD_SIZES, MATMUL_SIZES, MESSAGE_SIZES, PROBE_RUNS, WAKE_INTERVALS
 from hspmd.cluster.emulation import WAIT_CHUNK_S
@@ -194,7 +195,7 @@ def test_calibration_file_round_trip(tmp_path, written_work):
         cal = fit(probes)
         cal.save(tmp_path / "c.json")
         assert Calibration.load(tmp_path / "c.json") == cal
-    assert cal.op_costs.jitter > 0
+    assert cal.op_costs.jitter > 0 and cal.op_costs.jitter_over > 0
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(HSPMDError, match="cannot read calibration file"):
         Calibration.load(tmp_path / "bad.json")
@@ -222,6 +223,14 @@ def test_calibration_file_round_trip(tmp_path, written_work):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(HSPMDError, match="bad.json.*jitter must be finite and >= 0"):
         Calibration.load(tmp_path / "bad.json")
+    data["op_costs"]["step_jitter"] = 0.2
+    data["op_costs"]["step_jitter_over"] = -1.0
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(HSPMDError, match="bad.json.*jitter_over must be finite and >= 0"):
+        Calibration.load(tmp_path / "bad.json")
+    del data["op_costs"]["step_jitter_over"]  # files from before the jitter's length was kept: unscaled
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Calibration.load(tmp_path / "old.json").op_costs.jitter_for(1.0) == 0.2
     del data["op_costs"]["step_jitter"]  # files from before the jitter was measured: none
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert Calibration.load(tmp_path / "old.json").op_costs.jitter == 0.0
@@ -244,6 +253,20 @@ def test_the_step_jitter_is_each_ranks_own_spread_around_the_ranks_mean():
     assert step_jitter([{**p, "steps": [1e-3, 4e-3]} for p in probes]) == 0.0
     assert step_jitter([p for p in probes if p["rank"] == 0]) == 0.0
     assert step_jitter([{"steps": p["steps"]} for p in probes]) == 0.0
+
+
+def test_the_jitter_is_said_over_the_probes_harmonic_mean_length():
+    """jitter_span: the probes pool relative variances that fall as 1 / length, so the pooled
+    jitter is the one of their harmonic mean's length; probes that measured nothing are left out."""
+    assert jitter_span([2e-3, 6e-3]) == pytest.approx(3e-3)
+    assert jitter_span([4e-3, 4e-3, 0.0]) == pytest.approx(4e-3)
+    assert jitter_span([]) == 0.0
+    rng = random.Random(2)
+    lengths = (2e-3, 8e-3)
+    probes = [{"rank": rank, "round": r, "steps": [t * (1 + rng.gauss(0.0, 0.1 * math.sqrt(4e-3 / t))) for t in lengths]}
+              for r in range(2000) for rank in (0, 1)]
+    costs = OpCosts({}, {}, jitter=step_jitter(probes), jitter_over=jitter_span(list(lengths)))
+    assert costs.jitter_for(4e-3 * 4) == pytest.approx(0.05, rel=0.1)  # the spread the simulated probes were drawn with
 
 
 def test_fit_line_refuses_noise_that_does_not_grow():
@@ -382,7 +405,6 @@ def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path,
     """bench_calibration --repredict: a run's saved measurements and calibration, predicted by the
     simulator as it is now (a cost-model change checked without a new, noisy run); with --refit
     the calibration fitted again from the run's saved probes."""
-    from hspmd.planning import OpCosts
 
     costs = OpCosts({"matmul": 1e-5, "add": 4e-6}, {"matmul": 1.5, "add": 1.0}, per_step=1e-4, per_pass=5e-5,
                     after_sleep=((1e-4, 0.5), (1e-2, 0.1)))

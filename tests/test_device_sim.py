@@ -172,8 +172,8 @@ def test_devices_that_wait_for_each_other_are_expected_to_wait_for_the_slowest_d
     from hspmd.planning.device_sim import device_costs, device_memories, jitter_draws, stage_pipelines
     from hspmd.planning.simulator import simulate_pipelines
 
-    draws = jitter_draws([0, 1], 0.1)
-    assert draws == jitter_draws([0, 1], 0.1) and [d[1] for d in draws] == [d[1] for d in jitter_draws([1], 0.1)]
+    draws = jitter_draws({0: 0.1, 1: 0.1})
+    assert draws == jitter_draws({0: 0.1, 1: 0.1}) and [d[1] for d in draws] == [d[1] for d in jitter_draws({1: 0.1})]
     for device in (0, 1):
         factors = [d[device] for d in draws]
         assert fmean(factors) == pytest.approx(1.0) and pstdev(factors) == pytest.approx(0.1, rel=0.25)
@@ -200,3 +200,38 @@ def test_devices_that_wait_for_each_other_are_expected_to_wait_for_the_slowest_d
     assert added == pytest.approx(0.0, abs=1e-12) and work > 0
     uneven, work_uneven = excess("layers=4 ; 3x2: R0 L0-3 ; 1x2: R1 L0-3")
     assert abs(uneven) < 0.3 * slowest * work_uneven
+
+
+def test_a_longer_step_varies_less_by_the_square_root_of_its_length():
+    """OpCosts.jitter_for: the probes' jitter for work up to the `jitter_over` seconds it was
+    measured over, beyond them jitter x sqrt(over / work); level 2 draws each device's factor
+    with its own step's spread (device_sim.host_step_work), so data parallel on steps 4x the
+    probes' waits for half the excess of the unscaled jitter, and a program run at twice the
+    micro-batches has the smaller excess relative to its work."""
+    from dataclasses import replace
+    from statistics import pstdev
+
+    from hspmd.planning import OpCosts
+    from hspmd.planning.device_sim import device_costs, host_step_work, jitter_draws
+
+    costs = OpCosts({}, {}, jitter=0.2, jitter_over=5e-3)
+    assert costs.jitter_for(1e-3) == costs.jitter_for(5e-3) == 0.2
+    assert costs.jitter_for(20e-3) == pytest.approx(0.1) and costs.jitter_for(80e-3) == pytest.approx(0.05)
+    assert replace(costs, jitter_over=0.0).jitter_for(80e-3) == 0.2  # measured over nothing said: no scaling
+    assert pstdev(d[0] for d in jitter_draws({0: 0.05, 1: 0.2})) == pytest.approx(0.05, rel=0.25)
+
+    _, config, layout, spec = specialized("layers=4 ; 2x2: R0 L0-3 ; 2x2: R1 L0-3")
+    steady = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ), overhead=10e-6,
+                       op_costs=OpCosts({}, {}, per_step=1e-3))
+    counts = dict(enumerate(layout.counts))
+    plain = simulate_specialized(spec, steady, counts)
+    work = host_step_work(spec, steady, device_costs(spec, steady), counts)
+    assert set(work) == {0, 1} and work[0] == pytest.approx(work[1]) and work[0] > steady.op_costs.per_step
+
+    def excess(jitter_over):
+        jittery = replace(steady, op_costs=replace(steady.op_costs, jitter=0.2, jitter_over=jitter_over))
+        return simulate_specialized(spec, jittery, counts).iteration - plain.iteration
+
+    unscaled, quarter = excess(0.0), excess(work[0] / 4)
+    assert unscaled > 0 and quarter == pytest.approx(unscaled / 2, rel=0.05)
+    assert excess(work[0]) == pytest.approx(unscaled, rel=1e-9)

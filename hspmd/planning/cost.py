@@ -92,6 +92,7 @@ def _table(items, what: str) -> tuple[tuple[str, float], ...]:
 # each sleep at a fixed cost and are not read
 SLOWER_AFTER_SLEEP_KEY = "slower_between_sleeps"
 STEP_JITTER_KEY = "step_jitter"
+STEP_JITTER_OVER_KEY = "step_jitter_over"
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,9 @@ class OpCosts:
     relative standard deviation of a device's work from one step to the next that is its own (not
     shared with the devices it runs beside): devices that wait for each other wait for the
     slowest of their draws, so a step is expected to take longer than its average work says
-    (level 2 prices that expectation: device_sim.simulate_device_run)."""
+    (level 2 prices that expectation: device_sim.simulate_device_run). `jitter_over`: the host
+    seconds of work over which `jitter` was measured (the step probes'); a device's longer step
+    varies less (`jitter_for`); 0: `jitter` whatever the work."""
 
     fixed: tuple[tuple[str, float], ...]
     gamma: tuple[tuple[str, float], ...]
@@ -122,6 +125,7 @@ class OpCosts:
     per_pass: float = 0.0
     after_sleep: tuple[tuple[float, float], ...] = ()
     jitter: float = 0.0
+    jitter_over: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "fixed", _table(self.fixed, "fixed"))
@@ -129,7 +133,7 @@ class OpCosts:
         if [k for k, _ in self.fixed] != [k for k, _ in self.gamma]:
             raise ClusterError(f"OpCosts: fixed and gamma must list the same op kinds, got "
                                f"{[k for k, _ in self.fixed]} and {[k for k, _ in self.gamma]}")
-        for name in ("per_step", "per_pass", "jitter"):
+        for name in ("per_step", "per_pass", "jitter", "jitter_over"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ClusterError(f"OpCosts {name} must be finite and >= 0, got {getattr(self, name)}")
         after_sleep = tuple(sorted((float(s), float(f)) for s, f in self.after_sleep))
@@ -164,15 +168,25 @@ class OpCosts:
                 return f0 + (f1 - f0) * math.log(work / w0) / math.log(w1 / w0)
         return points[-1][1]
 
+    def jitter_for(self, work: float) -> float:
+        """The relative standard deviation of a device's step of `work` host seconds: `jitter`
+        over the probes' `jitter_over` seconds or less, and beyond them jitter x sqrt(jitter_over /
+        work), as a sum of independent stretches varies (approximate: a step's stretches are not
+        wholly independent, a slow step is slow in most of its ops; Simulator accuracy)."""
+        if self.jitter_over <= 0 or work <= self.jitter_over:
+            return self.jitter
+        return self.jitter * math.sqrt(self.jitter_over / work)
+
     def to_dict(self) -> dict:
         return {"fixed": dict(self.fixed), "gamma": dict(self.gamma), "per_step": self.per_step, "per_pass": self.per_pass,
-                SLOWER_AFTER_SLEEP_KEY: [list(pair) for pair in self.after_sleep], STEP_JITTER_KEY: self.jitter}
+                SLOWER_AFTER_SLEEP_KEY: [list(pair) for pair in self.after_sleep], STEP_JITTER_KEY: self.jitter,
+                STEP_JITTER_OVER_KEY: self.jitter_over}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "OpCosts":
         return cls(tuple(dict(data["fixed"]).items()), tuple(dict(data["gamma"]).items()), float(data.get("per_step", 0.0)),
                    float(data.get("per_pass", 0.0)), tuple((s, f) for s, f in data.get(SLOWER_AFTER_SLEEP_KEY, ())),
-                   float(data.get(STEP_JITTER_KEY, 0.0)))
+                   float(data.get(STEP_JITTER_KEY, 0.0)), float(data.get(STEP_JITTER_OVER_KEY, 0.0)))
 
 
 @dataclass(frozen=True)

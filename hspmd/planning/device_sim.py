@@ -285,36 +285,56 @@ JITTER_SAMPLES = 128  # draws of every device's step work when the op costs have
 JITTER_SEED = 0
 
 
-def jitter_draws(devices: Sequence[int], jitter: float, samples: int = JITTER_SAMPLES) -> list[dict[int, float]]:
-    """`samples` (even) draws of a factor per device, log-normal with relative standard deviation
-    `jitter`, in antithetic pairs and scaled so that each device's factors average exactly 1 (a
-    device alone, or far busier than the rest, is expected at its average work, not at its
-    draws' sampling error); the same draws for the same devices on every call (common random
-    numbers: two strategies compared meet the same luck), a device's whoever runs beside it."""
+def jitter_draws(jitter: Mapping[int, float], samples: int = JITTER_SAMPLES) -> list[dict[int, float]]:
+    """`samples` (even) draws of a factor per device, log-normal with the device's relative
+    standard deviation in `jitter`, in antithetic pairs and scaled so that each device's factors
+    average exactly 1 (a device alone, or far busier than the rest, is expected at its average
+    work, not at its draws' sampling error); the same normal draws for the same devices on every
+    call (common random numbers: two strategies compared meet the same luck), a device's
+    whoever runs beside it."""
     rng = random.Random(JITTER_SEED)
-    sigma = math.sqrt(math.log1p(jitter * jitter))
+    devices = sorted(jitter)
     width = max(devices, default=-1) + 1
     normal = [[rng.gauss(0.0, 1.0) for _ in range(width)] for _ in range(samples // 2)]
     normal += [[-z for z in row] for row in normal]
-    factors = {d: [math.exp(sigma * row[d]) for row in normal] for d in devices}
+    sigmas = {d: math.sqrt(math.log1p(jitter[d] * jitter[d])) for d in devices}
+    factors = {d: [math.exp(sigmas[d] * row[d]) for row in normal] for d in devices}
     means = {d: statistics.fmean(f) for d, f in factors.items()}
     return [{d: factors[d][k] / means[d] for d in devices} for k in range(len(normal))]
+
+
+def host_step_work(spec: Specialized, cost: CostModel, costs: Mapping[int, DeviceCost],
+                   micro_batches: Mapping[int, int] | int) -> dict[int, float]:
+    """Per device, the host CPU seconds of one step's work (`costs`: level 2's DeviceCost per
+    device): its passes' and update's work with what its sleeps add (not their communication)
+    and the per-step work, / cpu_scale."""
+    out = {}
+    for p, pipeline in enumerate(spec.pipelines):
+        m = micro_batches if isinstance(micro_batches, int) else micro_batches[p]
+        for devices in pipeline.stages:
+            for d in devices:
+                c = costs[d]
+                work = m * (c.forward - c.forward_comm + c.backward - c.backward_comm) + c.update - c.update_comm
+                out[d] = (work + cost.step_work(d, op_priced=True)) / cost.cpu_scale(d)
+    return out
 
 
 def simulate_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,
                         schedule: str = "1f1b", comm: bool = True) -> tuple[SimResult, dict[int, DeviceCost]]:
     """Level 2 of one step and the devices' costs. Where the op costs have a jitter (a device's
-    work varies from step to step on its own), devices that wait for each other wait for the
-    slowest draw: the iteration is then the mean over jitter_draws of the step simulated with
-    every device's work so slowed (the intervals and breakdowns are the average work's)."""
+    work varies from step to step on its own, the less the longer its step: OpCosts.jitter_for),
+    devices that wait for each other wait for the slowest draw: the iteration is then the mean
+    over jitter_draws of the step simulated with every device's work so slowed (the intervals
+    and breakdowns are the average work's)."""
     if not spec.pipelines:
         raise HSPMDError("level 2 (simulate_device_run): the specialization has no pipelines")
     costs, memory = device_costs(spec, cost, schedule, comm), device_memories(spec)
     result = simulate_pipelines(*stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm))
-    jitter = cost.op_costs.jitter if cost.op_costs is not None else 0.0
-    if jitter > 0:
+    if cost.op_costs is not None and cost.op_costs.jitter > 0:
+        work = host_step_work(spec, cost, costs, micro_batches)
+        spread = {d: cost.op_costs.jitter_for(work[d]) for d in costs}
         steps = [simulate_pipelines(*stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm, factors)).iteration
-                 for factors in jitter_draws(sorted(costs), jitter)]
+                 for factors in jitter_draws(spread)]
         result = replace(result, iteration=statistics.fmean(steps))
     return result, costs
 
@@ -349,6 +369,7 @@ def simulate_llama(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", 
 
 
 __all__ = [
-    "DISPATCHED", "DeviceCost", "JITTER_SAMPLES", "VIEWS", "device_cost", "device_costs", "device_memories", "jitter_draws",
-    "op_kernel", "plan_device_run", "simulate_device_run", "simulate_llama", "simulate_specialized", "specialize_llama", "stage_pipelines",
+    "DISPATCHED", "DeviceCost", "JITTER_SAMPLES", "VIEWS", "device_cost", "device_costs", "device_memories", "host_step_work",
+    "jitter_draws", "op_kernel", "plan_device_run", "simulate_device_run", "simulate_llama", "simulate_specialized",
+    "specialize_llama", "stage_pipelines",
 ]

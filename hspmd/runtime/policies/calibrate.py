@@ -191,6 +191,14 @@ def step_jitter(probes: list[dict]) -> float:
     return math.sqrt(squares / freedom) if freedom else 0.0
 
 
+def jitter_span(steps: list[float]) -> float:
+    """OpCosts.jitter_over: the host seconds of work the step jitter was measured over, from the
+    step probes' typical seconds: their harmonic mean, as step_jitter pools the probes' relative
+    variances and a probe of w seconds varies as 1 / w (OpCosts.jitter_for)."""
+    positive = [s for s in steps if s > 0]
+    return len(positive) / sum(1.0 / s for s in positive) if positive else 0.0
+
+
 def after_sleep_curve(runs: list[Mapping[float, list[tuple[float, float]]]]) -> tuple[tuple[float, float], ...]:
     """OpCosts.after_sleep from the wake-up probes of several rounds (each: slowdown -> (work
     between sleeps, fraction) per interval): per slowdown and interval the typical work and
@@ -250,7 +258,7 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
         woken = having("after_sleep", needed=False)
         if woken:  # emulated step probes: how much slower the work after a sleep runs
             costs = replace(costs, after_sleep=after_sleep_curve([p["after_sleep"] for p in woken]))
-        costs = replace(costs, jitter=step_jitter(probes))
+        costs = replace(costs, jitter=step_jitter(probes), jitter_over=jitter_span(typical_of("steps")))
         fitted = replace(fitted, op_costs=costs)
     if not having("pingpong", needed=False):
         return fitted
@@ -309,4 +317,4 @@ def simulated_step(strategy, cluster: ClusterSpec, model: ModelSpec, calibration
 
 
 __all__ = ["OpWork", "StepWork", "after_sleep_curve", "calibrate", "emulated_reference", "emulated_slowdowns", "fit",
-           "fit_line", "fit_op_costs", "fit_steps", "op_work", "simulated_step", "step_jitter", "step_work"]
+           "fit_line", "fit_op_costs", "fit_steps", "jitter_span", "op_work", "simulated_step", "step_jitter", "step_work"]
