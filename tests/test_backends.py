@@ -245,7 +245,7 @@ def test_backend_refuses_to_start_without_torch_distributed():
 
 
 def test_init_from_env_names_the_missing_variables(monkeypatch):
-    from hspmd.backends.torch_dist import init_from_env
+    from hspmd.backends.torch_join import init_from_env
 
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

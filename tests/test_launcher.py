@@ -151,7 +151,7 @@ def test_a_missing_script_is_a_usage_error(tmp_path, capsys):
 def test_a_script_joins_the_job_through_init_from_env(tmp_path, capsys, monkeypatch):
     script = write_script(tmp_path, """
         import torch
-        from hspmd.backends.torch_dist import init_from_env
+        from hspmd.backends.torch_join import init_from_env
         backend = init_from_env(timeout=30)
         total = backend.all_reduce(torch.tensor([backend.rank + 1.0]), tuple(range(backend.world_size)))
         print(f"rank {backend.rank} of {backend.world_size} sum {total.item():g}")
@@ -246,7 +246,7 @@ def test_a_frozen_rank_is_named_by_its_missing_heartbeat_not_left_to_time_out(tm
     the launcher names rank 1 after the 2 s heartbeat, and rank 0 is not blamed."""
     script = write_script(tmp_path, """
         import os, signal, torch
-        from hspmd.backends.torch_dist import init_from_env
+        from hspmd.backends.torch_join import init_from_env
         backend = init_from_env("gloo")
         print("joined", flush=True)
         if backend.rank == 1:
@@ -266,7 +266,7 @@ def test_an_elastic_job_kills_a_frozen_rank_and_goes_on(tmp_path):
     (a frozen rank would otherwise keep the job waiting forever); rank 0 finishes the job."""
     script = write_script(tmp_path, """
         import os, signal, time
-        from hspmd.backends.torch_dist import init_from_env
+        from hspmd.backends.torch_join import init_from_env
         backend = init_from_env("gloo")
         if backend.rank == 1:
             os.kill(os.getpid(), signal.SIGSTOP)

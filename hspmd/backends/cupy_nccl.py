@@ -81,7 +81,7 @@ class CupyNcclBackend(Backend):
         import torch.distributed as dist
 
         from hspmd.backends.store import hosts_store, open_store, secret_from_env
-        from hspmd.backends.torch_dist import launch_env, store_address
+        from hspmd.backends.torch_join import launch_env, store_address
 
         rank, world_size, local_rank = launch_env("hspmd run -n N --backend nccl script.py")
         if nccl is not None and torch.cuda.is_available():

@@ -18,7 +18,8 @@ import torch
 from hspmd.errors import HSPMDError
 from hspmd.backends.backend import Backend
 from hspmd.backends.cupy_nccl import CupyNcclBackend, cupy_available
-from hspmd.backends.torch_dist import DEFAULT_TIMEOUT_S, init_from_env
+from hspmd.backends.torch_dist import DEFAULT_TIMEOUT_S
+from hspmd.backends.torch_join import init_from_env
 
 BACKENDS = ("gloo", "nccl", "cupy")
 BACKEND_ENV = "HSPMD_BACKEND"

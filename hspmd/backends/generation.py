@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from hspmd.backends.backend import Backend, Group, Shape
 from hspmd.backends.heartbeat import PROGRESS
-from hspmd.backends.torch_dist import _checked_self_message, _padded_flat, node_gloo
+from hspmd.backends.torch_dist import _checked_self_message, _padded_flat
+from hspmd.backends.torch_join import node_gloo
 from hspmd.errors import CommunicationError
 
 _P2P_TAG = 0

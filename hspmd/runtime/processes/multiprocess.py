@@ -159,7 +159,7 @@ def _rank_main(job, rank, nprocs, port, secret, backend, comm_timeout, reports, 
         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), HSPMD_BACKEND=backend, HSPMD_JOB_SECRET=secret,
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from hspmd.backends.torch_dist import init_from_env
+    from hspmd.backends.torch_join import init_from_env
 
     comm = None
     try:

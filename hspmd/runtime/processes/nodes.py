@@ -31,7 +31,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from hspmd.backends.torch_dist import NODE_ADDR_ENV
+from hspmd.backends.torch_join import NODE_ADDR_ENV
 from hspmd.errors import CommunicationError, LaunchError
 
 DEFAULT_MASTER_PORT = 29500
