@@ -195,6 +195,9 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
     for name, trainer in trainers.items():  # one untimed step counting every value's bytes exactly
         device = emulation_of(trainer.backend)
         if device is not None and device.capacity is not None:
+            backend.barrier(world)  # started as a turn is: no debt or credit from its last turn, ranks together
+            device.forgive_debt()
+            device.mark()
             device.sweep_every, device.peak_bytes = 1, 0
             trainer.step(batch)
             peaks[name] = (device.stats().peak_bytes, device.live_bytes)  # the peak, and what stays between steps

@@ -178,3 +178,24 @@ def test_a_rank_failing_mid_step_fails_the_job_with_its_error_within_seconds():
     message = str(info.value)
     assert message.startswith("rank 2 failed")
     assert "injected failure in rank 2's pipeline stage" in message and "Traceback" in message
+
+
+def test_a_failure_report_names_every_failed_ranks_error():
+    """The cause's whole traceback first; each other failed rank by its error's line, not a hint
+    after it (two ranks that both timed out say on which operation each waited)."""
+    from hspmd.runtime.processes.multiprocess import _failure_message
+
+    def report(error):
+        return f"Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n{error}\n(a peer rank may have crashed)\n"
+
+    both = {0: (True, report("CommunicationError: all_reduce (wait) on group [0, 1] failed on rank 0")),
+            1: (True, report("CommunicationError: recv from 0 failed on rank 1"))}
+    message = _failure_message(both)
+    assert message.startswith("rank 0 failed (ranks [1] failed too") and "all_reduce (wait)" in message
+    assert message.endswith("rank 1: CommunicationError: recv from 0 failed on rank 1")
+    cause = {**both, 2: (False, report("HSPMDError: out of memory"))}
+    message = _failure_message(cause)
+    assert message.startswith("rank 2 failed (ranks [0, 1] failed too") and "HSPMDError: out of memory" in message
+    assert "rank 0: CommunicationError: all_reduce (wait)" in message and "rank 1: CommunicationError: recv" in message
+    assert _failure_message({3: (False, "rank 3 exited with code 9 without a report")}) == (
+        "rank 3 failed:\nrank 3 exited with code 9 without a report")

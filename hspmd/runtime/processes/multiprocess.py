@@ -125,12 +125,22 @@ def _collect(procs: list, reports: Any, timeout: float) -> list[Any]:
 
 
 def _failure_message(failures: dict[int, tuple[bool, str]]) -> str:
-    """The first reported failure that is not a CommunicationError is the cause; the rest follow."""
+    """The first reported failure that is not a CommunicationError is the cause, with its whole
+    traceback; the rest most likely follow from it, each named by its error's last line (where
+    every rank failed communicating, which waited for what tells a deadlock from a dead peer)."""
     original = [r for r, (is_comm, _) in failures.items() if not is_comm]
     rank = (original or list(failures))[0]
     others = sorted(set(failures) - {rank})
     also = f" (ranks {others} failed too, most likely as a consequence)" if others else ""
-    return f"rank {rank} failed{also}:\n{failures[rank][1]}"
+    lines = "".join(f"\nrank {r}: {_last_line(failures[r][1])}" for r in others)
+    return f"rank {rank} failed{also}:\n{failures[rank][1]}{lines}"
+
+
+def _last_line(report: str) -> str:
+    """A failure report's error line: the last line that says which error, not a hint after it."""
+    lines = [line for line in report.strip().splitlines() if line.strip()]
+    named = [line for line in lines if not line.startswith((" ", "(")) and ":" in line]
+    return (named or lines or ["(no report)"])[-1]
 
 
 def _stop(procs: list, graceful: bool) -> None:
