@@ -196,6 +196,7 @@ def test_calibration_file_round_trip(tmp_path, written_work):
         cal.save(tmp_path / "c.json")
         assert Calibration.load(tmp_path / "c.json") == cal
     assert cal.op_costs.jitter > 0 and cal.op_costs.jitter_over > 0
+    assert f"step jitter {cal.op_costs.jitter:.1%} over {cal.op_costs.jitter_over * 1e3:.1f} ms of work" in cal.describe()
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(HSPMDError, match="cannot read calibration file"):
         Calibration.load(tmp_path / "bad.json")

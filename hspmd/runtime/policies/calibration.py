@@ -127,7 +127,8 @@ class Calibration:
             parts.append("emulated work between sleeps " + ", ".join(f"{f:+.0%} over {w * 1e3:.1f} ms"
                                                                        for w, f in costs.after_sleep))
         if costs.jitter:
-            parts.append(f"step jitter {costs.jitter:.1%}")
+            over = f" over {costs.jitter_over * 1e3:.1f} ms of work (less beyond)" if costs.jitter_over else ""
+            parts.append(f"step jitter {costs.jitter:.1%}{over}")
         return f" (per op: {', '.join(parts)})"
 
     def describe(self) -> str:
