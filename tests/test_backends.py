@@ -426,3 +426,28 @@ def test_process_groups_belong_to_the_world_object_they_were_prepared_on():
     results = run_multiprocess(groups_follow_the_world_object, 3, timeout=60)
     assert [r[0] for r in results] == [3.0, 3.0, 0.0]
     assert all("prepare_groups" in r[1] for r in results[:2])
+
+
+def test_a_libraries_failure_becomes_one_typed_error_and_hspmds_own_passes():
+    """failures_as: any other exception inside is raised again as the given CommunicationError
+    (the operation named, then the failure's type and message, then the hint), chained to it; an
+    HSPMDError is already typed and passes unchanged; nothing raised, nothing changes."""
+    from hspmd.backends.backend import failures_as
+    from hspmd.backends.generation import PeerLost
+    from hspmd.errors import CommunicationError, HSPMDError
+
+    with pytest.raises(CommunicationError, match=r"^all_reduce on rank 3: RuntimeError: timed out\n\(hint\)$") as info:
+        with failures_as("all_reduce on rank 3", hint="\n(hint)"):
+            raise RuntimeError("timed out")
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(PeerLost, match="form group: ValueError: bad"):
+        with failures_as("form group", PeerLost):
+            raise ValueError("bad")
+    own = HSPMDError("already typed")
+    with pytest.raises(HSPMDError) as info:
+        with failures_as("anything"):
+            raise own
+    assert info.value is own
+    with failures_as("nothing"):
+        done = True
+    assert done

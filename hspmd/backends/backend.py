@@ -11,13 +11,14 @@ a whole tensor on one device.
 from __future__ import annotations
 
 import abc
-from typing import Iterable, Mapping, Protocol, Sequence
+import contextlib
+from typing import Iterable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
 from hspmd.annotations import REDUCTIONS
 from hspmd.annotations.reference import combine
-from hspmd.errors import CommunicationError
+from hspmd.errors import CommunicationError, HSPMDError
 
 Group = tuple[int, ...]
 Shape = tuple[int, ...]
@@ -170,3 +171,17 @@ class Backend(abc.ABC):
         """`src`'s tensor to every member (others pass a buffer of the right shape and dtype)."""
         shapes = [tuple(tensor.shape)] * len(group)
         return self.all_gather(tensor, group, shapes)[group.index(src)]
+
+
+@contextlib.contextmanager
+def failures_as(what: str, error: type[CommunicationError] = CommunicationError, hint: str = "") -> Iterator[None]:
+    """Every failure inside but hspmd's own raised again as `error`: `what`, the failure's type and
+    message, then `hint` (a communication library's errors become one typed error that names
+    the operation, the group and the rank; an HSPMDError already does)."""
+    try:
+        yield
+    except HSPMDError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised typed
+        raise error(f"{what}: {type(exc).__name__}: {exc}{hint}") from exc
+

@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from hspmd.errors import CommunicationError, HSPMDError
-from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.backends.backend import Backend, Group, Shape, failures_as
 from hspmd.backends.wire import decode_groups, decode_unique_id, encode_groups, encode_unique_id
 
 try:
@@ -115,20 +115,13 @@ class CupyNcclBackend(Backend):
         members = tuple(sorted(self._check_group(group, op, True)))
         if members not in self._comms:
             key = f"{self._namespace}/comm/{'-'.join(map(str, members))}"
-            try:
+            with failures_as(f"{op}: creating the NCCL communicator of group {list(members)} failed on rank {self.rank}"):
                 if self.rank == members[0]:
                     self._store.set(key, encode_unique_id(nccl.get_unique_id()))
                 self._wait_for([key], op)
                 unique_id = decode_unique_id(self._store.get(key), f"rank {members[0]} (store key {key})")
                 with cupy.cuda.Device(self.device.index):
                     self._comms[members] = nccl.NcclCommunicator(len(members), unique_id, members.index(self.rank))
-            except HSPMDError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - re-raised typed
-                raise CommunicationError(
-                    f"{op}: creating the NCCL communicator of group {list(members)} failed on rank {self.rank}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
         return self._comms[members]
 
     def _wait_for(self, keys: list[str], op: str) -> None:
@@ -158,12 +151,8 @@ class CupyNcclBackend(Backend):
         return tensor.detach().contiguous()
 
     def _call(self, op: str, group: Sequence[int], launch) -> None:
-        try:
+        with failures_as(f"{op} on group {list(group)} failed on rank {self.rank}"):
             launch(torch.cuda.current_stream(self.device).cuda_stream)
-        except Exception as exc:  # noqa: BLE001 - re-raised typed
-            raise CommunicationError(
-                f"{op} on group {list(group)} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
-            ) from exc
 
     # collectives --------------------------------------------------------------------------------
 

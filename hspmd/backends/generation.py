@@ -30,7 +30,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from hspmd.backends.backend import Backend, Group, Shape
+from hspmd.backends.backend import Backend, Group, Shape, failures_as
 from hspmd.backends.heartbeat import PROGRESS
 from hspmd.backends.torch_dist import _checked_self_message, _padded_flat
 from hspmd.backends.torch_join import node_gloo
@@ -73,12 +73,9 @@ class GenerationBackend(Backend):
 
     def _create(self, key: tuple[int, ...]):
         prefix = f"g{self.generation}/{'-'.join(map(str, key))}/"
-        try:
+        with failures_as(f"rank {self.rank}: could not form group {list(key)} of generation {self.generation}", PeerLost):
             store = dist.PrefixStore(prefix, self._rendezvous_store)
             return node_gloo(store, key.index(self.rank), len(key), self.timeout)
-        except Exception as exc:  # noqa: BLE001 - re-raised typed
-            raise PeerLost(f"rank {self.rank}: could not form group {list(key)} of generation {self.generation}: "
-                           f"{type(exc).__name__}: {exc}") from exc
 
     def _group(self, group: Sequence[int], op: str):
         key = tuple(sorted(group))

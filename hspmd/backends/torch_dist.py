@@ -22,15 +22,14 @@ from __future__ import annotations
 from math import prod
 
 import atexit
-import contextlib
 from datetime import timedelta
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from hspmd.errors import CommunicationError, HSPMDError
-from hspmd.backends.backend import (Backend, Done, Group, Pending, Shape, accumulate, check_reduction,
+from hspmd.errors import CommunicationError
+from hspmd.backends.backend import (Backend, Done, Group, Pending, Shape, accumulate, check_reduction, failures_as,
                                     finish_reduction)
 from hspmd.backends.store import job_from_env
 from hspmd.backends.wire import decode_groups, encode_groups
@@ -148,17 +147,10 @@ class TorchDistBackend(Backend):
             raise CommunicationError(f"rank {self.rank} called {op} on group {list(group)} it is not in")
         return key
 
-    @contextlib.contextmanager
-    def _wrapped(self, op: str, group: Sequence[int]) -> Iterator[None]:
-        try:
-            yield
-        except HSPMDError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every torch.distributed failure is re-raised typed
-            raise CommunicationError(
-                f"{op} on group {list(group)} failed on rank {self.rank}: {type(exc).__name__}: {exc}\n"
-                "(a peer rank may have crashed, timed out, or called a different operation; see its own error)"
-            ) from exc
+    def _wrapped(self, op: str, group: Sequence[int]):
+        """Every torch.distributed failure inside re-raised as a CommunicationError naming it."""
+        return failures_as(f"{op} on group {list(group)} failed on rank {self.rank}", hint=(
+            "\n(a peer rank may have crashed, timed out, or called a different operation; see its own error)"))
 
     # collectives --------------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hspmd.errors import CommunicationError, HSPMDError
+from hspmd.errors import HSPMDError
+from hspmd.backends.backend import failures_as
 from hspmd.backends.heartbeat import HEARTBEAT_ENV, start_beating
 from hspmd.backends.store import STORE_PORT_ENV, hosts_store, open_store, secret_from_env
 from hspmd.backends.torch_dist import DEFAULT_TIMEOUT_S, TorchDistBackend, TorchDistWorld
@@ -75,21 +76,15 @@ def _join(backend: str, rank: int, world_size: int, timeout: float, rendezvous_t
     host, port = store_address()
     address = f"{host}:{port}"
     secret = secret_from_env()
-    try:
+    with failures_as(f"rank {rank} of {world_size} could not join the job at {address} with {backend} within "
+                     f"{rendezvous_timeout:g}s"):
         store = open_store(host, port, hosts_store(rank), secret, rendezvous_timeout)
         interval = float(os.environ.get(HEARTBEAT_ENV, "0") or 0)
         if interval > 0:
             start_beating(store.connect_again(secret), rank, interval)
         dist.init_process_group(_gloo_name(backend), store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
-        return store
-    except HSPMDError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised typed
-        raise CommunicationError(
-            f"rank {rank} of {world_size} could not join the job at {address} with {backend} within "
-            f"{rendezvous_timeout:g}s: {type(exc).__name__}: {exc}"
-        ) from exc
+    return store
 
 
 def node_address() -> str:
