@@ -206,8 +206,7 @@ def test_a_longer_step_varies_less_by_the_square_root_of_its_length():
     """OpCosts.jitter_for: the probes' jitter for work up to the `jitter_over` seconds it was
     measured over, beyond them jitter x sqrt(over / work); level 2 draws each device's factor
     with its own step's spread (device_sim.host_step_work), so data parallel on steps 4x the
-    probes' waits for half the excess of the unscaled jitter, and a program run at twice the
-    micro-batches has the smaller excess relative to its work."""
+    probes' waits for half the excess of the unscaled jitter."""
     from dataclasses import replace
     from statistics import pstdev
 
