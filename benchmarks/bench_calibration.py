@@ -348,6 +348,28 @@ def report_calibration_noise(figures: dict, probes: list[dict], cluster, predict
           f"{noise:.1f}% (MAPE, {CALIBRATION_RESAMPLES} draws): a level 2 MAPE near that is within the calibration's noise")
 
 
+def rank_breakdown(steps: list[float], parts: list[tuple[float, float, float]]) -> tuple[float, float, float, float]:
+    """One rank's typical (step, compute waits, link waits, device CPU) seconds over its timed steps
+    (fitting.typical, as the steps are summarised: a mean would let one stalled round, a step of
+    several times the others', stand for the whole run)."""
+    wait, link, device_cpu = (typical(part) for part in zip(*parts))
+    return typical(steps), wait, link, device_cpu
+
+
+def saved_device_cpu(saved: dict) -> list[tuple[str, int, float]]:
+    """(strategy, rank, measured device CPU seconds) of a saved emulated run: from its timed steps'
+    parts where it kept them (rank_breakdown), else the figure it saved (runs from before the
+    parts were kept, summarised by their mean)."""
+    if saved.get("parts"):
+        return [(n, rank, rank_breakdown(saved["steps"][n][rank], parts)[3])
+                for n, by_rank in saved["parts"].items() for rank, parts in enumerate(by_rank) if parts]
+    out = []
+    for n, by_rank in saved.get("figures", {}).get("device_cpu", {}).items():
+        ranks = {int(r): v for r, v in by_rank.items() if r.isdigit()} or {by_rank["rank"]: by_rank}
+        out += [(n, rank, v["measured"]) for rank, v in sorted(ranks.items())]
+    return out
+
+
 def repredict(path: str, refit: bool = False) -> list[dict]:
     """Predict the measurements a run saved with --json again, with this simulator and the
     calibration fitted in that run (`refit`: fitted again, by this calibration code, from the
@@ -389,11 +411,9 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
         if refit:
             report_calibration_noise(figures, probes, cluster, predicted)
         rows = []
-        for n, by_rank in saved.get("figures", {}).get("device_cpu", {}).items():
-            ranks = {int(r): v for r, v in by_rank.items() if r.isdigit()} or {by_rank["rank"]: by_rank}
-            for rank, v in sorted(ranks.items()):
-                priced = predicted[n][3].get(rank, 0.0)
-                rows.append([n, rank, ms(v["measured"]), ms(priced), f"{(priced - v['measured']) / v['measured']:+.1%}"])
+        for n, rank, device_cpu in saved_device_cpu(saved):
+            priced = predicted[n][3].get(rank, 0.0)
+            rows.append([n, rank, ms(device_cpu), ms(priced), f"{(priced - device_cpu) / device_cpu:+.1%}"])
         if rows:
             print(table(["strategy", "rank", "device CPU ms", "level 2 CPU ms", "error"], rows))
         out.append({"cluster": name, "figures": figures})
@@ -435,14 +455,13 @@ def run_set(args, cluster=None) -> dict:
         rows = []
         for name in STRATEGIES:
             for rank, r in enumerate(results):
-                wait, link, device_cpu = (statistics.mean(part) for part in zip(*r[5][name]))
-                step = statistics.mean(r[0][name])
+                step, wait, link, device_cpu = rank_breakdown(r[0][name], r[5][name])
                 priced = predicted[name][3].get(rank, 0.0)
                 rows.append([name, rank, ms(step), ms(device_cpu), ms(priced), f"{(priced - device_cpu) / device_cpu:+.1%}",
                              ms(device_cpu * cluster.slowdown(rank)), ms(wait), ms(step - wait - link)])
                 figures.setdefault("device_cpu", {}).setdefault(name, {})[rank] = {"measured": device_cpu, "level2": priced}
             figures["device_cpu"][name]["slowest"] = slow
-        print(table(["strategy", "rank", "step ms (mean)", "device CPU ms", "level 2 CPU ms", "error", "x slowdown",
+        print(table(["strategy", "rank", "step ms", "device CPU ms", "level 2 CPU ms", "error", "x slowdown",
                      "compute waits", "rest"], rows))
         rows, errors = [], []
         mib = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
