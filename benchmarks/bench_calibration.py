@@ -48,6 +48,11 @@ cluster). Besides step times (goals MAPE <= 8%, Spearman >= 0.9) it reports ever
 device CPU beside what level 2 prices it (device_sim.host_step_work), and every rank's peak live bytes,
 counted exactly in one untimed step after the timed ones, against level 2's memory model of the
 interpreter (goal: within 10%; planning/device_memory.py) and level 1's (a layer's kept activations, as autograd frees the rest).
+`--split-wake` also times each strategy's step a second time with its ranks sleeping in chunks
+alone, not before each communication (`RankEmulator.sleeps_at_communications`: the regime the op
+probes time their ops in), and splits every rank's device CPU error into its op prices' (level 2
+without the after-sleep pricing against the chunked step) and its after-sleep pricing's (what
+the sleeps before communications add, priced against measured).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -140,7 +146,7 @@ def trainer_for(backend, text: str, schedule: str) -> Trainer:
 
 
 def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluster=None, steady: bool = True,
-                 turn_probes: bool = True):
+                 turn_probes: bool = True, split_wake: bool = False):
     """This rank's step seconds, CPU seconds, traced steps and probes per strategy; with an emulated
     `cluster`, every trainer on its own emulated device, and each strategy's peak live bytes.
     `steady`: each timed step follows an untimed step of the same strategy (training's steady
@@ -149,7 +155,8 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
     before every strategy's turn, and the wake-up probe again mid-round, not only with the other
     probes once a round: a round's probes sample this host's speed at one moment, and the fit's
     prices move with the few moments sampled (docs/design.md, Simulator accuracy: the probes'
-    few moments)."""
+    few moments). `split_wake` (emulated): each timed step is followed by one with the rank
+    sleeping in chunks alone, whose device CPU is recorded apart (module docstring)."""
     torch.set_num_threads(1)
     # on an emulated cluster the step probes run as an emulated device of the reference type (CPU time between sleeps)
     reference = None if cluster is None else cluster.type_slowdown(cluster.emulation.reference)
@@ -163,6 +170,7 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
     times = {name: [] for name in trainers}
     cpu = {name: [] for name in trainers}
     parts = {name: [] for name in trainers}  # per timed step: (compute waits, link waits, device CPU)
+    chunked = {name: [] for name in trainers}  # with split_wake: the device CPU of a step slept in chunks alone
     for r in range(warmup + rounds):
         if r >= warmup:  # calibration probes interleaved with the steps: both see the same load
             probes.append(probe.once())
@@ -191,6 +199,8 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
                     after = device.stats()
                     parts[name].append(tuple(getattr(after, field) - getattr(before, field)
                                              for field in ("compute_wait_s", "link_wait_s", "op_cpu_s")))
+            if r >= warmup and split_wake and device is not None:
+                chunked[name].append(chunked_step_cpu(backend, trainer, batch, device))
     peaks = {}
     for name, trainer in trainers.items():  # one untimed step counting every value's bytes exactly
         device = emulation_of(trainer.backend)
@@ -216,7 +226,51 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
             trainer.tracer = None
             if device is not None:
                 device.tracer = None
-    return times, cpu, events, probes, peaks, parts
+    return times, cpu, events, probes, peaks, parts, chunked
+
+
+def chunked_step_cpu(backend, trainer: Trainer, batch, device) -> float:
+    """The device CPU of one step of `trainer` with its rank sleeping in chunks alone (and its peer
+    too: both ranks call this together), the debt left after it forgiven."""
+    world = tuple(range(backend.world_size))
+    backend.barrier(world)
+    device.forgive_debt()
+    device.mark()
+    before = device.op_cpu_s
+    device.sleeps_at_communications = False
+    try:
+        trainer.step(batch)
+    finally:
+        device.sleeps_at_communications = True
+    seconds = device.op_cpu_s - before
+    device.forgive_debt()
+    backend.barrier(world)
+    return seconds
+
+
+def wake_split_rows(device_cpu: dict[tuple[str, int], float], chunked: dict[tuple[str, int], float],
+                    priced: dict[tuple[str, int], float], bare: dict[tuple[str, int], float]) -> list[list[str]]:
+    """Per (strategy, rank): the device CPU measured as run and slept in chunks alone, what the
+    sleeps before communications added (measured, and as level 2 prices it: with its after-sleep
+    pricing against without), and the op prices' error (level 2 without that pricing against the
+    chunked step): where a device CPU error sits."""
+    return [[n, str(rank), ms(device_cpu[n, rank]), ms(chunked[n, rank]),
+             f"{device_cpu[n, rank] / chunked[n, rank] - 1:+.1%}", f"{priced[n, rank] / bare[n, rank] - 1:+.1%}",
+             f"{bare[n, rank] / chunked[n, rank] - 1:+.1%}", f"{priced[n, rank] / device_cpu[n, rank] - 1:+.1%}"]
+            for n, rank in chunked]
+
+
+WAKE_SPLIT_HEADERS = ["strategy", "rank", "device CPU ms", "in chunks ms", "after-sleep", "level 2 after-sleep",
+                      "op prices' error", "level 2 error"]
+
+
+def print_wake_split(calibration: Calibration, cluster, predicted: dict, device_cpu: dict[tuple[str, int], float],
+                     chunked: dict[tuple[str, int], float]) -> None:
+    """The split of every rank's device CPU error (wake_split_rows) beside level 2 as `predicted`."""
+    costs = calibration.op_costs
+    bare = predict(replace(calibration, op_costs=replace(costs, after_sleep=())) if costs is not None else calibration, cluster)
+    print(table(WAKE_SPLIT_HEADERS, wake_split_rows(device_cpu, chunked, {(n, r): predicted[n][3][r] for n, r in chunked},
+                                                    {(n, r): bare[n][3][r] for n, r in chunked})))
 
 
 def typical_step(per_rank_steps: list[list[list[dict]]]) -> list[list[dict]]:
@@ -416,6 +470,9 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
             rows.append([n, rank, ms(device_cpu), ms(priced), f"{(priced - device_cpu) / device_cpu:+.1%}"])
         if rows:
             print(table(["strategy", "rank", "device CPU ms", "level 2 CPU ms", "error"], rows))
+        if saved.get("chunked") and cluster is not None:
+            print_wake_split(calibration, cluster, predicted, {(n, rank): cpu for n, rank, cpu in saved_device_cpu(saved)},
+                             {(n, rank): typical(steps) for n, by_rank in saved["chunked"].items() for rank, steps in enumerate(by_rank)})
         out.append({"cluster": name, "figures": figures})
     return out
 
@@ -423,8 +480,9 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
 def run_set(args, cluster=None) -> dict:
     """Measure, calibrate and predict the 8 strategies, plain or on an emulated `cluster`; print and
     return the figures."""
+    split = bool(args.split_wake) and cluster is not None
     results = run_multiprocess(measure_rank, 2, args.rounds, args.warmup, bool(args.trace), cluster, not args.cold,
-                               not args.round_probes_only, timeout=3600, pin_cpus=args.pin_cpus)
+                               not args.round_probes_only, split, timeout=3600, pin_cpus=args.pin_cpus)
     calibration = Calibration.load(args.calibration) if args.calibration else fit(results[0][3] + results[1][3], PROBE)
     title = "plain gloo processes" if cluster is None else f"emulated: {cluster.describe()}"
     print(f"\n== {title} ({args.rounds} rounds + {args.warmup} warm-up)")
@@ -461,6 +519,10 @@ def run_set(args, cluster=None) -> dict:
                              ms(device_cpu * cluster.slowdown(rank)), ms(wait), ms(step - wait - link)])
                 figures.setdefault("device_cpu", {}).setdefault(name, {})[rank] = {"measured": device_cpu, "level2": priced}
             figures["device_cpu"][name]["slowest"] = slow
+        if split:
+            print_wake_split(calibration, cluster, predicted,
+                             {(n, rank): rank_breakdown(r[0][n], r[5][n])[3] for n in STRATEGIES for rank, r in enumerate(results)},
+                             {(n, rank): typical(r[6][n]) for n in STRATEGIES for rank, r in enumerate(results)})
         print(table(["strategy", "rank", "step ms", "device CPU ms", "level 2 CPU ms", "error", "x slowdown",
                      "compute waits", "rest"], rows))
         rows, errors = [], []
@@ -486,6 +548,7 @@ def run_set(args, cluster=None) -> dict:
             # (compute waits, link waits, device CPU); both ranks' probes, which --refit fits again
             "steps": {n: [r[0][n] for r in results] for n in STRATEGIES},
             "parts": {n: [r[5][n] for r in results] for n in STRATEGIES} if cluster is not None else {},
+            "chunked": {n: [r[6][n] for r in results] for n in STRATEGIES} if split else {},
             "probes": results[0][3] + results[1][3]}
 
 
@@ -502,6 +565,9 @@ def main(argv=None) -> int:
     p.add_argument("--round-probes-only", action="store_true",
                    help="run every probe once a round, not the step probes also before every strategy's turn "
                         "and the wake-up probe again mid-round")
+    p.add_argument("--split-wake", action="store_true",
+                   help="emulated: also time each step slept in chunks alone, and split every rank's device CPU error "
+                        "into its op prices' and its after-sleep pricing's")
     p.add_argument("--trace", default=None, help="write a typical traced step per strategy here (NAME.json per strategy)")
     p.add_argument("--emulate", default=None,
                    help="homogeneous, heterogeneous or both (comma-separated): emulated device types instead of plain ranks")

@@ -467,3 +467,15 @@ def test_a_ranks_breakdown_is_its_typical_step_not_its_mean(bench):
     assert [(n, r) for n, r, _ in read] == [("DP2", 0), ("DP2", 1)] and read[0][2] == pytest.approx(cpu)
     del saved["parts"]
     assert bench.saved_device_cpu(saved) == [("DP2", 0, 1.0)]
+
+
+def test_the_bench_splits_a_device_cpu_error_into_op_prices_and_after_sleep_pricing(bench):
+    """--split-wake: a rank's device CPU as run (sleeping before each communication) and slept in
+    chunks alone (as the op probes' steps are); the measured after-sleep share is their ratio, the
+    op prices' error level 2 without its after-sleep pricing against the chunked step, and the two
+    errors a level 2 error is made of can be told apart even where they cancel."""
+    key = ("TP2", 0)
+    # the ops run 20% over their prices, and level 2 prices the sleeps at +60% where they add +33%
+    rows = bench.wake_split_rows({key: 0.080}, {key: 0.060}, {key: 0.080}, {key: 0.050})
+    assert rows == [["TP2", "0", "80.00", "60.00", "+33.3%", "+60.0%", "-16.7%", "+0.0%"]]
+    assert bench.WAKE_SPLIT_HEADERS[4:7] == ["after-sleep", "level 2 after-sleep", "op prices' error"]

@@ -168,6 +168,18 @@ def test_slow_type_waits_its_extra_time_and_the_fast_one_does_not():
     lifted.forgive_debt()
     lifted.settle()
     assert lifted.compute_sleeps == 0
+    # sleeping in chunks alone (a diagnostic regime): a communication owes the debt without
+    # sleeping it, and the chunk sleeps it once it is due
+    chunked = RankEmulator(5, "slow", 3.0, clocks=clocks.of())
+    chunked.sleeps_at_communications = False
+    clocks.work(0.002, 0.002)
+    chunked.computed()
+    chunked.settle()
+    assert chunked.compute_sleeps == 0
+    for _ in range(int(WAIT_CHUNK_S / 0.004) + 5):
+        clocks.work(0.002, 0.002)
+        chunked.computed()
+    assert chunked.compute_sleeps == 1 and chunked.compute_wait_s >= WAIT_CHUNK_S
     # the Python that drives a communication plan is the host's work, not the device's
     slow.settle()
     before = slow.compute_wait_s

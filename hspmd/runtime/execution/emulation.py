@@ -105,6 +105,8 @@ class RankEmulator:
         self.compute_wait_s = 0.0
         self.compute_sleeps = 0  # how many sleeps compute_wait_s took
         self.chunk_s = WAIT_CHUNK_S  # the debt slept off between communications (a probe may lift it)
+        # False: the debt is slept in chunks alone, not before each communication (settle_sleeps)
+        self.sleeps_at_communications = True
         self.link_wait_s = 0.0
         self.ops = 0
         self.op_cpu_s = 0.0
@@ -181,9 +183,13 @@ class RankEmulator:
         negative debt (a sleep the busy host ended late, or work it made slower than the emulated
         device) is credit against the next work, up to WAIT_CHUNK_S: the host's lateness is not
         the emulated device's, and a rank that drops it at every communication falls behind by
-        the host's wake-up latency once per message."""
+        the host's wake-up latency once per message. With `sleeps_at_communications` off the
+        debt is only owed here and slept in chunks, as the op probes' steps sleep: a diagnostic
+        regime (bench_calibration --split-wake) whose device CPU is the ops' as the op prices
+        measured them, so what the sleeps before communications add is measured apart; its
+        messages no longer leave when the emulated device's would."""
         self._accrue()
-        if self._debt > 0:
+        if self._debt > 0 and self.sleeps_at_communications:
             self._sleep(self._debt, "emulated compute")
         self._debt = max(self._debt, -WAIT_CHUNK_S)
         self.mark()
