@@ -511,17 +511,17 @@ def run_set(args, cluster=None) -> dict:
     if cluster is not None:
         slow = max(range(2), key=cluster.slowdown)
         rows = []
+        breakdown = {(name, rank): rank_breakdown(r[0][name], r[5][name]) for name in STRATEGIES for rank, r in enumerate(results)}
         for name in STRATEGIES:
-            for rank, r in enumerate(results):
-                step, wait, link, device_cpu = rank_breakdown(r[0][name], r[5][name])
+            for rank in range(len(results)):
+                step, wait, link, device_cpu = breakdown[name, rank]
                 priced = predicted[name][3].get(rank, 0.0)
                 rows.append([name, rank, ms(step), ms(device_cpu), ms(priced), f"{(priced - device_cpu) / device_cpu:+.1%}",
                              ms(device_cpu * cluster.slowdown(rank)), ms(wait), ms(step - wait - link)])
                 figures.setdefault("device_cpu", {}).setdefault(name, {})[rank] = {"measured": device_cpu, "level2": priced}
             figures["device_cpu"][name]["slowest"] = slow
         if split:
-            print_wake_split(calibration, cluster, predicted,
-                             {(n, rank): rank_breakdown(r[0][n], r[5][n])[3] for n in STRATEGIES for rank, r in enumerate(results)},
+            print_wake_split(calibration, cluster, predicted, {key: parts[3] for key, parts in breakdown.items()},
                              {(n, rank): typical(r[6][n]) for n in STRATEGIES for rank, r in enumerate(results)})
         print(table(["strategy", "rank", "step ms", "device CPU ms", "level 2 CPU ms", "error", "x slowdown",
                      "compute waits", "rest"], rows))

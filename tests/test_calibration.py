@@ -454,8 +454,8 @@ def test_a_saved_bench_run_is_predicted_again_with_its_own_calibration(tmp_path,
 def test_a_ranks_breakdown_is_its_typical_step_not_its_mean(bench):
     """The per-rank breakdown (step, compute waits, link waits, device CPU) is summarised as the
     steps are (fitting.typical): one stalled round of several times the others' must not stand
-    for the run, as a mean let it (a pipeline's first stage read 9-18% under its price so); a
-    saved run with its parts is read the same way, an older one by the figure it saved."""
+    for the run, as a mean lets it; a saved run with its parts is read the same way, an older one
+    by the figure it saved."""
     steps = [0.50, 0.52, 0.48, 0.51, 0.49, 0.50, 0.52, 0.48, 0.51, 1.60]
     parts = [(0.9 * s, 0.0, 0.1 * s) for s in steps]
     step, wait, link, cpu = bench.rank_breakdown(steps, parts)

@@ -105,7 +105,7 @@ class RankEmulator:
         self.compute_wait_s = 0.0
         self.compute_sleeps = 0  # how many sleeps compute_wait_s took
         self.chunk_s = WAIT_CHUNK_S  # the debt slept off between communications (a probe may lift it)
-        # False: the debt is slept in chunks alone, not before each communication (settle_sleeps)
+        # False: the debt is slept in chunks alone, not before each communication (settle)
         self.sleeps_at_communications = True
         self.link_wait_s = 0.0
         self.ops = 0
