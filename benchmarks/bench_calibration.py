@@ -179,10 +179,7 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
             if r >= warmup and turn_probes:  # the op prices sampled before every turn, not once a round,
                 middle = turn == len(trainers) // 2  # and the wake-up probe (seconds) twice a round
                 probes.append(probe.once(parts=("steps", "after_sleep") if middle else ("steps",)))
-            backend.barrier(world)
-            if device is not None:  # its turn starts now: neither the wait at the barrier (the ranks end a
-                device.forgive_debt()  # probe apart) nor credit left from its last turn is its work: counted,
-                device.mark()  # its steps would sleep that much less
+            start_turn(backend, device)
             if steady:  # an untimed step of this strategy first: the timed one runs on its caches, as training does
                 trainer.step(batch)
                 backend.barrier(world)
@@ -205,9 +202,7 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
     for name, trainer in trainers.items():  # one untimed step counting every value's bytes exactly
         device = emulation_of(trainer.backend)
         if device is not None and device.capacity is not None:
-            backend.barrier(world)  # started as a turn is: no debt or credit from its last turn, ranks together
-            device.forgive_debt()
-            device.mark()
+            start_turn(backend, device)
             device.sweep_every, device.peak_bytes = 1, 0
             trainer.step(batch)
             peaks[name] = (device.stats().peak_bytes, device.live_bytes)  # the peak, and what stays between steps
@@ -229,13 +224,20 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
     return times, cpu, events, probes, peaks, parts, chunked
 
 
+def start_turn(backend, device) -> None:
+    """The ranks together (a barrier), and the emulated `device`'s turn starting now: neither the
+    wait at the barrier (the ranks end a probe apart) nor debt or credit left from before is its
+    work (counted, its steps would sleep that much less)."""
+    backend.barrier(tuple(range(backend.world_size)))
+    if device is not None:
+        device.forgive_debt()
+        device.mark()
+
+
 def chunked_step_cpu(backend, trainer: Trainer, batch, device) -> float:
     """The device CPU of one step of `trainer` with its rank sleeping in chunks alone (and its peer
     too: both ranks call this together), the debt left after it forgiven."""
-    world = tuple(range(backend.world_size))
-    backend.barrier(world)
-    device.forgive_debt()
-    device.mark()
+    start_turn(backend, device)
     before = device.op_cpu_s
     device.sleeps_at_communications = False
     try:
@@ -243,8 +245,7 @@ def chunked_step_cpu(backend, trainer: Trainer, batch, device) -> float:
     finally:
         device.sleeps_at_communications = True
     seconds = device.op_cpu_s - before
-    device.forgive_debt()
-    backend.barrier(world)
+    start_turn(backend, device)
     return seconds
 
 

@@ -184,4 +184,3 @@ def failures_as(what: str, error: type[CommunicationError] = CommunicationError,
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised typed
         raise error(f"{what}: {type(exc).__name__}: {exc}{hint}") from exc
-
