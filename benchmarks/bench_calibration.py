@@ -60,12 +60,15 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
+import platform
 import random
 import statistics
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -425,37 +428,63 @@ def saved_device_cpu(saved: dict) -> list[tuple[str, int, float]]:
     return out
 
 
+def read_saved(path: str) -> list[dict]:
+    """The sets a run saved with --json (.json, or gzipped .json.gz) holds."""
+    try:
+        data = json.loads(gzip.decompress(Path(path).read_bytes()) if path.endswith(".gz") else Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read it as a saved run: {type(e).__name__}: {e}") from None
+    return data if isinstance(data, list) else [data]
+
+
+class SavedSet(NamedTuple):
+    """One saved set, ready to predict again: its cluster's name and cluster (None: plain gloo
+    processes), the calibration (as saved, or fitted again from its probes), the probes, each
+    strategy's slowest-rank step per round (None: saved before the rounds were kept) and its
+    measured step as the bench measures it now (typical) or, for older runs, as saved."""
+
+    name: str | None
+    cluster: object
+    calibration: Calibration
+    probes: list[dict]
+    per_round: dict[str, list[float]] | None
+    measured: dict[str, float]
+
+
+def saved_set(path: str, saved: dict, refit: bool = False) -> SavedSet:
+    """A set of the run saved at `path`, read for predicting again (`refit`: its calibration
+    fitted again, by this calibration code, from the probes it saved)."""
+    name = saved.get("cluster")
+    kind = name.removeprefix("emulated-pair-") if name else None
+    if kind is not None and kind not in PAIRS:
+        raise SystemExit(f"{path}: a set of cluster {name!r}, not one of this benchmark's")
+    cluster = emulated_pair(kind, saved.get("dilation", 8.0)) if kind else None
+    try:
+        if refit and not saved.get("probes"):
+            raise SystemExit(f"--refit: {path} saved no probes (a run from before they were saved)")
+        probes = saved.get("probes") or []
+        if probes and "rank" not in probes[0]:  # saved before probes said whose they were: rank 0's rounds, then rank 1's
+            probes = [{**p, "rank": 2 * i // len(probes), "round": i % (len(probes) // 2)} for i, p in enumerate(probes)]
+        calibration = (fit(probes, PROBE) if refit
+                       else Calibration.from_dict(saved["calibration"], f"{path}: calibration"))
+        per_round = {n: slowest_rank(saved["steps"][n]) for n in STRATEGIES} if saved.get("steps") else None
+        measured = ({n: typical(steps) for n, steps in per_round.items()} if per_round
+                    else {n: float(saved["measured"][n]) for n in STRATEGIES})
+    except (HSPMDError, KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"{path}: not a saved run of this benchmark: {type(e).__name__}: {e}") from None
+    return SavedSet(name, cluster, calibration, probes, per_round, measured)
+
+
 def repredict(path: str, refit: bool = False) -> list[dict]:
     """Predict the measurements a run saved with --json again, with this simulator and the
     calibration fitted in that run (`refit`: fitted again, by this calibration code, from the
     probes the run saved): a change to the cost model or the fit is checked against the same
     measurements (no new run, no new noise). Prints step times and, emulated, every rank's device
-    CPU against what level 2 now prices it."""
-    try:
-        data = json.loads(gzip.decompress(Path(path).read_bytes()) if path.endswith(".gz") else Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--repredict {path}: cannot read it: {type(e).__name__}: {e}") from None
+    CPU against what level 2 now prices it (benchmarks/calibration_summary.py: the mean errors
+    over many saved runs)."""
     out = []
-    for saved in data if isinstance(data, list) else [data]:
-        name = saved.get("cluster")
-        kind = name.removeprefix("emulated-pair-") if name else None
-        if kind is not None and kind not in PAIRS:
-            raise SystemExit(f"--repredict {path}: a set of cluster {name!r}, not one of this benchmark's")
-        cluster = emulated_pair(kind, saved.get("dilation", 8.0)) if kind else None
-        try:
-            if refit and not saved.get("probes"):
-                raise SystemExit(f"--refit: {path} saved no probes (a run from before they were saved)")
-            probes = saved.get("probes") or []
-            if probes and "rank" not in probes[0]:  # saved before probes said whose they were: rank 0's rounds, then rank 1's
-                probes = [{**p, "rank": 2 * i // len(probes), "round": i % (len(probes) // 2)} for i, p in enumerate(probes)]
-            calibration = (fit(probes, PROBE) if refit
-                           else Calibration.from_dict(saved["calibration"], f"{path}: calibration"))
-            # a run saved with its rounds' steps is measured as the bench measures now (typical); else as saved
-            per_round = {n: slowest_rank(saved["steps"][n]) for n in STRATEGIES} if saved.get("steps") else None
-            measured = ({n: typical(steps) for n, steps in per_round.items()} if per_round
-                        else {n: float(saved["measured"][n]) for n in STRATEGIES})
-        except (HSPMDError, KeyError, TypeError, ValueError) as e:
-            raise SystemExit(f"--repredict {path}: not a saved run of this benchmark: {type(e).__name__}: {e}") from None
+    for saved in read_saved(path):
+        name, cluster, calibration, probes, per_round, measured = saved_set(path, saved, refit)
         predicted = predict(calibration, cluster)
         print(f"\n== re-predicted: {name or 'plain gloo processes'} ({path}{', calibration fitted again' if refit else ''})")
         print("calibration:", calibration.describe())
@@ -476,6 +505,14 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
                              {(n, rank): typical(steps) for n, by_rank in saved["chunked"].items() for rank, steps in enumerate(by_rank)})
         out.append({"cluster": name, "figures": figures})
     return out
+
+
+def host_name() -> str:
+    """This host as a saved run names it: its CPU model and how many CPUs this process may use
+    (calibration_summary.py groups saved runs by host: a miss that is one host's is not another's)."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
+    return f"{model or platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
 
 
 def run_set(args, cluster=None) -> dict:
@@ -541,7 +578,7 @@ def run_set(args, cluster=None) -> dict:
         print(f"peak memory per rank: largest error {100 * max(errors):.1f}%, mean {100 * statistics.mean(errors):.1f}% "
               f"(goal: within 10%)")
         figures["memory"] = {"max_error": max(errors), "mean_error": statistics.mean(errors)}
-    return {"cluster": None if cluster is None else cluster.name, "dilation": args.dilation,
+    return {"cluster": None if cluster is None else cluster.name, "dilation": args.dilation, "host": host_name(),
             "calibration": calibration.to_dict(), "measured": measured,
             "spread": spread, "cpu": cpu, "predicted_level2": {n: p[0] for n, p in predicted.items()},
             "predicted_level1": {n: p[1] for n, p in predicted.items()}, "memory": memory, "figures": figures,

@@ -1,0 +1,122 @@
+"""Where the simulator misses, over many saved runs of bench_calibration.py.
+
+One run's MAPE mixes the model's systematic misses with that run's noise (its steps' and its
+calibration's, a few points each). Over many saved runs the noise averages out and what is left
+is the model's: per host and emulated kind, each strategy's mean step error and the spread
+around it, and each rank's mean device CPU error, with level 2 as the simulator is now (as
+`bench_calibration.py --repredict` does for one run). A change to the cost model is judged by
+what it does to these means on every host, not by one run's MAPE.
+
+    python benchmarks/calibration_summary.py [--refit] benchmarks/saved/calibration/*.json.gz
+
+`--refit` fits every run's calibration again from the probes it saved (runs saved without
+probes are then left out, and said so). A run names its host in its `host` field; runs saved
+before it did are grouped by their file name's first word (`vm2core-...`, `xeon16-...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_calibration as bench  # noqa: E402
+from _common import table  # noqa: E402
+
+
+@dataclass(frozen=True)
+class SetErrors:
+    """Level 2's relative errors on one saved set: its step per strategy and, emulated, each
+    rank's device CPU per (strategy, rank); `mape` over its strategies, in percent."""
+
+    host: str
+    kind: str
+    path: str
+    mape: float
+    step: dict[str, float]
+    device_cpu: dict[tuple[str, int], float]
+
+
+def host_of(path: str, saved: dict) -> str:
+    """The host a saved set was measured on: its `host` field, else its file name's first word."""
+    return saved.get("host") or Path(path).name.split("-")[0]
+
+
+def set_errors(path: str, saved: dict, refit: bool = False) -> SetErrors:
+    """Level 2's errors on one set of the run saved at `path` (bench_calibration.saved_set)."""
+    name, cluster, calibration, _, _, measured = bench.saved_set(path, saved, refit)
+    predicted = bench.predict(calibration, cluster)
+    step = {n: (predicted[n][0] - measured[n]) / measured[n] for n in bench.STRATEGIES}
+    device_cpu = {(n, rank): (predicted[n][3].get(rank, 0.0) - cpu) / cpu for n, rank, cpu in bench.saved_device_cpu(saved)}
+    kind = name.removeprefix("emulated-pair-") if name else "plain"
+    return SetErrors(host_of(path, saved), kind, path, 100 * statistics.mean(abs(e) for e in step.values()), step, device_cpu)
+
+
+def mean_and_spread(values: list[float]) -> tuple[float, float]:
+    """(mean, standard deviation over the sets; 0 for one set)."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(sets: list[SetErrors]) -> dict[tuple[str, str], dict]:
+    """Per (host, kind): the sets' MAPEs, and per strategy (and per strategy and rank) the mean
+    error and its spread over the sets."""
+    groups: dict[tuple[str, str], list[SetErrors]] = defaultdict(list)
+    for s in sets:
+        groups[s.host, s.kind].append(s)
+    out = {}
+    for key, group in sorted(groups.items()):
+        cpu_keys = sorted({k for s in group for k in s.device_cpu}, key=lambda k: (list(bench.STRATEGIES).index(k[0]), k[1]))
+        out[key] = {"sets": len(group), "mape": [s.mape for s in group],
+                    "step": {n: mean_and_spread([s.step[n] for s in group]) for n in bench.STRATEGIES},
+                    "device_cpu": {k: mean_and_spread([s.device_cpu[k] for s in group if k in s.device_cpu]) for k in cpu_keys}}
+    return out
+
+
+def print_summary(summary: dict[tuple[str, str], dict]) -> None:
+    for (host, kind), group in summary.items():
+        mapes = group["mape"]
+        print(f"\n== {host}, {kind}: {group['sets']} sets, level 2 MAPE {statistics.mean(mapes):.1f}% on average "
+              f"({min(mapes):.1f}-{max(mapes):.1f}%)")
+        ranks = sorted({rank for _, rank in group["device_cpu"]})
+        rows = []
+        for n, (mean, spread) in group["step"].items():
+            cpu = [group["device_cpu"].get((n, rank)) for rank in ranks]
+            rows.append([n, f"{mean:+.1%} ({spread:.1%})"] + [f"{c[0]:+.1%} ({c[1]:.1%})" if c else "" for c in cpu])
+        print(table(["strategy", "step error (spread)"] + [f"rank {rank} device CPU error (spread)" for rank in ranks], rows))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", metavar="JSON", help="runs saved by bench_calibration.py --json (.json or .json.gz)")
+    p.add_argument("--refit", action="store_true", help="fit every run's calibration again from its saved probes")
+    p.add_argument("--json", default=None, help="write the summary here")
+    args = p.parse_args(argv)
+    sets, left_out = [], []
+    for path in args.runs:
+        for saved in bench.read_saved(path):
+            if args.refit and not saved.get("probes"):
+                left_out.append(path)
+                continue
+            sets.append(set_errors(path, saved, args.refit))
+    if not sets:
+        raise SystemExit("calibration_summary: no set to summarise" + (" (none saved its probes, which --refit needs)" if left_out else ""))
+    summary = summarize(sets)
+    print_summary(summary)
+    if left_out:
+        print(f"\nleft out (saved no probes, which --refit needs): {', '.join(sorted(set(left_out)))}")
+    if args.json:
+        groups = [{"host": host, "kind": kind, **group,
+                   "device_cpu": {f"{n} rank {rank}": v for (n, rank), v in group["device_cpu"].items()}}
+                  for (host, kind), group in summary.items()]
+        Path(args.json).write_text(json.dumps(groups, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
