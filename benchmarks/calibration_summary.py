@@ -10,8 +10,9 @@ what it does to these means on every host, not by one run's MAPE.
     python benchmarks/calibration_summary.py [--refit] benchmarks/saved/calibration/*.json.gz
 
 `--refit` fits every run's calibration again from the probes it saved (runs saved without
-probes are then left out, and said so). A run names its host in its `host` field; runs saved
-before it did are grouped by their file name's first word (`vm2core-...`, `xeon16-...`).
+probes are then left out, and said so). Runs are grouped by host as their file names name it,
+by the first word (the saved runs' convention: `vm2core-...`, `xeon16-...`); the CPUs a run
+saved in its `host` field are printed beside.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_calibration as bench  # noqa: E402
+import _calibration_accuracy as accuracy  # noqa: E402
 from _common import table  # noqa: E402
 
 
@@ -36,6 +37,7 @@ class SetErrors:
     rank's device CPU per (strategy, rank); `mape` over its strategies, in percent."""
 
     host: str
+    cpus: str
     kind: str
     path: str
     mape: float
@@ -43,19 +45,20 @@ class SetErrors:
     device_cpu: dict[tuple[str, int], float]
 
 
-def host_of(path: str, saved: dict) -> str:
-    """The host a saved set was measured on: its `host` field, else its file name's first word."""
-    return saved.get("host") or Path(path).name.split("-")[0]
+def host_of(path: str) -> str:
+    """The host a saved run was measured on, as its file name's first word names it."""
+    return Path(path).name.split("-")[0]
 
 
 def set_errors(path: str, saved: dict, refit: bool = False) -> SetErrors:
     """Level 2's errors on one set of the run saved at `path` (bench_calibration.saved_set)."""
-    name, cluster, calibration, _, _, measured = bench.saved_set(path, saved, refit)
-    predicted = bench.predict(calibration, cluster)
-    step = {n: (predicted[n][0] - measured[n]) / measured[n] for n in bench.STRATEGIES}
-    device_cpu = {(n, rank): (predicted[n][3].get(rank, 0.0) - cpu) / cpu for n, rank, cpu in bench.saved_device_cpu(saved)}
+    name, cluster, calibration, _, _, measured = accuracy.saved_set(path, saved, refit)
+    predicted = accuracy.predict(calibration, cluster)
+    step = {n: (predicted[n][0] - measured[n]) / measured[n] for n in accuracy.STRATEGIES}
+    device_cpu = {(n, rank): (predicted[n][3].get(rank, 0.0) - cpu) / cpu for n, rank, cpu in accuracy.saved_device_cpu(saved)}
     kind = name.removeprefix("emulated-pair-") if name else "plain"
-    return SetErrors(host_of(path, saved), kind, path, 100 * statistics.mean(abs(e) for e in step.values()), step, device_cpu)
+    mape = 100 * statistics.mean(abs(e) for e in step.values())
+    return SetErrors(host_of(path), saved.get("host", ""), kind, path, mape, step, device_cpu)
 
 
 def mean_and_spread(values: list[float]) -> tuple[float, float]:
@@ -71,9 +74,9 @@ def summarize(sets: list[SetErrors]) -> dict[tuple[str, str], dict]:
         groups[s.host, s.kind].append(s)
     out = {}
     for key, group in sorted(groups.items()):
-        cpu_keys = sorted({k for s in group for k in s.device_cpu}, key=lambda k: (list(bench.STRATEGIES).index(k[0]), k[1]))
-        out[key] = {"sets": len(group), "mape": [s.mape for s in group],
-                    "step": {n: mean_and_spread([s.step[n] for s in group]) for n in bench.STRATEGIES},
+        cpu_keys = sorted({k for s in group for k in s.device_cpu}, key=lambda k: (list(accuracy.STRATEGIES).index(k[0]), k[1]))
+        out[key] = {"sets": len(group), "cpus": sorted({s.cpus for s in group if s.cpus}), "mape": [s.mape for s in group],
+                    "step": {n: mean_and_spread([s.step[n] for s in group]) for n in accuracy.STRATEGIES},
                     "device_cpu": {k: mean_and_spread([s.device_cpu[k] for s in group if k in s.device_cpu]) for k in cpu_keys}}
     return out
 
@@ -81,7 +84,8 @@ def summarize(sets: list[SetErrors]) -> dict[tuple[str, str], dict]:
 def print_summary(summary: dict[tuple[str, str], dict]) -> None:
     for (host, kind), group in summary.items():
         mapes = group["mape"]
-        print(f"\n== {host}, {kind}: {group['sets']} sets, level 2 MAPE {statistics.mean(mapes):.1f}% on average "
+        cpus = f" ({'; '.join(group['cpus'])})" if group["cpus"] else ""
+        print(f"\n== {host}{cpus}, {kind}: {group['sets']} sets, level 2 MAPE {statistics.mean(mapes):.1f}% on average "
               f"({min(mapes):.1f}-{max(mapes):.1f}%)")
         ranks = sorted({rank for _, rank in group["device_cpu"]})
         rows = []
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sets, left_out = [], []
     for path in args.runs:
-        for saved in bench.read_saved(path):
+        for saved in accuracy.read_saved(path):
             if args.refit and not saved.get("probes"):
                 left_out.append(path)
                 continue

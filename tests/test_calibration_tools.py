@@ -41,9 +41,9 @@ def saved_run(bench, calibration, cluster, predicted, scale: float, **extra) -> 
 
 def test_the_summary_averages_each_strategys_error_over_the_runs_of_a_host(tmp_path, capsys, summary):
     """Per host and kind, each strategy's mean step error and its spread over the sets, each
-    rank's mean device CPU error; a run names its host or its file name's first word does; a run
-    without probes is left out of a refit, and said so."""
-    bench = summary.bench
+    rank's mean device CPU error; a run's file name's first word names its host, and the CPUs
+    it saved are shown beside; a run without probes is left out of a refit, and said so."""
+    bench = summary.accuracy
     costs = OpCosts({"matmul": 1e-5, "add": 4e-6}, {"matmul": 1.5, "add": 1.0}, per_step=1e-4, per_pass=5e-5,
                     after_sleep=((1e-4, 0.5), (1e-2, 0.1)))
     calibration = Calibration(1e11, 1e10, 2e-5, 1e-4, 1e9, 1e-3, 1.5, costs)
@@ -52,12 +52,13 @@ def test_the_summary_averages_each_strategys_error_over_the_runs_of_a_host(tmp_p
     # two runs of one host 20% and 10% under (their measured steps 1.25x and 1/0.9 x level 2's)
     (tmp_path / "vmA-first.json").write_text(json.dumps([saved_run(bench, calibration, cluster, predicted, 1.25)]))
     (tmp_path / "vmA-second.json").write_text(json.dumps(saved_run(bench, calibration, cluster, predicted, 1 / 0.9)))
-    (tmp_path / "named.json").write_text(json.dumps([saved_run(bench, calibration, cluster, predicted, 1.0, host="Xeon, 16 CPUs")]))
-    paths = [str(tmp_path / name) for name in ("vmA-first.json", "vmA-second.json", "named.json")]
+    (tmp_path / "xeon-1.json").write_text(json.dumps([saved_run(bench, calibration, cluster, predicted, 1.0, host="Xeon, 16 CPUs")]))
+    paths = [str(tmp_path / name) for name in ("vmA-first.json", "vmA-second.json", "xeon-1.json")]
     summary.main([*paths, "--json", str(tmp_path / "summary.json")])
     groups = {(g["host"], g["kind"]): g for g in json.loads((tmp_path / "summary.json").read_text())}
-    assert set(groups) == {("vmA", "heterogeneous"), ("Xeon, 16 CPUs", "heterogeneous")}
-    vm, xeon = groups["vmA", "heterogeneous"], groups["Xeon, 16 CPUs", "heterogeneous"]
+    assert set(groups) == {("vmA", "heterogeneous"), ("xeon", "heterogeneous")}
+    vm, xeon = groups["vmA", "heterogeneous"], groups["xeon", "heterogeneous"]
+    assert vm["cpus"] == [] and xeon["cpus"] == ["Xeon, 16 CPUs"]
     assert vm["sets"] == 2 and vm["mape"] == pytest.approx([20.0, 10.0])
     for mean, spread in vm["step"].values():
         assert mean == pytest.approx(-0.15) and spread == pytest.approx(0.0707107, rel=1e-5)

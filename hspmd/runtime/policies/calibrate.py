@@ -246,19 +246,22 @@ def fit(probes: list[dict], shape: ProbeShape = ProbeShape()) -> Calibration:
     rates = Calibration(1.0 / slope_f, 1.0 / slope_b, overhead=0.0, link_latency=1e-5, link_bandwidth=1e9)
     probe_model = ModelSpec("probe", 1, shape.hidden, shape.ffn, shape.heads, shape.heads, shape.vocab, shape.seq, "float32")
     rate_cost = rates.cost_model(probe_model, 1)
-    trainers = [probe_trainer(shape, *run)[0] for run in PROBE_RUNS]
-    gamma, overhead, step_overhead = fit_steps([step_work(t, rate_cost) for t in trainers], typical_of("steps"))
+    stepped = having("steps")
+    runs = PROBE_RUNS[:min(len(p["steps"]) for p in stepped)]  # records from before a run was added hold the first ones
+    steps = [typical(p["steps"][i] for p in stepped) for i in range(len(runs))]
+    trainers = [probe_trainer(shape, *run)[0] for run in runs]
+    gamma, overhead, step_overhead = fit_steps([step_work(t, rate_cost) for t in trainers], steps)
     fitted = replace(rates, overhead=overhead, step_overhead=step_overhead, gamma=gamma)
     timed_runs = having("ops", needed=False)
     if timed_runs:
         timed = [{name: typical(p["ops"][i][name] for p in timed_runs if name in p["ops"][i])
-                  for name in timed_runs[0]["ops"][i]} for i in range(len(PROBE_RUNS))]
-        costs = fit_op_costs([op_work(t, rate_cost) for t in trainers], timed, typical_of("steps"),
-                             [1 + 2 * micro_batches for _, micro_batches, _ in PROBE_RUNS])
+                  for name in timed_runs[0]["ops"][i]} for i in range(len(runs))]
+        costs = fit_op_costs([op_work(t, rate_cost) for t in trainers], timed, steps,
+                             [1 + 2 * micro_batches for _, micro_batches, _ in runs])
         woken = having("after_sleep", needed=False)
         if woken:  # emulated step probes: how much slower the work after a sleep runs
             costs = replace(costs, after_sleep=after_sleep_curve([p["after_sleep"] for p in woken]))
-        costs = replace(costs, jitter=step_jitter(probes), jitter_over=jitter_span(typical_of("steps")))
+        costs = replace(costs, jitter=step_jitter(probes), jitter_over=jitter_span(steps))
         fitted = replace(fitted, op_costs=costs)
     if not having("pingpong", needed=False):
         return fitted

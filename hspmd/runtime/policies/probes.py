@@ -60,8 +60,10 @@ class ProbeShape:
     seq: int = 32
 
 
-# (layers, micro-batches, micro-batch size in shape.rows) of the framework probe's steps
-PROBE_RUNS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 4))
+# (layers, micro-batches, micro-batch size in shape.rows) of the framework probe's steps; the last
+# runs the 4x micro-batch two layers deep: one layer deep its ops price a stack's large micro-batches
+# low (bench_op_prices.py; Simulator accuracy in docs/design.md)
+PROBE_RUNS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 4), (2, 1, 4))
 
 
 def probe_trainer(shape: ProbeShape = ProbeShape(), layers: int = 1, micro_batches: int = 1, rows: int = 1,
