@@ -6,8 +6,8 @@
                              measured with the per-instruction overhead below, where it is paid)
     framework overhead       real Trainer steps on one device of small Llamas (not the model
     and kernel efficiency    being predicted: 1 layer x 1 micro-batch, 1 x 2, 2 x 1, and 1 x 1
-                             with micro-batches 4x as large) at the probe's layer shapes; least
-                             squares: measured = gamma x roofline of the step's kernels
+                             and 2 x 1 with micro-batches 4x as large) at the probe's layer
+                             shapes; least squares: measured = gamma x roofline of the step's kernels
                              + overhead x dispatched instructions (ops and communication;
                              leaves, assignments and identity comms are nearly free)
                              + step overhead (checks, feeds, reading the loss). gamma is how
@@ -15,7 +15,7 @@
                              roofline (odd shapes, broadcasts, ops made of several kernels); the
                              larger micro-batch is what tells it apart from the overhead
     per op kind              the same steps' ops, each timed on its own (the emulator's op hook):
-                             least squares over every op of the four probes: an op's time = a
+                             least squares over every op of the five probes: an op's time = a
                              fixed time of its kind (its dispatch and the torch kernels it
                              launches: a view is cheaper than the mean instruction, attention's
                              backward several times dearer) + gamma of its kind x its roofline;
