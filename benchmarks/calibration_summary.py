@@ -51,7 +51,7 @@ def host_of(path: str) -> str:
 
 
 def set_errors(path: str, saved: dict, refit: bool = False) -> SetErrors:
-    """Level 2's errors on one set of the run saved at `path` (bench_calibration.saved_set)."""
+    """Level 2's errors on one set of the run saved at `path` (_calibration_accuracy.saved_set)."""
     name, cluster, calibration, _, _, measured = accuracy.saved_set(path, saved, refit)
     predicted = accuracy.predict(calibration, cluster)
     step = {n: (predicted[n][0] - measured[n]) / measured[n] for n in accuracy.STRATEGIES}
