@@ -38,10 +38,10 @@ from hspmd.planning import from_llama_config  # noqa: E402
 from hspmd.planning.device_sim import host_step_work, simulate_device_run  # noqa: E402
 from hspmd.planning.fitting import typical  # noqa: E402
 from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
-from hspmd.runtime.execution.emulation import EmulatedBackend, emulation_of  # noqa: E402
+from hspmd.runtime.execution.emulation import emulation_of  # noqa: E402
 from hspmd.runtime.policies.calibrate import fit  # noqa: E402
 from hspmd.runtime.policies.calibration import Calibration  # noqa: E402
-from hspmd.runtime.policies.probes import Probe, ProbeShape, WakingEmulator, probe_trainer  # noqa: E402
+from hspmd.runtime.policies.probes import Probe, ProbeShape, probe_device, probe_trainer  # noqa: E402
 from hspmd.specialize.specialized import specialize_graph  # noqa: E402
 from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 
@@ -58,12 +58,6 @@ def layout_of(text: str, shape: ProbeShape) -> tuple[int, int]:
     if count < 1 or size < shape.rows or size % shape.rows:
         raise HSPMDError(f"--shapes: {text!r}: a micro-batch must be a multiple of the probe's {shape.rows} sequences")
     return count, size // shape.rows
-
-
-def emulated_device(backend):
-    """The backend as an emulated device of the reference type, sleeping in chunks (the op probes' regime)."""
-    host = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(1)
-    return EmulatedBackend(backend, host, WakingEmulator(0, "reference", SLOWDOWN, clocks=(time.perf_counter, time.thread_time)), None)
 
 
 def owed_cpu(trainer, batch) -> float:
@@ -110,7 +104,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     probe = Probe(None, shape, cpu_time=True, emulate=SLOWDOWN)
-    trainers = {(depth, text): probe_trainer(shape, depth, count, rows, wrap=emulated_device) for depth, text, count, rows in configs}
+    device = probe_device(SLOWDOWN, (time.perf_counter, time.thread_time))  # the op probes' regime: chunks alone
+    trainers = {(depth, text): probe_trainer(shape, depth, count, rows, wrap=device) for depth, text, count, rows in configs}
     probes, measured = [], {key: [] for key in trainers}
     for round_ in range(args.rounds):
         probes.append({**probe.once(parts=("micro", "steps")), "rank": 0, "round": round_})

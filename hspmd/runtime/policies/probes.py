@@ -125,6 +125,13 @@ class WakingEmulator(RankEmulator):
             self.settle()
 
 
+def probe_device(slowdown: float, clocks: tuple[Callable[[], float], Callable[[], float]]) -> Callable[[Backend], Backend]:
+    """A `wrap` for probe_trainer: its backend as the step probes' emulated device (a
+    WakingEmulator of `slowdown` on one calibrated CPU, timing on `clocks`: wall, CPU)."""
+    host = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(1)
+    return lambda inner: EmulatedBackend(inner, host, WakingEmulator(0, "probe", slowdown, clocks=clocks), None)
+
+
 class Probe:
     """One rank's micro-benchmarks, set up once and run any number of times (`once()`), so that a
     benchmark can interleave them with what it measures and both see the same machine load."""
@@ -141,10 +148,7 @@ class Probe:
             raise HSPMDError(f"Probe(emulate={emulate}): an emulated probe needs a slowdown > 1")
         # every step probe runs on an emulated device (of slowdown 1 when not emulating: its
         # bookkeeping costs ~1 us per op), whose op hook times each op on the probe's clock
-        host = Calibration(1.0, 1.0, 0.0, 0.0, 1.0).cluster(1)
-        clocks = (time.perf_counter, time.thread_time if emulate is not None else self.clock)
-        wrap = lambda inner: EmulatedBackend(  # noqa: E731
-            inner, host, WakingEmulator(0, "probe", emulate or 1.0, clocks=clocks), None)
+        wrap = probe_device(emulate or 1.0, (time.perf_counter, time.thread_time if emulate is not None else self.clock))
         self.emulated = emulate is not None
         # the wake-up probe's slowdowns: the reference's and the other emulated types' (`wake_at`)
         self.wake_slowdowns = tuple(sorted({emulate, *(s for s in wake_at if s > 1)})) if emulate is not None else ()
@@ -246,4 +250,4 @@ class Probe:
 
 
 __all__ = ["ADD_SIZES", "MATMUL_SIZES", "MESSAGE_SIZES", "PROBE_PARTS", "PROBE_RUNS", "Probe", "ProbeShape", "TimedSteps", "WAKE_INTERVALS",
-           "WakingEmulator", "median_seconds", "probe_trainer"]
+           "WakingEmulator", "median_seconds", "probe_device", "probe_trainer"]
