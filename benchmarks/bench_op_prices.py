@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,7 +34,7 @@ import torch  # noqa: E402
 from _common import ms, table  # noqa: E402
 from hspmd.errors import HSPMDError  # noqa: E402
 from hspmd.ir.shapes import Binding  # noqa: E402
-from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
+from hspmd.models.llama import build_llama  # noqa: E402
 from hspmd.planning import from_llama_config  # noqa: E402
 from hspmd.planning.device_sim import host_step_work, simulate_device_run  # noqa: E402
 from hspmd.planning.fitting import typical  # noqa: E402
@@ -60,6 +61,20 @@ def layout_of(text: str, shape: ProbeShape) -> tuple[int, int]:
     return count, size // shape.rows
 
 
+def stack_shape(width: str | None, shape: ProbeShape) -> ProbeShape:
+    """The measured stack's layer: the probes' `shape`, or narrowed to `width` "HEADS,FFN" (a
+    tensor-parallel rank's shard: its heads and FFN units divide the layer's)."""
+    if width is None:
+        return shape
+    try:
+        heads, ffn = (int(v) for v in width.split(","))
+    except ValueError:
+        raise HSPMDError(f"--width: {width!r} is not HEADS,FFN (two integers)") from None
+    if not (0 < heads <= shape.heads and shape.heads % heads == 0 and 0 < ffn <= shape.ffn and shape.ffn % ffn == 0):
+        raise HSPMDError(f"--width {width}: the heads and FFN units must divide the layer's {shape.heads} and {shape.ffn}")
+    return replace(shape, heads=heads, ffn=ffn, head_dim=shape.hidden // shape.heads)
+
+
 def owed_cpu(trainer, batch) -> float:
     """The device CPU seconds one step owes (its ops, passes and the trainer's work), over
     TIMED_STEPS steps after an untimed one; the debt is dropped unslept after each side."""
@@ -76,7 +91,7 @@ def owed_cpu(trainer, batch) -> float:
 def priced(calibration: Calibration, shape: ProbeShape, layers: int, count: int, rows: int) -> tuple[float, float]:
     """(level 2's host seconds of one step, its peak live bytes) of the probe Llama `layers` deep
     with `count` micro-batches of `rows` x shape.rows sequences, on one device of this calibration."""
-    config = LlamaConfig(vocab=shape.vocab, hidden=shape.hidden, layers=layers, heads=shape.heads, ffn=shape.ffn)
+    config = shape.config(layers)
     strategy = parse_strategy(f"layers={layers} ; {count}x{rows * shape.rows}: R0 L0-{layers - 1}")
     layout = MicroBatchLayout.of(strategy)
     binding = Binding.of({"B": sum(layout.sizes), "S": shape.seq, "T": layout.global_batch_size * shape.seq},
@@ -92,6 +107,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", default="1,2,4,8", help="model depths (comma-separated)")
     p.add_argument("--shapes", default="1x4,2x4,1x8,1x16", help="micro-batch layouts MxN (comma-separated)")
+    p.add_argument("--width", default=None, metavar="HEADS,FFN",
+                   help="the stack's layer narrowed to HEADS heads and FFN hidden units (2,64: a TP2 rank's shard "
+                        "of the demo's layer, without its collectives); the probes keep the demo's layer")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--cpu", type=int, default=None, help="the CPU to pin to (default: the last this process may use)")
     p.add_argument("--json", default=None, help="write the figures here")
@@ -101,11 +119,12 @@ def main(argv=None) -> int:
     shape = ProbeShape()
     try:
         configs = [(int(depth), text, *layout_of(text, shape)) for depth in args.layers.split(",") for text in args.shapes.split(",")]
+        stack = stack_shape(args.width, shape)
     except ValueError as e:
         p.error(str(e))
     probe = Probe(None, shape, cpu_time=True, emulate=SLOWDOWN)
     device = probe_device(SLOWDOWN, (time.perf_counter, time.thread_time))  # the op probes' regime: chunks alone
-    trainers = {(depth, text): probe_trainer(shape, depth, count, rows, wrap=device) for depth, text, count, rows in configs}
+    trainers = {(depth, text): probe_trainer(stack, depth, count, rows, wrap=device) for depth, text, count, rows in configs}
     probes, measured = [], {key: [] for key in trainers}
     for round_ in range(args.rounds):
         probes.append({**probe.once(parts=("micro", "steps")), "rank": 0, "round": round_})
@@ -117,7 +136,7 @@ def main(argv=None) -> int:
     for depth, text, count, size in configs:
         steps = measured[depth, text]
         got = typical(steps)
-        price, peak = priced(calibration, shape, depth, count, size)
+        price, peak = priced(calibration, stack, depth, count, size)
         rows.append([depth, text, f"{peak / 2**20:.2f}", ms(got), f"{ms(min(steps))}-{ms(max(steps))}", ms(price),
                      f"{(price - got) / got:+.1%}"])
         figures.append({"layers": depth, "shape": text, "peak_bytes": peak, "measured": got, "steps": steps, "level2": price})

@@ -82,6 +82,21 @@ def test_the_op_prices_check_refuses_a_layout_it_cannot_build():
             module.layout_of(bad, shape)
 
 
+def test_the_op_prices_check_narrows_the_stack_to_a_tensor_parallel_shard():
+    """bench_op_prices --width HEADS,FFN: the stack's layer as a TP rank's shard (its heads keep the
+    layer's head size, so attention is that fraction of the layer's); bad widths refused by name."""
+    module = load("bench_op_prices")
+    shape = ProbeShape()
+    assert module.stack_shape(None, shape) == shape
+    shard = module.stack_shape("2,64", shape)
+    config = shard.config(4)
+    assert (config.heads, config.ffn, config.head_dim) == (2, 64, shape.hidden // shape.heads)
+    assert config.heads * config.head_dim * 2 == shape.config(4).heads * shape.config(4).head_dim
+    for bad in ("2", "3,64", "2,100", "0,64", "two,64"):
+        with pytest.raises(HSPMDError, match="--width"):
+            module.stack_shape(bad, shape)
+
+
 def test_the_op_prices_check_prices_a_measured_step(tmp_path):
     """One round, one model: the probes are fitted and the step priced against what it measured
     (run as its own process: it pins itself to a CPU)."""
@@ -96,3 +111,45 @@ def test_the_op_prices_check_prices_a_measured_step(tmp_path):
         assert c["measured"] > 0 and c["level2"] > 0 and len(c["steps"]) == 1 and c["peak_bytes"] > 0
     assert configs[2, "2x4"]["level2"] > configs[2, "1x4"]["level2"]  # two micro-batches price more work than one
     assert "device CPU ms" in done.stdout and "calibration:" in done.stdout
+
+
+def test_a_timeline_splits_into_the_stretches_between_its_marks():
+    """bench_stretches.split_stretches: cut at every communication and chunk slept, a mark right
+    after another cutting nothing; each stretch knows what it followed and whether a pass's own
+    work opened it."""
+    module = load("bench_stretches")
+    from hspmd.runtime.execution.emulation import BETWEEN_PASSES, CHUNK_SLEPT, COMMUNICATED
+    timeline = [(BETWEEN_PASSES, 1.0), ("a", 2.0), ("b", 3.0), (COMMUNICATED, 0.0), (COMMUNICATED, 0.0), ("c", 4.0),
+                (BETWEEN_PASSES, 0.5), ("d", 1.0), (CHUNK_SLEPT, 0.0), ("e", 6.0), (COMMUNICATED, 0.0)]
+    stretches = module.split_stretches(timeline)
+    assert [(s.after, s.opens_pass, [n for n, _ in s.ops], s.passes, s.pass_count) for s in stretches] == [
+        (module.STEP_START, True, ["a", "b"], 1.0, 1),
+        (COMMUNICATED, False, ["c", "d"], 0.5, 1),
+        (CHUNK_SLEPT, False, ["e"], 0.0, 0)]
+    assert stretches[1].kind == "after a communication, an op first"
+    assert stretches[0].kind == "at the step's start, a pass start first"
+    assert module.split_stretches([]) == [] and module.split_stretches([(COMMUNICATED, 0.0)]) == []
+
+
+def test_the_stretch_check_prices_each_kind_of_stretch(tmp_path):
+    """One round of two strategies on the emulated pair: every rank's stretches priced, TP2's
+    after its collectives, the pipeline's after its sends and receives (run as its own processes)."""
+    out = tmp_path / "stretches.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_stretches.py"), "--strategies", "TP2,PP2 1F1B",
+                           "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(out.read_text())["stretches"]
+    for name in ("TP2", "PP2 1F1B"):
+        for rank in ("0", "1"):
+            kinds = figures[name][rank]
+            after = kinds["after a communication, an op first"]
+            assert after["stretches"] > 0 and after["ops"] > 0 and after["ops_priced"] > 0 and after["unpriced"] == 0
+    # 85 communications a step (21 a micro-batch's, and the loss's), four right after another and the last ending the step
+    assert figures["TP2"]["0"]["after a communication, an op first"]["stretches"] == 85 - 4 - 1
+    assert "curve adds" in done.stdout
+
+
+def test_the_stretch_check_refuses_an_unknown_strategy():
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_stretches.py"), "--strategies", "TP3"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--strategies: unknown ['TP3']" in done.stderr

@@ -85,6 +85,13 @@ def test_the_work_between_an_emulated_devices_sleeps_is_priced_slower_by_how_muc
     assert chunked.woken_work(0, 10.0) == pytest.approx(10.0 * chunked.op_costs.slower_after(per_chunk))
     assert chunked.woken_work(0, 10.0) > 10.0 * chunked.op_costs.slower_after(10.0 / 5)
     assert cost.woken_work(0, 0.0) == 0.0
+    # a stretch opening with the framework's own work: its ops run on at the curve from there,
+    # E(h + w) - E(h) with E(x) = x f(x) in host seconds; less than the stretch's own fraction adds
+    curve = lambda x: x * ops.slower_after(x)  # noqa: E731
+    assert cost.woken_work(0, 0.02, opening=0.005) == pytest.approx(5.0 * (curve(0.004) - curve(0.001)))
+    assert 0 < cost.woken_work(0, 0.02, opening=0.005) < cost.woken_work(0, 0.02)
+    assert cost.woken_work(0, 0.02, opening=0.02) == 0.0  # all of it the opening: it runs at its price
+    assert chunked.woken_work(0, 10.0, opening=0.005) == chunked.woken_work(0, 10.0)  # chunks: their own stretches
     plain = replace(cost, efficiency={"*": Efficiency(cpu_scale=1.0)})  # a type that does not sleep
     assert plain.sleep_after(0, 1.0) == plain.woken_work(0, 0.5) == 0.0
     assert replace(cost, op_costs=None).woken_work(0, 0.5) == 0.0  # no op costs, nothing measured
@@ -96,13 +103,14 @@ def test_passes_that_repeat_run_their_unslept_tails_into_the_next_pass():
     from hspmd.planning.device_sim import cycle_stretches
 
     # a last stage's 1F1B: the forward (received, then computed) runs on into its backward (sent)
-    assert sorted(cycle_stretches([[0.1, 2.0], [3.0, 0.2]])) == [[(0, 2.0), (1, 3.0)], [(1, 0.2), (0, 0.1)]]
+    assert sorted(cycle_stretches([[0.1, 2.0], [3.0, 0.2]])) == [[(0, 1, 2.0), (1, 0, 3.0)], [(1, 1, 0.2), (0, 0, 0.1)]]
     # data parallel: no communication, one stretch
-    assert cycle_stretches([[2.0], [3.0]]) == [[(0, 2.0), (1, 3.0)]]
+    assert cycle_stretches([[2.0], [3.0]]) == [[(0, 0, 2.0), (1, 0, 3.0)]]
     # one pass with two collectives, repeating on its own (GPipe)
-    assert sorted(cycle_stretches([[1.0, 2.0, 3.0]])) == [[(0, 2.0)], [(0, 3.0), (0, 1.0)]]
+    assert sorted(cycle_stretches([[1.0, 2.0, 3.0]])) == [[(0, 1, 2.0)], [(0, 2, 3.0), (0, 0, 1.0)]]
     # a pass without communication between two that have some joins both neighbours' ends
-    assert sorted(cycle_stretches([[1.0, 2.0], [5.0], [3.0, 4.0]])) == [[(0, 2.0), (1, 5.0), (2, 3.0)], [(2, 4.0), (0, 1.0)]]
+    assert sorted(cycle_stretches([[1.0, 2.0], [5.0], [3.0, 4.0]])) == [[(0, 1, 2.0), (1, 0, 5.0), (2, 0, 3.0)],
+                                                                       [(2, 1, 4.0), (0, 0, 1.0)]]
 
 
 def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
@@ -141,16 +149,19 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     compute = work.forward - work.forward_comm
     assert slower.forward_comm == work.forward_comm and 0.1 * compute < woken < 0.5 * compute
     # with no communication a micro-batch's forward and backward run as one stretch (1F1B: they
-    # take turns), slowed by the fraction for all their work, shared in proportion: less than the
-    # same work cut into stretches by the collectives; GPipe's forwards run on into each other
+    # take turns), opening with the forward's own work (per_pass) and slowed by the curve from
+    # there, shared in proportion: less than the same work cut into stretches by the collectives;
+    # GPipe's forwards run on into each other
     alone = device_cost(exe, unwoken, spec.binding, comm=False)
     assert alone.forward == pytest.approx(compute)
     one_stretch = device_cost(exe, scaled, spec.binding, comm=False)
-    fraction = ops.slower_after((alone.forward + alone.backward) / 3)
-    assert one_stretch.forward - alone.forward == pytest.approx(alone.forward * fraction)
-    assert one_stretch.backward - alone.backward == pytest.approx(alone.backward * fraction)
+    curve = lambda x: x * ops.slower_after(x)  # noqa: E731 (host seconds; the device's are 3x)
+    both = alone.forward + alone.backward
+    added = 3 * (curve(both / 3) - curve(1e-4))
+    assert one_stretch.forward - alone.forward == pytest.approx(added * alone.forward / both)
+    assert one_stretch.backward - alone.backward == pytest.approx(added * alone.backward / both)
     gpipe = device_cost(exe, scaled, spec.binding, comm=False, alternating=False)
-    assert gpipe.forward - alone.forward == pytest.approx(alone.forward * ops.slower_after(alone.forward / 3))
+    assert gpipe.forward - alone.forward == pytest.approx(3 * (curve(alone.forward / 3) - curve(1e-4)))
     assert one_stretch.forward - alone.forward < woken
     assert after.forward_comm == before.forward_comm > 0
     assert simulate_strategy(strategy, priced).iteration == simulate_strategy(strategy, base).iteration

@@ -503,17 +503,27 @@ class CostModel:
         scale = self.cpu_scale(device)
         return compute * (1.0 - 1.0 / scale) if scale > 1 else 0.0
 
-    def woken_work(self, device: "int | str | DeviceType", compute: float) -> float:
+    def woken_work(self, device: "int | str | DeviceType", compute: float, opening: float = 0.0) -> float:
         """What the sleeps of an emulated device add to a stretch of `compute` device seconds that
         ends in one, in the device's seconds: the stretch's work x how much slower that much host
         work between two sleeps runs (OpCosts.slower_after). A stretch whose debt (sleep_after)
         passes WAIT_CHUNK_S is slept in chunks, so its work comes in pieces of a chunk's worth.
-        0 on a type that does not sleep."""
+        `opening`: the device seconds of the framework's own work that come first in the stretch
+        (a pass's start, OpCosts.per_pass): the work after a sleep runs slower the sooner it
+        follows the sleep, and the ops after that opening run on at the curve from there (the
+        stretch adds E(h + w) - E(h), E(x) = x slower_after(x), h the opening's host seconds),
+        while the opening runs at its price: measured so per kind of stretch
+        (benchmarks/bench_stretches.py; Simulator accuracy in docs/design.md). 0 on a type that
+        does not sleep."""
         scale = self.cpu_scale(device)
         if self.op_costs is None or scale <= 1 or compute <= 0:
             return 0.0
+        slower = self.op_costs.slower_after
         between = compute * min(1.0, WAIT_CHUNK_S / self.sleep_after(device, compute))  # a chunk's worth at most
-        return compute * self.op_costs.slower_after(between / scale)
+        if opening <= 0 or between < compute:
+            return compute * slower(between / scale)
+        head, whole = min(opening, compute) / scale, compute / scale
+        return scale * max(0.0, whole * slower(whole) - head * slower(head))
 
     def step_work(self, device: "int | None" = None, op_priced: bool = False) -> float:
         """The framework's per-step work on `device` (its type's cpu_scale x step_overhead);

@@ -101,7 +101,8 @@ class DeviceCost:
     """One device's seconds per micro-batch (forward, backward; of which communication), its
     update phase, and its outgoing stage-to-stage transfer seconds per direction. `update_tail`:
     the update's work after its last communication (an emulated device sleeps it off before the
-    step loss's all-reduce)."""
+    step loss's all-reduce), of which `update_tail_opening` is the update pass's own work coming
+    first (an update with no communication of its own; CostModel.woken_work's opening)."""
 
     forward: float
     backward: float
@@ -113,6 +114,7 @@ class DeviceCost:
     send_backward: float
     kernels: int
     update_tail: float = 0.0
+    update_tail_opening: float = 0.0
 
     def slowed(self, factor: float) -> "DeviceCost":
         """These costs with the device's work (not its communication) `factor` times as long."""
@@ -120,25 +122,26 @@ class DeviceCost:
             return self
         return replace(self, forward=self.forward_comm + factor * (self.forward - self.forward_comm),
                        backward=self.backward_comm + factor * (self.backward - self.backward_comm),
-                       update=self.update_comm + factor * (self.update - self.update_comm), update_tail=factor * self.update_tail)
+                       update=self.update_comm + factor * (self.update - self.update_comm), update_tail=factor * self.update_tail,
+                       update_tail_opening=factor * self.update_tail_opening)
 
 
-def cycle_stretches(passes: Sequence[Sequence[float]]) -> list[list[tuple[int, float]]]:
+def cycle_stretches(passes: Sequence[Sequence[float]]) -> list[list[tuple[int, int, float]]]:
     """The stretches of work between sleeps of passes that repeat in this order: each pass is its
     segments of work between its communications (a pass with k communications has k + 1), and
     a pass's last segment runs on unslept into the next pass's first (the last into the first:
-    the cycle repeats). Each stretch is its (pass index, work) pieces; with no communication at
-    all the whole cycle is one stretch."""
-    pieces = [(p, work, j < len(segments) - 1) for p, segments in enumerate(passes) for j, work in enumerate(segments)]
-    cuts = [i for i, (_, _, cut) in enumerate(pieces) if cut]
+    the cycle repeats). Each stretch is its (pass index, segment index, work) pieces; with no
+    communication at all the whole cycle is one stretch."""
+    pieces = [(p, j, work) for p, segments in enumerate(passes) for j, work in enumerate(segments)]
+    cuts = [i for i, (p, j, _) in enumerate(pieces) if j < len(passes[p]) - 1]
     if not cuts:
-        return [[(p, work) for p, work, _ in pieces]]
+        return [pieces]
     start = cuts[-1] + 1
     rotated = pieces[start:] + pieces[:start]
-    stretches: list[list[tuple[int, float]]] = [[]]
-    for p, work, cut in rotated:
-        stretches[-1].append((p, work))
-        if cut:
+    stretches: list[list[tuple[int, int, float]]] = [[]]
+    for p, j, work in rotated:
+        stretches[-1].append((p, j, work))
+        if j < len(passes[p]) - 1:
             stretches.append([])
     return [stretch for stretch in stretches if stretch]
 
@@ -146,18 +149,21 @@ def cycle_stretches(passes: Sequence[Sequence[float]]) -> list[list[tuple[int, f
 def _woken_passes(cost: CostModel, device: int, forward: Sequence[float], backward: Sequence[float],
                   alternating: bool) -> tuple[float, float]:
     """What an emulated device's sleeps add to a micro-batch's forward and backward (each given as
-    its segments of work between communications): every stretch between sleeps runs its
-    fraction slower (CostModel.woken_work), shared by the passes in proportion to their work in
-    it. `alternating`: a micro-batch's forward and backward take turns (1F1B), so each pass's
-    tail runs on into the other's head; otherwise (GPipe) a pass runs on into the next of its kind."""
+    its segments of work between communications, a pass's own work at the head of its first):
+    every stretch between sleeps runs its fraction slower (CostModel.woken_work), shared by the
+    passes in proportion to their work in it; a stretch whose first work is a pass's own opens
+    with it (`opening`). `alternating`: a micro-batch's forward and backward take turns (1F1B),
+    so each pass's tail runs on into the other's head; otherwise (GPipe) a pass runs on into the
+    next of its kind."""
     added = [0.0, 0.0]
     cycles = [((forward, backward), (0, 1))] if alternating else [((forward,), (0,)), ((backward,), (1,))]
     for passes, which in cycles:
         for stretch in cycle_stretches(passes):
-            work = sum(w for _, w in stretch)
+            work = sum(w for _, _, w in stretch)
             if work > 0:
-                woken = cost.woken_work(device, work)
-                for p, w in stretch:
+                _, first, _ = next(piece for piece in stretch if piece[2] > 0)
+                woken = cost.woken_work(device, work, opening=cost.pass_work(device) if first == 0 else 0.0)
+                for p, _, w in stretch:
                     added[which[p]] += woken * w / work
     return added[0], added[1]
 
@@ -218,11 +224,13 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
         totals[phase] = [compute + comm_time, comm_time, send]
     woken_f, woken_b = _woken_passes(cost, d, segments["forward"], segments["backward"], alternating)
     # the update's stretches before its communications; its tail is slept before the step loss (plan_device_run)
-    woken_u = sum(cost.woken_work(d, work) for work in segments["update"][:-1])
+    woken_u = sum(cost.woken_work(d, work, opening=cost.pass_work(d) if i == 0 else 0.0)
+                  for i, work in enumerate(segments["update"][:-1]))
     for phase, woken in (("forward", woken_f), ("backward", woken_b), ("update", woken_u)):
         totals[phase][0] += woken
     (f, fc, fs), (b, bc, bs), (u, uc, _) = totals["forward"], totals["backward"], totals["update"]
-    return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels, segments["update"][-1])
+    opening = cost.pass_work(d) if len(segments["update"]) == 1 else 0.0
+    return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels, segments["update"][-1], opening)
 
 
 def device_costs(spec: Specialized, cost: CostModel, schedule: str = "1f1b", comm: bool = True) -> dict[int, DeviceCost]:
@@ -256,7 +264,7 @@ def stage_pipelines(spec: Specialized, cost: CostModel, costs: Mapping[int, Devi
             # the step loss's all-reduce is one more communication: an emulated device sleeps
             # off the update's tail and the step's own work before it
             own = {d: slowed.get(d, 1.0) * cost.step_work(d, op_priced=True) for d in devices}
-            step_work = max(own[d] + cost.woken_work(d, costs[d].update_tail + own[d]) for d in devices)
+            step_work = max(own[d] + cost.woken_work(d, costs[d].update_tail + own[d], costs[d].update_tail_opening) for d in devices)
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),
                                    sync=update_comm, update=update - update_comm + loss + step_work,

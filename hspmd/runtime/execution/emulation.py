@@ -67,6 +67,10 @@ from hspmd.runtime.execution.trace import Tracer
 
 SWEEP_EVERY = 32  # values counted between liveness sweeps of the memory table
 BETWEEN_PASSES = "(between passes)"  # op_seconds' entry for the work before each pass's first op
+# a timeline's marks (RankEmulator.timeline): where the device settled its debt before communicating,
+# and where it slept a chunk of its debt between two ops
+COMMUNICATED = "(communicated)"
+CHUNK_SLEPT = "(chunk slept)"
 BOARD_SLOTS = 1024  # stamps per ordered rank pair kept at once (a sender may be this many messages ahead)
 
 
@@ -116,6 +120,9 @@ class RankEmulator:
         self.sweep_every = SWEEP_EVERY  # 1: an exact peak (a benchmark's untimed memory pass)
         self.peak_bytes = 0
         self.op_seconds: dict[str, list[float]] | None = None  # a dict: each op's CPU seconds by name (calibration)
+        # a list: each op's and pass start's (name, CPU seconds) in order, with the COMMUNICATED and
+        # CHUNK_SLEPT marks between (bench_stretches.py: the work between two sleeps, as level 2 prices it)
+        self.timeline: list[tuple[str, float]] | None = None
         self.mark()
 
     # ---- compute ---------------------------------------------------------------------------------
@@ -152,9 +159,14 @@ class RankEmulator:
         """Before a pass's first op: owe the work since the mark now (the schedule's and trainer's
         between passes), so that the first op's own time (`op_seconds`) is its alone; that work
         is recorded under BETWEEN_PASSES."""
-        stretch = self._accrue()
+        self._record(BETWEEN_PASSES, self._accrue())
+
+    def _record(self, where: str, stretch: float) -> None:
+        """Keep a stretch's CPU seconds under `where` in op_seconds and the timeline, where set."""
         if self.op_seconds is not None:
-            self.op_seconds.setdefault(BETWEEN_PASSES, []).append(stretch)
+            self.op_seconds.setdefault(where, []).append(stretch)
+        if self.timeline is not None:
+            self.timeline.append((where, stretch))
 
     def computed(self, outputs: Iterable[object] = (), where: str = "") -> None:
         """After one op: count its outputs against the device's memory (raising DeviceOutOfMemory
@@ -172,10 +184,11 @@ class RankEmulator:
                 self._hold(outputs, where)
             finally:
                 self._cpu_mark = self._cpu()
-        if self.op_seconds is not None:
-            self.op_seconds.setdefault(where, []).append(stretch)
+        self._record(where, stretch)
         if self._debt >= self.chunk_s:
             self._sleep(self._debt, "emulated compute")
+            if self.timeline is not None:
+                self.timeline.append((CHUNK_SLEPT, 0.0))
             self.mark()
 
     def settle(self) -> None:
@@ -189,6 +202,8 @@ class RankEmulator:
         measured them, so what the sleeps before communications add is measured apart; its
         messages no longer leave when the emulated device's would."""
         self._accrue()
+        if self.timeline is not None:
+            self.timeline.append((COMMUNICATED, 0.0))
         if self._debt > 0 and self.sleeps_at_communications:
             self._sleep(self._debt, "emulated compute")
         self._debt = max(self._debt, -WAIT_CHUNK_S)
@@ -521,6 +536,6 @@ def cluster_from_env() -> ClusterSpec | None:
 
 
 __all__ = [
-    "EmulatedBackend", "EmulationError", "EmulationStats", "RankEmulator", "StampBoard",
+    "BETWEEN_PASSES", "CHUNK_SLEPT", "COMMUNICATED", "EmulatedBackend", "EmulationError", "EmulationStats", "RankEmulator", "StampBoard",
     "cluster_from_env", "emulated", "emulation_of", "emulator_for", "shared_board",
 ]

@@ -58,6 +58,12 @@ class ProbeShape:
     vocab: int = 64
     rows: int = 4
     seq: int = 32
+    head_dim: int | None = None  # None: hidden // heads; a tensor-parallel shard keeps its layer's
+
+    def config(self, layers: int) -> LlamaConfig:
+        """The probe Llama of `layers` such layers."""
+        return LlamaConfig(vocab=self.vocab, hidden=self.hidden, layers=layers, heads=self.heads, ffn=self.ffn,
+                           head_dim=self.head_dim)
 
 
 # (layers, micro-batches, micro-batch size in shape.rows) of the framework probe's steps; the last
@@ -71,7 +77,7 @@ def probe_trainer(shape: ProbeShape = ProbeShape(), layers: int = 1, micro_batch
     """A one-device Trainer of a small Llama at the probe's layer shapes (never a model a benchmark
     predicts), micro-batches of `rows` x shape.rows, and the global batch of one step; `wrap`
     turns its backend into another (an emulated device's)."""
-    config = LlamaConfig(vocab=shape.vocab, hidden=shape.hidden, layers=layers, heads=shape.heads, ffn=shape.ffn)
+    config = shape.config(layers)
     strategy = parse_strategy(f"layers={layers} ; {micro_batches}x{rows * shape.rows}: R0 L0-{layers - 1}")
     graph = build_llama(config, [strategy], optimizer=AdamW(lr=1e-3)).graph
     layout = MicroBatchLayout.of(strategy)
