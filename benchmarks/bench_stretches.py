@@ -11,13 +11,15 @@ on both ranks), and by the after-sleep curve at its priced length. Per strategy,
 of stretch (what it follows: a communication, a chunk slept, the step's start; whether a pass's
 own work or an op comes first in it) it prints how many a step has, their priced
 length, the ops' and the between-pass work's owed CPU against their prices, and what the
-stretch measured over its prices against what the curve adds.
+stretch measured over its prices against what the curve adds at its length and what level 2
+adds (the curve from the end of a pass's own work where that opens the stretch).
 
 `--unslept` runs the ranks sleeping in chunks alone (RankEmulator.sleeps_at_communications off):
 what the op prices are measured in, so what is left over them is what a communication's own
 wait does to the work after it, without a sleep before it.
 
     python benchmarks/bench_stretches.py --strategies "DP2,TP2,PP2 1F1B,PP2 GPipe" --rounds 8 --pin-cpus
+    python benchmarks/bench_stretches.py --reprice benchmarks/saved/stretches/vm2core-8-rounds.json.gz
 
 Timing-sensitive: not part of `make test`.
 """
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _calibration_accuracy import CONFIG, PAIRS, PROBE, SEQ, STRATEGIES, emulated_pair  # noqa: E402
+from _calibration_accuracy import CONFIG, PAIRS, PROBE, SEQ, STRATEGIES, emulated_pair, read_saved  # noqa: E402
 from _common import ms, table  # noqa: E402
 from bench_calibration import start_turn, trainer_for  # noqa: E402
 from hspmd.errors import HSPMDError  # noqa: E402
@@ -151,9 +153,11 @@ class KindTotals:
     passes: float = 0.0
     passes_priced: float = 0.0
     curve: float = 0.0  # what the after-sleep curve adds at each stretch's priced length
+    level2: float = 0.0  # what level 2 adds (CostModel.woken_work: from the end of a pass's opening work)
 
-    def add(self, stretch: Stretch, prices: dict[str, float], per_pass: float, slower_after) -> None:
+    def add(self, stretch: Stretch, prices: dict[str, float], cost: CostModel, device: int) -> None:
         priced = [prices[n] for n, _ in stretch.ops if n in prices]
+        per_pass = cost.op_costs.per_pass
         self.stretches += 1
         self.ops += sum(s for n, s in stretch.ops if n in prices)
         self.unpriced += sum(s for n, s in stretch.ops if n not in prices)
@@ -161,38 +165,46 @@ class KindTotals:
         self.passes += stretch.passes
         self.passes_priced += stretch.pass_count * per_pass
         work = sum(priced) + stretch.pass_count * per_pass
-        self.curve += work * slower_after(work) if work > 0 else 0.0
+        if work > 0:
+            scale = cost.cpu_scale(device)
+            self.curve += work * cost.op_costs.slower_after(work)
+            opening = per_pass * scale if stretch.opens_pass else 0.0
+            self.level2 += cost.woken_work(device, work * scale, opening=opening) / scale
 
 
-def totals_by_kind(timelines: list[list[tuple[str, float]]], prices: dict[str, float], cost: CostModel) -> dict[str, KindTotals]:
-    """Each kind of stretch's totals over the steps' `timelines` of one rank."""
+def totals_by_kind(timelines: list[list[tuple[str, float]]], prices: dict[str, float], cost: CostModel,
+                   device: int) -> dict[str, KindTotals]:
+    """Each kind of stretch's totals over the steps' `timelines` of `device`."""
     out: dict[str, KindTotals] = {}
     for timeline in timelines:
         for stretch in split_stretches(timeline):
-            out.setdefault(stretch.kind, KindTotals()).add(stretch, prices, cost.op_costs.per_pass, cost.op_costs.slower_after)
+            out.setdefault(stretch.kind, KindTotals()).add(stretch, prices, cost, device)
     return out
 
 
-def report(results: list[dict], names: list[str], kind: str, dilation: float) -> dict:
-    """Fit the probes, price every rank's stretches and print them; returns the figures."""
-    calibration = fit(results[0]["probes"] + results[1]["probes"], PROBE)
+def report(probes: list[dict], timelines: list[dict], kind: str, dilation: float) -> dict:
+    """Fit the probes, price every rank's stretches (`timelines`: per rank, per strategy its
+    steps') and print them; returns the figures."""
+    calibration = fit(probes, PROBE)
+    names = list(timelines[0])
     print("calibration:", calibration.describe())
     cost = calibration.cost_model_for(emulated_pair(kind, dilation), from_llama_config(LlamaConfig(**CONFIG), SEQ))
     rows, figures = [], {}
     for name in names:
         prices = op_prices(name, cost)
-        for rank, result in enumerate(results):
-            steps = len(result["timelines"][name])
-            for what, t in sorted(totals_by_kind(result["timelines"][name], prices[rank], cost).items()):
+        for rank, mine in enumerate(timelines):
+            steps = len(mine[name])
+            for what, t in sorted(totals_by_kind(mine[name], prices[rank], cost, rank).items()):
                 work = t.ops_priced + t.passes_priced
                 over = (t.ops + t.passes) / work - 1 if work else 0.0
                 rows.append([name, rank, what, f"{t.stretches / steps:g}", ms(work / t.stretches),
                              ms(t.ops / steps), f"{t.ops / t.ops_priced - 1:+.1%}" if t.ops_priced else "-",
                              ms(t.passes / steps), ms(t.passes_priced / steps), f"{over:+.1%}", f"{t.curve / work:+.1%}" if work else "-",
+                             f"{t.level2 / work:+.1%}" if work else "-",
                              ms(t.unpriced / steps)])
                 figures.setdefault(name, {}).setdefault(str(rank), {})[what] = {**vars(t), "steps": steps}
     print(table(["strategy", "rank", "stretch", "per step", "priced ms each", "ops ms/step", "ops over price",
-                 "passes ms/step", "priced", "measured over priced", "curve adds", "unpriced ms"], rows))
+                 "passes ms/step", "priced", "measured over priced", "curve adds", "level 2 adds", "unpriced ms"], rows))
     return {"calibration": calibration.to_dict(), "stretches": figures}
 
 
@@ -204,8 +216,16 @@ def main(argv=None) -> int:
     p.add_argument("--dilation", type=float, default=8.0, help="the fast type's slowdown (bench_calibration's)")
     p.add_argument("--unslept", action="store_true", help="the ranks sleep in chunks alone, not before communicating")
     p.add_argument("--pin-cpus", action="store_true", help="pin each rank to its own CPU")
-    p.add_argument("--json", default=None, help="write the figures and timelines here")
+    p.add_argument("--json", default=None, help="write the figures, probes and timelines here")
+    p.add_argument("--reprice", default=None, metavar="JSON",
+                   help="price a run saved with --json (or gzipped: .json.gz) again: its probes fitted and its "
+                        "stretches priced as the code is now")
     args = p.parse_args(argv)
+    if args.reprice:
+        saved = read_saved(args.reprice)[0]
+        print(f"== re-priced: {args.reprice} ({saved['kind']}, {'unslept' if saved['unslept'] else 'slept'})")
+        report(saved["probes"], saved["timelines"], saved["kind"], saved["dilation"])
+        return 0
     names = [n.strip() for n in args.strategies.split(",")]
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
@@ -216,10 +236,11 @@ def main(argv=None) -> int:
                                timeout=3600, pin_cpus=args.pin_cpus)
     regime = "sleeping in chunks alone" if args.unslept else "sleeping before each communication"
     print(f"== emulated pair, {args.kind}, dilation {args.dilation:g}, {regime}, {args.rounds} rounds")
-    figures = report(results, names, args.kind, args.dilation)
+    probes, timelines = results[0]["probes"] + results[1]["probes"], [r["timelines"] for r in results]
+    figures = report(probes, timelines, args.kind, args.dilation)
     if args.json:
-        Path(args.json).write_text(json.dumps({**figures, "unslept": args.unslept, "kind": args.kind,
-                                               "timelines": [r["timelines"] for r in results]}))
+        Path(args.json).write_text(json.dumps({**figures, "unslept": args.unslept, "kind": args.kind, "dilation": args.dilation,
+                                               "probes": probes, "timelines": timelines}))
     return 0
 
 

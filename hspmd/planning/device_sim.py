@@ -15,8 +15,9 @@ what hspmd's interpreter holds running the program (planning/device_memory.py).
 On an emulated device type that sleeps (cpu_scale > 1), each phase also pays for its sleeps: the
 debt of each stretch of work is slept in chunks and before the communication ending the stretch,
 and the host runs the work between two sleeps slower, by how much the calibration measured for
-that much work (CostModel.woken_work); a pass's work after its last communication runs on into
-the next pass the schedule runs (cycle_stretches).
+that much work (CostModel.woken_work), from the end of a pass's own work where that opens the
+stretch; a pass's work after its last communication runs on into the next pass the schedule
+runs (cycle_stretches).
 
 Where the op costs have a jitter (a device's work varies from step to step on its own), the
 step is the mean over draws of each device's work slowed by its own factor (simulate_device_run):
