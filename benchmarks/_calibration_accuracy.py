@@ -101,20 +101,24 @@ def print_wake_split(calibration: Calibration, cluster, predicted: dict, device_
                                                     {(n, r): bare[n][3][r] for n, r in chunked})))
 
 
+def specialized(name: str):
+    """(strategy, micro-batch layout, specialized programs) of STRATEGIES[name] on the demo Llama."""
+    strategy = parse_strategy(STRATEGIES[name][0])
+    layout = MicroBatchLayout.of(strategy)
+    binding = Binding.of({"B": sum(layout.sizes), "S": SEQ, "T": layout.global_batch_size * SEQ}, ratios=layout.sizes)
+    return strategy, layout, specialize_graph(build_llama(LlamaConfig(**CONFIG), [strategy]).graph, 0, binding)
+
+
 def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, float, dict[int, float], dict[int, float]]]:
     """(level 2, level 1) predicted step seconds per strategy, per rank level 2's peak and static
     bytes (the interpreter's, planning/device_memory.py) and level 1's peak (a layer's kept
     activations), and per rank the device CPU level 2 prices (device_sim.host_step_work); on an emulated
     `cluster`, as its types run on this host (Calibration.cost_model_for)."""
-    config = LlamaConfig(**CONFIG)
-    spec_model = from_llama_config(config, SEQ)
+    spec_model = from_llama_config(LlamaConfig(**CONFIG), SEQ)
     cost = calibration.cost_model_for(cluster, spec_model) if cluster is not None else calibration.cost_model(spec_model, 2)
     out = {}
-    for name, (text, schedule) in STRATEGIES.items():
-        strategy = parse_strategy(text)
-        layout = MicroBatchLayout.of(strategy)
-        binding = Binding.of({"B": sum(layout.sizes), "S": SEQ, "T": layout.global_batch_size * SEQ}, ratios=layout.sizes)
-        spec = specialize_graph(build_llama(config, [strategy]).graph, 0, binding)
+    for name, (_, schedule) in STRATEGIES.items():
+        strategy, layout, spec = specialized(name)
         level2, costs = simulate_device_run(spec, cost, dict(enumerate(layout.counts)), schedule)
         level1 = simulate_strategy(strategy, cost, schedule)
         out[name] = (level2.iteration, level1.iteration,

@@ -96,6 +96,13 @@ def trainer_for(backend, text: str, schedule: str) -> Trainer:
                    symbols={"S": SEQ, "T": layout.global_batch_size * SEQ})
 
 
+def demo_batch() -> dict[str, torch.Tensor]:
+    """The one step's batch every strategy trains on: 16 sequences of SEQ tokens, seeded."""
+    gen = torch.Generator().manual_seed(0)
+    return {"tokens": torch.randint(0, CONFIG["vocab"], (16, SEQ), generator=gen),
+            "labels": torch.randint(0, CONFIG["vocab"], (16, SEQ), generator=gen)}
+
+
 def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluster=None, steady: bool = True,
                  turn_probes: bool = True, split_wake: bool = False):
     """This rank's step seconds, CPU seconds, traced steps and probes per strategy; with an emulated
@@ -114,9 +121,7 @@ def measure_rank(backend, rounds: int, warmup: int, traced: bool = False, cluste
     probe = Probe(backend, PROBE, cpu_time=cluster is not None, emulate=reference, wake_at=emulated_slowdowns(cluster))
     probes = []
     trainers = {name: trainer_for(emulated(backend, cluster), text, schedule) for name, (text, schedule) in STRATEGIES.items()}
-    gen = torch.Generator().manual_seed(0)
-    batch = {"tokens": torch.randint(0, CONFIG["vocab"], (16, SEQ), generator=gen),
-             "labels": torch.randint(0, CONFIG["vocab"], (16, SEQ), generator=gen)}
+    batch = demo_batch()
     world = tuple(range(backend.world_size))
     times = {name: [] for name in trainers}
     cpu = {name: [] for name in trainers}

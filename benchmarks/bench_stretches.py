@@ -36,21 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _calibration_accuracy import CONFIG, PAIRS, PROBE, SEQ, STRATEGIES, emulated_pair, read_saved  # noqa: E402
+from _calibration_accuracy import CONFIG, PAIRS, PROBE, SEQ, STRATEGIES, emulated_pair, read_saved, specialized  # noqa: E402
 from _common import ms, table  # noqa: E402
-from bench_calibration import start_turn, trainer_for  # noqa: E402
+from bench_calibration import demo_batch, start_turn, trainer_for  # noqa: E402
 from hspmd.errors import HSPMDError  # noqa: E402
-from hspmd.ir.shapes import Binding  # noqa: E402
-from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
+from hspmd.models.llama import LlamaConfig  # noqa: E402
 from hspmd.planning import CostModel, from_llama_config  # noqa: E402
 from hspmd.planning.device_sim import op_kernel  # noqa: E402
-from hspmd.runtime.execution.batches import MicroBatchLayout  # noqa: E402
 from hspmd.runtime.execution.emulation import BETWEEN_PASSES, CHUNK_SLEPT, COMMUNICATED, emulated, emulation_of  # noqa: E402
 from hspmd.runtime.policies.calibrate import emulated_slowdowns, fit  # noqa: E402
 from hspmd.runtime.policies.probes import Probe  # noqa: E402
 from hspmd.runtime.processes.multiprocess import run_multiprocess  # noqa: E402
-from hspmd.specialize.specialized import specialize_graph  # noqa: E402
-from hspmd.specialize.strategy_text import parse_strategy  # noqa: E402
 
 STEP_START = "the step's start"
 
@@ -105,8 +101,7 @@ def measure(backend, names: list[str], rounds: int, kind: str, dilation: float, 
     probe = Probe(backend, PROBE, cpu_time=True, emulate=cluster.type_slowdown(cluster.emulation.reference),
                   wake_at=emulated_slowdowns(cluster))
     trainers = {name: trainer_for(emulated(backend, cluster), *STRATEGIES[name]) for name in names}
-    gen = torch.Generator().manual_seed(0)
-    batch = {key: torch.randint(0, CONFIG["vocab"], (16, SEQ), generator=gen) for key in ("tokens", "labels")}
+    batch = demo_batch()
     probes, timelines = [], {name: [] for name in names}
     for _ in range(rounds):
         probes.append(probe.once())
@@ -126,17 +121,13 @@ def measure(backend, names: list[str], rounds: int, kind: str, dilation: float, 
 
 def op_prices(name: str, cost: CostModel) -> dict[int, dict[str, float]]:
     """Per device of strategy `name`, each op's level-2 price by name, in host CPU seconds."""
-    config = LlamaConfig(**CONFIG)
-    strategy = parse_strategy(STRATEGIES[name][0])
-    layout = MicroBatchLayout.of(strategy)
-    binding = Binding.of({"B": sum(layout.sizes), "S": SEQ, "T": layout.global_batch_size * SEQ}, ratios=layout.sizes)
-    spec = specialize_graph(build_llama(config, [strategy]).graph, 0, binding)
+    _, _, spec = specialized(name)
     prices: dict[int, dict[str, float]] = {}
     for d, exe in spec.executables.items():
         prices[d] = {}
         for program in (exe.forward, exe.backward, exe.update):
             for ins in program:
-                kernel = op_kernel(exe, ins, binding)
+                kernel = op_kernel(exe, ins, spec.binding)
                 if kernel is not None:
                     prices[d][ins.node.name] = cost.op_time(ins.node.kind, kernel, d) / cost.cpu_scale(d)
     return prices
