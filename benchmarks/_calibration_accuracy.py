@@ -127,6 +127,39 @@ def predict(calibration: Calibration, cluster=None) -> dict[str, tuple[float, fl
     return out
 
 
+def given_device_cpu(calibration: Calibration, cluster, device_cpu: dict[tuple[str, int], float]) -> dict[str, float]:
+    """Level 2's step per strategy were each rank's work what it measured (`device_cpu`: per
+    (strategy, rank) its device CPU seconds, as rank_breakdown summarises them): every device's
+    work scaled by its measured over its priced device CPU (simulate_device_run's `slowed`). Its
+    error against the measured step is what the schedule, the communications and the waits
+    miss; the rest of level 2's error is what the op prices and the after-sleep pricing miss."""
+    cost = calibration.cost_model_for(cluster, from_llama_config(LlamaConfig(**CONFIG), SEQ))
+    out = {}
+    for name, (_, schedule) in STRATEGIES.items():
+        _, layout, spec = specialized(name)
+        counts = dict(enumerate(layout.counts))
+        _, costs = simulate_device_run(spec, cost, counts, schedule)
+        priced = host_step_work(spec, cost, costs, counts)
+        slowed = {d: device_cpu[name, d] / priced[d] for d in priced if (name, d) in device_cpu and priced[d] > 0}
+        out[name] = simulate_device_run(spec, cost, counts, schedule, slowed=slowed)[0].iteration
+    return out
+
+
+def print_cpu_split(calibration: Calibration, cluster, measured: dict[str, float], predicted: dict,
+                    device_cpu: dict[tuple[str, int], float]) -> dict:
+    """Print level 2's step error beside its error given every rank's measured device CPU
+    (given_device_cpu) and return both MAPEs (percent)."""
+    given = given_device_cpu(calibration, cluster, device_cpu)
+    rows = [[n, ms(measured[n]), f"{predicted[n][0] / measured[n] - 1:+.1%}", ms(given[n]), f"{given[n] / measured[n] - 1:+.1%}"]
+            for n in STRATEGIES]
+    print(table(["strategy", "measured ms", "level 2 error", "given device CPU ms", "error"], rows))
+    figures = {"level2": 100 * statistics.mean(abs(predicted[n][0] / measured[n] - 1) for n in STRATEGIES),
+               "given_device_cpu": 100 * statistics.mean(abs(given[n] / measured[n] - 1) for n in STRATEGIES)}
+    print(f"level 2 MAPE {figures['level2']:.1f}%; given each rank's measured device CPU {figures['given_device_cpu']:.1f}% "
+          f"(the rest is the device CPU's pricing)")
+    return figures
+
+
 def spearman(xs, ys) -> float:
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
@@ -317,6 +350,8 @@ def repredict(path: str, refit: bool = False) -> list[dict]:
             rows.append([n, rank, ms(device_cpu), ms(priced), f"{(priced - device_cpu) / device_cpu:+.1%}"])
         if rows:
             print(table(["strategy", "rank", "device CPU ms", "level 2 CPU ms", "error"], rows))
+            figures["cpu_split"] = print_cpu_split(calibration, cluster, measured, predicted,
+                                                   {(n, rank): cpu for n, rank, cpu in saved_device_cpu(saved)})
         if saved.get("chunked") and cluster is not None:
             print_wake_split(calibration, cluster, predicted, {(n, rank): cpu for n, rank, cpu in saved_device_cpu(saved)},
                              {(n, rank): typical(steps) for n, by_rank in saved["chunked"].items() for rank, steps in enumerate(by_rank)})

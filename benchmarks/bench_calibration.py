@@ -70,8 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _calibration_accuracy import (CONFIG, PAIRS, PROBE, SEQ, STRATEGIES, emulated_pair, predict, print_wake_split,  # noqa: E402
-                                   rank_breakdown, report_calibration_noise, repredict, slowest_rank, step_accuracy)
+from _calibration_accuracy import (CONFIG, PAIRS, PROBE, SEQ, STRATEGIES, emulated_pair, predict, print_cpu_split,  # noqa: E402
+                                   print_wake_split, rank_breakdown, report_calibration_noise, repredict, slowest_rank, step_accuracy)
 from _common import ms, table  # noqa: E402
 from hspmd.runtime.execution.emulation import SWEEP_EVERY, emulated, emulation_of  # noqa: E402
 from hspmd.models.llama import LlamaConfig, build_llama  # noqa: E402
@@ -272,6 +272,8 @@ def run_set(args, cluster=None) -> dict:
                              {(n, rank): typical(r[6][n]) for n in STRATEGIES for rank, r in enumerate(results)})
         print(table(["strategy", "rank", "step ms", "device CPU ms", "level 2 CPU ms", "error", "x slowdown",
                      "compute waits", "rest"], rows))
+        figures["cpu_split"] = print_cpu_split(calibration, cluster, measured, predicted,
+                                               {key: parts[3] for key, parts in breakdown.items()})
         rows, errors = [], []
         mib = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
         for name in STRATEGIES:

@@ -244,6 +244,16 @@ def device_memories(spec: Specialized) -> dict[int, DeviceMemory]:
     return {d: device_memory(exe, spec.binding) for d, exe in spec.executables.items()}
 
 
+def step_tail_work(cost: CostModel, device: int, costs: DeviceCost, factor: float = 1.0) -> float:
+    """A device's per-step work (its type's, `factor` times as long) with what the sleep before
+    the step loss's all-reduce adds to it: that all-reduce is one more communication, so an
+    emulated device sleeps off the update's tail and the step's own work before it, one stretch
+    (CostModel.woken_work, opening with the update pass's own work where the update has no
+    communication of its own)."""
+    own = factor * cost.step_work(device, op_priced=True)
+    return own + cost.woken_work(device, costs.update_tail + own, costs.update_tail_opening)
+
+
 def stage_pipelines(spec: Specialized, cost: CostModel, costs: Mapping[int, DeviceCost], memory: Mapping[int, DeviceMemory],
                     micro_batches: Mapping[int, int] | int, schedule: str = "1f1b", comm: bool = True,
                     slowed: Mapping[int, float] | None = None) -> tuple[tuple[SimPipeline, ...], tuple]:
@@ -262,10 +272,7 @@ def stage_pipelines(spec: Specialized, cost: CostModel, costs: Mapping[int, Devi
             update = max(c.update for c in cs)
             update_comm = max(c.update_comm for c in cs)
             held = [memory[d] for d in devices]  # the interpreter's bytes: static + in flight x kept + a pass's values
-            # the step loss's all-reduce is one more communication: an emulated device sleeps
-            # off the update's tail and the step's own work before it
-            own = {d: slowed.get(d, 1.0) * cost.step_work(d, op_priced=True) for d in devices}
-            step_work = max(own[d] + cost.woken_work(d, costs[d].update_tail + own[d], costs[d].update_tail_opening) for d in devices)
+            step_work = max(step_tail_work(cost, d, costs[d], slowed.get(d, 1.0)) for d in devices)
             stages.append(SimStage(tuple(devices), max(c.forward for c in cs), max(c.backward for c in cs),
                                    max(c.forward_comm for c in cs), max(c.backward_comm for c in cs),
                                    sync=update_comm, update=update - update_comm + loss + step_work,
@@ -315,8 +322,9 @@ def jitter_draws(jitter: Mapping[int, float], samples: int = JITTER_SAMPLES) -> 
 def host_step_work(spec: Specialized, cost: CostModel, costs: Mapping[int, DeviceCost],
                    micro_batches: Mapping[int, int] | int) -> dict[int, float]:
     """Per device, the host CPU seconds of one step's work (`costs`: level 2's DeviceCost per
-    device): its passes' and update's work with what its sleeps add (not their communication)
-    and the per-step work, / cpu_scale."""
+    device): its passes' and update's work and the per-step work, with what its sleeps add to
+    each (not their communication), / cpu_scale: what an emulated rank's step owes, as level 2
+    runs it (stage_pipelines)."""
     out = {}
     for p, pipeline in enumerate(spec.pipelines):
         m = micro_batches if isinstance(micro_batches, int) else micro_batches[p]
@@ -324,25 +332,35 @@ def host_step_work(spec: Specialized, cost: CostModel, costs: Mapping[int, Devic
             for d in devices:
                 c = costs[d]
                 work = m * (c.forward - c.forward_comm + c.backward - c.backward_comm) + c.update - c.update_comm
-                out[d] = (work + cost.step_work(d, op_priced=True)) / cost.cpu_scale(d)
+                out[d] = (work + step_tail_work(cost, d, c)) / cost.cpu_scale(d)
     return out
 
 
 def simulate_device_run(spec: Specialized, cost: CostModel, micro_batches: Mapping[int, int] | int,
-                        schedule: str = "1f1b", comm: bool = True) -> tuple[SimResult, dict[int, DeviceCost]]:
+                        schedule: str = "1f1b", comm: bool = True,
+                        slowed: Mapping[int, float] | None = None) -> tuple[SimResult, dict[int, DeviceCost]]:
     """Level 2 of one step and the devices' costs. Where the op costs have a jitter (a device's
     work varies from step to step on its own, the less the longer its step: OpCosts.jitter_for),
     devices that wait for each other wait for the slowest draw: the iteration is then the mean
     over jitter_draws of the step simulated with every device's work so slowed (the intervals
-    and breakdowns are the average work's)."""
+    and breakdowns are the average work's). `slowed`: per device, a factor on its work (not its
+    communication) in every draw: the step as it would run were those devices' work that much
+    longer (bench_calibration.py: level 2 given each rank's measured work, so that what the
+    schedule and communications miss is told from what the op prices miss)."""
     if not spec.pipelines:
         raise HSPMDError("level 2 (simulate_device_run): the specialization has no pipelines")
+    slowed = dict(slowed or {})
+    unknown = sorted(set(slowed) - set(spec.executables))
+    if unknown or any(not (0 < f < math.inf) for f in slowed.values()):
+        raise HSPMDError(f"level 2 (simulate_device_run): slowed must map this specialization's devices "
+                         f"{sorted(spec.executables)} to positive factors, got {slowed}")
     costs, memory = device_costs(spec, cost, schedule, comm), device_memories(spec)
-    result = simulate_pipelines(*stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm))
+    result = simulate_pipelines(*stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm, slowed))
     if cost.op_costs is not None and cost.op_costs.jitter > 0:
         work = host_step_work(spec, cost, costs, micro_batches)
-        spread = {d: cost.op_costs.jitter_for(work[d]) for d in costs}
-        steps = [simulate_pipelines(*stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm, factors)).iteration
+        spread = {d: cost.op_costs.jitter_for(work[d] * slowed.get(d, 1.0)) for d in costs}
+        steps = [simulate_pipelines(*stage_pipelines(spec, cost, costs, memory, micro_batches, schedule, comm,
+                                                     {d: f * slowed.get(d, 1.0) for d, f in factors.items()})).iteration
                  for factors in jitter_draws(spread)]
         result = replace(result, iteration=statistics.fmean(steps))
     return result, costs
@@ -380,5 +398,5 @@ def simulate_llama(strategy: Strategy, cost: CostModel, schedule: str = "1f1b", 
 __all__ = [
     "DISPATCHED", "DeviceCost", "JITTER_SAMPLES", "VIEWS", "device_cost", "device_costs", "device_memories", "host_step_work",
     "jitter_draws", "op_kernel", "plan_device_run", "simulate_device_run", "simulate_llama", "simulate_specialized",
-    "specialize_llama", "stage_pipelines",
+    "specialize_llama", "stage_pipelines", "step_tail_work",
 ]
