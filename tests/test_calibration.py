@@ -486,3 +486,28 @@ def test_the_bench_splits_a_device_cpu_error_into_op_prices_and_after_sleep_pric
     rows = bench.wake_split_rows({key: 0.080}, {key: 0.060}, {key: 0.080}, {key: 0.050})
     assert rows == [["TP2", "0", "80.00", "60.00", "+33.3%", "+60.0%", "-16.7%", "+0.0%"]]
     assert bench.WAKE_SPLIT_HEADERS[4:7] == ["after-sleep", "level 2 after-sleep", "op prices' error"]
+
+
+def test_level2_given_each_ranks_measured_device_cpu_tells_the_schedules_error_from_the_prices(bench, capsys):
+    """_calibration_accuracy.given_device_cpu: level 2's step with every rank's work scaled to its
+    measured device CPU. Given the device CPU level 2 itself prices, it is level 2's own step;
+    a rank that measured more work makes its strategy's step longer, by less than that rank's
+    factor (its communication is not slowed); print_cpu_split prints and returns both MAPEs."""
+    costs = OpCosts({"matmul": 1e-5, "add": 4e-6}, {"matmul": 1.5, "add": 1.0}, per_step=1e-4, per_pass=5e-5,
+                    after_sleep=((1e-4, 0.5), (1e-2, 0.1)), jitter=0.1)
+    calibration = Calibration(1e11, 1e10, 2e-5, 1e-4, 1e9, 1e-3, 1.5, costs)
+    cluster = bench.emulated_pair("heterogeneous", 8.0)
+    predicted = bench.predict(calibration, cluster)
+    priced = {(n, rank): cpu for n, p in predicted.items() for rank, cpu in p[3].items()}
+    assert len(priced) == 2 * len(bench.STRATEGIES)
+    given = bench.given_device_cpu(calibration, cluster, priced)
+    assert given == {n: pytest.approx(p[0], rel=1e-9) for n, p in predicted.items()}
+    slower = bench.given_device_cpu(calibration, cluster, {**priced, ("PP2 1F1B", 1): 1.5 * priced["PP2 1F1B", 1],
+                                                          ("DP2", 0): 1.5 * priced["DP2", 0], ("DP2", 1): 1.5 * priced["DP2", 1]})
+    for name in ("PP2 1F1B", "DP2"):
+        assert predicted[name][0] < slower[name] < 1.5 * predicted[name][0]
+    assert all(slower[n] == pytest.approx(given[n], rel=1e-9) for n in bench.STRATEGIES if n not in ("PP2 1F1B", "DP2"))
+    measured = {n: 1.1 * p[0] for n, p in predicted.items()}
+    figures = bench.print_cpu_split(calibration, cluster, measured, predicted, priced)
+    assert figures["level2"] == pytest.approx(100 / 11) and figures["given_device_cpu"] == pytest.approx(100 / 11)
+    assert "given each rank's measured device CPU 9.1%" in capsys.readouterr().out

@@ -245,3 +245,39 @@ def test_a_longer_step_varies_less_by_the_square_root_of_its_length():
     unscaled, quarter = excess(0.0), excess(work[0] / 4)
     assert unscaled > 0 and quarter == pytest.approx(unscaled / 2, rel=0.05)
     assert excess(work[0]) == pytest.approx(unscaled, rel=1e-9)
+
+
+def test_level2_runs_with_some_devices_work_slowed_and_counts_the_steps_tail_in_a_devices_work():
+    """simulate_device_run's `slowed`: a factor on a device's work (not its communication) in
+    every jitter draw; factors of 1 change nothing, and a factor for a device the specialization
+    lacks, or one that is not positive, is refused by name. host_step_work counts the step's own
+    work with what its sleep before the step loss's all-reduce adds (step_tail_work), as the
+    simulated step does."""
+    from dataclasses import replace
+
+    from hspmd.errors import HSPMDError
+    from hspmd.planning import OpCosts
+    from hspmd.planning.device_sim import device_costs, host_step_work, step_tail_work
+
+    _, config, layout, spec = specialized("layers=4 ; 4x2: R0 L0-1 | R1 L2-3")
+    counts = dict(enumerate(layout.counts))
+    base = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ), overhead=10e-6)
+    ops = OpCosts({}, {}, per_step=1e-3, per_pass=2e-4, after_sleep=((1e-4, 0.8), (1e-2, 0.1)), jitter=0.1)
+    cost = replace(base, op_costs=ops, efficiency={"*": Efficiency(cpu_scale=4.0)})
+    plain = simulate_device_run(spec, cost, counts)[0].iteration
+    assert simulate_device_run(spec, cost, counts, slowed={0: 1.0, 1: 1.0})[0].iteration == pytest.approx(plain, rel=1e-12)
+    later = simulate_device_run(spec, cost, counts, slowed={1: 1.5})[0].iteration
+    both = simulate_device_run(spec, cost, counts, slowed={0: 1.5, 1: 1.5})[0].iteration
+    assert plain < later < both < 1.5 * plain  # the links' time is not slowed
+    for bad, named in (({2: 1.5}, "2: 1.5"), ({0: 0.0}, "0: 0.0"), ({1: math.inf}, "1: inf")):
+        with pytest.raises(HSPMDError, match=f"slowed must map .* positive factors, got .*{named}"):
+            simulate_device_run(spec, cost, counts, slowed=bad)
+
+    costs = device_costs(spec, cost)
+    work = host_step_work(spec, cost, costs, counts)
+    for d, c in costs.items():
+        passes = 4 * (c.forward - c.forward_comm + c.backward - c.backward_comm) + c.update - c.update_comm
+        tail = step_tail_work(cost, d, c)
+        assert work[d] * cost.cpu_scale(d) == pytest.approx(passes + tail)
+        # the sleep before the step loss's all-reduce slows the update's tail and the step's own work
+        assert tail > cost.step_work(d, op_priced=True) > 0
