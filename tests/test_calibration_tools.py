@@ -67,6 +67,16 @@ def test_the_summary_averages_each_strategys_error_over_the_runs_of_a_host(tmp_p
     printed = capsys.readouterr().out
     assert "== vmA, heterogeneous: 2 sets, level 2 MAPE 15.0% on average (10.0-20.0%)" in printed
     assert "-15.0% (7.1%)" in printed and "-50.0% (0.0%)" in printed
+    assert vm["given_mape"] == [] and vm["given"] == {}  # neither kept every rank's device CPU
+    # a run that kept every rank's device CPU, each as level 2 prices it: given it, level 2's own step
+    every = {n: {str(rank): {"measured": cpu} for rank, cpu in p[3].items()} for n, p in predicted.items()}
+    (tmp_path / "vmB-1.json").write_text(json.dumps({**saved_run(bench, calibration, cluster, predicted, 1.25),
+                                                     "figures": {"device_cpu": every}}))
+    summary.main([str(tmp_path / "vmB-1.json"), "--json", str(tmp_path / "given.json")])
+    (given,) = json.loads((tmp_path / "given.json").read_text())
+    assert given["given_mape"] == [pytest.approx(20.0)] and given["mape"] == [pytest.approx(20.0)]
+    assert all(mean == pytest.approx(-0.2) for mean, _ in given["given"].values())
+    assert "given each rank's measured device CPU (kept by 1 of the sets): MAPE 20.0%" in capsys.readouterr().out
     # --refit needs the probes a run saved: runs without them are left out, by name
     with pytest.raises(SystemExit, match="no set to summarise .none saved its probes"):
         summary.main([*paths, "--refit"])
