@@ -22,7 +22,7 @@ from hspmd.ir.shapes import Binding
 from hspmd.models.llama import LlamaConfig, build_llama
 from hspmd.planning import from_llama_config
 from hspmd.planning.device_memory import device_memory
-from hspmd.planning.device_sim import host_step_work, simulate_device_run
+from hspmd.planning.device_sim import device_costs, host_step_work, simulate_device_run
 from hspmd.planning.fitting import typical
 from hspmd.planning.strategy_sim import simulate_strategy
 from hspmd.runtime.execution.batches import MicroBatchLayout
@@ -138,8 +138,7 @@ def given_device_cpu(calibration: Calibration, cluster, device_cpu: dict[tuple[s
     for name, (_, schedule) in STRATEGIES.items():
         _, layout, spec = specialized(name)
         counts = dict(enumerate(layout.counts))
-        _, costs = simulate_device_run(spec, cost, counts, schedule)
-        priced = host_step_work(spec, cost, costs, counts)
+        priced = host_step_work(spec, cost, device_costs(spec, cost, schedule), counts)
         slowed = {d: device_cpu[name, d] / priced[d] for d in priced if (name, d) in device_cpu and priced[d] > 0}
         out[name] = simulate_device_run(spec, cost, counts, schedule, slowed=slowed)[0].iteration
     return out
