@@ -62,6 +62,7 @@ class Stretch:
     ops: tuple[tuple[str, float], ...]
     passes: float
     pass_count: int
+    idle: float | None = None  # wall seconds from the mark it follows to its first work (None: not recorded)
 
     @property
     def kind(self) -> str:
@@ -73,15 +74,18 @@ def split_stretches(timeline: list[tuple[str, float]]) -> list[Stretch]:
     """A step's timeline (RankEmulator.timeline) cut at its marks into the stretches between them;
     a mark with no work since the one before (several communications in a row) cuts nothing."""
     out: list[Stretch] = []
-    after, ops, passes, count, opens = STEP_START, [], 0.0, 0, None
+    after, ops, passes, count, opens, idle = STEP_START, [], 0.0, 0, None, None
 
     def close() -> None:
         if ops or count:
-            out.append(Stretch(after, bool(opens), tuple(ops), passes, count))
+            out.append(Stretch(after, bool(opens), tuple(ops), passes, count, idle))
 
     for name, seconds in timeline:
         if name in (COMMUNICATED, CHUNK_SLEPT):
+            first = bool(ops or count) or after == STEP_START  # the first of marks in a row: the idle runs from it
             close()
+            if first:
+                idle = seconds if seconds > 0 else None  # 0: a run saved before marks kept their idle
             after, ops, passes, count, opens = name, [], 0.0, 0, None
         elif name == BETWEEN_PASSES:
             passes, count = passes + seconds, count + 1
@@ -145,8 +149,14 @@ class KindTotals:
     passes_priced: float = 0.0
     curve: float = 0.0  # what the after-sleep curve adds at each stretch's priced length
     level2: float = 0.0  # what level 2 adds (CostModel.woken_work: from the end of a pass's opening work)
+    idle: float = 0.0  # the wall seconds idle before the stretches that recorded it
+    idled: int = 0  # how many did
+    at_idle: float = 0.0  # what level 2 adds to those given their measured idle
+    at_idle_work: float = 0.0  # their priced work
 
-    def add(self, stretch: Stretch, prices: dict[str, float], cost: CostModel, device: int) -> None:
+    def add(self, stretch: Stretch, prices: dict[str, float], cost: CostModel, device: int, after: float | None) -> float:
+        """Count `stretch`, which follows the sleep of `after` priced host seconds of work (None:
+        at the step's start); returns its own priced host seconds."""
         priced = [prices[n] for n, _ in stretch.ops if n in prices]
         per_pass = cost.op_costs.per_pass
         self.stretches += 1
@@ -160,7 +170,14 @@ class KindTotals:
             scale = cost.cpu_scale(device)
             self.curve += work * cost.op_costs.slower_after(work)
             opening = per_pass * scale if stretch.opens_pass else 0.0
-            self.level2 += cost.woken_work(device, work * scale, opening=opening) / scale
+            idle = None if after is None else cost.sleep_after(device, after * scale)
+            self.level2 += cost.woken_work(device, work * scale, opening=opening, idle=idle) / scale
+            if stretch.idle is not None:
+                self.idle += stretch.idle
+                self.idled += 1
+                self.at_idle += cost.woken_work(device, work * scale, opening=opening, idle=stretch.idle) / scale
+                self.at_idle_work += work
+        return work
 
 
 def totals_by_kind(timelines: list[list[tuple[str, float]]], prices: dict[str, float], cost: CostModel,
@@ -168,8 +185,10 @@ def totals_by_kind(timelines: list[list[tuple[str, float]]], prices: dict[str, f
     """Each kind of stretch's totals over the steps' `timelines` of `device`."""
     out: dict[str, KindTotals] = {}
     for timeline in timelines:
+        before = None
         for stretch in split_stretches(timeline):
-            out.setdefault(stretch.kind, KindTotals()).add(stretch, prices, cost, device)
+            work = out.setdefault(stretch.kind, KindTotals()).add(stretch, prices, cost, device, before)
+            before = work
     return out
 
 
@@ -192,10 +211,13 @@ def report(probes: list[dict], timelines: list[dict], kind: str, dilation: float
                              ms(t.ops / steps), f"{t.ops / t.ops_priced - 1:+.1%}" if t.ops_priced else "-",
                              ms(t.passes / steps), ms(t.passes_priced / steps), f"{over:+.1%}", f"{t.curve / work:+.1%}" if work else "-",
                              f"{t.level2 / work:+.1%}" if work else "-",
+                             ms(t.idle / t.idled) if t.idled else "-",
+                             f"{t.at_idle / t.at_idle_work:+.1%}" if t.at_idle_work else "-",
                              ms(t.unpriced / steps)])
                 figures.setdefault(name, {}).setdefault(str(rank), {})[what] = {**vars(t), "steps": steps}
     print(table(["strategy", "rank", "stretch", "per step", "priced ms each", "ops ms/step", "ops over price",
-                 "passes ms/step", "priced", "measured over priced", "curve adds", "level 2 adds", "unpriced ms"], rows))
+                 "passes ms/step", "priced", "measured over priced", "curve adds", "level 2 adds", "idle ms before", "at that idle",
+                 "unpriced ms"], rows))
     return {"calibration": calibration.to_dict(), "stretches": figures}
 
 

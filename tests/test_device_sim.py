@@ -97,6 +97,90 @@ def test_the_work_between_an_emulated_devices_sleeps_is_priced_slower_by_how_muc
     assert replace(cost, op_costs=None).woken_work(0, 0.5) == 0.0  # no op costs, nothing measured
 
 
+def test_a_stretch_after_an_idle_shorter_than_its_own_debt_wakes_as_that_idles_work_does():
+    """`idle`: the wake-up costs what the curve gives for the work whose debt is that long, never
+    more than for the stretch's own work; with an opening, both ends are taken at the shorter."""
+    from dataclasses import replace
+
+    from hspmd.planning import OpCosts
+
+    _, config, _, _ = specialized("layers=4 ; 4x1: R0,1 L0-3")
+    base = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ))
+    ops = OpCosts({}, {}, after_sleep=((0.001, 0.8), (0.01, 0.3)))
+    cost = replace(base, op_costs=ops, efficiency={"*": Efficiency(cpu_scale=5.0)})
+    curve = lambda x: x * ops.slower_after(x)  # noqa: E731  (host seconds)
+    short = cost.sleep_after(0, 0.005)  # the debt of 1 ms of host work
+    assert cost.woken_work(0, 0.02, idle=short) == pytest.approx(5.0 * curve(0.001))
+    assert cost.woken_work(0, 0.02, idle=short) < cost.woken_work(0, 0.02)
+    # an idle as long as the stretch's own debt, or longer, changes nothing
+    for idle in (cost.sleep_after(0, 0.02), 1.0):
+        assert cost.woken_work(0, 0.02, idle=idle) == pytest.approx(cost.woken_work(0, 0.02))
+    assert cost.woken_work(0, 0.02, idle=0.0) == 0.0
+    assert cost.woken_work(0, 0.02, opening=0.002, idle=short) == pytest.approx(5.0 * (curve(0.001) - curve(0.0004)))
+    assert cost.woken_work(0, 0.02, opening=0.01, idle=short) == 0.0  # the opening outlasts the wake-up
+
+
+def test_a_cycles_stretch_is_idle_for_the_sleep_before_it_and_the_communications_since():
+    """A last stage's 1F1B: the forward and backward run as one stretch after the short stretch
+    that sends and receives; that stretch's debt and the receive are its idle. A communication
+    right after another adds its seconds to the idle and cuts no work."""
+    from dataclasses import replace
+
+    from hspmd.planning import OpCosts
+    from hspmd.planning.device_sim import PassSegments, _idle_before, _woken_passes, cycle_stretches
+
+    _, config, _, _ = specialized("layers=4 ; 4x1: R0,1 L0-3")
+    base = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ))
+    ops = OpCosts({}, {}, per_pass=1e-5, after_sleep=((0.0001, 0.8), (0.01, 0.2)))
+    cost = replace(base, op_costs=ops, efficiency={"*": Efficiency(cpu_scale=5.0)})
+    forward, backward = PassSegments((0.001, 0.02), (0.004,)), PassSegments((0.03, 0.002), (0.0,))
+    passes = (forward, backward)
+    stretches = cycle_stretches([p.work for p in passes])
+    assert stretches == [[(1, 1, 0.002), (0, 0, 0.001)], [(0, 1, 0.02), (1, 0, 0.03)]]
+    assert _idle_before(cost, 0, stretches, 1, passes) == pytest.approx(cost.sleep_after(0, 0.003) + 0.004)
+    assert _idle_before(cost, 0, stretches, 0, passes) == pytest.approx(cost.sleep_after(0, 0.05))
+    added = _woken_passes(cost, 0, forward, backward, alternating=True)
+    long = cost.woken_work(0, 0.05, idle=cost.sleep_after(0, 0.003) + 0.004)
+    short = cost.woken_work(0, 0.003)  # the backward's tail first: no opening; after the long one's debt
+    assert sum(added) == pytest.approx(long + short)
+    assert long < cost.woken_work(0, 0.05)  # priced below the probe's curve at its own length
+    # two communications in a row: the empty stretch between them is skipped, its seconds added
+    three = (PassSegments((0.001, 0.0, 0.02), (0.004, 0.006)), PassSegments((0.03, 0.002), (0.0,)))
+    cycle = cycle_stretches([p.work for p in three])
+    first = next(i for i, s in enumerate(cycle) if (0, 2, 0.02) in s)
+    assert _idle_before(cost, 0, cycle, first, three) == pytest.approx(cost.sleep_after(0, 0.003) + 0.004 + 0.006)
+    assert _idle_before(cost, 0, [[(0, 0, 0.05)]], 0, (PassSegments((0.05,), ()),)) is None  # one stretch: its own debt
+
+
+def test_a_pipeline_stage_that_waits_for_a_slower_one_is_priced_after_the_longer_idle():
+    """peer_lags: the slowest stage's micro-batch less each device's own; device_costs prices a
+    stage that waits again with its wait in the idle before the work after its receives, so its
+    capped stretches wake as after a longer sleep; the slowest stage, and the step's
+    communication, as they were."""
+    from dataclasses import replace
+
+    from hspmd.planning import OpCosts
+    from hspmd.planning.device_sim import device_costs, peer_lags
+
+    _, config, _, spec = specialized("layers=4 ; 4x2: R0 L0-0 | R1 L1-3")  # the last stage three times the first's layers
+    base = CostModel(parse_cluster("2x1"), from_llama_config(config, SEQ))
+    ops = OpCosts({}, {}, per_pass=1e-5, after_sleep=((1e-4, 1.0), (0.1, 0.05)))
+    cost = replace(base, op_costs=ops, efficiency={"*": Efficiency(cpu_scale=8.0)})
+    alone = {d: device_cost(exe, cost, spec.binding) for d, exe in spec.executables.items()}
+    lags = peer_lags(spec, alone)
+    busy = max(alone, key=lambda d: alone[d].forward + alone[d].backward)
+    idle = min(alone, key=lambda d: alone[d].forward + alone[d].backward)
+    assert lags[busy] == 0 and lags[idle] == pytest.approx(
+        alone[busy].forward + alone[busy].backward - alone[idle].forward - alone[idle].backward)
+    costs = device_costs(spec, cost)
+    assert costs[busy] == alone[busy]
+    waited = costs[idle].forward + costs[idle].backward
+    assert waited > alone[idle].forward + alone[idle].backward  # its stretches after a receive no longer capped as short
+    assert (costs[idle].forward_comm, costs[idle].backward_comm) == (alone[idle].forward_comm, alone[idle].backward_comm)
+    unemulated = replace(cost, efficiency={"*": Efficiency(cpu_scale=1.0)})
+    assert device_costs(spec, unemulated)[idle] == device_cost(spec.executables[idle], unemulated, spec.binding)
+
+
 def test_passes_that_repeat_run_their_unslept_tails_into_the_next_pass():
     """cycle_stretches: a pass's last segment joins the next pass's first, the cycle's last the
     first; with no communication anywhere the cycle is one stretch."""
@@ -142,16 +226,16 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     was = transposes * 10e-6 + sum(base.kernel_time(k, 0) + 10e-6 for k in adds)
     fixed = transposes * 1e-3 + len(adds) * 2e-4 + 1e-4
     assert after.forward - before.forward == pytest.approx(fixed + 3.0 * roofline - was)
-    # every stretch between collectives runs slower by the fraction for its work: more than the
-    # most work's fraction of the whole, less than the least's
+    # every stretch between collectives runs slower by at most the fraction for its work (less
+    # where the stretch before it, and so its sleep, was shorter): less than the least work's
+    # fraction of the whole; the communication as it was
     work = device_cost(exe, unwoken, spec.binding)
     woken = slower.forward - work.forward
     compute = work.forward - work.forward_comm
-    assert slower.forward_comm == work.forward_comm and 0.1 * compute < woken < 0.5 * compute
+    assert slower.forward_comm == work.forward_comm and 0 < woken < 0.5 * compute
     # with no communication a micro-batch's forward and backward run as one stretch (1F1B: they
     # take turns), opening with the forward's own work (per_pass) and slowed by the curve from
-    # there, shared in proportion: less than the same work cut into stretches by the collectives;
-    # GPipe's forwards run on into each other
+    # there, shared in proportion; GPipe's forwards run on into each other
     alone = device_cost(exe, unwoken, spec.binding, comm=False)
     assert alone.forward == pytest.approx(compute)
     one_stretch = device_cost(exe, scaled, spec.binding, comm=False)
@@ -162,7 +246,6 @@ def test_level2_prices_the_op_kinds_its_op_costs_list_and_the_rest_as_before():
     assert one_stretch.backward - alone.backward == pytest.approx(added * alone.backward / both)
     gpipe = device_cost(exe, scaled, spec.binding, comm=False, alternating=False)
     assert gpipe.forward - alone.forward == pytest.approx(3 * (curve(alone.forward / 3) - curve(1e-4)))
-    assert one_stretch.forward - alone.forward < woken
     assert after.forward_comm == before.forward_comm > 0
     assert simulate_strategy(strategy, priced).iteration == simulate_strategy(strategy, base).iteration
     assert priced.step_work(0, op_priced=True) == 2e-3 and scaled.step_work(0, op_priced=True) == 6e-3

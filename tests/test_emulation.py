@@ -210,6 +210,41 @@ def test_slow_type_waits_its_extra_time_and_the_fast_one_does_not():
     assert 0.0099 <= stalled.compute_wait_s <= 0.25
 
 
+def test_a_timeline_mark_keeps_the_wall_time_the_device_was_idle_until_its_next_work():
+    """RankEmulator.timeline (bench_stretches.py): a mark's seconds are the wall time from it to
+    the next work, its communication's included; of marks in a row, each from its own moment."""
+    from hspmd.runtime.execution.emulation import CHUNK_SLEPT, COMMUNICATED
+
+    clocks = Clocks()
+    device = RankEmulator(0, "slow", 3.0, clocks=clocks.of())
+    device.timeline = []
+    clocks.work(0.001, 0.001)
+    device.computed(where="a")
+    device.settle()
+    clocks.work(0.004, 0.0)  # a communication's 4 ms
+    device.mark()
+    device.settle()
+    clocks.work(0.003, 0.0)  # and the next's 3 ms
+    device.mark()
+    clocks.work(0.002, 0.002)
+    device.computed(where="b")
+    assert [n for n, _ in device.timeline] == ["a", COMMUNICATED, COMMUNICATED, "b"]
+    assert device.timeline[1][1] == pytest.approx(0.007) and device.timeline[2][1] == pytest.approx(0.003)
+    device.chunk_s = 0.001  # the next op's debt passes a chunk: slept, marked, idle until the work after
+    clocks.work(0.002, 0.002)
+    device.computed(where="c")
+    clocks.work(0.0005, 0.0)
+    device.mark()
+    clocks.work(0.001, 0.001)
+    device.computed(where="d")
+    assert [n for n, _ in device.timeline[3:7]] == ["b", "c", CHUNK_SLEPT, "d"]
+    assert device.timeline[5][1] == pytest.approx(0.0005)
+    device.timeline = None  # off: nothing kept, nothing pending
+    device.settle()
+    clocks.work(0.001, 0.001)
+    device.computed(where="e")
+
+
 def test_the_memory_tables_bookkeeping_is_not_the_devices_work():
     """Counting an op's outputs against the memory table takes host CPU time, its clock reads
     included (a thread's CPU clock is a system call: here each read costs 0.1 ms after it

@@ -503,7 +503,8 @@ class CostModel:
         scale = self.cpu_scale(device)
         return compute * (1.0 - 1.0 / scale) if scale > 1 else 0.0
 
-    def woken_work(self, device: "int | str | DeviceType", compute: float, opening: float = 0.0) -> float:
+    def woken_work(self, device: "int | str | DeviceType", compute: float, opening: float = 0.0,
+                   idle: float | None = None) -> float:
         """What the sleeps of an emulated device add to a stretch of `compute` device seconds that
         ends in one, in the device's seconds: the stretch's work x how much slower that much host
         work between two sleeps runs (OpCosts.slower_after). A stretch whose debt (sleep_after)
@@ -513,16 +514,22 @@ class CostModel:
         follows the sleep, and the ops after that opening run on at the curve from there (the
         stretch adds E(h + w) - E(h), E(x) = x slower_after(x), h the opening's host seconds),
         while the opening runs at its price: measured so per kind of stretch
-        (benchmarks/bench_stretches.py; Simulator accuracy in docs/design.md). 0 on a type that
-        does not sleep."""
+        (benchmarks/bench_stretches.py; Simulator accuracy in docs/design.md). `idle`: the wall
+        seconds the device was idle just before the stretch (the sleep of the work before it and
+        the communications since; None: as long as its own debt, as the probe sleeps): the
+        wake-up costs what the curve gives for the work whose sleep is that long, and no more than
+        for the stretch's own work (a stretch after a shorter idle than its own debt, such as
+        1F1B's forward and backward after the short stretch that receives them, runs nearer its
+        ops' prices; measured so). 0 on a type that does not sleep."""
         scale = self.cpu_scale(device)
         if self.op_costs is None or scale <= 1 or compute <= 0:
             return 0.0
         slower = self.op_costs.slower_after
         between = compute * min(1.0, WAIT_CHUNK_S / self.sleep_after(device, compute))  # a chunk's worth at most
-        if opening <= 0 or between < compute:
+        if between < compute:
             return compute * slower(between / scale)
-        head, whole = min(opening, compute) / scale, compute / scale
+        woken = compute if idle is None else min(compute, idle * scale / (scale - 1.0))  # the work whose debt is `idle`
+        head, whole = min(opening, woken) / scale, woken / scale
         return scale * max(0.0, whole * slower(whole) - head * slower(head))
 
     def step_work(self, device: "int | None" = None, op_priced: bool = False) -> float:

@@ -147,40 +147,78 @@ def cycle_stretches(passes: Sequence[Sequence[float]]) -> list[list[tuple[int, i
     return [stretch for stretch in stretches if stretch]
 
 
-def _woken_passes(cost: CostModel, device: int, forward: Sequence[float], backward: Sequence[float],
+WAITING = ("recv", "send+recv", "collective")  # communications that wait for a peer (a send leaves at once)
+
+
+@dataclass(frozen=True)
+class PassSegments:
+    """One pass of a device's program as an emulated device runs it: its work between
+    communications (`work`, device seconds; a pass with k communications has k + 1 segments, the
+    pass's own work at the head of the first) and the wall seconds it is idle in each of those k
+    communications (`idle`: its own time in it, and its share of the wait for later peers)."""
+
+    work: tuple[float, ...]
+    idle: tuple[float, ...]
+
+
+def _idle_before(cost: CostModel, device: int, stretches: Sequence[Sequence[tuple[int, int, float]]], i: int,
+                 passes: Sequence[PassSegments]) -> float | None:
+    """The wall seconds `device` is idle before stretch `i` of a cycle (cycle_stretches of
+    `passes`): the sleep of the last stretch before it that has work and the communications
+    since. None for a cycle of one stretch, which sleeps its own debt."""
+    if len(stretches) < 2:
+        return None
+    idle = 0.0
+    for back in range(1, len(stretches) + 1):
+        before = stretches[i - back]
+        p, j, _ = before[-1]
+        idle += passes[p].idle[j] if j < len(passes[p].idle) else 0.0
+        work = sum(w for _, _, w in before)
+        if work > 0:
+            return cost.sleep_after(device, work) + idle
+    return idle
+
+
+def _woken_passes(cost: CostModel, device: int, forward: PassSegments, backward: PassSegments,
                   alternating: bool) -> tuple[float, float]:
-    """What an emulated device's sleeps add to a micro-batch's forward and backward (each given as
-    its segments of work between communications, a pass's own work at the head of its first):
-    every stretch between sleeps runs its fraction slower (CostModel.woken_work), shared by the
-    passes in proportion to their work in it; a stretch whose first work is a pass's own opens
-    with it (`opening`). `alternating`: a micro-batch's forward and backward take turns (1F1B),
-    so each pass's tail runs on into the other's head; otherwise (GPipe) a pass runs on into the
-    next of its kind."""
+    """What an emulated device's sleeps add to a micro-batch's forward and backward: every
+    stretch between sleeps runs its fraction slower (CostModel.woken_work), shared by the passes
+    in proportion to their work in it; a stretch whose first work is a pass's own opens with it
+    (`opening`), and one after an idle shorter than its own debt wakes as that idle's work does
+    (`idle`, _idle_before). `alternating`: a micro-batch's forward and backward take turns
+    (1F1B), so each pass's tail runs on into the other's head; otherwise (GPipe) a pass runs on
+    into the next of its kind."""
     added = [0.0, 0.0]
     cycles = [((forward, backward), (0, 1))] if alternating else [((forward,), (0,)), ((backward,), (1,))]
     for passes, which in cycles:
-        for stretch in cycle_stretches(passes):
+        stretches = cycle_stretches([p.work for p in passes])
+        for i, stretch in enumerate(stretches):
             work = sum(w for _, _, w in stretch)
             if work > 0:
                 _, first, _ = next(piece for piece in stretch if piece[2] > 0)
-                woken = cost.woken_work(device, work, opening=cost.pass_work(device) if first == 0 else 0.0)
+                woken = cost.woken_work(device, work, opening=cost.pass_work(device) if first == 0 else 0.0,
+                                        idle=_idle_before(cost, device, stretches, i, passes))
                 for p, _, w in stretch:
                     added[which[p]] += woken * w / work
     return added[0], added[1]
 
 
 def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: bool = True,
-                bucket_bytes: float | None = BUCKET_BYTES, alternating: bool = True) -> DeviceCost:
+                bucket_bytes: float | None = BUCKET_BYTES, alternating: bool = True, lag: float = 0.0) -> DeviceCost:
     """Price one device's program (module docstring); comm=False zeroes every communication.
     bucket_bytes: gradient syncs that are one all-reduce of the device's own piece are priced as
     the trainer runs them, joined per group into all-reduces of at most this many bytes (one
     latency per bucket rather than per gradient); None prices each on its own. `alternating`:
     the schedule runs a micro-batch's forward and backward in turns (1F1B; GPipe does not),
-    which decides which work an emulated device runs between two sleeps."""
+    which decides which work an emulated device runs between two sleeps. `lag`: the wall seconds
+    a micro-batch's passes wait for later peers (peer_lags), shared by their communications
+    that wait (WAITING): it lengthens the idle before the work after them, not the step."""
     cluster = cost.cluster
     d = exe.device
     totals = {}
     segments: dict[str, list[float]] = {}
+    idle: dict[str, list[float]] = {}  # per phase, the device's seconds in each communication that cuts it
+    waiting: dict[str, list[bool]] = {}  # and whether it waits for a peer
     kernels = 0
     for phase in ("forward", "backward", "update"):
         compute = comm_time = send = 0.0
@@ -189,7 +227,7 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
         compute += cost.pass_work(d)
         # an emulated device sleeps off its debt before each communication: the phase's work
         # between its communications, in order (what the sleeps add is priced below)
-        stretch, between = compute, []
+        stretch, between, cuts, waits = compute, [], [], []
         bucketed: dict[tuple[int, ...], list[float]] = {}
         for ins in program:
             kernel = op_kernel(exe, ins, binding)
@@ -208,9 +246,7 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                     if d in c.devices:
                         bucketed.setdefault(c.devices, []).append(math.prod(b - a for a, b in c.box) * itemsize)
                 continue
-            if ins.role in COMMUNICATING:
-                between.append(stretch)
-                stretch = 0.0
+            before = comm_time + send
             for step in plan.steps:
                 if ins.is_p2p:
                     own = sum(cluster.seconds(t.src, t.dst, t.elements * itemsize) for t in step.transfers
@@ -218,12 +254,21 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                     send += own
                 else:
                     comm_time += step.traffic(cluster, itemsize).busy.get(d, 0.0)
+            if ins.role in COMMUNICATING:
+                between.append(stretch)
+                cuts.append(comm_time + send - before)
+                waits.append(ins.role in WAITING)
+                stretch = 0.0
         for group, sizes in bucketed.items():  # the update lists them in the order the backward makes them
             buckets = fill_buckets(sizes, bucket_bytes)
             comm_time += sum(cost.collective("all_reduce", sum(sizes[i] for i in bucket), group) for bucket in buckets)
         segments[phase] = between + [stretch]
+        idle[phase], waiting[phase] = cuts, waits
         totals[phase] = [compute + comm_time, comm_time, send]
-    woken_f, woken_b = _woken_passes(cost, d, segments["forward"], segments["backward"], alternating)
+    share = lag / max(1, sum(waiting["forward"]) + sum(waiting["backward"]))
+    forward, backward = (PassSegments(tuple(segments[p]), tuple(t + share * w for t, w in zip(idle[p], waiting[p])))
+                         for p in ("forward", "backward"))
+    woken_f, woken_b = _woken_passes(cost, d, forward, backward, alternating)
     # the update's stretches before its communications; its tail is slept before the step loss (plan_device_run)
     woken_u = sum(cost.woken_work(d, work, opening=cost.pass_work(d) if i == 0 else 0.0)
                   for i, work in enumerate(segments["update"][:-1]))
@@ -234,9 +279,31 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
     return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels, segments["update"][-1], opening)
 
 
+def peer_lags(spec: Specialized, costs: Mapping[int, DeviceCost]) -> dict[int, float]:
+    """Per device, the wall seconds a micro-batch's passes wait for its peers in the pipeline's
+    steady state: the slowest stage's forward and backward less its own (a stage runs at its
+    slowest device's pace, and a pipeline at its slowest stage's). Approximate: the warm-up and
+    cool-down, and when in the step the waits fall, are level 1's (simulate_pipelines)."""
+    lags = {}
+    for layout in spec.pipelines:
+        pace = max(costs[d].forward + costs[d].backward for devices in layout.stages for d in devices)
+        for devices in layout.stages:
+            for d in devices:
+                lags[d] = pace - (costs[d].forward + costs[d].backward)
+    return lags
+
+
 def device_costs(spec: Specialized, cost: CostModel, schedule: str = "1f1b", comm: bool = True) -> dict[int, DeviceCost]:
-    """Every device's DeviceCost under `schedule`."""
-    return {d: device_cost(exe, cost, spec.binding, comm, alternating=schedule != "gpipe") for d, exe in spec.executables.items()}
+    """Every device's DeviceCost under `schedule`: priced once, and again on an emulated type
+    that sleeps with what it waits for its peers (peer_lags) in the idle before its work."""
+    alternating = schedule != "gpipe"
+    costs = {d: device_cost(exe, cost, spec.binding, comm, alternating=alternating) for d, exe in spec.executables.items()}
+    if not comm:
+        return costs
+    lags = peer_lags(spec, costs)
+    return {d: device_cost(exe, cost, spec.binding, comm, alternating=alternating, lag=lags.get(d, 0.0))
+            if lags.get(d, 0.0) > 0 and cost.cpu_scale(d) > 1 and cost.op_costs is not None else costs[d]
+            for d, exe in spec.executables.items()}
 
 
 def device_memories(spec: Specialized) -> dict[int, DeviceMemory]:

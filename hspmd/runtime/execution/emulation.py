@@ -68,7 +68,8 @@ from hspmd.runtime.execution.trace import Tracer
 SWEEP_EVERY = 32  # values counted between liveness sweeps of the memory table
 BETWEEN_PASSES = "(between passes)"  # op_seconds' entry for the work before each pass's first op
 # a timeline's marks (RankEmulator.timeline): where the device settled its debt before communicating,
-# and where it slept a chunk of its debt between two ops
+# and where it slept a chunk of its debt between two ops; a mark's seconds are the wall time from
+# it to the device's next work (its sleep, the communication and the host's work around it)
 COMMUNICATED = "(communicated)"
 CHUNK_SLEPT = "(chunk slept)"
 BOARD_SLOTS = 1024  # stamps per ordered rank pair kept at once (a sender may be this many messages ahead)
@@ -123,6 +124,8 @@ class RankEmulator:
         # a list: each op's and pass start's (name, CPU seconds) in order, with the COMMUNICATED and
         # CHUNK_SLEPT marks between (bench_stretches.py: the work between two sleeps, as level 2 prices it)
         self.timeline: list[tuple[str, float]] | None = None
+        self._open_marks: list[tuple[list, int, float]] = []  # timeline marks awaiting their idle: (timeline, index, wall)
+        self._stretch_wall = 0.0  # when the last stretch _accrue closed began
         self.mark()
 
     # ---- compute ---------------------------------------------------------------------------------
@@ -148,6 +151,7 @@ class RankEmulator:
         """Owe s x the CPU time since the mark less the wall time since it; restart the marks.
         Returns that CPU time (the stretch's)."""
         wall, cpu = self._wall(), self._cpu()
+        self._stretch_wall = self._wall_mark
         stretch = cpu - self._cpu_mark
         if self.slowdown > 1.0 and not self._host:
             self.op_cpu_s += stretch
@@ -166,7 +170,17 @@ class RankEmulator:
         if self.op_seconds is not None:
             self.op_seconds.setdefault(where, []).append(stretch)
         if self.timeline is not None:
+            for timeline, index, wall in self._open_marks:
+                if timeline is self.timeline:
+                    timeline[index] = (timeline[index][0], self._stretch_wall - wall)
+            self._open_marks.clear()
             self.timeline.append((where, stretch))
+
+    def _mark_timeline(self, mark: str) -> None:
+        """Put `mark` on the timeline, where set; its idle seconds are filled in at the next work."""
+        if self.timeline is not None:
+            self._open_marks.append((self.timeline, len(self.timeline), self._wall()))
+            self.timeline.append((mark, 0.0))
 
     def computed(self, outputs: Iterable[object] = (), where: str = "") -> None:
         """After one op: count its outputs against the device's memory (raising DeviceOutOfMemory
@@ -186,9 +200,8 @@ class RankEmulator:
                 self._cpu_mark = self._cpu()
         self._record(where, stretch)
         if self._debt >= self.chunk_s:
+            self._mark_timeline(CHUNK_SLEPT)
             self._sleep(self._debt, "emulated compute")
-            if self.timeline is not None:
-                self.timeline.append((CHUNK_SLEPT, 0.0))
             self.mark()
 
     def settle(self) -> None:
@@ -202,8 +215,7 @@ class RankEmulator:
         measured them, so what the sleeps before communications add is measured apart; its
         messages no longer leave when the emulated device's would."""
         self._accrue()
-        if self.timeline is not None:
-            self.timeline.append((COMMUNICATED, 0.0))
+        self._mark_timeline(COMMUNICATED)
         if self._debt > 0 and self.sleeps_at_communications:
             self._sleep(self._debt, "emulated compute")
         self._debt = max(self._debt, -WAIT_CHUNK_S)
