@@ -16,8 +16,10 @@ On an emulated device type that sleeps (cpu_scale > 1), each phase also pays for
 debt of each stretch of work is slept in chunks and before the communication ending the stretch,
 and the host runs the work between two sleeps slower, by how much the calibration measured for
 that much work (CostModel.woken_work), from the end of a pass's own work where that opens the
-stretch; a pass's work after its last communication runs on into the next pass the schedule
-runs (cycle_stretches).
+stretch, and as the work whose debt the idle before it is where that idle is shorter than its
+own debt (the sleep of the stretch before it, the communications since and the wait for a
+slower stage: _idle_before, peer_lags); a pass's work after its last communication runs on into
+the next pass the schedule runs (cycle_stretches).
 
 Where the op costs have a jitter (a device's work varies from step to step on its own), the
 step is the mean over draws of each device's work slowed by its own factor (simulate_device_run):
@@ -246,7 +248,7 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                     if d in c.devices:
                         bucketed.setdefault(c.devices, []).append(math.prod(b - a for a, b in c.box) * itemsize)
                 continue
-            before = comm_time + send
+            spent = comm_time + send
             for step in plan.steps:
                 if ins.is_p2p:
                     own = sum(cluster.seconds(t.src, t.dst, t.elements * itemsize) for t in step.transfers
@@ -256,7 +258,7 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
                     comm_time += step.traffic(cluster, itemsize).busy.get(d, 0.0)
             if ins.role in COMMUNICATING:
                 between.append(stretch)
-                cuts.append(comm_time + send - before)
+                cuts.append(comm_time + send - spent)
                 waits.append(ins.role in WAITING)
                 stretch = 0.0
         for group, sizes in bucketed.items():  # the update lists them in the order the backward makes them
