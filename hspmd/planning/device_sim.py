@@ -205,22 +205,30 @@ def _woken_passes(cost: CostModel, device: int, forward: PassSegments, backward:
     return added[0], added[1]
 
 
-def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: bool = True,
-                bucket_bytes: float | None = BUCKET_BYTES, alternating: bool = True, lag: float = 0.0) -> DeviceCost:
-    """Price one device's program (module docstring); comm=False zeroes every communication.
-    bucket_bytes: gradient syncs that are one all-reduce of the device's own piece are priced as
-    the trainer runs them, joined per group into all-reduces of at most this many bytes (one
-    latency per bucket rather than per gradient); None prices each on its own. `alternating`:
-    the schedule runs a micro-batch's forward and backward in turns (1F1B; GPipe does not),
-    which decides which work an emulated device runs between two sleeps. `lag`: the wall seconds
-    a micro-batch's passes wait for later peers (peer_lags), shared by their communications
-    that wait (WAITING): it lengthens the idle before the work after them, not the step."""
+@dataclass(frozen=True)
+class ProgramWalk:
+    """One device's program walked once, before what an emulated device's sleeps add: per phase
+    (forward, backward, update) its (seconds with communication, communication, outgoing sends),
+    its work between communications, each cutting communication's seconds and whether it
+    waits for a peer (WAITING); and its kernels."""
+
+    device: int
+    totals: Mapping[str, tuple[float, float, float]]
+    segments: Mapping[str, tuple[float, ...]]
+    comm: Mapping[str, tuple[float, ...]]
+    waiting: Mapping[str, tuple[bool, ...]]
+    kernels: int
+
+
+def walk_program(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: bool = True,
+                 bucket_bytes: float | None = BUCKET_BYTES) -> ProgramWalk:
+    """Price one device's program op by op and its communications from their resolved plans
+    (device_cost's arguments), cutting each phase at the communications an emulated device
+    sleeps before; walked once, priced with its sleeps by walk_cost (device_costs prices a walk
+    twice where a device waits for its peers)."""
     cluster = cost.cluster
     d = exe.device
-    totals = {}
-    segments: dict[str, list[float]] = {}
-    idle: dict[str, list[float]] = {}  # per phase, the device's seconds in each communication that cuts it
-    waiting: dict[str, list[bool]] = {}  # and whether it waits for a peer
+    totals, segments, comms, waiting = {}, {}, {}, {}
     kernels = 0
     for phase in ("forward", "backward", "update"):
         compute = comm_time = send = 0.0
@@ -228,7 +236,7 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
         compute += cost.overhead * sum(1 for ins in program if ins.role in DISPATCHED and ins.role != "compute")
         compute += cost.pass_work(d)
         # an emulated device sleeps off its debt before each communication: the phase's work
-        # between its communications, in order (what the sleeps add is priced below)
+        # between its communications, in order (what the sleeps add is priced by walk_cost)
         stretch, between, cuts, waits = compute, [], [], []
         bucketed: dict[tuple[int, ...], list[float]] = {}
         for ins in program:
@@ -264,21 +272,38 @@ def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: b
         for group, sizes in bucketed.items():  # the update lists them in the order the backward makes them
             buckets = fill_buckets(sizes, bucket_bytes)
             comm_time += sum(cost.collective("all_reduce", sum(sizes[i] for i in bucket), group) for bucket in buckets)
-        segments[phase] = between + [stretch]
-        idle[phase], waiting[phase] = cuts, waits
-        totals[phase] = [compute + comm_time, comm_time, send]
-    share = lag / max(1, sum(waiting["forward"]) + sum(waiting["backward"]))
-    forward, backward = (PassSegments(tuple(segments[p]), tuple(t + share * w for t, w in zip(idle[p], waiting[p])))
+        segments[phase], comms[phase], waiting[phase] = tuple(between + [stretch]), tuple(cuts), tuple(waits)
+        totals[phase] = (compute + comm_time, comm_time, send)
+    return ProgramWalk(d, totals, segments, comms, waiting, kernels)
+
+
+def device_cost(exe: ExecutableGraph, cost: CostModel, binding: Binding, comm: bool = True,
+                bucket_bytes: float | None = BUCKET_BYTES, alternating: bool = True, lag: float = 0.0) -> DeviceCost:
+    """Price one device's program (module docstring); comm=False zeroes every communication.
+    bucket_bytes: gradient syncs that are one all-reduce of the device's own piece are priced as
+    the trainer runs them, joined per group into all-reduces of at most this many bytes (one
+    latency per bucket rather than per gradient); None prices each on its own. `alternating`
+    and `lag`: walk_cost's."""
+    return walk_cost(walk_program(exe, cost, binding, comm, bucket_bytes), cost, alternating, lag)
+
+
+def walk_cost(walk: ProgramWalk, cost: CostModel, alternating: bool = True, lag: float = 0.0) -> DeviceCost:
+    """A walked program's DeviceCost with what an emulated device's sleeps add. `alternating`:
+    the schedule runs a micro-batch's forward and backward in turns (1F1B; GPipe does not),
+    which decides which work an emulated device runs between two sleeps. `lag`: the wall seconds
+    a micro-batch's passes wait for later peers (peer_lags), shared by their communications that
+    wait (WAITING): it lengthens the idle before the work after them, not the step."""
+    d, segments = walk.device, walk.segments
+    share = lag / max(1, sum(walk.waiting["forward"]) + sum(walk.waiting["backward"]))
+    forward, backward = (PassSegments(segments[p], tuple(t + share * w for t, w in zip(walk.comm[p], walk.waiting[p])))
                          for p in ("forward", "backward"))
     woken_f, woken_b = _woken_passes(cost, d, forward, backward, alternating)
     # the update's stretches before its communications; its tail is slept before the step loss (plan_device_run)
     woken_u = sum(cost.woken_work(d, work, opening=cost.pass_work(d) if i == 0 else 0.0)
                   for i, work in enumerate(segments["update"][:-1]))
-    for phase, woken in (("forward", woken_f), ("backward", woken_b), ("update", woken_u)):
-        totals[phase][0] += woken
-    (f, fc, fs), (b, bc, bs), (u, uc, _) = totals["forward"], totals["backward"], totals["update"]
+    (f, fc, fs), (b, bc, bs), (u, uc, _) = walk.totals["forward"], walk.totals["backward"], walk.totals["update"]
     opening = cost.pass_work(d) if len(segments["update"]) == 1 else 0.0
-    return DeviceCost(f, b, fc, bc, u, uc, fs, bs, kernels, segments["update"][-1], opening)
+    return DeviceCost(f + woken_f, b + woken_b, fc, bc, u + woken_u, uc, fs, bs, walk.kernels, segments["update"][-1], opening)
 
 
 def peer_lags(spec: Specialized, costs: Mapping[int, DeviceCost]) -> dict[int, float]:
@@ -299,13 +324,14 @@ def device_costs(spec: Specialized, cost: CostModel, schedule: str = "1f1b", com
     """Every device's DeviceCost under `schedule`: priced once, and again on an emulated type
     that sleeps with what it waits for its peers (peer_lags) in the idle before its work."""
     alternating = schedule != "gpipe"
-    costs = {d: device_cost(exe, cost, spec.binding, comm, alternating=alternating) for d, exe in spec.executables.items()}
+    walks = {d: walk_program(exe, cost, spec.binding, comm) for d, exe in spec.executables.items()}
+    costs = {d: walk_cost(walk, cost, alternating) for d, walk in walks.items()}
     if not comm:
         return costs
     lags = peer_lags(spec, costs)
-    return {d: device_cost(exe, cost, spec.binding, comm, alternating=alternating, lag=lags.get(d, 0.0))
+    return {d: walk_cost(walk, cost, alternating, lags.get(d, 0.0))
             if lags.get(d, 0.0) > 0 and cost.cpu_scale(d) > 1 and cost.op_costs is not None else costs[d]
-            for d, exe in spec.executables.items()}
+            for d, walk in walks.items()}
 
 
 def device_memories(spec: Specialized) -> dict[int, DeviceMemory]:
