@@ -282,9 +282,9 @@ def test_an_elastic_job_kills_a_frozen_rank_and_goes_on(tmp_path):
 
 
 def test_a_rank_killed_by_a_signal_without_a_name_is_described_by_number():
-    from hspmd.runtime.processes.launcher import _describe
-    assert _describe(-40) == "signal 40"
-    assert _describe(-9) == "signal SIGKILL"
+    from hspmd.runtime.processes.rank_watch import describe_exit
+    assert describe_exit(-40) == "signal 40"
+    assert describe_exit(-9) == "signal SIGKILL"
 
 
 def test_stopping_a_group_stops_what_its_leader_started_even_one_that_ignores_sigterm():
