@@ -13,7 +13,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from dataclasses import dataclass
+from typing import IO, Mapping, Sequence
 
 from hspmd.runtime.processes.affinity import CPUS_ENV
 from hspmd.runtime.processes.authority import exit_key
@@ -24,13 +25,20 @@ _TAIL_LINES = 25
 _NODES_POLL_S = 0.25
 
 
+@dataclass(frozen=True)
 class RankPlace:
-    """What every rank of this node is told: the job's shape and store, this node, the backend."""
+    """What every rank of this node is told: the job's shape and store, this node, the backend;
+    `device_types`: each local rank's device type ("" without a cluster); `extra`: more
+    environment variables for every rank."""
 
-    def __init__(self, role: NodeRole, port: int, secret: str, backend: str, elastic: bool, heartbeat: float,
-                 device_types: tuple[str, ...], extra: dict[str, str]):
-        self.role, self.port, self.secret, self.backend = role, port, secret, backend
-        self.elastic, self.heartbeat, self.device_types, self.extra = elastic, heartbeat, device_types, extra
+    role: NodeRole
+    port: int
+    secret: str
+    backend: str
+    elastic: bool
+    heartbeat: float
+    device_types: tuple[str, ...]
+    extra: Mapping[str, str]
 
 
 class RankProcess:
